@@ -1,0 +1,232 @@
+"""Options: one table, one place for names, defaults, checks and documentation.
+
+Every option can be given, in this order of precedence:
+
+1. as an argument (``Monitor(run_id="r1")``, ``--run-id r1`` on the command line);
+2. as an environment variable ``PROFSTREAM_<NAME>`` (``PROFSTREAM_RUN_ID=r1``);
+3. in the JSON object of ``PROFSTREAM_OPTIONS`` (``{"run_id": "r1"}``);
+4. else its default.
+
+A bad value raises ``ConfigError`` whose message is one line naming the option, where it
+came from and what is expected.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A bad option value; the message is one line that says what to fix."""
+
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:=+@-]{0,127}$")
+
+
+def check_name(value: str, what: str = "name") -> str:
+    """Validate a user-given name (run id, host, queue name...) that later becomes a file
+    name, a Kafka key and a metric label: 1-128 characters of letters, digits and
+    ``. _ : = + @ -``, starting with a letter or digit (so no path separators, no ``..``,
+    no control characters)."""
+    if not isinstance(value, str) or not _NAME_RE.match(value):
+        raise ConfigError(
+            f"invalid {what} {value!r}: use 1-128 letters, digits or . _ : = + @ - "
+            "(starting with a letter or digit; no '/', spaces or control characters)"
+        )
+    return value
+
+
+def _parse_bool(v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    s = str(v).strip().lower()
+    if s in ("1", "true", "yes", "on"):
+        return True
+    if s in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected true or false")
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3,
+               "kib": 1024, "mib": 1024**2, "gib": 1024**3, "k": 1024, "m": 1024**2, "g": 1024**3}
+
+
+def _parse_size(v: Any) -> int:
+    if isinstance(v, int) and not isinstance(v, bool):
+        return v
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(v))
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError("expected a size such as 67108864, 64MiB or 500MB")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
+def _parse_int(v: Any) -> int:
+    if isinstance(v, bool):
+        raise ValueError("expected an integer")
+    if isinstance(v, int):
+        return v
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    return int(str(v).strip())
+
+
+def _parse_float(v: Any) -> float:
+    if isinstance(v, bool):
+        raise ValueError("expected a number")
+    return float(v)
+
+
+PARSERS: dict[str, Callable[[Any], Any]] = {
+    "str": str, "int": _parse_int, "float": _parse_float, "bool": _parse_bool, "size": _parse_size,
+}
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str
+    kind: str  # key of PARSERS
+    default: Any  # a value, or a zero-argument callable giving one
+    doc: str
+    check: Callable[[Any], bool] | None = None
+    expect: str = ""  # what check wants, for the error message
+    optional: bool = False  # None is a valid value
+
+    @property
+    def env(self) -> str:
+        return "PROFSTREAM_" + self.name.upper()
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+def _default_rank() -> int:
+    for var in ("RANK", "RANK_ID", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+def _default_run_id() -> str:
+    host = re.sub(r"[^A-Za-z0-9.-]", "-", socket.gethostname())[:40] or "host"
+    return f"run-{host}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+
+
+def _positive(v) -> bool:
+    return v > 0
+
+
+def _non_negative(v) -> bool:
+    return v >= 0
+
+
+COMPRESSIONS = ("lz4", "gzip", "zstd", "snappy", "none")
+
+# Options of the device-side Monitor (and of `profstream simulate`, which drives Monitors).
+MONITOR_OPTIONS: tuple[Option, ...] = (
+    Option("bootstrap", "str", "127.0.0.1:9092", "Kafka bootstrap servers, host:port[,host:port...]",
+           lambda v: all(re.fullmatch(r"[\w.\-\[\]:]+:\d{1,5}", p.strip()) for p in v.split(",")),
+           "host:port[,host:port]"),
+    Option("run_id", "str", _default_run_id, "run identifier, shared by all ranks of one run",
+           lambda v: bool(_NAME_RE.match(v)), "1-128 letters, digits or . _ : = + @ - (no '/')"),
+    Option("rank", "int", _default_rank, "rank of this process (default: $RANK, $RANK_ID or 0)",
+           _non_negative, "an integer >= 0"),
+    Option("host", "str", socket.gethostname, "host name reported with every batch",
+           lambda v: bool(_NAME_RE.match(v)), "1-128 letters, digits or . _ : = + @ -"),
+    Option("device", "str", "cpu", "device of this rank, e.g. cuda:0, npu:3, cpu",
+           lambda v: bool(_NAME_RE.match(v)), "a device name such as cuda:0"),
+    Option("topic_prefix", "str", "profstream", "prefix of the topic names (<prefix>.raw ...)",
+           lambda v: bool(re.fullmatch(r"[A-Za-z0-9._-]{1,100}", v)), "1-100 letters, digits or . _ -"),
+    Option("batch_max_ops", "int", 8192, "most op events in one batch message",
+           lambda v: 1 <= v <= 20000, "1..20000 (a batch must stay under Kafka's 1 MB message limit)"),
+    Option("batch_interval_ms", "float", 50.0, "longest time an event waits before its batch is sent",
+           lambda v: 1 <= v <= 60000, "1..60000"),
+    Option("buffer_bytes", "size", 64 * 1024**2,
+           "memory bound of events waiting to be sent; when full, ops are dropped first and counted",
+           lambda v: v >= 1024**2, "at least 1MiB"),
+    Option("start_step", "int", None, "first step whose ops are captured (inclusive)", _non_negative,
+           "an integer >= 0", optional=True),
+    Option("stop_step", "int", None, "last step whose ops are captured (inclusive)", _non_negative,
+           "an integer >= 0", optional=True),
+    Option("every_n_steps", "int", None, "capture ops only on every n-th step from start_step",
+           _positive, "an integer >= 1", optional=True),
+    Option("compression", "str", "lz4", "Kafka compression codec", lambda v: v in COMPRESSIONS,
+           "one of " + ", ".join(COMPRESSIONS)),
+    Option("host_sample_interval_s", "float", 1.0, "seconds between host CPU/RSS samples (0: off)",
+           _non_negative, "a number >= 0"),
+    Option("auto_watermark", "bool", True,
+           "advance the watermark at each step end (turn off when ops of a step arrive after it ends)"),
+    Option("connect_timeout_s", "float", 10.0, "how long a broker may stay silent before one warning is logged",
+           _positive, "a number > 0"),
+    Option("enabled", "bool", True, "false turns every Monitor call into a no-op"),
+)
+
+
+def _env_options(environ: Mapping[str, str]) -> dict:
+    raw = environ.get("PROFSTREAM_OPTIONS")
+    if not raw:
+        return {}
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"PROFSTREAM_OPTIONS is not valid JSON ({e.msg} at char {e.pos}): give a JSON object") from None
+    if not isinstance(data, dict):
+        raise ConfigError("PROFSTREAM_OPTIONS must be a JSON object such as {\"run_id\": \"r1\"}")
+    return data
+
+
+def resolve(table: tuple[Option, ...], args: Mapping[str, Any] | None = None,
+            environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Options of ``table`` from arguments, PROFSTREAM_* variables, PROFSTREAM_OPTIONS, defaults.
+
+    Arguments whose value is None count as not given."""
+    environ = os.environ if environ is None else environ
+    args = {k: v for k, v in (args or {}).items() if v is not None}
+    known = {o.name: o for o in table}
+    for name in args:
+        if name not in known:
+            raise ConfigError(f"unknown option {name!r}; known options: {', '.join(known)}")
+    from_json = _env_options(environ)
+    for name in from_json:
+        if name not in known:
+            raise ConfigError(f"unknown option {name!r} in PROFSTREAM_OPTIONS; known options: {', '.join(known)}")
+    out = {}
+    for opt in table:
+        if opt.name in args:
+            value, source = args[opt.name], f"option {opt.flag}"
+        elif opt.env in environ:
+            value, source = environ[opt.env], opt.env
+        elif opt.name in from_json:
+            value, source = from_json[opt.name], f"PROFSTREAM_OPTIONS[{opt.name!r}]"
+        else:
+            value = opt.default() if callable(opt.default) else opt.default
+            source = f"default of {opt.name}"
+        if value is None or (opt.optional and value == ""):
+            if not opt.optional:
+                raise ConfigError(f"{source} needs a value")
+            out[opt.name] = None
+            continue
+        try:
+            value = PARSERS[opt.kind](value)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{source}={value!r}: {e if str(e).startswith('expected') else 'expected ' + opt.kind}") from None
+        if opt.check is not None and not opt.check(value):
+            raise ConfigError(f"{source}={value!r}: expected {opt.expect}")
+        out[opt.name] = value
+    return out
+
+
+def describe(table: tuple[Option, ...]) -> str:
+    """The options table as text (used in docs and --help)."""
+    rows = []
+    for o in table:
+        default = "(computed)" if callable(o.default) else repr(o.default)
+        rows.append(f"{o.name:24} {o.env:34} default {default}: {o.doc}")
+    return "\n".join(rows)

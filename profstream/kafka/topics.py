@@ -1,0 +1,156 @@
+"""Names of the profstream topics and their creation on a broker."""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+
+BASE_TOPICS = ("raw", "steps", "run", "alerts", "dlq")
+DEFAULT_PREFIX = "profstream"
+MAX_PREFIX_LEN = 100
+
+_PREFIX_RE = re.compile(r"[A-Za-z0-9._-]+")
+_TOPIC_ALREADY_EXISTS = 36
+
+
+def validate_prefix(prefix: str) -> str:
+    """Return ``prefix`` if usable in Kafka topic names, else raise a one-line ValueError."""
+    if not isinstance(prefix, str) or not prefix:
+        raise ValueError("topic prefix is empty: pass a name such as 'profstream'")
+    if len(prefix) > MAX_PREFIX_LEN:
+        raise ValueError(
+            f"topic prefix is {len(prefix)} characters long: use at most {MAX_PREFIX_LEN}"
+        )
+    if not _PREFIX_RE.fullmatch(prefix):
+        bad = sorted({c for c in prefix if not _PREFIX_RE.fullmatch(c)})
+        raise ValueError(
+            f"topic prefix {prefix!r} contains {''.join(bad)!r}: use only letters, digits, "
+            "'.', '_' and '-'"
+        )
+    return prefix
+
+
+@dataclass(frozen=True)
+class Topics:
+    """The five topics of one profstream deployment: ``<prefix>.raw`` etc."""
+
+    prefix: str = DEFAULT_PREFIX
+
+    def _name(self, base: str) -> str:
+        return f"{self.prefix}.{base}"
+
+    @property
+    def raw(self) -> str:
+        return self._name("raw")
+
+    @property
+    def steps(self) -> str:
+        return self._name("steps")
+
+    @property
+    def run(self) -> str:
+        return self._name("run")
+
+    @property
+    def alerts(self) -> str:
+        return self._name("alerts")
+
+    @property
+    def dlq(self) -> str:
+        return self._name("dlq")
+
+    def all(self) -> list[str]:
+        return [self._name(base) for base in BASE_TOPICS]
+
+
+def _admin(bootstrap: str, timeout: float):
+    from kafka import KafkaAdminClient
+
+    ms = max(1000, int(timeout * 1000))
+    return KafkaAdminClient(
+        bootstrap_servers=bootstrap,
+        client_id="profstream-admin",
+        request_timeout_ms=min(ms, 30000),
+        bootstrap_timeout_ms=ms,
+    )
+
+
+def ensure_topics(
+    bootstrap: str,
+    topics: Topics,
+    raw_partitions: int = 12,
+    partitions: int = 3,
+    timeout: float = 30.0,
+) -> list[str]:
+    """Create the topics of ``topics`` that do not exist yet (replication factor 1).
+
+    ``raw`` gets ``raw_partitions`` partitions, the others ``partitions``. Existing topics
+    are left alone (even with another partition count); a concurrent creation of the same
+    topic is fine. Waits until every topic has a leader for each partition. Returns the
+    names this call created.
+    """
+    from kafka.errors import KafkaError, KafkaTimeoutError
+
+    from profstream.kafka.launcher import StackError, wait_for_broker
+
+    validate_prefix(topics.prefix)
+    if raw_partitions < 1 or partitions < 1:
+        raise ValueError("partition counts must be >= 1")
+    deadline = time.monotonic() + timeout
+    wait_for_broker(bootstrap, timeout)
+
+    def remaining_ms() -> int:
+        return max(1000, int((deadline - time.monotonic()) * 1000))
+
+    wanted = {name: (raw_partitions if name == topics.raw else partitions) for name in topics.all()}
+    created: list[str] = []
+    try:
+        with _admin(bootstrap, max(1.0, deadline - time.monotonic())) as admin:
+            existing = set(admin.list_topics())
+            missing = {n: p for n, p in wanted.items() if n not in existing}
+            if missing:
+                result = admin.create_topics(
+                    {n: {"num_partitions": p, "replication_factor": 1} for n, p in missing.items()},
+                    timeout_ms=min(remaining_ms(), 30000),
+                    raise_errors=False,
+                )
+                failures = []
+                for t in result["topics"]:
+                    code = t.get("error_code", 0)
+                    if code == 0:
+                        created.append(t["name"])
+                    elif code != _TOPIC_ALREADY_EXISTS:
+                        msg = t.get("error_message") or f"error code {code}"
+                        failures.append(f"{t['name']}: {msg}")
+                if failures:
+                    raise StackError(
+                        f"could not create topics on {bootstrap} ({'; '.join(failures)}): "
+                        "check the broker log"
+                    )
+            admin.wait_for_topics(list(wanted), timeout_ms=remaining_ms())
+    except KafkaTimeoutError as exc:
+        raise StackError(
+            f"topics on {bootstrap} not ready within {timeout:g} s ({exc}): check the "
+            "broker log / retry with a larger timeout"
+        ) from exc
+    except KafkaError as exc:
+        raise StackError(
+            f"creating topics on {bootstrap} failed ({type(exc).__name__}: {exc}): "
+            "check the broker log"
+        ) from exc
+    order = {n: i for i, n in enumerate(wanted)}
+    return sorted(created, key=order.__getitem__)
+
+
+def delete_topics(bootstrap: str, topics: Topics, timeout: float = 30.0) -> list[str]:
+    """Delete the topics of ``topics`` that exist; returns the names deleted."""
+    validate_prefix(topics.prefix)
+    with _admin(bootstrap, timeout) as admin:
+        existing = set(admin.list_topics())
+        names = [n for n in topics.all() if n in existing]
+        if names:
+            admin.delete_topics(
+                names, timeout_ms=max(1000, int(timeout * 1000)), raise_errors=False
+            )
+    return names

@@ -1,0 +1,211 @@
+"""Per-rank state: gathers each step's events from any number of batches and closes steps.
+
+A step closes as soon as its end mark has arrived and the producer's watermark
+(``complete_through_step``) has reached it; a producer that never sends a watermark gets
+a grace period after the mark instead. Steps close in order. Events that arrive for a
+step already closed are counted as late and never folded in; events of a step that never
+got its mark are discarded (and counted) when a later step closes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from profstream.processors.model import StepEvents
+from profstream.schema.batch import EventBatch
+
+_OP_COLS = ("kind", "type", "stream", "start_ns", "dur_ns")
+_MEM_COLS = ("ts_ns", "allocated", "reserved", "peak")
+_QUEUE_COLS = ("queue", "ts_ns", "size")
+
+
+@dataclass
+class _OpenStep:
+    mark: tuple[int, int, int, int] | None = None  # S, E, F, B
+    mark_seen_at: float = 0.0
+    ops: list[dict] = field(default_factory=list)
+    memory: list[dict] = field(default_factory=list)
+    queues: list[dict] = field(default_factory=list)
+    events: int = 0
+
+
+def _by_step(steps: np.ndarray, columns: dict[str, np.ndarray]):
+    """Yield (step, columns of that step) for a section of a batch."""
+    if len(steps) == 0:
+        return
+    first = steps[0]
+    if (steps == first).all():  # the common case: a batch within one step
+        yield int(first), columns
+        return
+    order = np.argsort(steps, kind="stable")
+    sorted_steps = steps[order]
+    uniq, starts = np.unique(sorted_steps, return_index=True)
+    bounds = list(starts[1:]) + [len(order)]
+    for step, lo, hi in zip(uniq, starts, bounds):
+        idx = order[lo:hi]
+        yield int(step), {k: v[idx] for k, v in columns.items()}
+
+
+def _concat(parts: list[dict], names: tuple[str, ...], dtypes: dict) -> dict[str, np.ndarray]:
+    if not parts:
+        return {n: np.empty(0, dtypes[n]) for n in names}
+    if len(parts) == 1:
+        return parts[0]
+    return {n: np.concatenate([p[n] for p in parts]) for n in names}
+
+
+_DTYPES = {"kind": np.uint8, "type": np.int32, "stream": np.int32, "start_ns": np.int64, "dur_ns": np.int64,
+           "ts_ns": np.int64, "allocated": np.int64, "reserved": np.int64, "peak": np.int64,
+           "queue": np.int32, "size": np.int64}
+
+
+class RankAssembler:
+    """Open steps and health counters of one (run, rank)."""
+
+    def __init__(self, run_id: str, rank: int, grace_s: float = 2.0) -> None:
+        self.run_id = run_id
+        self.rank = rank
+        self.grace_s = grace_s
+        self.host = ""
+        self.device = ""
+        self.open: dict[int, _OpenStep] = {}
+        self.floor = None  # every step < floor is closed
+        self.watermark: int | None = None
+        self.last_seen = 0.0
+        self.next_seq: dict[str, int] = {}
+        self.type_names: list[str] = []
+        self._type_codes: dict[str, int] = {}
+        self.queue_names: list[str] = []
+        self._queue_codes: dict[str, int] = {}
+        # health counters (totals)
+        self.late_events = 0
+        self.orphan_events = 0
+        self.lost_batches = 0
+        self.duplicate_batches = 0
+        self.dropped_ops = 0
+        self.dropped_samples = 0
+        self.events = 0
+
+    # -- input ------------------------------------------------------------------------
+
+    def add(self, batch: EventBatch, now: float) -> bool:
+        """Fold a batch in. Returns False if it was a duplicate (already seen seq)."""
+        expected = self.next_seq.get(batch.producer_id)
+        if expected is not None:
+            if batch.seq < expected:
+                self.duplicate_batches += 1
+                return False
+            self.lost_batches += batch.seq - expected
+        self.next_seq[batch.producer_id] = batch.seq + 1
+        self.last_seen = now
+        self.host, self.device = batch.host, batch.device
+        self.dropped_ops += batch.dropped_ops
+        self.dropped_samples += batch.dropped_samples
+        if batch.complete_through_step is not None:
+            wm = batch.complete_through_step
+            self.watermark = wm if self.watermark is None else max(self.watermark, wm)
+
+        ops = batch.ops
+        if len(ops["step"]):
+            remap = np.array([self._code(self._type_codes, self.type_names, t) for t in batch.op_types],
+                             dtype=np.int32)
+            cols = {"kind": ops["kind"], "type": remap[ops["type_idx"]], "stream": ops["stream"],
+                    "start_ns": ops["start_ns"], "dur_ns": ops["dur_ns"]}
+            for step, part in _by_step(ops["step"], cols):
+                self._bucket(step, "ops", part, len(part["kind"]))
+        mem = batch.memory
+        if len(mem["step"]):
+            cols = {"ts_ns": mem["ts_ns"], "allocated": mem["allocated"], "reserved": mem["reserved"],
+                    "peak": mem["peak"]}
+            for step, part in _by_step(mem["step"], cols):
+                self._bucket(step, "memory", part, len(part["ts_ns"]))
+        q = batch.queues
+        if len(q["step"]):
+            remap = np.array([self._code(self._queue_codes, self.queue_names, n) for n in batch.queue_names],
+                             dtype=np.int32)
+            cols = {"queue": remap[q["name_idx"]], "ts_ns": q["ts_ns"], "size": q["size"]}
+            for step, part in _by_step(q["step"], cols):
+                self._bucket(step, "queues", part, len(part["ts_ns"]))
+        st = batch.steps
+        for i in range(len(st["step"])):
+            step = int(st["step"][i])
+            if self._closed(step):
+                self.late_events += 1
+                continue
+            entry = self.open.setdefault(step, _OpenStep())
+            entry.mark = (int(st["start_ns"][i]), int(st["end_ns"][i]),
+                          int(st["fp_start_ns"][i]), int(st["bp_end_ns"][i]))
+            entry.mark_seen_at = now
+            self.events += 1
+        return True
+
+    @staticmethod
+    def _code(codes: dict[str, int], names: list[str], name: str) -> int:
+        code = codes.get(name)
+        if code is None:
+            code = codes[name] = len(names)
+            names.append(name)
+        return code
+
+    def _closed(self, step: int) -> bool:
+        return self.floor is not None and step < self.floor
+
+    def _bucket(self, step: int, section: str, part: dict, n: int) -> None:
+        self.events += n
+        if self._closed(step):
+            self.late_events += n
+            return
+        entry = self.open.setdefault(step, _OpenStep())
+        getattr(entry, section).append(part)
+        entry.events += n
+
+    # -- closing ----------------------------------------------------------------------
+
+    def close_ready(self, now: float) -> list[tuple[StepEvents, str]]:
+        """Steps that may close now, in order, with the reason ("watermark" or "grace")."""
+        out = []
+        for step in sorted(s for s, e in self.open.items() if e.mark is not None):
+            entry = self.open[step]
+            if self.watermark is not None:
+                if self.watermark < step:
+                    break
+                reason = "watermark"
+            elif now - entry.mark_seen_at >= self.grace_s:
+                reason = "grace"
+            else:
+                break
+            out.append((self._close(step), reason))
+        return out
+
+    def close_all(self) -> list[StepEvents]:
+        """Close every step that has its mark (idle run); discard the rest."""
+        steps = sorted(s for s, e in self.open.items() if e.mark is not None)
+        closed = [self._close(s) for s in steps]
+        self.orphan_events += sum(e.events for e in self.open.values())
+        self.open.clear()
+        return closed
+
+    def _close(self, step: int) -> StepEvents:
+        entry = self.open.pop(step)
+        for s in [s for s in self.open if s < step]:  # events of steps that never got a mark
+            self.orphan_events += self.open.pop(s).events
+        self.floor = step + 1
+        S, E, F, B = entry.mark
+        ops = _concat(entry.ops, _OP_COLS, _DTYPES)
+        mem = _concat(entry.memory, _MEM_COLS, _DTYPES)
+        q = _concat(entry.queues, _QUEUE_COLS, _DTYPES)
+        return StepEvents(
+            run_id=self.run_id, rank=self.rank, step=step, start_ns=S, end_ns=E,
+            fp_start_ns=F, bp_end_ns=B, host=self.host, device=self.device,
+            op_kind=ops["kind"], op_type=ops["type"], op_stream=ops["stream"],
+            op_start_ns=ops["start_ns"], op_dur_ns=ops["dur_ns"], type_names=self.type_names,
+            mem_ts_ns=mem["ts_ns"], mem_allocated=mem["allocated"], mem_reserved=mem["reserved"],
+            mem_peak=mem["peak"], queue=q["queue"], queue_ts_ns=q["ts_ns"], queue_size=q["size"],
+            queue_names=self.queue_names,
+        )
+
+    @property
+    def open_events(self) -> int:
+        return sum(e.events for e in self.open.values())

@@ -1,0 +1,67 @@
+"""Facade: every figure of one closed step, as a StepMetrics record.
+
+Each figure family lives in its own module; this one only calls them in order and keeps
+the per-rank state they need between steps (rolling window, stall detector).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from profstream.processors.memory import memory_figures
+from profstream.processors.model import StepEvents
+from profstream.processors.optypes import op_type_costs
+from profstream.processors.queues import queue_figures
+from profstream.processors.rolling import RollingWindow
+from profstream.processors.stalls import StallDetector, is_starved
+from profstream.processors.steptrace import step_trace
+from profstream.processors.utilization import utilization
+
+
+@dataclass(frozen=True)
+class FigureOptions:
+    top_k: int = 10
+    stall_ratio: float = 0.3
+    stall_steps: int = 5
+    rolling_steps: int = 100
+
+
+@dataclass
+class RankFigures:
+    """Figure state carried from step to step for one (run, rank)."""
+
+    options: FigureOptions
+    rolling: RollingWindow = field(init=False)
+    stall: StallDetector = field(init=False)
+    starved_steps: int = 0
+
+    def __post_init__(self) -> None:
+        self.rolling = RollingWindow(self.options.rolling_steps)
+        self.stall = StallDetector(self.options.stall_steps)
+
+    def step_metrics(self, ev: StepEvents, closed_by: str, late_events: int) -> tuple[dict, str | None]:
+        """(StepMetrics record, stall alert transition or None) of a closed step."""
+        opts = self.options
+        trace = step_trace(ev)
+        util = utilization(ev)
+        queues = queue_figures(ev)
+        starved = is_starved(trace, queues, opts.stall_ratio)
+        self.starved_steps += starved
+        transition = self.stall.update(ev.step, starved)
+        self.rolling.add(trace["step_time_ns"], trace["data_wait_ns"], util["utilization"])
+        record = {
+            "run_id": ev.run_id, "rank": ev.rank, "host": ev.host, "device": ev.device,
+            "step": ev.step, "start_ns": ev.start_ns, "end_ns": ev.end_ns,
+            **trace, **util,
+            "op_count": len(ev.op_kind),
+            "op_types": op_type_costs(ev, opts.top_k),
+            "memory": memory_figures(ev),
+            "queues": queues,
+            "starved": bool(starved),
+            "rolling": self.rolling.figures(),
+            "closed_by": closed_by,
+            "late_events": late_events,
+            "closed_ns": time.time_ns(),
+        }
+        return record, transition

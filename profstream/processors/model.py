@@ -1,0 +1,65 @@
+"""The in-memory model every figure module reads: the events of one closed step.
+
+The runtime gathers a step's events from any number of batches into one ``StepEvents``
+(arrays, not records). Figure modules are pure functions of it and know nothing of Kafka.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from profstream.schema.batch import NO_VALUE
+
+_I64 = np.int64
+
+
+def _empty(dtype=_I64) -> np.ndarray:
+    return np.empty(0, dtype)
+
+
+@dataclass
+class StepEvents:
+    run_id: str
+    rank: int
+    step: int
+    start_ns: int  # S
+    end_ns: int  # E
+    fp_start_ns: int = NO_VALUE  # F mark when the producer has one
+    bp_end_ns: int = NO_VALUE  # B mark when the producer has one
+    host: str = ""
+    device: str = ""
+    # ops: parallel arrays; op_type holds codes into type_names
+    op_kind: np.ndarray = field(default_factory=lambda: _empty(np.uint8))
+    op_type: np.ndarray = field(default_factory=lambda: _empty(np.int32))
+    op_stream: np.ndarray = field(default_factory=lambda: _empty(np.int32))
+    op_start_ns: np.ndarray = field(default_factory=_empty)
+    op_dur_ns: np.ndarray = field(default_factory=_empty)
+    type_names: list[str] = field(default_factory=list)
+    # memory samples
+    mem_ts_ns: np.ndarray = field(default_factory=_empty)
+    mem_allocated: np.ndarray = field(default_factory=_empty)
+    mem_reserved: np.ndarray = field(default_factory=_empty)
+    mem_peak: np.ndarray = field(default_factory=_empty)
+    # queue samples; queue codes into queue_names
+    queue: np.ndarray = field(default_factory=lambda: _empty(np.int32))
+    queue_ts_ns: np.ndarray = field(default_factory=_empty)
+    queue_size: np.ndarray = field(default_factory=_empty)
+    queue_names: list[str] = field(default_factory=list)
+
+    @property
+    def step_time_ns(self) -> int:
+        return self.end_ns - self.start_ns
+
+    def clipped_ops(self, kind: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(start, end) of ops (of ``kind``) clipped to [S, E]; ops outside are left out."""
+        start = self.op_start_ns
+        end = start + self.op_dur_ns
+        if kind is not None:
+            sel = self.op_kind == kind
+            start, end = start[sel], end[sel]
+        start = np.maximum(start, self.start_ns)
+        end = np.minimum(end, self.end_ns)
+        keep = end > start
+        return start[keep], end[keep]

@@ -1,0 +1,37 @@
+"""Data-queue health of one step, per queue: sizes over the step and at its start."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from profstream.processors.model import StepEvents
+
+
+def queue_figures(ev: StepEvents) -> list[dict[str, int | float | str | None]]:
+    """``[{queue, min, mean, last, at_start, empty_ratio}]``, one per queue, by name.
+
+    min, mean, last and empty_ratio (share of samples at size 0) are over the queue's
+    samples with ts in [S, E]; a queue without such samples is left out. at_start is the
+    size of the last sample at or before S among all the step's samples of that queue
+    (a sample taken at S counts), None when there is none. Samples of equal ts are taken
+    in the order received.
+    """
+    ts, size = ev.queue_ts_ns, ev.queue_size
+    order = np.lexsort((np.arange(len(ts)), ts))  # by time, then as received
+    codes, ts, size = ev.queue[order], ts[order], size[order]
+    inside = (ts >= ev.start_ns) & (ts <= ev.end_ns)
+    figures = []
+    for code in np.unique(codes[inside]):  # a handful of queues, not a loop over samples
+        mine = codes == code
+        sizes = size[mine & inside]
+        before = size[mine & (ts <= ev.start_ns)]
+        figures.append({
+            "queue": ev.queue_names[code],
+            "min": int(sizes.min()),
+            "mean": float(sizes.mean()),
+            "last": int(sizes[-1]),
+            "at_start": int(before[-1]) if len(before) else None,
+            "empty_ratio": float(np.count_nonzero(sizes == 0) / len(sizes)),
+        })
+    figures.sort(key=lambda f: f["queue"])
+    return figures

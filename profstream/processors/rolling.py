@@ -1,0 +1,54 @@
+"""Rolling figures of one rank over its last N steps, in fixed-size ring buffers."""
+
+from __future__ import annotations
+
+import numpy as np
+
+WINDOW_STEPS = 100
+
+
+class RollingWindow:
+    """Step time, data wait and utilization of the last ``n`` steps (bounded memory)."""
+
+    def __init__(self, n: int = WINDOW_STEPS) -> None:
+        if n < 1:
+            raise ValueError("n (window steps) must be >= 1")
+        self.n = n
+        self._step_time = np.zeros(n, np.int64)
+        self._data_wait = np.zeros(n, np.int64)
+        self._utilization = np.zeros(n, np.float64)
+        self._added = 0
+
+    def __len__(self) -> int:
+        return min(self._added, self.n)
+
+    def add(self, step_time_ns: int, data_wait_ns: int, utilization: float) -> None:
+        i = self._added % self.n
+        self._step_time[i] = step_time_ns
+        self._data_wait[i] = data_wait_ns
+        self._utilization[i] = utilization
+        self._added += 1
+
+    def figures(self) -> dict[str, int | float]:
+        """``{window, mean/p50/p95_step_time_ns, data_wait_share, mean_utilization}``.
+
+        window is the number of steps held (<= n). Percentiles use numpy's default
+        linear interpolation between the closest ranks. data_wait_share is
+        sum(data_wait) / sum(step_time). All values are 0 while the window is empty.
+        """
+        count = len(self)
+        if count == 0:
+            return {"window": 0, "mean_step_time_ns": 0.0, "p50_step_time_ns": 0.0,
+                    "p95_step_time_ns": 0.0, "data_wait_share": 0.0, "mean_utilization": 0.0}
+        step_time = self._step_time[:count]
+        p50, p95 = np.percentile(step_time, [50, 95])
+        step_sum = int(step_time.sum())
+        wait_sum = int(self._data_wait[:count].sum())
+        return {
+            "window": count,
+            "mean_step_time_ns": float(step_time.mean()),
+            "p50_step_time_ns": float(p50),
+            "p95_step_time_ns": float(p95),
+            "data_wait_share": wait_sum / step_sum if step_sum > 0 else 0.0,
+            "mean_utilization": float(self._utilization[:count].mean()),
+        }

@@ -1,0 +1,72 @@
+"""Data-queue stalls: is a step starved, and the DataQueueStall alert state per rank.
+
+A step is starved when the device-side data queue was empty at S, or when its data
+wait is at least ``stall_ratio`` of the step time. DataQueueStall fires on the K-th
+consecutive starved step and resolves after K consecutive healthy steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+STALL_RATIO = 0.3
+STALL_STEPS = 5
+
+OK = "ok"
+FIRING = "firing"
+RESOLVED = "resolved"
+
+
+def is_starved(
+    trace: Mapping[str, int],
+    queues: Sequence[Mapping[str, Any]],
+    stall_ratio: float = STALL_RATIO,
+    device_queue: str | None = None,
+) -> bool:
+    """Whether a step was starved of data.
+
+    ``trace`` is the step's ``step_trace`` and ``queues`` its ``queue_figures``. Only the
+    queue named ``device_queue`` counts, any queue when it is None; a queue with no size
+    at S does not count. The data-wait test needs a step time > 0.
+    """
+    for q in queues:
+        if (device_queue is None or q["queue"] == device_queue) and q["at_start"] == 0:
+            return True
+    step_time = trace["step_time_ns"]
+    return step_time > 0 and trace["data_wait_ns"] >= stall_ratio * step_time
+
+
+class StallDetector:
+    """DataQueueStall state of one run/rank, fed every closed step in order."""
+
+    def __init__(self, k: int = STALL_STEPS) -> None:
+        if k < 1:
+            raise ValueError("k (consecutive steps) must be >= 1")
+        self.k = k
+        self._firing = False
+        self._streak = 0  # consecutive starved steps (while ok) or healthy ones (while firing)
+        self._streak_start: int | None = None
+        self.since_step: int | None = None  # first starved step of the firing stall
+
+    @property
+    def state(self) -> Literal["ok", "firing"]:
+        return FIRING if self._firing else OK
+
+    def update(self, step: int, starved: bool) -> Literal["firing", "resolved"] | None:
+        """Feed one step; returns "firing" or "resolved" when the state changes, else None."""
+        if starved != self._firing:  # the step goes against the current state
+            if self._streak == 0:
+                self._streak_start = step
+            self._streak += 1
+        else:
+            self._streak = 0
+        if self._streak < self.k:
+            return None
+        self._streak = 0
+        self._firing = not self._firing
+        if self._firing:
+            self.since_step = self._streak_start
+            return FIRING
+        self.since_step = None
+        return RESOLVED

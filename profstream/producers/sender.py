@@ -1,0 +1,381 @@
+"""The Monitor's background thread: buffer -> columnar EventBatch -> Kafka.
+
+Order matters for the watermark: the sender reads the watermark first, then drains step
+marks, samples and ops. Every event recorded before the watermark moved is then in the
+drained lists, so a batch never claims a step complete while its ops are still buffered.
+
+Seq numbers are given when a batch is built; a batch the broker cannot take yet is kept
+and sent again (same seq), so a gap in seq always means a lost batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import psutil
+
+from profstream.kafka.clients import make_producer
+from profstream.schema.batch import (
+    HOST,
+    I32,
+    I64,
+    KIND_CODES,
+    NO_VALUE,
+    U8,
+    EventBatch,
+    empty_section,
+    encode_batch,
+)
+
+if TYPE_CHECKING:
+    from profstream.producers.monitor import Monitor
+
+log = logging.getLogger("profstream.monitor")
+
+
+def _drain(buf: deque, limit: int | None = None) -> list:
+    n = len(buf) if limit is None else min(limit, len(buf))
+    pop = buf.popleft
+    return [pop() for _ in range(n)]
+
+
+def _dictionary(values) -> tuple[list[str], np.ndarray]:
+    index: dict = {}
+    codes = [index.setdefault(v, len(index)) for v in values]
+    return [str(v) for v in index], np.array(codes, dtype=I32)
+
+
+def op_columns(rows: list[tuple]) -> tuple[list[str], list[str], dict[str, np.ndarray], int]:
+    """Columns of op tuples (name, op_type, kind, stream, step, start_ns, dur_ns).
+
+    Returns (names, op_types, columns, unknown_kinds). Rows with values that are not
+    numbers raise ValueError/TypeError (the caller drops them row by row)."""
+    names, types, kinds, streams, steps, starts, durs = zip(*rows)
+    if None in types:
+        types = [n if t is None else t for n, t in zip(names, types)]
+    name_list, name_idx = _dictionary(names)
+    type_list, type_idx = _dictionary(types)
+    unknown = 0
+    try:
+        kind = np.array(kinds, dtype=U8)
+    except (ValueError, TypeError, OverflowError):
+        codes = [KIND_CODES.get(k, -1) if isinstance(k, str) else k for k in kinds]
+        unknown = codes.count(-1)
+        kind = np.array([HOST if c == -1 else c for c in codes], dtype=U8)
+    cols = {
+        "name_idx": name_idx, "type_idx": type_idx, "kind": kind,
+        "stream": np.array(streams, dtype=I32), "step": np.array(steps, dtype=I64),
+        "start_ns": np.array(starts, dtype=I64), "dur_ns": np.array(durs, dtype=I64),
+    }
+    return name_list, type_list, cols, unknown
+
+
+def _valid_op(row: tuple) -> bool:
+    try:
+        op_columns([row])
+        return True
+    except (ValueError, TypeError, OverflowError):
+        return False
+
+
+def sample_columns(rows: list[tuple], names: tuple[tuple[str, Any], ...]) -> dict[str, np.ndarray]:
+    if not rows:
+        return {c: np.empty(0, d) for c, d in names}
+    cols = zip(*rows)
+    return {c: np.array(v, dtype=d) for (c, d), v in zip(names, cols)}
+
+
+_MARK_COLS = (("step", I64), ("start_ns", I64), ("end_ns", I64), ("fp_start_ns", I64), ("bp_end_ns", I64))
+_MEMORY_COLS = (("ts_ns", I64), ("step", I64), ("allocated", I64), ("reserved", I64), ("peak", I64))
+_QUEUE_COLS = (("ts_ns", I64), ("step", I64), ("size", I64), ("capacity", I64))
+
+
+class Sender(threading.Thread):
+    """Builds and sends the batches of one Monitor."""
+
+    def __init__(self, monitor: Monitor, producer_factory=make_producer) -> None:
+        super().__init__(name=f"profstream-sender-{monitor.run_id}-{monitor.rank}", daemon=True)
+        self.m = monitor
+        opts = monitor.options
+        self._producer_factory = producer_factory
+        self._interval = opts["batch_interval_ms"] / 1000.0
+        self._host_interval = opts["host_sample_interval_s"]
+        self._connect_timeout = opts["connect_timeout_s"]
+        self._producer = None
+        self._seq = 0
+        self._sent_watermark: int | None = None
+        self._reported_dropped_ops = 0
+        self._reported_dropped_samples = 0
+        self._pending: deque[tuple[bytes, int]] = deque()  # built, not yet handed to Kafka
+        self._host_rows: list[tuple] = []
+        self._next_host_sample = 0.0
+        self._process = psutil.Process()
+
+        self._lock = threading.Lock()  # guards the counters updated by Kafka's callbacks
+        self._inflight_bytes = 0
+        self._acked_batches = 0
+        self._failed_batches = 0
+        self._last_latency_ns = NO_VALUE
+        self.batches_sent = 0
+        self.bytes_sent = 0
+        self.unknown_kinds = 0
+        self.bad_ops = 0
+
+        self._stopping = threading.Event()
+        self._flush_requested = 0
+        self._flush_done = 0
+        self._flush_cv = threading.Condition()
+        self._down_since: float | None = None
+        self._warned_down = False
+        self._next_connect = 0.0
+        self._connect_backoff = 0.5
+
+    # -- thread -----------------------------------------------------------------------
+
+    def run(self) -> None:
+        wake = self.m._wake
+        while True:
+            stopping = self._stopping.is_set()
+            with self._flush_cv:
+                flush_target = self._flush_requested
+            try:
+                self._cycle()
+            except Exception:  # a bug here must not end profiling silently
+                log.exception("profstream sender: unexpected error; continuing")
+            if flush_target > self._flush_done and self._producer is not None:
+                if self._buffered():
+                    wake.wait(0.001)  # drained only part (in-flight cap): go again soon
+                    continue
+                self._producer.flush(timeout=self._interval * 4 + 1)
+                with self._flush_cv:
+                    self._flush_done = flush_target
+                    self._flush_cv.notify_all()
+            if stopping:
+                return
+            wake.wait(self._interval)
+            wake.clear()
+
+    def _buffered(self) -> bool:
+        m = self.m
+        return bool(self._pending or m._ops or m._marks or m._memory or m._queues)
+
+    def _cycle(self) -> None:
+        now = time.monotonic()
+        if self._host_interval and now >= self._next_host_sample:
+            self._sample_host()
+            self._next_host_sample = now + self._host_interval
+        if self._producer is None and not self._connect(now):
+            return
+        self._send_pending()
+        while not self._pending and self._inflight() < self.m.inflight_limit_bytes and self._build():
+            self._send_pending()
+
+    # -- connection -------------------------------------------------------------------
+
+    def _connect(self, now: float) -> bool:
+        if now < self._next_connect:
+            return False
+        opts = self.m.options
+        try:
+            self._producer = self._producer_factory(opts["bootstrap"], compression=opts["compression"])
+            from profstream.kafka.topics import ensure_topics
+
+            ensure_topics(opts["bootstrap"], self.m.topics, timeout=self._connect_timeout)
+        except Exception as e:
+            if self._producer is not None:
+                self._producer.close(timeout=0)
+                self._producer = None
+            self._mark_down(now, e)
+            self._next_connect = now + self._connect_backoff
+            self._connect_backoff = min(self._connect_backoff * 2, 30.0)
+            return False
+        self._connect_backoff = 0.5
+        self._mark_up()
+        return True
+
+    def _mark_down(self, now: float, error: BaseException) -> None:
+        if self._down_since is None:
+            self._down_since = now
+        if not self._warned_down:
+            self._warned_down = True
+            log.warning(
+                "profstream: Kafka at %s is not reachable (%s); training continues, events are "
+                "buffered up to %d MiB and then dropped and counted. Check --bootstrap or start a "
+                "broker with `profstream stack up`.",
+                self.m.options["bootstrap"], type(error).__name__, self.m.options["buffer_bytes"] >> 20)
+
+    def _mark_up(self) -> None:
+        if self._warned_down:
+            log.warning("profstream: Kafka at %s reachable again; %d ops dropped so far",
+                        self.m.options["bootstrap"], self.m.dropped_ops)
+        self._down_since = None
+        self._warned_down = False
+
+    # -- batches ----------------------------------------------------------------------
+
+    def _build(self) -> bool:
+        """Drain one batch from the buffers into self._pending. False if nothing to send."""
+        m = self.m
+        watermark = m._watermark  # read first: see the module docstring
+        marks = _drain(m._marks)
+        memory = _drain(m._memory)
+        queues = _drain(m._queues)
+        host = self._host_rows
+        self._host_rows = []
+        more_ops = len(m._ops) > m._batch_max_ops
+        ops = _drain(m._ops, m._batch_max_ops)
+        total_dropped_ops, total_dropped_samples = m.dropped_ops, m.dropped_samples
+        dropped_ops = total_dropped_ops - self._reported_dropped_ops
+        dropped_samples = total_dropped_samples - self._reported_dropped_samples
+        if not (marks or memory or queues or host or ops or dropped_ops or dropped_samples) and (
+            watermark == self._sent_watermark
+        ):
+            return False
+        batch = EventBatch(
+            run_id=m.run_id, rank=m.rank, host=m.options["host"], device=m.options["device"],
+            producer_id=m.producer_id, seq=self._seq, sent_ns=time.time_ns(),
+            buffer_fill_ratio=m.buffer_fill_ratio, send_latency_ns=self._last_latency_ns,
+        )
+        if ops:
+            dropped_ops += self._fill_ops(batch, ops)
+        # Ops beyond this batch stay buffered: the watermark waits for the last of them.
+        batch.complete_through_step = self._sent_watermark if more_ops else watermark
+        batch.dropped_ops = dropped_ops
+        batch.dropped_samples = dropped_samples
+        batch.steps = sample_columns(marks, _MARK_COLS)
+        batch.memory = sample_columns(memory, _MEMORY_COLS)
+        if queues:
+            batch.queue_names, qidx = _dictionary([q[0] for q in queues])
+            batch.queues = {"name_idx": qidx, **sample_columns([q[1:] for q in queues], _QUEUE_COLS)}
+        if host:
+            batch.host_samples = sample_columns(host, (
+                ("ts_ns", I64), ("cpu_user", np.float64), ("cpu_system", np.float64),
+                ("cpu_idle", np.float64), ("cpu_iowait", np.float64), ("process_cpu", np.float64),
+                ("rss_bytes", I64)))
+        try:
+            value = encode_batch(batch)
+        except (ValueError, TypeError, OverflowError) as e:  # bad sample values from user code
+            log.warning("profstream: dropped a batch of samples with invalid values (%s)", e)
+            batch.dropped_samples += len(marks) + len(memory) + len(queues)
+            batch.steps, batch.memory, batch.queues = (empty_section(s) for s in ("steps", "memory", "queues"))
+            batch.queue_names = []
+            value = encode_batch(batch)
+        self._reported_dropped_ops = total_dropped_ops
+        self._reported_dropped_samples = total_dropped_samples
+        self._sent_watermark = batch.complete_through_step
+        self._seq += 1
+        self._pending.append((value, batch.n("ops")))
+        return True
+
+    def _fill_ops(self, batch: EventBatch, ops: list[tuple]) -> int:
+        """Put ops into the batch; returns how many were invalid and dropped."""
+        bad = 0
+        try:
+            names, types, cols, unknown = op_columns(ops)
+        except (ValueError, TypeError, OverflowError):
+            good = [row for row in ops if _valid_op(row)]
+            bad = len(ops) - len(good)
+            if bad and not self.bad_ops:
+                log.warning("profstream: dropped ops with non-numeric start/duration/step/stream "
+                            "(first: %r); they are counted as dropped", next(r for r in ops if not _valid_op(r)))
+            self.bad_ops += bad
+            if not good:
+                return bad
+            names, types, cols, unknown = op_columns(good)
+        if unknown and not self.unknown_kinds:
+            log.warning("profstream: op kinds not in %s are recorded as 'host'", sorted(KIND_CODES))
+        self.unknown_kinds += unknown
+        batch.op_names, batch.op_types, batch.ops = names, types, cols
+        return bad
+
+    def _send_pending(self) -> None:
+        producer = self._producer
+        topic = self.m.topics.raw
+        while self._pending:
+            value, n_ops = self._pending[0]
+            sent_at = time.monotonic_ns()
+            try:
+                future = producer.send(topic, value=value, key=self.m.key)
+            except Exception as e:  # broker gone, metadata timeout: keep the batch, retry later
+                self._mark_down(time.monotonic(), e)
+                return
+            self._pending.popleft()
+            size = len(value)
+            with self._lock:
+                self._inflight_bytes += size
+            future.add_callback(self._on_ack, size, sent_at)
+            future.add_errback(self._on_error, size, n_ops)
+            self.batches_sent += 1
+            self.bytes_sent += size
+        if self._down_since is not None:
+            self._mark_up()
+
+    def _on_ack(self, size: int, sent_at: int, _metadata: Any) -> None:
+        with self._lock:
+            self._inflight_bytes -= size
+            self._acked_batches += 1
+            self._last_latency_ns = time.monotonic_ns() - sent_at
+
+    def _on_error(self, size: int, n_ops: int, error: BaseException) -> None:
+        with self._lock:
+            self._inflight_bytes -= size
+            self._failed_batches += 1
+        log.warning("profstream: a batch of %d ops was lost after retries (%s)", n_ops, error)
+
+    def _inflight(self) -> int:
+        with self._lock:
+            return self._inflight_bytes
+
+    def _sample_host(self) -> None:
+        try:
+            cpu = psutil.cpu_times_percent(interval=None)
+            self._host_rows.append((
+                time.time_ns(), cpu.user / 100, cpu.system / 100, cpu.idle / 100,
+                getattr(cpu, "iowait", 0.0) / 100, self._process.cpu_percent(interval=None) / 100,
+                self._process.memory_info().rss,
+            ))
+        except psutil.Error:
+            pass  # host samples are best effort; a vanished /proc entry is not worth a warning
+
+    # -- control (called from other threads) ------------------------------------------
+
+    def flush(self, timeout: float) -> bool:
+        if self._warned_down:  # known outage: do not hold the caller for nothing
+            return False
+        deadline = time.monotonic() + timeout
+        with self._flush_cv:
+            self._flush_requested += 1
+            target = self._flush_requested
+        self.m._wake.set()
+        with self._flush_cv:
+            while self._flush_done < target:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self.is_alive():
+                    return False
+                self._flush_cv.wait(left)
+        return self._inflight() == 0
+
+    def stop(self, timeout: float) -> bool:
+        ok = self.flush(timeout)
+        self._stopping.set()
+        self.m._wake.set()
+        self.join(timeout=max(0.1, timeout))
+        if self._producer is not None:
+            try:
+                self._producer.close(timeout=1 if not ok else 5)
+            except Exception as e:
+                log.warning("profstream: closing the Kafka producer failed: %s", e)
+        return ok and not self._pending
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {"batches_sent": self.batches_sent, "bytes_sent": self.bytes_sent,
+                    "batches_acked": self._acked_batches, "batches_failed": self._failed_batches,
+                    "inflight_bytes": self._inflight_bytes, "send_latency_ns": self._last_latency_ns,
+                    "pending_batches": len(self._pending), "connected": self._producer is not None,
+                    "seq": self._seq}

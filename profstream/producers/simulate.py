@@ -1,0 +1,265 @@
+"""A synthetic training run, deterministic for a seed: the ground truth of the tests.
+
+``plan_step`` lays out one step of one rank on a virtual clock: a data wait, forward
+compute ops, backward compute ops with an all-reduce stream overlapping the second half
+of backward, and an optimizer tail. Its ``truth`` holds the figures the processors must
+compute, derived here from the layout by direct per-op arithmetic, independently of the
+processors' code. ``run_simulation`` sends the plans through real ``Monitor`` objects.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from profstream.schema.batch import COMMUNICATION, COMPUTE
+
+FORWARD_TYPES = ("MatMul", "LayerNorm", "Softmax", "GeLU", "Add", "Conv2D")
+BACKWARD_TYPES = ("MatMulGrad", "LayerNormGrad", "SoftmaxGrad", "GeLUGrad", "Conv2DGrad")
+COMM_TYPE = "AllReduce"
+OPTIMIZER_TYPE = "AdamW"
+QUEUE_NAME = "device_queue"
+QUEUE_CAPACITY = 8
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    run_id: str = "sim"
+    ranks: int = 2
+    steps: int = 50
+    ops_per_step: int = 200
+    step_time_ms: float = 100.0
+    comm_share: float = 0.2  # all-reduce time / step time (0: no communication)
+    seed: int = 0
+    first_step: int = 0
+    stall: tuple[int, int] | None = None  # inclusive step range with an empty data queue
+    straggler_rank: int | None = None
+    straggler_factor: float = 1.5
+    leak_bytes_per_step: int = 0
+    start_ns: int | None = None  # virtual clock origin (default: now)
+    rate: str = "max"  # "max": as fast as possible; "realtime": steps take their virtual time
+
+    def __post_init__(self) -> None:
+        if self.ranks < 1 or self.steps < 1 or self.ops_per_step < 4:
+            raise ValueError("ranks and steps must be >= 1 and ops_per_step >= 4")
+        if not 0 <= self.comm_share < 0.5:
+            raise ValueError("comm_share must be in [0, 0.5)")
+        if self.step_time_ms <= 0:
+            raise ValueError("step_time_ms must be > 0")
+        if self.rate not in ("max", "realtime"):
+            raise ValueError("rate must be 'max' or 'realtime'")
+        if self.stall is not None and self.stall[0] > self.stall[1]:
+            raise ValueError("stall range A:B needs A <= B")
+
+    def is_stalled(self, step: int) -> bool:
+        return self.stall is not None and self.stall[0] <= step <= self.stall[1]
+
+
+@dataclass
+class StepPlan:
+    rank: int
+    step: int
+    start_ns: int
+    end_ns: int
+    fp_start_ns: int
+    bp_end_ns: int
+    names: list[str]
+    op_types: list[str]
+    kinds: list[int]
+    streams: list[int]
+    op_start_ns: list[int]
+    op_dur_ns: list[int]
+    memory: list[tuple[int, int, int, int]]  # (ts_ns, allocated, reserved, peak)
+    queue: list[tuple[int, int]]  # (ts_ns, size)
+    truth: dict = field(default_factory=dict)
+
+
+def _split(total: int, parts: int, rng: np.random.Generator) -> list[int]:
+    """``parts`` positive integer durations that add up to ``total``."""
+    weights = rng.uniform(0.5, 1.5, parts)
+    durs = np.floor(weights / weights.sum() * total).astype(np.int64)
+    durs[-1] += total - durs.sum()
+    return [int(d) for d in durs]
+
+
+def plan_step(cfg: SimConfig, rank: int, step: int, start_ns: int) -> StepPlan:
+    """The events of one step of one rank, and the figures they must produce."""
+    rng = np.random.default_rng([cfg.seed, rank, step])
+    base = int(cfg.step_time_ms * 1e6 * rng.uniform(0.97, 1.03))
+    if cfg.straggler_rank == rank:
+        base = int(base * cfg.straggler_factor)
+    stalled = cfg.is_stalled(step)
+    data_wait = int(base * (0.6 if stalled else rng.uniform(0.03, 0.08)))
+    optimizer = int(base * 0.08)
+    fp_bp = base - int(base * 0.05) - optimizer  # compute phase; 5 % of base is slack
+    forward = fp_bp * 2 // 5
+    backward = fp_bp - forward
+    S = start_ns
+    F = S + data_wait
+    B = F + fp_bp
+    gap = int(base * 0.05) // 2
+    opt_start = B + gap
+    E = opt_start + optimizer + gap
+
+    n_comm = max(1, cfg.ops_per_step // 20) if cfg.comm_share > 0 else 0
+    n_opt = max(1, cfg.ops_per_step // 20)
+    n_fwd = (cfg.ops_per_step - n_comm - n_opt) * 2 // 5
+    n_bwd = cfg.ops_per_step - n_comm - n_opt - n_fwd
+
+    names: list[str] = []
+    types: list[str] = []
+    kinds: list[int] = []
+    streams: list[int] = []
+    starts: list[int] = []
+    durs: list[int] = []
+
+    def lay(t0: int, total: int, n: int, type_pool: tuple[str, ...], kind: int, stream: int, tag: str) -> None:
+        t = t0
+        for i, d in enumerate(_split(total, n, rng)):
+            op_type = type_pool[i % len(type_pool)]
+            names.append(f"{tag}{i // len(type_pool)}/{op_type}")
+            types.append(op_type)
+            kinds.append(kind)
+            streams.append(stream)
+            starts.append(t)
+            durs.append(d)
+            t += d
+
+    lay(F, forward, n_fwd, FORWARD_TYPES, COMPUTE, 0, "fwd")
+    lay(F + forward, backward, n_bwd, BACKWARD_TYPES, COMPUTE, 0, "bwd")
+    comm_total = 0
+    if n_comm:
+        # All-reduce starts under backward and half of it runs past B: overlapped, then
+        # partly pure communication, then overlapping the optimizer.
+        comm_total = int(base * cfg.comm_share)
+        lay(B - comm_total // 2, comm_total, n_comm, (COMM_TYPE,), COMMUNICATION, 1, "allreduce")
+    lay(opt_start, optimizer, n_opt, (OPTIMIZER_TYPE,), COMPUTE, 0, "opt")
+
+    allocated = 2_000_000_000 + 50_000_000 * rank + cfg.leak_bytes_per_step * (step - cfg.first_step)
+    peak = allocated + 500_000_000
+    reserved = allocated + 1_000_000_000
+    memory = [(S, allocated, reserved, peak), (E, allocated, reserved, peak)]
+    queue_at_start = 0 if stalled else int(rng.integers(2, QUEUE_CAPACITY + 1))
+    queue = [(S, queue_at_start), (B, 0 if stalled else QUEUE_CAPACITY // 2)]
+
+    plan = StepPlan(rank, step, S, E, F, B, names, types, kinds, streams, starts, durs,
+                    memory, queue)
+    plan.truth = _truth(plan, comm_total, allocated, reserved, peak)
+    return plan
+
+
+def _truth(plan: StepPlan, comm_total: int, allocated: int, reserved: int, peak: int) -> dict:
+    """Figures of the plan by direct arithmetic over its ops (independent of processors/)."""
+    S, E = plan.start_ns, plan.end_ns
+    start = np.array(plan.op_start_ns, dtype=np.int64)
+    end = start + np.array(plan.op_dur_ns, dtype=np.int64)
+    kinds = np.array(plan.kinds)
+    cs, ce = start[kinds == COMPUTE], end[kinds == COMPUTE]
+    ms, me = start[kinds == COMMUNICATION], end[kinds == COMMUNICATION]
+    compute_ns = int((ce - cs).sum())  # compute ops never overlap each other here
+    comm_ns = int((me - ms).sum())  # neither do all-reduce ops
+    # every (communication, compute) pair's intersection
+    pairs = np.minimum.outer(me, ce) - np.maximum.outer(ms, cs)
+    overlap_ns = int(np.clip(pairs, 0, None).sum())
+    union_ns = compute_ns + comm_ns - overlap_ns
+    step_time = E - S
+    by_type: dict[str, list[int]] = {}
+    for t, d in zip(plan.op_types, plan.op_dur_ns):
+        entry = by_type.setdefault(t, [0, 0])
+        entry[0] += d
+        entry[1] += 1
+    queue_sizes = [size for _, size in plan.queue]
+    return {
+        "step_time_ns": step_time,
+        "data_wait_ns": plan.fp_start_ns - S,
+        "fp_bp_ns": plan.bp_end_ns - plan.fp_start_ns,
+        "tail_ns": E - plan.bp_end_ns,
+        "compute_ns": compute_ns,
+        "comm_ns": comm_ns,
+        "overlap_ns": overlap_ns,
+        "pure_comm_ns": comm_ns - overlap_ns,
+        "idle_ns": step_time - union_ns,
+        "utilization": compute_ns / step_time,
+        "overlap_ratio": overlap_ns / comm_ns if comm_ns else 0.0,
+        "op_types": {t: (v[0], v[1]) for t, v in by_type.items()},
+        "memory": {"peak": peak, "allocated": allocated, "reserved": reserved},
+        "queue": {"min": min(queue_sizes), "mean": sum(queue_sizes) / len(queue_sizes),
+                  "last": queue_sizes[-1], "at_start": queue_sizes[0],
+                  "empty_ratio": queue_sizes.count(0) / len(queue_sizes)},
+        "comm_total_ns": comm_total,
+    }
+
+
+def plan_run(cfg: SimConfig, start_ns: int | None = None):
+    """Yield the StepPlans of every rank, step by step (all ranks of step s, then s+1)."""
+    origin = start_ns if start_ns is not None else (cfg.start_ns if cfg.start_ns is not None else time.time_ns())
+    clocks = [origin] * cfg.ranks
+    for step in range(cfg.first_step, cfg.first_step + cfg.steps):
+        for rank in range(cfg.ranks):
+            plan = plan_step(cfg, rank, step, clocks[rank])
+            clocks[rank] = plan.end_ns
+            yield plan
+
+
+def expected(cfg: SimConfig, start_ns: int = 0) -> dict[tuple[int, int], dict]:
+    """Ground truth of a run: {(rank, step): truth} (independent of the start time)."""
+    return {(p.rank, p.step): p.truth for p in plan_run(cfg, start_ns)}
+
+
+def record_step(monitor, plan: StepPlan) -> None:
+    """Feed one planned step into a Monitor with its exact timestamps."""
+    monitor.begin_step(plan.step, ts_ns=plan.start_ns)
+    ts, size = plan.queue[0]
+    monitor.queue(QUEUE_NAME, size, QUEUE_CAPACITY, ts_ns=ts)
+    monitor.memory(*plan.memory[0][1:], ts_ns=plan.memory[0][0])
+    monitor.mark_fp_start(plan.fp_start_ns)
+    monitor.ops(plan.names, plan.op_start_ns, plan.op_dur_ns, plan.kinds, plan.op_types, plan.streams)
+    monitor.mark_bp_end(plan.bp_end_ns)
+    for ts, size in plan.queue[1:]:
+        monitor.queue(QUEUE_NAME, size, QUEUE_CAPACITY, ts_ns=ts)
+    for ts, alloc, reserved, peak in plan.memory[1:]:
+        monitor.memory(alloc, reserved, peak, ts_ns=ts)
+    monitor.end_step(plan.end_ns)
+
+
+@dataclass
+class SimResult:
+    steps_recorded: int
+    ops_recorded: int
+    wall_s: float
+    flushed: bool
+    dropped_ops: int
+    stats: list[dict]
+
+
+def run_simulation(cfg: SimConfig, monitor_options: dict | None = None, progress=None) -> SimResult:
+    """Simulate ``cfg`` through one real Monitor per rank; returns when all is flushed."""
+    from profstream.producers.monitor import Monitor
+
+    opts = dict(monitor_options or {})
+    opts["run_id"] = cfg.run_id
+    opts.setdefault("host_sample_interval_s", 0)
+    monitors = [Monitor(rank=r, **opts) for r in range(cfg.ranks)]
+    wall0 = time.monotonic()
+    origin = cfg.start_ns if cfg.start_ns is not None else time.time_ns()
+    steps = ops = 0
+    try:
+        for plan in plan_run(cfg, origin):
+            if cfg.rate == "realtime":
+                delay = (plan.end_ns - origin) / 1e9 - (time.monotonic() - wall0)
+                if delay > 0:
+                    time.sleep(delay)
+            record_step(monitors[plan.rank], plan)
+            steps += 1
+            ops += len(plan.names)
+            if progress is not None:
+                progress(plan)
+    finally:
+        flushed = all([m.flush(timeout=30) for m in monitors])
+        stats = [m.stats() for m in monitors]
+        for m in monitors:
+            m.close(timeout=5)
+    return SimResult(steps, ops, time.monotonic() - wall0, flushed,
+                     sum(s["dropped_ops"] for s in stats), stats)

@@ -1,0 +1,139 @@
+"""The columnar ``EventBatch``: what producers send on the raw topic.
+
+In memory every column is a numpy array; on the wire numeric columns are packed
+little-endian arrays inside Avro ``bytes`` (layout documented in event_batch.avsc), so a
+batch of thousands of ops costs a handful of buffer copies, not thousands of records.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from profstream.schema.codec import DecodeError, decode, encode
+
+# Op kinds (the u8 ``kind`` column).
+COMPUTE, COMMUNICATION, MEMCPY, HOST, DATA, MEMSET = range(6)
+KIND_NAMES = ("compute", "communication", "memcpy", "host", "data", "memset")
+KIND_CODES = {name: code for code, name in enumerate(KIND_NAMES)}
+KIND_CODES.update({"comm": COMMUNICATION})
+
+NO_VALUE = -1  # absent value in an optional i64 column
+
+I32, I64, U8, F64 = np.dtype("<i4"), np.dtype("<i8"), np.dtype("u1"), np.dtype("<f8")
+
+# Column layout per section: (column name, dtype). The order is the schema's.
+OP_COLUMNS = (("name_idx", I32), ("type_idx", I32), ("kind", U8), ("stream", I32),
+              ("step", I64), ("start_ns", I64), ("dur_ns", I64))
+MEMORY_COLUMNS = (("ts_ns", I64), ("step", I64), ("allocated", I64), ("reserved", I64), ("peak", I64))
+QUEUE_COLUMNS = (("name_idx", I32), ("ts_ns", I64), ("step", I64), ("size", I64), ("capacity", I64))
+STEP_COLUMNS = (("step", I64), ("start_ns", I64), ("end_ns", I64), ("fp_start_ns", I64), ("bp_end_ns", I64))
+HOST_COLUMNS = (("ts_ns", I64), ("cpu_user", F64), ("cpu_system", F64), ("cpu_idle", F64),
+                ("cpu_iowait", F64), ("process_cpu", F64), ("rss_bytes", I64))
+
+SECTIONS = {
+    "ops": OP_COLUMNS,
+    "memory": MEMORY_COLUMNS,
+    "queues": QUEUE_COLUMNS,
+    "steps": STEP_COLUMNS,
+    "host_samples": HOST_COLUMNS,
+}
+
+
+def empty_section(section: str) -> dict[str, np.ndarray]:
+    return {col: np.empty(0, dtype) for col, dtype in SECTIONS[section]}
+
+
+def _empty(section: str):
+    return field(default_factory=lambda: empty_section(section))
+
+
+@dataclass
+class EventBatch:
+    run_id: str
+    rank: int
+    host: str = ""
+    device: str = "cpu"
+    producer_id: str = ""
+    seq: int = 0
+    sent_ns: int = 0
+    dropped_ops: int = 0
+    dropped_samples: int = 0
+    complete_through_step: int | None = None
+    buffer_fill_ratio: float = 0.0
+    send_latency_ns: int = NO_VALUE
+    op_names: list[str] = field(default_factory=list)
+    op_types: list[str] = field(default_factory=list)
+    queue_names: list[str] = field(default_factory=list)
+    ops: dict[str, np.ndarray] = _empty("ops")
+    memory: dict[str, np.ndarray] = _empty("memory")
+    queues: dict[str, np.ndarray] = _empty("queues")
+    steps: dict[str, np.ndarray] = _empty("steps")
+    host_samples: dict[str, np.ndarray] = _empty("host_samples")
+
+    @property
+    def key(self) -> bytes:
+        return f"{self.run_id}/{self.rank}".encode()
+
+    def n(self, section: str) -> int:
+        return len(getattr(self, section)[SECTIONS[section][0][0]])
+
+    @property
+    def event_count(self) -> int:
+        return sum(self.n(s) for s in SECTIONS)
+
+
+_HEADER_FIELDS = ("run_id", "rank", "host", "device", "producer_id", "seq", "sent_ns",
+                  "dropped_ops", "dropped_samples", "complete_through_step",
+                  "buffer_fill_ratio", "send_latency_ns", "op_names", "op_types", "queue_names")
+
+
+def _pack(section: str, columns: dict[str, np.ndarray]) -> dict:
+    spec = SECTIONS[section]
+    count = len(columns[spec[0][0]])
+    out: dict = {"count": count}
+    for col, dtype in spec:
+        arr = np.asarray(columns[col])
+        if len(arr) != count:
+            raise ValueError(f"{section}.{col} has {len(arr)} values, expected {count}")
+        out[col] = arr.astype(dtype, copy=False).tobytes()
+    return out
+
+
+def _unpack(section: str, record: dict) -> dict[str, np.ndarray]:
+    count = record["count"]
+    if count < 0:
+        raise DecodeError("malformed", f"{section}.count is negative")
+    out = {}
+    for col, dtype in SECTIONS[section]:
+        raw = record[col]
+        if len(raw) != count * dtype.itemsize:
+            raise DecodeError("malformed", f"{section}.{col} holds {len(raw)} bytes, expected {count} x {dtype.itemsize}")
+        out[col] = np.frombuffer(raw, dtype)
+    return out
+
+
+def encode_batch(batch: EventBatch) -> bytes:
+    record = {f: getattr(batch, f) for f in _HEADER_FIELDS}
+    for section in SECTIONS:
+        record[section] = _pack(section, getattr(batch, section))
+    return encode("EventBatch", record)
+
+
+def decode_batch(data: bytes) -> EventBatch:
+    """Decode a raw-topic message; raises DecodeError (and only that) on bad input."""
+    record = decode("EventBatch", data)
+    batch = EventBatch(**{f: record[f] for f in _HEADER_FIELDS})
+    for section in SECTIONS:
+        setattr(batch, section, _unpack(section, record[section]))
+    ops = batch.ops
+    if len(ops["name_idx"]) and (
+        ops["name_idx"].min() < 0 or ops["name_idx"].max() >= len(batch.op_names)
+        or ops["type_idx"].min() < 0 or ops["type_idx"].max() >= len(batch.op_types)
+    ):
+        raise DecodeError("malformed", "op name/type index outside its dictionary")
+    q = batch.queues["name_idx"]
+    if len(q) and (q.min() < 0 or q.max() >= len(batch.queue_names)):
+        raise DecodeError("malformed", "queue name index outside its dictionary")
+    return batch

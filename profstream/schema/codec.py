@@ -1,0 +1,149 @@
+"""Avro single-object encoding for every record profstream puts on Kafka.
+
+A message is ``C3 01`` + the 8-byte little-endian CRC-64-AVRO fingerprint of the writer
+schema's parsing canonical form + the Avro binary body. Every schema version ever shipped
+stays in ``SCHEMAS`` with an upgrade function to the current record shape, so old
+archives and old producers stay decodable. Anything that cannot be decoded raises
+``DecodeError`` with a ``reason`` from ``DecodeError.REASONS``, and nothing else.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+from fastavro import parse_schema, schemaless_reader, schemaless_writer
+from fastavro.schema import to_parsing_canonical_form
+
+MAGIC = b"\xc3\x01"
+HEADER_LEN = 10
+
+_CRC64_EMPTY = 0xC15D213AA4D7A795
+
+
+def _crc64_table() -> list[int]:
+    table = []
+    for i in range(256):
+        fp = i
+        for _ in range(8):
+            fp = (fp >> 1) ^ (_CRC64_EMPTY & -(fp & 1))
+        table.append(fp)
+    return table
+
+
+_CRC64_TABLE = _crc64_table()
+
+
+def crc64_avro(data: bytes) -> int:
+    """The Rabin CRC-64 fingerprint of the Avro specification."""
+    fp = _CRC64_EMPTY
+    for b in data:
+        fp = (fp >> 8) ^ _CRC64_TABLE[(fp ^ b) & 0xFF]
+    return fp
+
+
+class DecodeError(ValueError):
+    """A message that is not a decodable profstream record; ``reason`` says why."""
+
+    REASONS = ("not_avro", "truncated", "unknown_fingerprint", "malformed", "wrong_type")
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        assert reason in self.REASONS, reason
+        self.reason = reason
+        self.detail = detail
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+
+
+@dataclass(frozen=True)
+class SchemaVersion:
+    name: str  # record name without namespace, e.g. "EventBatch"
+    version: int
+    parsed: Any
+    fingerprint: int
+    header: bytes  # MAGIC + fingerprint, the prefix of every message of this version
+    upgrade: Callable[[dict], dict]  # record of this version -> record of the current one
+
+
+def _load(file: str) -> dict:
+    return json.loads(resources.files("profstream.schema").joinpath(file).read_text())
+
+
+def _version(schema: dict, version: int, upgrade: Callable[[dict], dict] | None = None) -> SchemaVersion:
+    parsed = parse_schema(schema)
+    fp = crc64_avro(to_parsing_canonical_form(parsed).encode())
+    return SchemaVersion(
+        name=schema["name"],
+        version=version,
+        parsed=parsed,
+        fingerprint=fp,
+        header=MAGIC + fp.to_bytes(8, "little"),
+        upgrade=upgrade or (lambda record: record),
+    )
+
+
+# Every version ever shipped, oldest first. The last of each name is the one written.
+# To change a schema: add a new .avsc (e.g. event_batch.v2.avsc), append its version here
+# and give the older ones an upgrade function; never edit or remove a shipped one.
+_VERSIONS: list[SchemaVersion] = [
+    _version(_load("event_batch.avsc"), 1),
+    _version(_load("step_metrics.avsc"), 1),
+    _version(_load("run_step_metrics.avsc"), 1),
+    _version(_load("alert.avsc"), 1),
+]
+
+SCHEMAS: dict[int, SchemaVersion] = {v.fingerprint: v for v in _VERSIONS}
+CURRENT: dict[str, SchemaVersion] = {}
+for _v in _VERSIONS:
+    CURRENT[_v.name] = _v
+
+
+def encode(name: str, record: dict) -> bytes:
+    """Encode ``record`` with the current schema ``name`` as a single-object message."""
+    sv = CURRENT[name]
+    out = io.BytesIO()
+    out.write(sv.header)
+    schemaless_writer(out, sv.parsed, record)
+    return out.getvalue()
+
+
+def decode_any(data: bytes) -> tuple[str, dict]:
+    """Decode any profstream message: (record name, record in the current shape)."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise DecodeError("not_avro", f"expected bytes, got {type(data).__name__}")
+    n = len(data)
+    if n < 2 or data[:2] != MAGIC:
+        if n < 2 and data[:n] == MAGIC[:n]:
+            raise DecodeError("truncated", f"{n} bytes, shorter than the 10-byte header")
+        raise DecodeError("not_avro", "no Avro single-object marker C3 01")
+    if n < HEADER_LEN:
+        raise DecodeError("truncated", f"{n} bytes, shorter than the 10-byte header")
+    fp = int.from_bytes(data[2:HEADER_LEN], "little")
+    sv = SCHEMAS.get(fp)
+    if sv is None:
+        raise DecodeError("unknown_fingerprint", f"schema fingerprint {fp:016x} is not a profstream schema")
+    body = io.BytesIO(data)
+    body.seek(HEADER_LEN)
+    try:
+        record = schemaless_reader(body, sv.parsed, None)
+    except EOFError as e:
+        raise DecodeError("truncated", f"{sv.name} v{sv.version} body ends early ({e})") from None
+    except Exception as e:  # fastavro raises many types on garbage; all mean the same here
+        raise DecodeError("malformed", f"{sv.name} v{sv.version}: {type(e).__name__}: {e}") from None
+    if body.tell() != n:
+        raise DecodeError("malformed", f"{n - body.tell()} trailing bytes after the {sv.name} body")
+    try:
+        return sv.name, sv.upgrade(record)
+    except Exception as e:
+        raise DecodeError("malformed", f"cannot upgrade {sv.name} v{sv.version}: {e}") from None
+
+
+def decode(name: str, data: bytes) -> dict:
+    """Decode a message that must hold a ``name`` record."""
+    got, record = decode_any(data)
+    if got != name:
+        raise DecodeError("wrong_type", f"expected {name}, got {got}")
+    return record
