@@ -92,7 +92,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
 class Option:
     name: str
     kind: str  # key of PARSERS
-    default: Any  # a value, or a zero-argument callable giving one
+    default: Any  # a value, or a callable of the environment mapping giving one
     doc: str
     check: Callable[[Any], bool] | None = None
     expect: str = ""  # what check wants, for the error message
@@ -107,14 +107,18 @@ class Option:
         return "--" + self.name.replace("_", "-")
 
 
-def _default_rank() -> int:
+def _default_rank(environ: Mapping[str, str]) -> int:
     for var in ("RANK", "RANK_ID", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
+        if environ.get(var, "").isdigit():
+            return int(environ[var])
     return 0
 
 
-def _default_run_id() -> str:
+def _default_host(_environ: Mapping[str, str]) -> str:
+    return socket.gethostname()
+
+
+def _default_run_id(_environ: Mapping[str, str]) -> str:
     host = re.sub(r"[^A-Za-z0-9.-]", "-", socket.gethostname())[:40] or "host"
     return f"run-{host}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
 
@@ -138,7 +142,7 @@ MONITOR_OPTIONS: tuple[Option, ...] = (
            lambda v: bool(_NAME_RE.match(v)), "1-128 letters, digits or . _ : = + @ - (no '/')"),
     Option("rank", "int", _default_rank, "rank of this process (default: $RANK, $RANK_ID or 0)",
            _non_negative, "an integer >= 0"),
-    Option("host", "str", socket.gethostname, "host name reported with every batch",
+    Option("host", "str", _default_host, "host name reported with every batch",
            lambda v: bool(_NAME_RE.match(v)), "1-128 letters, digits or . _ : = + @ -"),
     Option("device", "str", "cpu", "device of this rank, e.g. cuda:0, npu:3, cpu",
            lambda v: bool(_NAME_RE.match(v)), "a device name such as cuda:0"),
@@ -163,7 +167,7 @@ MONITOR_OPTIONS: tuple[Option, ...] = (
            _non_negative, "a number >= 0"),
     Option("auto_watermark", "bool", True,
            "advance the watermark at each step end (turn off when ops of a step arrive after it ends)"),
-    Option("connect_timeout_s", "float", 10.0, "how long a broker may stay silent before one warning is logged",
+    Option("connect_timeout_s", "float", 10.0, "seconds one attempt to reach the broker may take (the first failure logs one warning)",
            _positive, "a number > 0"),
     Option("enabled", "bool", True, "false turns every Monitor call into a no-op"),
 )
@@ -206,7 +210,7 @@ def resolve(table: tuple[Option, ...], args: Mapping[str, Any] | None = None,
         elif opt.name in from_json:
             value, source = from_json[opt.name], f"PROFSTREAM_OPTIONS[{opt.name!r}]"
         else:
-            value = opt.default() if callable(opt.default) else opt.default
+            value = opt.default(environ) if callable(opt.default) else opt.default
             source = f"default of {opt.name}"
         if value is None or (opt.optional and value == ""):
             if not opt.optional:

@@ -16,6 +16,8 @@ def union(start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The union of [start, end) intervals as sorted, disjoint, non-touching intervals."""
     start = np.asarray(start, dtype=_I64)
     end = np.asarray(end, dtype=_I64)
+    if np.all(end > start) and np.all(start[1:] > end[:-1]):
+        return start, end  # already a union: sorted, disjoint, none empty
     keep = end > start
     start, end = start[keep], end[keep]
     if len(start) == 0:

@@ -9,9 +9,7 @@ Op intervals are clipped to [S, E]; overlapping ops of one kind count once (unio
 
 from __future__ import annotations
 
-import numpy as np
-
-from profstream.processors.intervals import intersection_length, total
+from profstream.processors.intervals import intersection_length, union
 from profstream.processors.model import StepEvents
 from profstream.schema.batch import COMMUNICATION, COMPUTE
 
@@ -19,12 +17,12 @@ from profstream.schema.batch import COMMUNICATION, COMPUTE
 def utilization(ev: StepEvents) -> dict[str, int | float]:
     """Compute/communication figures of one step (ns, and ratios in [0, 1])."""
     step_time = ev.step_time_ns
-    cs, ce = ev.clipped_ops(COMPUTE)
-    ms, me = ev.clipped_ops(COMMUNICATION)
-    compute_ns = total(cs, ce)
-    comm_ns = total(ms, me)
-    overlap_ns = intersection_length(cs, ce, ms, me)
-    busy_ns = total(np.concatenate([cs, ms]), np.concatenate([ce, me]))
+    compute = union(*ev.clipped_ops(COMPUTE))
+    comm = union(*ev.clipped_ops(COMMUNICATION))
+    compute_ns = int((compute[1] - compute[0]).sum())
+    comm_ns = int((comm[1] - comm[0]).sum())
+    overlap_ns = intersection_length(*compute, *comm)
+    busy_ns = compute_ns + comm_ns - overlap_ns  # |compute ∪ comm|
     return {
         "compute_ns": compute_ns,
         "comm_ns": comm_ns,

@@ -285,7 +285,8 @@ class Monitor:
     def stats(self) -> dict[str, Any]:
         """Producer health: drops, buffer fill, batches sent, send latency."""
         out = {"dropped_ops": self.dropped_ops, "dropped_samples": self.dropped_samples,
-               "buffered_ops": len(self._ops), "buffer_fill_ratio": self.buffer_fill_ratio}
+               "buffered_ops": len(self._ops), "buffer_fill_ratio": self.buffer_fill_ratio,
+               "buffered_samples": len(self._marks) + len(self._memory) + len(self._queues)}
         if self._sender is not None:
             out.update(self._sender.stats())
         return out

@@ -156,9 +156,18 @@ class Sender(threading.Thread):
                     self._flush_done = flush_target
                     self._flush_cv.notify_all()
             if stopping:
+                self._close_producer()
                 return
             wake.wait(self._interval)
             wake.clear()
+
+    def _close_producer(self) -> None:
+        if self._producer is not None:
+            try:
+                self._producer.close(timeout=5)
+            except Exception as e:
+                log.warning("profstream: closing the Kafka producer failed: %s", e)
+            self._producer = None
 
     def _buffered(self) -> bool:
         m = self.m
@@ -182,7 +191,12 @@ class Sender(threading.Thread):
             return False
         opts = self.m.options
         try:
-            self._producer = self._producer_factory(opts["bootstrap"], compression=opts["compression"])
+            self._producer = self._producer_factory(
+                opts["bootstrap"], compression=opts["compression"],
+                bootstrap_timeout_ms=int(self._connect_timeout * 1000))
+            if self._stopping.is_set():  # closed while we were connecting
+                self._close_producer()
+                return False
             from profstream.kafka.topics import ensure_topics
 
             ensure_topics(opts["bootstrap"], self.m.topics, timeout=self._connect_timeout)
@@ -201,7 +215,7 @@ class Sender(threading.Thread):
     def _mark_down(self, now: float, error: BaseException) -> None:
         if self._down_since is None:
             self._down_since = now
-        if not self._warned_down:
+        if not self._warned_down and not self._stopping.is_set():
             self._warned_down = True
             log.warning(
                 "profstream: Kafka at %s is not reachable (%s); training continues, events are "
@@ -345,8 +359,6 @@ class Sender(threading.Thread):
     # -- control (called from other threads) ------------------------------------------
 
     def flush(self, timeout: float) -> bool:
-        if self._warned_down:  # known outage: do not hold the caller for nothing
-            return False
         deadline = time.monotonic() + timeout
         with self._flush_cv:
             self._flush_requested += 1
@@ -361,15 +373,12 @@ class Sender(threading.Thread):
         return self._inflight() == 0
 
     def stop(self, timeout: float) -> bool:
-        ok = self.flush(timeout)
+        """Flush within ``timeout`` (1 s at most during a known outage), then end the thread;
+        the thread closes its producer itself, so a stuck connect never holds the caller."""
+        ok = self.flush(min(timeout, 1.0) if self._warned_down else timeout)
         self._stopping.set()
         self.m._wake.set()
         self.join(timeout=max(0.1, timeout))
-        if self._producer is not None:
-            try:
-                self._producer.close(timeout=1 if not ok else 5)
-            except Exception as e:
-                log.warning("profstream: closing the Kafka producer failed: %s", e)
         return ok and not self._pending
 
     def stats(self) -> dict[str, Any]:

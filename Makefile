@@ -1,0 +1,48 @@
+# Set-up on a fresh clone: `make demo` runs the main job, `make test` passes the tests.
+# Both create the virtual environment, install profstream and fetch the Kafka jars.
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+
+.PHONY: install jars demo test test-fast lint bench stack-up stack-down clean
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "profstream needs Python 3.11+: install it or run make PYTHON=python3.11")'
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	@touch $@
+
+install: $(STAMP)
+
+# Kafka jars into the user cache (or from $$KAFKA_HOME); needs Java 17+ and Maven.
+jars: install
+	@$(BIN)/python -c 'from profstream.kafka.launcher import find_java, kafka_libs; find_java(); print("kafka jars:", kafka_libs())'
+
+demo: jars
+	$(BIN)/profstream demo $(DEMO_ARGS)
+
+test: jars
+	$(BIN)/ruff check profstream tests benchmarks
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Unit tests only (no broker).
+test-fast: install
+	$(BIN)/python -m pytest -m "not kafka" $(PYTEST_ARGS)
+
+lint: install
+	$(BIN)/ruff check profstream tests benchmarks
+
+bench: jars
+	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+stack-up: jars
+	$(BIN)/profstream stack up
+
+stack-down: install
+	$(BIN)/profstream stack down
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis

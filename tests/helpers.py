@@ -1,0 +1,44 @@
+"""Reading what profstream wrote, for assertions."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from profstream.kafka.clients import make_consumer, read_topic
+from profstream.schema.batch import EventBatch, decode_batch
+from profstream.schema.codec import decode
+
+
+def raw_batches(bootstrap: str, topic: str, run_id: str, count: int, timeout: float = 30.0) -> list[EventBatch]:
+    """``count`` batches of ``run_id`` from the raw topic, in each partition's order."""
+    return read_topic(bootstrap, topic, lambda b: b.run_id == run_id, count, timeout, decode=decode_batch)
+
+
+def step_records(bootstrap: str, topic: str, run_id: str, count: int, timeout: float = 60.0) -> list[dict]:
+    return read_topic(bootstrap, topic, lambda r: r["run_id"] == run_id, count, timeout,
+                      decode=lambda v: decode("StepMetrics", v))
+
+
+def topic_size(bootstrap: str, topic: str) -> int:
+    """Messages on a topic (sum of end offsets)."""
+    from kafka import TopicPartition
+
+    consumer = make_consumer(bootstrap, group_id=None)
+    try:
+        tps = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or ()]
+        return sum(consumer.end_offsets(tps).values())
+    finally:
+        consumer.close()
+
+
+def wait_until(condition: Callable[[], object], timeout: float, what: str, interval: float = 0.05):
+    """Poll ``condition`` until truthy; fail with ``what`` and the last value after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    value = condition()
+    while not value:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what} (last: {value!r})")
+        time.sleep(interval)
+        value = condition()
+    return value

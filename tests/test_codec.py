@@ -1,0 +1,193 @@
+"""The event contract: round trips, fingerprints, shipped versions, and hostile input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from fastavro.schema import fingerprint, to_parsing_canonical_form
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from profstream.schema import (
+    CURRENT,
+    SECTIONS,
+    DecodeError,
+    EventBatch,
+    crc64_avro,
+    decode,
+    decode_any,
+    decode_batch,
+    encode,
+    encode_batch,
+)
+
+GOLDEN = Path(__file__).parent / "data" / "eventbatch-v1.bin"
+
+
+def random_batch(seed: int, n_ops: int = 500) -> EventBatch:
+    rng = np.random.default_rng(seed)
+    names = [f"op{i}" for i in range(17)]
+    types = ["MatMul", "AllReduce", "Copy", "Softmax"]
+    queue_names = ["device_queue", "host_queue"]
+    b = EventBatch(run_id="run-1", rank=3, host="node7", device="cuda:3", producer_id="p" * 32,
+                   seq=41, sent_ns=1_700_000_000_000_000_000, dropped_ops=12, dropped_samples=1,
+                   complete_through_step=9, buffer_fill_ratio=0.25, send_latency_ns=1234567,
+                   op_names=names, op_types=types, queue_names=queue_names)
+    b.ops = {
+        "name_idx": rng.integers(0, len(names), n_ops), "type_idx": rng.integers(0, len(types), n_ops),
+        "kind": rng.integers(0, 6, n_ops), "stream": rng.integers(0, 8, n_ops),
+        "step": rng.integers(0, 10, n_ops), "start_ns": rng.integers(0, 2**62, n_ops),
+        "dur_ns": rng.integers(0, 10**9, n_ops),
+    }
+    b.memory = {c: rng.integers(-1, 2**40, 5) for c, _ in SECTIONS["memory"]}
+    b.queues = {"name_idx": rng.integers(0, 2, 7), **{c: rng.integers(-1, 2**40, 7)
+                                                        for c, _ in SECTIONS["queues"][1:]}}
+    b.steps = {c: rng.integers(-1, 2**62, 3) for c, _ in SECTIONS["steps"]}
+    b.host_samples = {c: (rng.random(4) if d.kind == "f" else rng.integers(0, 2**40, 4))
+                      for c, d in SECTIONS["host_samples"]}
+    return b
+
+
+def assert_same_batch(a: EventBatch, b: EventBatch) -> None:
+    for f in ("run_id", "rank", "host", "device", "producer_id", "seq", "sent_ns", "dropped_ops",
+              "dropped_samples", "complete_through_step", "buffer_fill_ratio", "send_latency_ns",
+              "op_names", "op_types", "queue_names"):
+        assert getattr(a, f) == getattr(b, f), f
+    for section, cols in SECTIONS.items():
+        for col, dtype in cols:
+            got, want = getattr(b, section)[col], np.asarray(getattr(a, section)[col]).astype(dtype)
+            assert got.dtype == dtype, (section, col)
+            np.testing.assert_array_equal(got, want, err_msg=f"{section}.{col}")
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_every_section_of_a_batch_survives_the_round_trip(seed):
+    batch = random_batch(seed)
+    assert_same_batch(batch, decode_batch(encode_batch(batch)))
+
+
+def test_empty_batch_and_absent_watermark_round_trip():
+    batch = EventBatch(run_id="r", rank=0)
+    back = decode_batch(encode_batch(batch))
+    assert back.complete_through_step is None
+    assert back.event_count == 0
+
+
+def test_message_is_avro_single_object_encoding():
+    data = encode_batch(random_batch(0, 10))
+    assert data[:2] == b"\xc3\x01"
+    sv = CURRENT["EventBatch"]
+    assert int.from_bytes(data[2:10], "little") == sv.fingerprint
+
+
+@pytest.mark.parametrize("name", sorted(CURRENT))
+def test_fingerprints_agree_with_fastavro(name):
+    sv = CURRENT[name]
+    canonical = to_parsing_canonical_form(sv.parsed)
+    # fastavro prints the fingerprint as the 8 little-endian bytes of the spec's number
+    assert sv.fingerprint.to_bytes(8, "little").hex() == fingerprint(canonical, "CRC-64-AVRO")
+    assert crc64_avro(canonical.encode()) == sv.fingerprint
+
+
+def test_processed_records_round_trip():
+    step = {
+        "run_id": "r", "rank": 1, "host": "h", "device": "cpu", "step": 7, "start_ns": 1, "end_ns": 11,
+        "step_time_ns": 10, "data_wait_ns": 1, "fp_bp_ns": 8, "tail_ns": 1, "compute_ns": 8, "comm_ns": 2,
+        "overlap_ns": 1, "pure_comm_ns": 1, "idle_ns": 1, "utilization": 0.8, "overlap_ratio": 0.5,
+        "op_count": 3, "op_types": [{"op_type": "MatMul", "total_ns": 8, "count": 2}],
+        "memory": {"peak": 5, "allocated": 4, "reserved": 6},
+        "queues": [{"queue": "q", "min": 0, "mean": 1.5, "last": 3, "at_start": 0, "empty_ratio": 0.5}],
+        "starved": True, "rolling": None, "closed_by": "watermark", "late_events": 0, "closed_ns": 99,
+    }
+    assert decode("StepMetrics", encode("StepMetrics", step)) == step
+    run = {"run_id": "r", "step": 7, "ranks_reported": 2, "min_step_time_ns": 10, "median_step_time_ns": 12.0,
+           "max_step_time_ns": 14, "skew": 1 / 3, "straggler_rank": 1, "step_times_ns": {"0": 10, "1": 14}}
+    assert decode("RunStepMetrics", encode("RunStepMetrics", run)) == run
+    alert = {"name": "DataQueueStall", "state": "firing", "run_id": "r", "rank": 0, "step": 24, "ts_ns": 5,
+             "summary": "starved", "evidence": {"data_wait_ns": 3.0}}
+    assert decode("Alert", encode("Alert", alert)) == alert
+
+
+def test_shipped_v1_message_still_decodes():
+    """A message written by profstream 0.1 (schema v1) must decode forever."""
+    batch = decode_batch(GOLDEN.read_bytes())
+    assert_same_batch(random_batch(1234, 20), batch)
+
+
+def test_decode_error_names_the_reason():
+    good = encode_batch(random_batch(0, 10))
+    with pytest.raises(DecodeError) as e:
+        decode_batch(b'{"json": true}')
+    assert e.value.reason == "not_avro"
+    with pytest.raises(DecodeError) as e:
+        decode_batch(good[:6])
+    assert e.value.reason == "truncated"
+    with pytest.raises(DecodeError) as e:
+        decode_batch(good[: len(good) // 2])
+    assert e.value.reason == "truncated"
+    with pytest.raises(DecodeError) as e:
+        decode_batch(b"\xc3\x01" + b"\x00" * 8 + good[10:])
+    assert e.value.reason == "unknown_fingerprint"
+    with pytest.raises(DecodeError) as e:
+        decode_batch(good + b"\x00")
+    assert e.value.reason == "malformed"
+    with pytest.raises(DecodeError) as e:
+        decode_batch(encode("Alert", {"name": "a", "state": "firing", "run_id": "r", "rank": None, "step": 1,
+                                      "ts_ns": 1, "summary": "", "evidence": {}}))
+    assert e.value.reason == "wrong_type"
+
+
+def test_dictionary_index_out_of_range_is_malformed():
+    batch = random_batch(0, 10)
+    batch.ops["name_idx"] = np.full(10, 99)
+    with pytest.raises(DecodeError) as e:
+        decode_batch(encode_batch(batch))
+    assert e.value.reason == "malformed"
+
+
+_GOOD = [encode_batch(random_batch(s, 50)) for s in range(3)]
+_HEADER = _GOOD[0][:10]
+_fuzz = settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _only_decode_error(data: bytes) -> None:
+    try:
+        decode_any(data)
+    except DecodeError as e:
+        assert e.reason in DecodeError.REASONS
+        assert "\n" not in str(e)
+
+
+@_fuzz
+@given(st.binary(max_size=2000))
+def test_fuzz_random_bytes_raise_only_decode_error(data):
+    _only_decode_error(data)
+
+
+@_fuzz
+@given(st.binary(max_size=2000))
+def test_fuzz_garbage_behind_a_valid_header_raises_only_decode_error(body):
+    _only_decode_error(_HEADER + body)
+
+
+@_fuzz
+@given(st.sampled_from(_GOOD), st.data())
+def test_fuzz_truncated_messages_raise_only_decode_error(good, data):
+    cut = data.draw(st.integers(0, len(good) - 1))
+    with pytest.raises(DecodeError):
+        decode_batch(good[:cut])
+
+
+@_fuzz
+@given(st.sampled_from(_GOOD), st.data())
+def test_fuzz_corrupted_messages_decode_or_raise_decode_error(good, data):
+    raw = bytearray(good)
+    for _ in range(data.draw(st.integers(1, 8))):
+        i = data.draw(st.integers(0, len(raw) - 1))
+        raw[i] = data.draw(st.integers(0, 255))
+    try:
+        decode_batch(bytes(raw))
+    except DecodeError as e:
+        assert e.reason in DecodeError.REASONS

@@ -1,0 +1,72 @@
+"""Options: precedence, validation and the one-line errors a user sees."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from profstream.config import MONITOR_OPTIONS, ConfigError, check_name, resolve
+
+
+def test_arguments_beat_environment_beat_json_beat_defaults():
+    env = {"PROFSTREAM_RUN_ID": "from-env", "PROFSTREAM_RANK": "4",
+           "PROFSTREAM_OPTIONS": json.dumps({"run_id": "from-json", "rank": 9, "device": "npu:1"})}
+    opts = resolve(MONITOR_OPTIONS, {"run_id": "from-arg"}, env)
+    assert opts["run_id"] == "from-arg"
+    assert opts["rank"] == 4  # env over JSON
+    assert opts["device"] == "npu:1"  # JSON over default
+    assert opts["batch_interval_ms"] == 50.0  # default
+
+
+def test_none_arguments_count_as_not_given():
+    opts = resolve(MONITOR_OPTIONS, {"run_id": None}, {"PROFSTREAM_RUN_ID": "r-env"})
+    assert opts["run_id"] == "r-env"
+
+
+def test_rank_defaults_to_the_launchers_rank_variable():
+    assert resolve(MONITOR_OPTIONS, {}, {"RANK": "7"})["rank"] == 7
+
+
+def test_sizes_accept_units():
+    assert resolve(MONITOR_OPTIONS, {"buffer_bytes": "64MiB"}, {})["buffer_bytes"] == 64 * 2**20
+    assert resolve(MONITOR_OPTIONS, {}, {"PROFSTREAM_BUFFER_BYTES": "2GB"})["buffer_bytes"] == 2 * 10**9
+
+
+@pytest.mark.parametrize("args, env, must_say", [
+    ({"batch_max_ops": "many"}, {}, "--batch-max-ops"),
+    ({}, {"PROFSTREAM_BATCH_MAX_OPS": "0"}, "PROFSTREAM_BATCH_MAX_OPS"),
+    ({}, {"PROFSTREAM_OPTIONS": '{"rank": -1}'}, "PROFSTREAM_OPTIONS['rank']"),
+    ({}, {"PROFSTREAM_OPTIONS": "{not json"}, "PROFSTREAM_OPTIONS is not valid JSON"),
+    ({}, {"PROFSTREAM_OPTIONS": "[1, 2]"}, "must be a JSON object"),
+    ({"compression": "brotli"}, {}, "one of lz4"),
+    ({"bootstrap": "localhost"}, {}, "host:port"),
+    ({"buffer_bytes": "lots"}, {}, "expected a size"),
+    ({"enabled": "maybe"}, {}, "expected true or false"),
+])
+def test_bad_values_get_one_line_errors_naming_their_source(args, env, must_say):
+    with pytest.raises(ConfigError) as e:
+        resolve(MONITOR_OPTIONS, args, env)
+    assert must_say in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_unknown_options_are_rejected_with_the_known_ones_listed():
+    with pytest.raises(ConfigError, match="unknown option 'run_name'.*run_id"):
+        resolve(MONITOR_OPTIONS, {"run_name": "x"}, {})
+    with pytest.raises(ConfigError, match="in PROFSTREAM_OPTIONS"):
+        resolve(MONITOR_OPTIONS, {}, {"PROFSTREAM_OPTIONS": '{"runid": "x"}'})
+
+
+@pytest.mark.parametrize("bad", ["../etc", "a/b", "a\\b", "a\nb", "tab\there", "", ".hidden", "x" * 129,
+                                 "nul\x00", "sp ace"])
+def test_run_ids_that_could_escape_a_directory_or_break_a_label_are_refused(bad):
+    with pytest.raises(ConfigError):
+        check_name(bad, "run id")
+    with pytest.raises(ConfigError):
+        resolve(MONITOR_OPTIONS, {"run_id": bad}, {})
+
+
+@pytest.mark.parametrize("good", ["run-1", "llama.7b_2026-11-21", "job:42@node", "a" * 128])
+def test_ordinary_run_ids_are_accepted(good):
+    assert resolve(MONITOR_OPTIONS, {"run_id": good}, {})["run_id"] == good

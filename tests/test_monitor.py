@@ -1,0 +1,149 @@
+"""The Monitor as a training loop sees it: never blocks, never raises, bounded, honest about loss."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from profstream import COMMUNICATION, COMPUTE, ConfigError, Monitor
+from profstream.kafka.clients import make_producer
+from profstream.producers.sender import Sender
+from tests.helpers import raw_batches, topic_size, wait_until
+
+UNREACHABLE = "127.0.0.1:1"
+
+
+def _train(mon: Monitor, steps: int, ops_per_step: int, first_step: int = 0) -> None:
+    for s in range(first_step, first_step + steps):
+        with mon.step(s):
+            mon.queue("device_queue", 3, 8)
+            mon.memory(1000 + s, 2000, 1500)
+            for i in range(ops_per_step):
+                mon.op(f"k{i % 7}", 1_000_000 * s + 10 * i, 5, COMPUTE if i % 5 else COMMUNICATION, stream=i % 2)
+
+
+def test_training_goes_on_with_the_broker_down_and_one_warning_is_logged(caplog):
+    caplog.set_level(logging.WARNING, logger="profstream")
+    mon = Monitor(run_id="offline", bootstrap=UNREACHABLE, buffer_bytes="1MiB", host_sample_interval_s=0,
+                  connect_timeout_s=0.5)
+    _train(mon, steps=40, ops_per_step=500)
+    stats = mon.stats()
+    # the buffer is bounded: ops beyond it are dropped and counted, step marks are kept
+    assert stats["dropped_ops"] > 0
+    assert stats["buffered_ops"] + stats["dropped_ops"] == 40 * 500
+    assert stats["buffered_ops"] < 5000
+    assert stats["buffered_samples"] == 40 * 3  # marks, memory and queue samples all kept
+    wait_until(lambda: [r for r in caplog.records if r.name.startswith("profstream")], 15,
+               "the unreachable-broker warning")
+    _train(mon, steps=40, ops_per_step=100, first_step=40)  # more events, more retries
+    time.sleep(1.0)  # give the sender time to retry: no second warning may follow
+    ours = [r for r in caplog.records if r.name.startswith("profstream")]
+    assert len(ours) == 1, [r.getMessage() for r in ours]
+    assert "not reachable" in ours[0].getMessage() and "profstream stack up" in ours[0].getMessage()
+    assert not [r for r in caplog.records if r.name.startswith("kafka") and r.levelno >= logging.WARNING]
+    started = time.monotonic()
+    assert mon.close(timeout=2.0) is False  # not delivered, and says so
+    assert time.monotonic() - started < 5.0
+
+
+def test_calls_with_garbage_never_raise_into_the_training_loop():
+    mon = Monitor(run_id="garbage", bootstrap=UNREACHABLE, host_sample_interval_s=0)
+    mon.begin_step("not a step")
+    mon.op(None, "soon", None, kind="warp-drive", stream="x", step=object())
+    mon.op("ok", 1, 2)
+    mon.ops(["a", "b"], [1, 2], [3, 4], kinds=["compute", "nonsense"])
+    mon.memory("lots", None)
+    mon.queue(None, "empty")
+    mon.mark_fp_start()
+    mon.mark_bp_end()
+    mon.end_step()
+    mon.end_step()  # twice
+    mon.complete_through(0)
+    mon.close(timeout=0.5)
+    mon.op("after close", 1, 2)
+    mon.close()
+
+
+def test_bad_options_fail_at_construction_with_one_line():
+    with pytest.raises(ConfigError) as e:
+        Monitor(run_id="a/b")
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError):
+        Monitor(batch_interval_ms=0)
+
+
+def test_disabled_monitor_records_nothing():
+    mon = Monitor(enabled=False)
+    _train(mon, steps=3, ops_per_step=10)
+    assert mon.stats()["buffered_ops"] == 0 and mon.close()
+
+
+class _Gate:
+    """A producer factory for a broker that is 'down' until opened (the broker is real)."""
+
+    def __init__(self) -> None:
+        self.open = threading.Event()
+        self.attempts = 0
+
+    def __call__(self, bootstrap: str, **kw):
+        self.attempts += 1
+        if not self.open.is_set():
+            raise ConnectionError("broker down (test gate)")
+        return make_producer(bootstrap, **kw)
+
+
+def test_drops_during_an_outage_are_counted_in_batch_headers(kafka_bootstrap, topics):
+    gate = _Gate()
+    mon = Monitor(sender_factory=lambda m: Sender(m, producer_factory=gate), run_id="outage",
+                  bootstrap=kafka_bootstrap, topic_prefix=topics.prefix, buffer_bytes="1MiB",
+                  host_sample_interval_s=0)
+    _train(mon, steps=20, ops_per_step=500)
+    wait_until(lambda: gate.attempts >= 1, 10, "a connection attempt")
+    dropped = mon.dropped_ops
+    assert dropped > 0
+    gate.open.set()
+    assert mon.flush(timeout=60) or mon.flush(timeout=30)
+    seq = mon.stats()["seq"]
+    mon.close()
+    batches = raw_batches(kafka_bootstrap, topics.raw, "outage", seq)
+    assert [b.seq for b in batches] == list(range(seq))  # no gaps
+    assert sum(b.dropped_ops for b in batches) == dropped
+    assert sum(b.n("ops") for b in batches) == 20 * 500 - dropped
+    marks = np.concatenate([b.steps["step"] for b in batches])
+    assert sorted(marks.tolist()) == list(range(20))  # every step mark survived the outage
+
+
+def test_step_window_captures_ops_only_on_the_chosen_steps(kafka_bootstrap, topics):
+    mon = Monitor(run_id="window", bootstrap=kafka_bootstrap, topic_prefix=topics.prefix, start_step=3,
+                  stop_step=8, every_n_steps=2, host_sample_interval_s=0)
+    _train(mon, steps=12, ops_per_step=10)
+    assert mon.close(timeout=30)
+    batches = raw_batches(kafka_bootstrap, topics.raw, "window", mon.stats()["seq"])
+    op_steps = set(np.concatenate([b.ops["step"] for b in batches]).tolist())
+    assert op_steps == {3, 5, 7}
+    assert sum(b.dropped_ops for b in batches) == 0  # outside the window is not a drop
+    assert sorted(np.concatenate([b.steps["step"] for b in batches]).tolist()) == list(range(12))
+
+
+def test_watermark_never_runs_ahead_of_the_ops_it_covers(kafka_bootstrap, topics):
+    """Batches split a big step; no op may arrive for a step a watermark already covered."""
+    mon = Monitor(run_id="wm", bootstrap=kafka_bootstrap, topic_prefix=topics.prefix, batch_max_ops=100,
+                  batch_interval_ms=1, host_sample_interval_s=0)
+    _train(mon, steps=15, ops_per_step=730)
+    assert mon.close(timeout=30)
+    n = mon.stats()["seq"]
+    batches = raw_batches(kafka_bootstrap, topics.raw, "wm", n)
+    assert len(batches) == n and topic_size(kafka_bootstrap, topics.raw) == n
+    covered = -1
+    for b in batches:
+        if len(b.ops["step"]):
+            assert b.ops["step"].min() > covered, f"batch {b.seq} has ops of a step already complete"
+        if b.complete_through_step is not None:
+            assert b.complete_through_step >= covered
+            covered = b.complete_through_step
+    assert covered == 14
+    assert sum(b.n("ops") for b in batches) == 15 * 730
