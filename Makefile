@@ -25,7 +25,7 @@ demo: jars
 	$(BIN)/profstream demo $(DEMO_ARGS)
 
 test: jars
-	$(BIN)/ruff check profstream tests benchmarks
+	$(BIN)/ruff check profstream tests $(wildcard benchmarks)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # Unit tests only (no broker).
@@ -33,7 +33,7 @@ test-fast: install
 	$(BIN)/python -m pytest -m "not kafka" $(PYTEST_ARGS)
 
 lint: install
-	$(BIN)/ruff check profstream tests benchmarks
+	$(BIN)/ruff check profstream tests $(wildcard benchmarks)
 
 bench: jars
 	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done

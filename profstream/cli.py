@@ -170,19 +170,49 @@ def process(
     bootstrap: BootstrapOpt = None,
     topic_prefix: PrefixOpt = "profstream",
     group_id: Annotated[str, typer.Option(help="consumer group of the processors")] = "profstream-processor",
+    instance_id: Annotated[str, typer.Option(help="unique per processor process and stable across its "
+                                                  "restarts (transactional id, static membership)")] = "0",
+    stages: Annotated[str, typer.Option(help="all, steps (raw -> steps) or run (steps -> run)")] = "all",
     grace_s: Annotated[float, typer.Option(min=0.0, help="wait after a step's end mark when "
                                                          "the producer sends no watermark")] = 2.0,
+    run_grace_s: Annotated[float, typer.Option(min=0.0, help="wait for missing ranks of a step")] = 10.0,
     idle_timeout_s: Annotated[float, typer.Option(min=1.0, help="close a run after this long silent")] = 60.0,
+    commit_interval_ms: Annotated[float, typer.Option(min=1.0, help="transaction commit interval")] = 100.0,
+    stall_ratio: Annotated[float, typer.Option(min=0.0, max=1.0, help="data_wait/step_time of a starved step")] = 0.3,
+    stall_steps: Annotated[int, typer.Option(min=1, help="consecutive starved steps that fire DataQueueStall")] = 5,
+    top_k: Annotated[int, typer.Option(min=1, help="op types reported per step (the rest: other)")] = 10,
+    rolling_steps: Annotated[int, typer.Option(min=1, help="steps in the rolling window")] = 100,
+    metrics_port: Annotated[int, typer.Option(min=0, max=65535, help="serve health metrics here (0: off)")] = 9465,
+    raw_partitions: Annotated[int, typer.Option(min=1, help="partitions of a raw topic created here")] = 12,
 ) -> None:
-    """Run a stream processor: raw events in, StepMetrics and alerts out (until Ctrl-C)."""
-    from profstream.kafka.topics import Topics, ensure_topics
+    """Run a stream processor: raw events in; StepMetrics, RunStepMetrics and alerts out, exactly once."""
+    from profstream.kafka.topics import Topics, ensure_topics, validate_prefix
+    from profstream.processors.figures import FigureOptions
     from profstream.processors.runtime import Processor
 
+    try:
+        validate_prefix(topic_prefix)
+        check_name(instance_id, "instance id")
+    except ValueError as e:
+        _fail(str(e))
+    if stages not in ("all", "steps", "run"):
+        _fail(f"--stages {stages!r}: expected all, steps or run")
     boot = _bootstrap(bootstrap)
     topics = Topics(topic_prefix)
-    ensure_topics(boot, topics)
-    processor = Processor(boot, topics, group_id=group_id, grace_s=grace_s, idle_timeout_s=idle_timeout_s)
-    err.print(f"processing {topics.raw} from {boot} (group {group_id}); Ctrl-C stops", highlight=False)
+    ensure_topics(boot, topics, raw_partitions=raw_partitions)
+    processor = Processor(boot, topics, group_id=group_id, instance_id=instance_id, grace_s=grace_s,
+                          idle_timeout_s=idle_timeout_s, run_grace_s=run_grace_s,
+                          figure_options=FigureOptions(top_k, stall_ratio, stall_steps, rolling_steps),
+                          commit_interval_ms=commit_interval_ms, stages=stages)
+    if metrics_port:
+        try:
+            processor.health.serve(metrics_port)
+        except OSError as e:
+            _fail(f"cannot serve metrics on port {metrics_port} ({e.strerror}): choose another --metrics-port "
+                  "or 0 to turn them off")
+    err.print(f"processing {topics.raw} from {boot} (group {group_id}, instance {instance_id})"
+              + (f", metrics on :{metrics_port}/metrics" if metrics_port else "") + "; Ctrl-C stops",
+              highlight=False)
     try:
         processor.run()
     except KeyboardInterrupt:
@@ -220,8 +250,8 @@ def demo(
         result = run_demo(bootstrap, cfg, Topics(topic_prefix), progress=advance)
     _print_summary(cfg, result)
     if len(result.steps) != cfg.ranks * cfg.steps:
-        _fail(f"only {len(result.steps)} of {cfg.ranks * cfg.steps} steps came back from the processor; "
-              f"is a processor of group profstream-processor running elsewhere?")
+        _fail(f"only {len(result.steps)} of {cfg.ranks * cfg.steps} steps came back from the processor "
+              "within the timeout: check the broker (profstream stack status) and retry")
 
 
 def _print_summary(cfg, result) -> None:
@@ -240,11 +270,12 @@ def _print_summary(cfg, result) -> None:
 
 def main() -> None:
     from profstream.kafka.launcher import StackError
+    from profstream.processors.checkpoint import FencedError
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         app()
-    except (StackError, ConfigError) as e:
+    except (StackError, ConfigError, FencedError) as e:
         err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except KeyboardInterrupt:

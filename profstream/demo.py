@@ -47,13 +47,14 @@ class DemoResult:
 
 
 def run_demo(bootstrap: str, cfg: SimConfig, topics: Topics | None = None,
-             group_id: str = "profstream-processor", timeout: float = 120.0,
+             group_id: str = "profstream-demo", timeout: float = 120.0,
              progress=None) -> DemoResult:
     """Simulate ``cfg`` into Kafka, process it, and read its StepMetrics back."""
     topics = topics or Topics()
     ensure_topics(bootstrap, topics)
     t0 = time.monotonic()
-    processor = Processor(bootstrap, topics, group_id=group_id)
+    # its own group and instance id: a demo must never fence a real `profstream process`
+    processor = Processor(bootstrap, topics, group_id=group_id, instance_id="demo")
     stop = threading.Event()
     worker = threading.Thread(target=processor.run, kwargs={"stop": stop}, name="profstream-processor",
                               daemon=True)

@@ -147,3 +147,36 @@ def test_watermark_never_runs_ahead_of_the_ops_it_covers(kafka_bootstrap, topics
             covered = b.complete_through_step
     assert covered == 14
     assert sum(b.n("ops") for b in batches) == 15 * 730
+
+
+def test_bulk_ops_are_copied_split_across_batches_and_covered_by_the_watermark(kafka_bootstrap, topics):
+    mon = Monitor(run_id="bulk", bootstrap=kafka_bootstrap, topic_prefix=topics.prefix, batch_max_ops=1000,
+                  host_sample_interval_s=0)
+    n = 2500
+    kinds = [COMPUTE if i % 4 else COMMUNICATION for i in range(n)]
+    for s in range(3):
+        names = np.array([f"op{i % 13}" for i in range(n)], dtype=object)
+        start = np.arange(n, dtype=np.int64) * 100 + s * 10**6
+        dur = np.full(n, 40, dtype=np.int64)
+        with mon.step(s):
+            mon.ops(names, start, dur, kinds=kinds, op_types="Gemm", streams=1)
+        start[:] = -1  # the caller reuses its buffers: what was recorded must not change
+        dur[:] = 0
+        names[:] = "garbage"
+    assert mon.close(timeout=30)
+    batches = raw_batches(kafka_bootstrap, topics.raw, "bulk", mon.stats()["seq"])
+    assert max(b.n("ops") for b in batches) <= 1000
+    covered = -1
+    got = {s: [] for s in range(3)}
+    for b in batches:
+        if b.n("ops"):
+            assert b.ops["step"].min() > covered
+            for s in set(b.ops["step"].tolist()):
+                sel = b.ops["step"] == s
+                got[s].extend(b.ops["start_ns"][sel].tolist())
+            assert set(b.op_types) == {"Gemm"}
+            assert (b.ops["stream"] == 1).all() and (b.ops["dur_ns"] == 40).all()
+        if b.complete_through_step is not None:
+            covered = b.complete_through_step
+    for s in range(3):
+        assert sorted(got[s]) == (np.arange(n) * 100 + s * 10**6).tolist()

@@ -6,7 +6,12 @@ import re
 import time
 from dataclasses import dataclass
 
-BASE_TOPICS = ("raw", "steps", "run", "alerts", "dlq")
+BASE_TOPICS = ("raw", "steps", "run", "alerts", "dlq", "state", "run-state")
+# Changelogs of the processors' checkpoints (docs/exactly-once.md): compacted, and
+# partitioned like the topic whose state they hold (state like raw, run-state like steps).
+COMPACTED = {"state": "raw", "run-state": "steps"}
+_COMPACT_CONFIGS = {"cleanup.policy": "compact", "segment.ms": "60000", "min.cleanable.dirty.ratio": "0.1",
+                    "delete.retention.ms": "60000"}
 DEFAULT_PREFIX = "profstream"
 MAX_PREFIX_LEN = 100
 
@@ -60,6 +65,14 @@ class Topics:
     def dlq(self) -> str:
         return self._name("dlq")
 
+    @property
+    def state(self) -> str:
+        return self._name("state")
+
+    @property
+    def run_state(self) -> str:
+        return self._name("run-state")
+
     def all(self) -> list[str]:
         return [self._name(base) for base in BASE_TOPICS]
 
@@ -85,7 +98,8 @@ def ensure_topics(
 ) -> list[str]:
     """Create the topics of ``topics`` that do not exist yet (replication factor 1).
 
-    ``raw`` gets ``raw_partitions`` partitions, the others ``partitions``. Existing topics
+    ``raw`` and its changelog ``state`` get ``raw_partitions`` partitions, the others
+    ``partitions``; the changelogs are compacted. Existing topics
     are left alone (even with another partition count); a concurrent creation of the same
     topic is fine. Waits until every topic has a leader for each partition. Returns the
     names this call created.
@@ -103,7 +117,9 @@ def ensure_topics(
     def remaining_ms() -> int:
         return max(1000, int((deadline - time.monotonic()) * 1000))
 
-    wanted = {name: (raw_partitions if name == topics.raw else partitions) for name in topics.all()}
+    counts = {base: (raw_partitions if COMPACTED.get(base, base) == "raw" else partitions) for base in BASE_TOPICS}
+    wanted = {topics._name(base): counts[base] for base in BASE_TOPICS}
+    configs = {topics._name(base): _COMPACT_CONFIGS for base in COMPACTED}
     created: list[str] = []
     try:
         with _admin(bootstrap, max(1.0, deadline - time.monotonic())) as admin:
@@ -111,7 +127,8 @@ def ensure_topics(
             missing = {n: p for n, p in wanted.items() if n not in existing}
             if missing:
                 result = admin.create_topics(
-                    {n: {"num_partitions": p, "replication_factor": 1} for n, p in missing.items()},
+                    {n: {"num_partitions": p, "replication_factor": 1, "configs": configs.get(n, {})}
+                     for n, p in missing.items()},
                     timeout_ms=min(remaining_ms(), 30000),
                     raise_errors=False,
                 )

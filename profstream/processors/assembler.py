@@ -5,6 +5,11 @@ A step closes as soon as its end mark has arrived and the producer's watermark
 a grace period after the mark instead. Steps close in order. Events that arrive for a
 step already closed are counted as late and never folded in; events of a step that never
 got its mark are discarded (and counted) when a later step closes.
+
+Restarts: ``snapshot()`` is what the processor checkpoints (no open-step events: the
+committed input offset stays at ``min_open_offset`` so they are read again). A batch
+whose seq is below the checkpointed next seq of its producer is such a re-read: only
+its events of steps not yet closed are folded in, and no counter moves.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ class _OpenStep:
     memory: list[dict] = field(default_factory=list)
     queues: list[dict] = field(default_factory=list)
     events: int = 0
+    first_offset: int = -1  # input offset of the first batch that fed this step
 
 
 def _by_step(steps: np.ndarray, columns: dict[str, np.ndarray]):
@@ -64,9 +70,12 @@ _DTYPES = {"kind": np.uint8, "type": np.int32, "stream": np.int32, "start_ns": n
 class RankAssembler:
     """Open steps and health counters of one (run, rank)."""
 
-    def __init__(self, run_id: str, rank: int, grace_s: float = 2.0) -> None:
+    COUNTERS = ("late_events", "orphan_events", "lost_batches", "dropped_ops", "dropped_samples", "events")
+
+    def __init__(self, run_id: str, rank: int, grace_s: float = 2.0, partition: int = -1) -> None:
         self.run_id = run_id
         self.rank = rank
+        self.partition = partition  # input partition carrying this rank
         self.grace_s = grace_s
         self.host = ""
         self.device = ""
@@ -83,26 +92,31 @@ class RankAssembler:
         self.late_events = 0
         self.orphan_events = 0
         self.lost_batches = 0
-        self.duplicate_batches = 0
+        self.replayed_batches = 0  # re-read after a restart (not checkpointed)
         self.dropped_ops = 0
         self.dropped_samples = 0
         self.events = 0
+        self._fresh = True
+        self._offset = -1
 
     # -- input ------------------------------------------------------------------------
 
-    def add(self, batch: EventBatch, now: float) -> bool:
-        """Fold a batch in. Returns False if it was a duplicate (already seen seq)."""
-        expected = self.next_seq.get(batch.producer_id)
-        if expected is not None:
-            if batch.seq < expected:
-                self.duplicate_batches += 1
-                return False
-            self.lost_batches += batch.seq - expected
-        self.next_seq[batch.producer_id] = batch.seq + 1
+    def add(self, batch: EventBatch, now: float, offset: int = -1) -> bool:
+        """Fold a batch in (``offset``: its input offset). Returns False for a re-read batch."""
         self.last_seen = now
-        self.host, self.device = batch.host, batch.device
-        self.dropped_ops += batch.dropped_ops
-        self.dropped_samples += batch.dropped_samples
+        expected = self.next_seq.get(batch.producer_id)
+        fresh = expected is None or batch.seq >= expected
+        self._fresh = fresh
+        self._offset = offset
+        if fresh:
+            if expected is not None:
+                self.lost_batches += batch.seq - expected
+            self.next_seq[batch.producer_id] = batch.seq + 1
+            self.host, self.device = batch.host, batch.device
+            self.dropped_ops += batch.dropped_ops
+            self.dropped_samples += batch.dropped_samples
+        else:
+            self.replayed_batches += 1
         if batch.complete_through_step is not None:
             wm = batch.complete_through_step
             self.watermark = wm if self.watermark is None else max(self.watermark, wm)
@@ -132,14 +146,20 @@ class RankAssembler:
         for i in range(len(st["step"])):
             step = int(st["step"][i])
             if self._closed(step):
-                self.late_events += 1
+                self.late_events += fresh
                 continue
-            entry = self.open.setdefault(step, _OpenStep())
+            entry = self._entry(step)
             entry.mark = (int(st["start_ns"][i]), int(st["end_ns"][i]),
                           int(st["fp_start_ns"][i]), int(st["bp_end_ns"][i]))
             entry.mark_seen_at = now
-            self.events += 1
-        return True
+            self.events += fresh
+        return fresh
+
+    def _entry(self, step: int) -> _OpenStep:
+        entry = self.open.get(step)
+        if entry is None:
+            entry = self.open[step] = _OpenStep(first_offset=self._offset)
+        return entry
 
     @staticmethod
     def _code(codes: dict[str, int], names: list[str], name: str) -> int:
@@ -153,11 +173,14 @@ class RankAssembler:
         return self.floor is not None and step < self.floor
 
     def _bucket(self, step: int, section: str, part: dict, n: int) -> None:
-        self.events += n
+        fresh = self._fresh
+        if fresh:
+            self.events += n
         if self._closed(step):
-            self.late_events += n
+            if fresh:
+                self.late_events += n
             return
-        entry = self.open.setdefault(step, _OpenStep())
+        entry = self._entry(step)
         getattr(entry, section).append(part)
         entry.events += n
 
@@ -209,3 +232,28 @@ class RankAssembler:
     @property
     def open_events(self) -> int:
         return sum(e.events for e in self.open.values())
+
+    @property
+    def min_open_offset(self) -> int | None:
+        """Input offset from which every open step's events can be read again."""
+        offsets = [e.first_offset for e in self.open.values() if e.first_offset >= 0]
+        return min(offsets) if offsets else None
+
+    # -- checkpoint -------------------------------------------------------------------
+
+    def snapshot(self) -> dict:
+        """The RankCheckpoint fields this assembler owns."""
+        return {"run_id": self.run_id, "rank": self.rank, "floor": self.floor, "watermark": self.watermark,
+                "host": self.host, "device": self.device, "producers": dict(self.next_seq),
+                "counters": {c: getattr(self, c) for c in self.COUNTERS}}
+
+    @classmethod
+    def restore(cls, checkpoint: dict, grace_s: float, partition: int, now: float) -> RankAssembler:
+        asm = cls(checkpoint["run_id"], checkpoint["rank"], grace_s, partition)
+        asm.floor, asm.watermark = checkpoint["floor"], checkpoint["watermark"]
+        asm.host, asm.device = checkpoint["host"], checkpoint["device"]
+        asm.next_seq = dict(checkpoint["producers"])
+        for c in cls.COUNTERS:
+            setattr(asm, c, checkpoint["counters"].get(c, 0))
+        asm.last_seen = now
+        return asm

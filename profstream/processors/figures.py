@@ -40,6 +40,19 @@ class RankFigures:
         self.rolling = RollingWindow(self.options.rolling_steps)
         self.stall = StallDetector(self.options.stall_steps)
 
+    def snapshot(self) -> dict:
+        """The RankCheckpoint fields this figure state owns."""
+        return {"starved_steps": self.starved_steps, "rolling": self.rolling.to_state(),
+                "stall": self.stall.to_state()}
+
+    @classmethod
+    def restore(cls, options: FigureOptions, checkpoint: dict) -> RankFigures:
+        figures = cls(options)
+        figures.starved_steps = checkpoint["starved_steps"]
+        figures.rolling = RollingWindow.from_state(options.rolling_steps, checkpoint["rolling"])
+        figures.stall = StallDetector.from_state(options.stall_steps, checkpoint["stall"])
+        return figures
+
     def step_metrics(self, ev: StepEvents, closed_by: str, late_events: int) -> tuple[dict, str | None]:
         """(StepMetrics record, stall alert transition or None) of a closed step."""
         opts = self.options

@@ -29,6 +29,32 @@ class RollingWindow:
         self._utilization[i] = utilization
         self._added += 1
 
+    def to_state(self) -> dict:
+        """Everything needed to rebuild this window (for the processor's checkpoint)."""
+        return {"added": self._added, "step_time": self._step_time.tobytes(),
+                "data_wait": self._data_wait.tobytes(), "utilization": self._utilization.tobytes()}
+
+    @classmethod
+    def from_state(cls, n: int, state: dict) -> RollingWindow:
+        window = cls(n)
+        step_time = np.frombuffer(state["step_time"], np.int64)
+        if len(step_time) != n:  # the window size changed: keep the most recent steps
+            window._replay(state, step_time)
+            return window
+        window._added = state["added"]
+        window._step_time[:] = step_time
+        window._data_wait[:] = np.frombuffer(state["data_wait"], np.int64)
+        window._utilization[:] = np.frombuffer(state["utilization"], np.float64)
+        return window
+
+    def _replay(self, state: dict, step_time: np.ndarray) -> None:
+        old_n, added = len(step_time), state["added"]
+        data_wait = np.frombuffer(state["data_wait"], np.int64)
+        util = np.frombuffer(state["utilization"], np.float64)
+        for i in range(max(0, added - old_n), added):
+            j = i % old_n
+            self.add(int(step_time[j]), int(data_wait[j]), float(util[j]))
+
     def figures(self) -> dict[str, int | float]:
         """``{window, mean/p50/p95_step_time_ns, data_wait_share, mean_utilization}``.
 

@@ -1,13 +1,15 @@
-"""The processor service: raw topic in, StepMetrics and alerts out.
+"""The processor service: raw events in; StepMetrics, RunStepMetrics and alerts out.
 
-Knows Kafka and nothing of the figures: it decodes batches (undecodable ones go to the
-dead-letter topic with their reason and origin), hands them to one ``RankAssembler`` per
-(run, rank), turns closed steps into records through ``RankFigures`` and sends them.
+Two stages, each a consumer group run exactly-once by ``checkpoint.TransactionalLoop``:
 
-Delivery: outputs of a poll are flushed before the consumed offsets are committed
-(at-least-once). Open steps live in memory only, so a restart recomputes nothing that
-was committed but loses the events of steps open at the crash; issue 3's transactional
-checkpoint replaces this.
+- ``StepStage`` (raw -> steps, alerts, dlq): decodes batches (undecodable ones go to the
+  dead-letter topic with their reason and origin), keeps one ``RankAssembler`` and
+  ``RankFigures`` per (run, rank), and turns closed steps into StepMetrics. StepMetrics
+  are keyed ``<run>/<rank>`` but partitioned by run, so that
+- ``RunStage`` (steps -> run) sees every rank of a run and computes the cross-rank
+  figures per step, wherever the ranks were processed.
+
+This module knows Kafka records and nothing of how figures are computed.
 """
 
 from __future__ import annotations
@@ -15,26 +17,25 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
+import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from profstream.kafka.clients import make_consumer, make_producer
 from profstream.kafka.topics import Topics
 from profstream.processors.assembler import RankAssembler
+from profstream.processors.checkpoint import Output, TransactionalLoop
 from profstream.processors.figures import FigureOptions, RankFigures
+from profstream.processors.health import ProcessorHealth
+from profstream.processors.ranks import rank_figures
 from profstream.schema.batch import decode_batch
-from profstream.schema.codec import DecodeError, encode
+from profstream.schema.codec import DecodeError, decode, encode
 
 log = logging.getLogger("profstream.processor")
 
 
-@dataclass
-class ProcessorHealth:
-    batches: int = 0
-    events: Counter = field(default_factory=Counter)  # by family: ops, memory, queues, steps
-    decode_errors: Counter = field(default_factory=Counter)  # by reason
-    steps_closed: int = 0
-    alerts: int = 0
+def run_partition(run_id: str, partitions: int) -> int:
+    """Partition of the steps topic that carries every rank of ``run_id``."""
+    return zlib.crc32(run_id.encode()) % partitions
 
 
 @dataclass
@@ -43,107 +44,306 @@ class _Rank:
     figures: RankFigures
 
 
-class Processor:
-    """One member of the processor consumer group."""
+class StepStage:
+    """raw -> StepMetrics / Alert / dead letters, with a RankCheckpoint per (run, rank)."""
 
-    def __init__(self, bootstrap: str, topics: Topics, group_id: str = "profstream-processor",
+    def __init__(self, topics: Topics, steps_partitions: int, health: ProcessorHealth,
                  grace_s: float = 2.0, idle_timeout_s: float = 60.0,
-                 figure_options: FigureOptions | None = None, compression: str = "lz4") -> None:
+                 figure_options: FigureOptions | None = None) -> None:
         self.topics = topics
+        self.input_topic = topics.raw
+        self.state_topic = topics.state
+        self.steps_partitions = steps_partitions
+        self.health = health
         self.grace_s = grace_s
         self.idle_timeout_s = idle_timeout_s
         self.figure_options = figure_options or FigureOptions()
-        self.health = ProcessorHealth()
         self.ranks: dict[tuple[str, int], _Rank] = {}
-        self._consumer = make_consumer(bootstrap, topics.raw, group_id=group_id)
-        self._producer = make_producer(bootstrap, compression=compression)
+        self._changed: set[tuple[str, int]] = set()
+
+    # -- checkpoint -------------------------------------------------------------------
+
+    def restore(self, partition: int, key: bytes, value: bytes | None, now: float) -> None:
+        run_id, _, rank = key.decode().rpartition("/")
+        ident = (run_id, int(rank))
+        if value is None:
+            self.ranks.pop(ident, None)
+            return
+        cp = decode("RankCheckpoint", value)
+        self.ranks[ident] = _Rank(RankAssembler.restore(cp, self.grace_s, partition, now),
+                                  RankFigures.restore(self.figure_options, cp))
+
+    def changed_state(self) -> list[Output]:
+        out = []
+        for ident in self._changed:
+            rank = self.ranks.get(ident)
+            if rank is not None:
+                cp = {**rank.assembler.snapshot(), **rank.figures.snapshot()}
+                out.append(Output(self.state_topic, f"{ident[0]}/{ident[1]}".encode(),
+                                  encode("RankCheckpoint", cp), rank.assembler.partition))
+        self._changed.clear()
+        return out
+
+    def commit_offset(self, partition: int, position: int) -> int:
+        offsets = [r.assembler.min_open_offset for r in self.ranks.values() if r.assembler.partition == partition]
+        return min([o for o in offsets if o is not None] + [position])
+
+    def drop_partitions(self, partitions: Iterable[int]) -> None:
+        parts = set(partitions)
+        for ident in [i for i, r in self.ranks.items() if r.assembler.partition in parts]:
+            del self.ranks[ident]
+            self._changed.discard(ident)
+
+    # -- records ----------------------------------------------------------------------
+
+    def fold(self, rec, now: float) -> list[Output]:
+        try:
+            batch = decode_batch(rec.value)
+        except DecodeError as e:
+            self.health.decode_errors[e.reason] += 1
+            headers = [("reason", e.reason.encode()), ("detail", str(e)[:500].encode()),
+                       ("origin", f"{rec.topic}/{rec.partition}/{rec.offset}".encode())]
+            value = rec.value if isinstance(rec.value, bytes) else b""
+            return [Output(self.topics.dlq, rec.key, value, None, headers)]
+        ident = (batch.run_id, batch.rank)
+        rank = self.ranks.get(ident)
+        if rank is None:
+            rank = self.ranks[ident] = _Rank(RankAssembler(batch.run_id, batch.rank, self.grace_s, rec.partition),
+                                             RankFigures(self.figure_options))
+        asm = rank.assembler
+        before = (asm.late_events, asm.lost_batches, asm.dropped_ops)
+        if asm.add(batch, now, rec.offset):
+            self._changed.add(ident)
+            h = self.health
+            h.batches += 1
+            for section in ("ops", "memory", "queues", "steps"):
+                h.events[section] += batch.n(section)
+            h.late_events += asm.late_events - before[0]
+            h.lost_batches += asm.lost_batches - before[1]
+            h.producer_dropped += asm.dropped_ops - before[2]
+            if batch.send_latency_ns >= 0:
+                h.producer_send_latency_s = batch.send_latency_ns / 1e9
+        return []
+
+    def ready(self, now: float) -> list[Output]:
+        out: list[Output] = []
+        for ident, rank in list(self.ranks.items()):
+            asm = rank.assembler
+            closed = asm.close_ready(now)
+            if not closed and now - asm.last_seen >= self.idle_timeout_s:
+                closed = [(ev, "idle") for ev in asm.close_all()]
+                del self.ranks[ident]
+                self._changed.discard(ident)
+                out.append(Output(self.state_topic, f"{ident[0]}/{ident[1]}".encode(), None, asm.partition))
+                self.health.runs_closed += 1
+            elif closed:
+                self._changed.add(ident)
+            for ev, reason in closed:
+                out.extend(self._step_outputs(rank, ev, reason))
+        return out
+
+    def _step_outputs(self, rank: _Rank, ev, reason: str) -> list[Output]:
+        record, transition = rank.figures.step_metrics(ev, reason, rank.assembler.late_events)
+        key = f"{ev.run_id}/{ev.rank}".encode()
+        part = run_partition(ev.run_id, self.steps_partitions)
+        out = [Output(self.topics.steps, key, encode("StepMetrics", record), part)]
+        self.health.step_closed(record)
+        if transition is not None:
+            self.health.alerts += 1
+            opts = self.figure_options
+            firing = transition == "firing"
+            alert = {
+                "name": "DataQueueStall", "state": transition, "run_id": ev.run_id, "rank": ev.rank,
+                "step": ev.step, "ts_ns": time.time_ns(),
+                "summary": (f"run {ev.run_id} rank {ev.rank}: data queue starved for {opts.stall_steps} "
+                            f"consecutive steps (since step {rank.figures.stall.since_step})" if firing else
+                            f"run {ev.run_id} rank {ev.rank}: data queue healthy for {opts.stall_steps} steps"),
+                "evidence": {"data_wait_ns": float(record["data_wait_ns"]),
+                             "step_time_ns": float(record["step_time_ns"]),
+                             "starved_steps_total": float(rank.figures.starved_steps)},
+            }
+            out.append(Output(self.topics.alerts, ev.run_id.encode(), encode("Alert", alert), None))
+        return out
+
+    @property
+    def open_runs(self) -> int:
+        return len({run for run, _ in self.ranks})
+
+    @property
+    def open_events(self) -> int:
+        return sum(r.assembler.open_events for r in self.ranks.values())
+
+
+@dataclass
+class _RunState:
+    partition: int
+    ranks: set[int] = field(default_factory=set)
+    floor: int | None = None  # every step below has been emitted
+    pending: dict[int, dict[int, int]] = field(default_factory=dict)  # step -> rank -> step_time_ns
+    first_offset: dict[int, int] = field(default_factory=dict)  # step -> input offset
+    first_seen: dict[int, float] = field(default_factory=dict)
+    last_seen: float = 0.0
+
+
+class RunStage:
+    """steps -> RunStepMetrics: a step of a run is emitted once every rank seen in the run
+    reported it, or ``grace_s`` after its first report; steps are emitted in order."""
+
+    def __init__(self, topics: Topics, health: ProcessorHealth, grace_s: float = 10.0,
+                 idle_timeout_s: float = 60.0) -> None:
+        self.topics = topics
+        self.input_topic = topics.steps
+        self.state_topic = topics.run_state
+        self.health = health
+        self.grace_s = grace_s
+        self.idle_timeout_s = idle_timeout_s
+        self.runs: dict[str, _RunState] = {}
+        self._changed: set[str] = set()
+
+    def restore(self, partition: int, key: bytes, value: bytes | None, now: float) -> None:
+        run_id = key.decode()
+        if value is None:
+            self.runs.pop(run_id, None)
+            return
+        cp = decode("RunCheckpoint", value)
+        self.runs[run_id] = _RunState(partition, set(cp["ranks"]), cp["floor"], last_seen=now)
+
+    def changed_state(self) -> list[Output]:
+        out = []
+        for run_id in self._changed:
+            run = self.runs.get(run_id)
+            if run is not None:
+                cp = {"run_id": run_id, "floor": run.floor, "ranks": sorted(run.ranks)}
+                out.append(Output(self.state_topic, run_id.encode(), encode("RunCheckpoint", cp), run.partition))
+        self._changed.clear()
+        return out
+
+    def commit_offset(self, partition: int, position: int) -> int:
+        offsets = [o for r in self.runs.values() if r.partition == partition for o in r.first_offset.values()]
+        return min(offsets + [position])
+
+    def drop_partitions(self, partitions: Iterable[int]) -> None:
+        parts = set(partitions)
+        for run_id in [k for k, r in self.runs.items() if r.partition in parts]:
+            del self.runs[run_id]
+            self._changed.discard(run_id)
+
+    def fold(self, rec, now: float) -> list[Output]:
+        try:
+            m = decode("StepMetrics", rec.value)
+        except DecodeError as e:
+            self.health.decode_errors[e.reason] += 1
+            return []
+        run = self.runs.get(m["run_id"])
+        if run is None:
+            run = self.runs[m["run_id"]] = _RunState(rec.partition)
+        run.last_seen = now
+        if m["rank"] not in run.ranks:
+            run.ranks.add(m["rank"])
+            self._changed.add(m["run_id"])
+        step = m["step"]
+        if run.floor is not None and step < run.floor:
+            return []  # already emitted (a re-read after restart, or a rank far behind)
+        if step not in run.pending:
+            run.pending[step] = {}
+            run.first_offset[step] = rec.offset
+            run.first_seen[step] = now
+        run.pending[step][m["rank"]] = m["step_time_ns"]
+        return []
+
+    def ready(self, now: float) -> list[Output]:
+        out: list[Output] = []
+        for run_id, run in list(self.runs.items()):
+            for step in sorted(run.pending):
+                reported = run.pending[step]
+                if len(reported) < len(run.ranks) and now - run.first_seen[step] < self.grace_s:
+                    break
+                out.append(self._emit(run_id, step, reported))
+                del run.pending[step], run.first_offset[step], run.first_seen[step]
+                run.floor = step + 1
+                self._changed.add(run_id)
+            if not run.pending and now - run.last_seen >= self.idle_timeout_s:
+                del self.runs[run_id]
+                self._changed.discard(run_id)
+                out.append(Output(self.state_topic, run_id.encode(), None, run.partition))
+        return out
+
+    def _emit(self, run_id: str, step: int, step_times: dict[int, int]) -> Output:
+        figures = rank_figures(step_times)
+        record = {"run_id": run_id, "step": step, **figures,
+                  "step_times_ns": {str(r): t for r, t in sorted(step_times.items())}}
+        self.health.run_steps += 1
+        return Output(self.topics.run, run_id.encode(), encode("RunStepMetrics", record), None)
+
+
+class Processor:
+    """A processor process: the step stage and (by default) the run stage, each in its own
+    consumer group and thread, exactly once. ``instance_id`` must be unique per process and
+    stable across its restarts."""
+
+    def __init__(self, bootstrap: str, topics: Topics, group_id: str = "profstream-processor",
+                 instance_id: str = "0", grace_s: float = 2.0, idle_timeout_s: float = 60.0,
+                 run_grace_s: float = 10.0, figure_options: FigureOptions | None = None,
+                 commit_interval_ms: float = 100.0, stages: str = "all", compression: str = "lz4",
+                 health: ProcessorHealth | None = None) -> None:
+        if stages not in ("all", "steps", "run"):
+            raise ValueError("stages must be all, steps or run")
+        self.health = health or ProcessorHealth()
+        self.loops: list[TransactionalLoop] = []
+        self.step_stage: StepStage | None = None
+        self.run_stage: RunStage | None = None
+        if stages in ("all", "steps"):
+            self.step_stage = StepStage(topics, _partition_count(bootstrap, topics.steps), self.health,
+                                        grace_s, idle_timeout_s, figure_options)
+            self.loops.append(TransactionalLoop(bootstrap, self.step_stage, group_id, instance_id,
+                                                commit_interval_ms, compression=compression,
+                                                on_commit=self.health.committed))
+        if stages in ("all", "run"):
+            self.run_stage = RunStage(topics, self.health, run_grace_s, idle_timeout_s)
+            self.loops.append(TransactionalLoop(bootstrap, self.run_stage, f"{group_id}-run", instance_id,
+                                                commit_interval_ms, compression=compression))
+        self.health.bind(self)
         self._stop = threading.Event()
 
-    # -- loop -------------------------------------------------------------------------
+    def run(self, stop: threading.Event | None = None) -> None:
+        """Run every stage until ``stop`` (or ``self.stop()``) is set; re-raises a stage's error."""
+        if stop is not None:
+            self._stop = stop
+        stop = self._stop
+        errors: list[BaseException] = []
 
-    def run(self, stop: threading.Event | None = None, poll_ms: int = 100) -> None:
-        """Process until ``stop`` (or ``self.stop()``) is set."""
-        stop = stop or self._stop
-        try:
-            while not stop.is_set() and not self._stop.is_set():
-                self.poll_once(poll_ms)
-        finally:
-            self.close()
+        def work(loop: TransactionalLoop) -> None:
+            try:
+                loop.run(stop)
+            except BaseException as e:
+                errors.append(e)
+                stop.set()
+
+        threads = [threading.Thread(target=work, args=(loop,), name=f"profstream-{type(loop.stage).__name__}",
+                                    daemon=True) for loop in self.loops[1:]]
+        for t in threads:
+            t.start()
+        work(self.loops[0])
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
 
     def stop(self) -> None:
         self._stop.set()
 
-    def poll_once(self, poll_ms: int = 100) -> int:
-        """One poll: fold records in, close what is ready, send, commit. Returns steps closed."""
-        polled = self._consumer.poll(timeout_ms=poll_ms)
-        now = time.monotonic()
-        for records in polled.values():
-            for rec in records:
-                self._fold(rec, now)
-        closed = self._close_ready(now)
-        if polled or closed:
-            self._producer.flush()
-            if polled:
-                self._consumer.commit()
-        return closed
+    def lag(self) -> int:
+        return sum(loop.lag() for loop in self.loops[:1])
 
-    def _fold(self, rec, now: float) -> None:
-        try:
-            batch = decode_batch(rec.value)
-        except DecodeError as e:
-            self._dead_letter(rec, e)
-            return
-        key = (batch.run_id, batch.rank)
-        rank = self.ranks.get(key)
-        if rank is None:
-            rank = self.ranks[key] = _Rank(RankAssembler(batch.run_id, batch.rank, self.grace_s),
-                                           RankFigures(self.figure_options))
-        if rank.assembler.add(batch, now):
-            self.health.batches += 1
-            for section in ("ops", "memory", "queues", "steps"):
-                self.health.events[section] += batch.n(section)
 
-    def _dead_letter(self, rec, error: DecodeError) -> None:
-        self.health.decode_errors[error.reason] += 1
-        headers = [("reason", error.reason.encode()), ("detail", str(error)[:500].encode()),
-                   ("origin", f"{rec.topic}/{rec.partition}/{rec.offset}".encode())]
-        self._producer.send(self.topics.dlq, value=rec.value if isinstance(rec.value, bytes) else b"",
-                            key=rec.key, headers=headers)
+def _partition_count(bootstrap: str, topic: str) -> int:
+    from profstream.kafka.clients import make_consumer
 
-    def _close_ready(self, now: float) -> int:
-        closed = 0
-        for key, rank in list(self.ranks.items()):
-            asm = rank.assembler
-            ready = asm.close_ready(now)
-            if not ready and now - asm.last_seen >= self.idle_timeout_s:
-                ready = [(ev, "idle") for ev in asm.close_all()]
-                del self.ranks[key]
-            for ev, reason in ready:
-                self._emit(rank, ev, reason)
-                closed += 1
-        return closed
-
-    def _emit(self, rank: _Rank, ev, reason: str) -> None:
-        record, transition = rank.figures.step_metrics(ev, reason, rank.assembler.late_events)
-        self._producer.send(self.topics.steps, value=encode("StepMetrics", record),
-                            key=f"{ev.run_id}/{ev.rank}".encode())
-        self.health.steps_closed += 1
-        if transition is not None:
-            self.health.alerts += 1
-            alert = {
-                "name": "DataQueueStall", "state": transition, "run_id": ev.run_id, "rank": ev.rank,
-                "step": ev.step, "ts_ns": time.time_ns(),
-                "summary": (f"rank {ev.rank} of run {ev.run_id}: data queue starved for "
-                            f"{self.figure_options.stall_steps} consecutive steps" if transition == "firing"
-                            else f"rank {ev.rank} of run {ev.run_id}: data queue healthy again"),
-                "evidence": {"data_wait_ns": float(record["data_wait_ns"]),
-                             "step_time_ns": float(record["step_time_ns"])},
-            }
-            self._producer.send(self.topics.alerts, value=encode("Alert", alert), key=ev.run_id.encode())
-
-    def close(self) -> None:
-        try:
-            self._producer.flush(timeout=10)
-        finally:
-            self._producer.close(timeout=5)
-            self._consumer.close()
+    consumer = make_consumer(bootstrap, group_id=None)
+    try:
+        parts = consumer.partitions_for_topic(topic)
+    finally:
+        consumer.close()
+    if not parts:
+        raise RuntimeError(f"topic {topic} does not exist: create it with ensure_topics / `profstream process`")
+    return len(parts)

@@ -70,3 +70,17 @@ class StallDetector:
             return FIRING
         self.since_step = None
         return RESOLVED
+
+    def to_state(self) -> dict:
+        """Everything needed to rebuild this detector (for the processor's checkpoint)."""
+        return {"firing": self._firing, "streak": self._streak, "streak_start": self._streak_start,
+                "since_step": self.since_step}
+
+    @classmethod
+    def from_state(cls, k: int, state: dict) -> StallDetector:
+        detector = cls(k)
+        detector._firing = state["firing"]
+        detector._streak = state["streak"]
+        detector._streak_start = state["streak_start"]
+        detector.since_step = state["since_step"]
+        return detector

@@ -17,7 +17,9 @@ import time
 import uuid
 import weakref
 from collections import deque
-from typing import Any
+from typing import Any, NamedTuple
+
+import numpy as np
 
 from profstream.config import MONITOR_OPTIONS, resolve
 from profstream.kafka.topics import Topics
@@ -88,7 +90,10 @@ class Monitor:
         self._batch_max_ops: int = opts["batch_max_ops"]
 
         # Buffers: appended on the training thread, drained by the sender thread.
-        self._ops: deque = deque()
+        self._ops: deque = deque()  # one tuple per op() call
+        self._op_chunks: deque = deque()  # one OpChunk per ops() call
+        self._chunk_ops_in = 0  # ops put into chunks (recording thread)
+        self._chunk_ops_out = 0  # ops taken out of chunks (sender thread)
         self._marks: deque = deque()
         self._memory: deque = deque()
         self._queues: deque = deque()
@@ -138,21 +143,23 @@ class Monitor:
                 self.dropped_ops += 1
 
     def ops(self, names, start_ns, dur_ns, kinds=0, op_types=None, streams=0, step: int | None = None) -> None:
-        """Record many ops at once (sequences of equal length; scalars apply to all).
-
-        Used by framework integrations that get a step's ops in bulk."""
+        """Record many ops at once: equal-length sequences (lists or numpy arrays); a scalar
+        ``kinds``, ``op_types`` or ``streams`` applies to all. The columns are copied, so the
+        caller may reuse them. Used by integrations that get a step's ops in bulk."""
         if not self._capturing:
             return
         n = len(names)
-        step = self._step if step is None else step
-        room = self._max_ops - len(self._ops)
+        room = self._max_ops - self.buffered_ops
         if n > room:
-            self.dropped_ops += n - max(room, 0)
-            n = max(room, 0)
-        col = _column
-        self._ops.extend(zip(names[:n], col(op_types, n), col(kinds, n), col(streams, n),
-                             col(step, n), start_ns[:n], dur_ns[:n]))
-        if len(self._ops) >= self._batch_max_ops:
+            room = max(room, 0)
+            self.dropped_ops += n - room
+            n = room
+            if not n:
+                return
+        self._op_chunks.append(OpChunk(n, _copy(names, n), _copy(op_types, n), _copy(kinds, n), _copy(streams, n),
+                                       self._step if step is None else step, _copy(start_ns, n), _copy(dur_ns, n)))
+        self._chunk_ops_in += n
+        if self.buffered_ops >= self._batch_max_ops:
             self._wake.set()
 
     # -- steps ------------------------------------------------------------------------
@@ -249,11 +256,11 @@ class Monitor:
 
     @property
     def buffered_ops(self) -> int:
-        return len(self._ops)
+        return len(self._ops) + self._chunk_ops_in - self._chunk_ops_out
 
     @property
     def buffer_fill_ratio(self) -> float:
-        return len(self._ops) / self._max_ops
+        return self.buffered_ops / self._max_ops
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Send everything recorded so far and wait for the broker's acknowledgement.
@@ -285,16 +292,30 @@ class Monitor:
     def stats(self) -> dict[str, Any]:
         """Producer health: drops, buffer fill, batches sent, send latency."""
         out = {"dropped_ops": self.dropped_ops, "dropped_samples": self.dropped_samples,
-               "buffered_ops": len(self._ops), "buffer_fill_ratio": self.buffer_fill_ratio,
+               "buffered_ops": self.buffered_ops, "buffer_fill_ratio": self.buffer_fill_ratio,
                "buffered_samples": len(self._marks) + len(self._memory) + len(self._queues)}
         if self._sender is not None:
             out.update(self._sender.stats())
         return out
 
 
-def _column(value: Any, n: int):
-    """A sequence of n values: ``value`` itself if it is a sequence, else n copies."""
-    if value is None or isinstance(value, (int, str)):
-        return (value,) * n
-    return value[:n]
+class OpChunk(NamedTuple):
+    """The columns of one ops() call; scalar columns stay scalars."""
 
+    n: int
+    names: Any
+    op_types: Any
+    kinds: Any
+    streams: Any
+    step: Any
+    start_ns: Any
+    dur_ns: Any
+
+
+def _copy(value: Any, n: int) -> Any:
+    """The first n values of a column, copied; a scalar (or None) as it is."""
+    if value is None or isinstance(value, (int, str)):
+        return value
+    if isinstance(value, np.ndarray):
+        return value[:n].copy()
+    return list(value[:n])

@@ -20,6 +20,7 @@ import numpy as np
 import psutil
 
 from profstream.kafka.clients import make_producer
+from profstream.producers.monitor import OpChunk
 from profstream.schema.batch import (
     HOST,
     I32,
@@ -50,34 +51,82 @@ def _dictionary(values) -> tuple[list[str], np.ndarray]:
     return [str(v) for v in index], np.array(codes, dtype=I32)
 
 
-def op_columns(rows: list[tuple]) -> tuple[list[str], list[str], dict[str, np.ndarray], int]:
-    """Columns of op tuples (name, op_type, kind, stream, step, start_ns, dur_ns).
-
-    Returns (names, op_types, columns, unknown_kinds). Rows with values that are not
-    numbers raise ValueError/TypeError (the caller drops them row by row)."""
+def rows_chunk(rows: list[tuple]) -> OpChunk:
+    """op() tuples (name, op_type, kind, stream, step, start_ns, dur_ns) as one chunk."""
     names, types, kinds, streams, steps, starts, durs = zip(*rows)
-    if None in types:
-        types = [n if t is None else t for n, t in zip(names, types)]
+    return OpChunk(len(rows), names, types, kinds, streams, steps, starts, durs)
+
+
+def chunk_rows(chunk: OpChunk) -> list[tuple]:
+    """The inverse of rows_chunk (scalar columns repeated): for row-by-row validation."""
+    n = chunk.n
+    col = [c if isinstance(c, (list, tuple, np.ndarray)) else [c] * n
+           for c in (chunk.names, chunk.op_types, chunk.kinds, chunk.streams, chunk.step, chunk.start_ns,
+                     chunk.dur_ns)]
+    return list(zip(*col))
+
+
+def _slice(chunk: OpChunk, lo: int, hi: int) -> OpChunk:
+    cut = [c[lo:hi] if isinstance(c, (list, tuple, np.ndarray)) else c for c in chunk[1:]]
+    return OpChunk(hi - lo, *cut)
+
+
+def _numbers(value, n: int, dtype) -> np.ndarray:
+    if isinstance(value, (list, tuple, np.ndarray)):
+        return np.asarray(value, dtype=dtype)
+    return np.full(n, value, dtype=dtype)
+
+
+def _kinds(value, n: int) -> tuple[np.ndarray, int]:
+    """u8 kind codes and how many names were unknown (recorded as host)."""
+    if isinstance(value, str):
+        code = KIND_CODES.get(value, -1)
+        return np.full(n, HOST if code == -1 else code, U8), n * (code == -1)
+    try:
+        return _numbers(value, n, U8), 0
+    except (ValueError, TypeError, OverflowError):
+        codes = [KIND_CODES.get(k, -1) if isinstance(k, str) else k for k in value]
+        unknown = codes.count(-1)
+        return np.array([HOST if c == -1 else c for c in codes], dtype=U8), unknown
+
+
+def op_columns(chunks: list[OpChunk]) -> tuple[list[str], list[str], dict[str, np.ndarray], int]:
+    """Columns of op chunks: (names, op_types, columns, unknown kind names). Values that
+    are not numbers raise ValueError/TypeError (the caller then drops them row by row)."""
+    names: list = []
+    types: list = []
+    parts: dict[str, list[np.ndarray]] = {c: [] for c in ("kind", "stream", "step", "start_ns", "dur_ns")}
+    unknown = 0
+    for c in chunks:
+        n = c.n
+        names.extend(c.names)
+        if c.op_types is None:
+            types.extend(c.names)
+        elif isinstance(c.op_types, str):
+            types.extend([c.op_types] * n)
+        else:
+            t = list(c.op_types)
+            if None in t:
+                t = [nm if tp is None else tp for nm, tp in zip(c.names, t)]
+            types.extend(t)
+        kind, k_unknown = _kinds(c.kinds, n)
+        unknown += k_unknown
+        parts["kind"].append(kind)
+        parts["stream"].append(_numbers(c.streams, n, I32))
+        parts["step"].append(_numbers(c.step, n, I64))
+        parts["start_ns"].append(_numbers(c.start_ns, n, I64))
+        parts["dur_ns"].append(_numbers(c.dur_ns, n, I64))
     name_list, name_idx = _dictionary(names)
     type_list, type_idx = _dictionary(types)
-    unknown = 0
-    try:
-        kind = np.array(kinds, dtype=U8)
-    except (ValueError, TypeError, OverflowError):
-        codes = [KIND_CODES.get(k, -1) if isinstance(k, str) else k for k in kinds]
-        unknown = codes.count(-1)
-        kind = np.array([HOST if c == -1 else c for c in codes], dtype=U8)
-    cols = {
-        "name_idx": name_idx, "type_idx": type_idx, "kind": kind,
-        "stream": np.array(streams, dtype=I32), "step": np.array(steps, dtype=I64),
-        "start_ns": np.array(starts, dtype=I64), "dur_ns": np.array(durs, dtype=I64),
-    }
+    cols = {"name_idx": name_idx, "type_idx": type_idx}
+    for col, arrays in parts.items():
+        cols[col] = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
     return name_list, type_list, cols, unknown
 
 
 def _valid_op(row: tuple) -> bool:
     try:
-        op_columns([row])
+        op_columns([rows_chunk([row])])
         return True
     except (ValueError, TypeError, OverflowError):
         return False
@@ -171,7 +220,7 @@ class Sender(threading.Thread):
 
     def _buffered(self) -> bool:
         m = self.m
-        return bool(self._pending or m._ops or m._marks or m._memory or m._queues)
+        return bool(self._pending or m._ops or m._op_chunks or m._marks or m._memory or m._queues)
 
     def _cycle(self) -> None:
         now = time.monotonic()
@@ -241,8 +290,8 @@ class Sender(threading.Thread):
         queues = _drain(m._queues)
         host = self._host_rows
         self._host_rows = []
-        more_ops = len(m._ops) > m._batch_max_ops
-        ops = _drain(m._ops, m._batch_max_ops)
+        ops = self._take_ops(m._batch_max_ops)
+        more_ops = m.buffered_ops > 0
         total_dropped_ops, total_dropped_samples = m.dropped_ops, m.dropped_samples
         dropped_ops = total_dropped_ops - self._reported_dropped_ops
         dropped_samples = total_dropped_samples - self._reported_dropped_samples
@@ -286,21 +335,43 @@ class Sender(threading.Thread):
         self._pending.append((value, batch.n("ops")))
         return True
 
-    def _fill_ops(self, batch: EventBatch, ops: list[tuple]) -> int:
+    def _take_ops(self, limit: int) -> list[OpChunk]:
+        """Up to ``limit`` buffered ops, op() tuples first, then ops() chunks (split if needed)."""
+        m = self.m
+        rows = _drain(m._ops, limit)
+        taken = [rows_chunk(rows)] if rows else []
+        room = limit - len(rows)
+        chunks = m._op_chunks
+        while room > 0 and chunks:
+            head = chunks[0]
+            if head.n <= room:
+                chunks.popleft()
+                taken.append(head)
+                room -= head.n
+                m._chunk_ops_out += head.n
+            else:
+                taken.append(_slice(head, 0, room))
+                chunks[0] = _slice(head, room, head.n)
+                m._chunk_ops_out += room
+                room = 0
+        return taken
+
+    def _fill_ops(self, batch: EventBatch, ops: list[OpChunk]) -> int:
         """Put ops into the batch; returns how many were invalid and dropped."""
         bad = 0
         try:
             names, types, cols, unknown = op_columns(ops)
         except (ValueError, TypeError, OverflowError):
-            good = [row for row in ops if _valid_op(row)]
-            bad = len(ops) - len(good)
+            rows = [row for chunk in ops for row in chunk_rows(chunk)]
+            good = [row for row in rows if _valid_op(row)]
+            bad = len(rows) - len(good)
             if bad and not self.bad_ops:
                 log.warning("profstream: dropped ops with non-numeric start/duration/step/stream "
-                            "(first: %r); they are counted as dropped", next(r for r in ops if not _valid_op(r)))
+                            "(first: %r); they are counted as dropped", next(r for r in rows if not _valid_op(r)))
             self.bad_ops += bad
             if not good:
                 return bad
-            names, types, cols, unknown = op_columns(good)
+            names, types, cols, unknown = op_columns([rows_chunk(good)])
         if unknown and not self.unknown_kinds:
             log.warning("profstream: op kinds not in %s are recorded as 'host'", sorted(KIND_CODES))
         self.unknown_kinds += unknown

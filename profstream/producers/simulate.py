@@ -208,20 +208,53 @@ def expected(cfg: SimConfig, start_ns: int = 0) -> dict[tuple[int, int], dict]:
     return {(p.rank, p.step): p.truth for p in plan_run(cfg, start_ns)}
 
 
-def record_step(monitor, plan: StepPlan) -> None:
-    """Feed one planned step into a Monitor with its exact timestamps."""
-    monitor.begin_step(plan.step, ts_ns=plan.start_ns)
-    ts, size = plan.queue[0]
-    monitor.queue(QUEUE_NAME, size, QUEUE_CAPACITY, ts_ns=ts)
-    monitor.memory(*plan.memory[0][1:], ts_ns=plan.memory[0][0])
-    monitor.mark_fp_start(plan.fp_start_ns)
-    monitor.ops(plan.names, plan.op_start_ns, plan.op_dur_ns, plan.kinds, plan.op_types, plan.streams)
-    monitor.mark_bp_end(plan.bp_end_ns)
+PHASES = ("start", "body", "end")
+
+
+def phase_time(plan: StepPlan, phase: str) -> int:
+    """When a phase's events are recorded: S, B (forward and backward done), E."""
+    return {"start": plan.start_ns, "body": plan.bp_end_ns, "end": plan.end_ns}[phase]
+
+
+def record_phase(monitor, plan: StepPlan, phase: str) -> None:
+    """Feed one phase of a planned step into a Monitor, as a training loop would record it
+    while the step runs: the start at S, ops that ended by B at B, the rest at E."""
+    if phase == "start":
+        monitor.begin_step(plan.step, ts_ns=plan.start_ns)
+        ts, size = plan.queue[0]
+        monitor.queue(QUEUE_NAME, size, QUEUE_CAPACITY, ts_ns=ts)
+        monitor.memory(*plan.memory[0][1:], ts_ns=plan.memory[0][0])
+        monitor.mark_fp_start(plan.fp_start_ns)
+        return
+    split = _ops_done_by(plan, plan.bp_end_ns)
+    lo, hi = (0, split) if phase == "body" else (split, len(plan.names))
+    if hi > lo:
+        monitor.ops(plan.names[lo:hi], plan.op_start_ns[lo:hi], plan.op_dur_ns[lo:hi], plan.kinds[lo:hi],
+                    plan.op_types[lo:hi], plan.streams[lo:hi])
+    if phase == "body":
+        monitor.mark_bp_end(plan.bp_end_ns)
+        return
     for ts, size in plan.queue[1:]:
         monitor.queue(QUEUE_NAME, size, QUEUE_CAPACITY, ts_ns=ts)
     for ts, alloc, reserved, peak in plan.memory[1:]:
         monitor.memory(alloc, reserved, peak, ts_ns=ts)
     monitor.end_step(plan.end_ns)
+
+
+def _ops_done_by(plan: StepPlan, ts: int) -> int:
+    """Ops are laid out forward, backward, all-reduce, optimizer: the prefix that ended by ts."""
+    n = 0
+    for start, dur, kind in zip(plan.op_start_ns, plan.op_dur_ns, plan.kinds):
+        if kind != COMPUTE or start + dur > ts:
+            break
+        n += 1
+    return n
+
+
+def record_step(monitor, plan: StepPlan) -> None:
+    """Feed one whole planned step into a Monitor with its exact timestamps."""
+    for phase in PHASES:
+        record_phase(monitor, plan, phase)
 
 
 @dataclass
@@ -246,16 +279,31 @@ def run_simulation(cfg: SimConfig, monitor_options: dict | None = None, progress
     origin = cfg.start_ns if cfg.start_ns is not None else time.time_ns()
     steps = ops = 0
     try:
-        for plan in plan_run(cfg, origin):
-            if cfg.rate == "realtime":
-                delay = (plan.end_ns - origin) / 1e9 - (time.monotonic() - wall0)
-                if delay > 0:
-                    time.sleep(delay)
-            record_step(monitors[plan.rank], plan)
-            steps += 1
-            ops += len(plan.names)
-            if progress is not None:
-                progress(plan)
+        if cfg.rate == "max":
+            for plan in plan_run(cfg, origin):
+                record_step(monitors[plan.rank], plan)
+                steps += 1
+                ops += len(plan.names)
+                if progress is not None:
+                    progress(plan)
+        else:
+            plans: list[StepPlan] = []
+            for plan in plan_run(cfg, origin):  # all ranks of a step, then the next step
+                plans.append(plan)
+                if len(plans) < cfg.ranks:
+                    continue
+                for phase in PHASES:
+                    delay = (phase_time(plans[0], phase) - origin) / 1e9 - (time.monotonic() - wall0)
+                    if delay > 0:
+                        time.sleep(delay)
+                    for p in plans:
+                        record_phase(monitors[p.rank], p, phase)
+                for p in plans:
+                    steps += 1
+                    ops += len(p.names)
+                    if progress is not None:
+                        progress(p)
+                plans = []
     finally:
         flushed = all([m.flush(timeout=30) for m in monitors])
         stats = [m.stats() for m in monitors]

@@ -93,6 +93,8 @@ _VERSIONS: list[SchemaVersion] = [
     _version(_load("step_metrics.avsc"), 1),
     _version(_load("run_step_metrics.avsc"), 1),
     _version(_load("alert.avsc"), 1),
+    _version(_load("rank_checkpoint.avsc"), 1),
+    _version(_load("run_checkpoint.avsc"), 1),
 ]
 
 SCHEMAS: dict[int, SchemaVersion] = {v.fingerprint: v for v in _VERSIONS}

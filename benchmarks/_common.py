@@ -1,0 +1,120 @@
+"""Helpers shared by the benchmark scripts: machine info, statistics, the JSON envelope, the broker."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+
+def machine() -> dict[str, Any]:
+    """Python version, CPU count, platform and load: enough to compare runs on a shared box."""
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "implementation": platform.python_implementation(),
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "processor": _cpu_model(),
+    }
+    info["libraries"] = _libraries()
+    try:
+        info["loadavg_at_start"] = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        pass
+    return info
+
+
+def _libraries() -> dict[str, str | None]:
+    """Versions that move these figures, and whether kafka-python checksums in C or Python."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out: dict[str, str | None] = {}
+    for dist in ("profstream", "kafka-python", "fastavro", "numpy", "lz4", "crc32c"):
+        try:
+            out[dist] = version(dist)
+        except PackageNotFoundError:
+            out[dist] = None
+    try:
+        from kafka.record import util
+
+        out["kafka_crc32c"] = "native" if getattr(util, "crc32c_c", None) else "pure-python"
+    except ImportError:
+        out["kafka_crc32c"] = None
+    return out
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    """Median, min, max and relative spread ((max - min) / median) of per-repeat values."""
+    med = statistics.median(values)
+    return {"median": med, "min": min(values), "max": max(values),
+            "spread": (max(values) - min(values)) / med if med else 0.0}
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100) of ``values``."""
+    ordered = sorted(values)
+    k = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))
+    return ordered[k]
+
+
+def envelope(benchmark: str, args: Any, results: dict[str, Any]) -> dict[str, Any]:
+    """The JSON object every benchmark prints: what ran, where, when, and its results."""
+    return {
+        "benchmark": benchmark,
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "command": shlex.join([os.path.basename(sys.executable)] + sys.argv),
+        "args": vars(args),
+        "machine": machine(),
+        **results,
+    }
+
+
+def emit(obj: dict[str, Any]) -> None:
+    json.dump(obj, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+
+
+def note(msg: str) -> None:
+    """Progress on stderr, so stdout stays one JSON object."""
+    print(msg, file=sys.stderr, flush=True)
+
+
+def broker_bootstrap(bootstrap: str | None) -> str:
+    """``bootstrap`` if given (checked to answer), else the local broker of `profstream stack up`."""
+    from profstream.kafka.launcher import stack_up, wait_for_broker
+
+    if bootstrap:
+        wait_for_broker(bootstrap, timeout=30.0)
+        return bootstrap
+    return stack_up().bootstrap
+
+
+def unique_prefix() -> str:
+    return f"bench-{uuid.uuid4().hex[:8]}"
+
+
+def drop_topics(bootstrap: str, prefix: str) -> None:
+    """Delete the topics a benchmark created, so runs do not pile up on a shared broker."""
+    from profstream.kafka.topics import Topics, delete_topics
+
+    try:
+        delete_topics(bootstrap, Topics(prefix), timeout=30.0)
+    except Exception as e:  # cleanup only: report it, keep the results
+        note(f"could not delete topics of {prefix}: {type(e).__name__}: {e}")

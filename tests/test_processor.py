@@ -1,0 +1,209 @@
+"""The stream processor against the real broker: alerts, stragglers, bad input, crashes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections import Counter, namedtuple
+
+import pytest
+from kafka import KafkaConsumer
+
+from profstream.kafka.clients import make_producer, read_topic
+from profstream.processors.health import ProcessorHealth
+from profstream.processors.runtime import Processor, StepStage
+from profstream.producers.simulate import SimConfig, expected, run_simulation
+from profstream.schema.codec import decode
+from tests.helpers import step_records, wait_until
+
+
+class RunningProcessor:
+    """A Processor on a thread, stopped on exit."""
+
+    def __init__(self, bootstrap, topics, **kw) -> None:
+        kw.setdefault("group_id", f"g-{topics.prefix}")
+        kw.setdefault("grace_s", 0.5)
+        kw.setdefault("run_grace_s", 5.0)
+        self.processor = Processor(bootstrap, topics, **kw)
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self.processor.run(self.stop)
+        except BaseException as e:  # surfaced in __exit__
+            self.error = e
+
+    def __enter__(self) -> Processor:
+        self.thread.start()
+        return self.processor
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join(30)
+        if self.error is not None:
+            raise AssertionError(f"the processor failed: {self.error!r}") from self.error
+
+
+def _alerts(bootstrap, topics, run_id, count, timeout=60):
+    return read_topic(bootstrap, topics.alerts, lambda a: a["run_id"] == run_id, count, timeout,
+                      decode=lambda v: decode("Alert", v))
+
+
+def _run_steps(bootstrap, topics, run_id, count, timeout=60):
+    return read_topic(bootstrap, topics.run, lambda r: r["run_id"] == run_id, count, timeout,
+                      decode=lambda v: decode("RunStepMetrics", v))
+
+
+def test_data_stall_fires_at_the_fifth_starved_step_and_resolves_after_five_healthy(kafka_bootstrap, topics):
+    stalled = SimConfig(run_id="stalled", ranks=2, steps=50, ops_per_step=40, stall=(20, 34), seed=5)
+    clean = SimConfig(run_id="clean", ranks=2, steps=50, ops_per_step=40, seed=5)
+    with RunningProcessor(kafka_bootstrap, topics):
+        for cfg in (stalled, clean):
+            run_simulation(cfg, {"bootstrap": kafka_bootstrap, "topic_prefix": topics.prefix})
+        steps = step_records(kafka_bootstrap, topics.steps, "stalled", 100)
+        step_records(kafka_bootstrap, topics.steps, "clean", 100)
+        alerts = _alerts(kafka_bootstrap, topics, "stalled", 4)
+    assert sorted((s["rank"], s["step"]) for s in steps if s["starved"]) == [
+        (r, s) for r in range(2) for s in range(20, 35)]
+    got = sorted((a["rank"], a["step"], a["state"]) for a in alerts)
+    assert got == [(0, 24, "firing"), (0, 39, "resolved"), (1, 24, "firing"), (1, 39, "resolved")]
+    firing = next(a for a in alerts if a["state"] == "firing")
+    assert firing["name"] == "DataQueueStall" and "since step 20" in firing["summary"]
+    assert _alerts(kafka_bootstrap, topics, "clean", 1, timeout=2) == []  # nothing fires on a clean run
+
+
+def test_straggler_is_named_on_every_step_with_the_defined_skew(kafka_bootstrap, topics):
+    cfg = SimConfig(run_id="straggle", ranks=4, steps=30, ops_per_step=40, straggler_rank=2,
+                    straggler_factor=1.6, seed=9)
+    with RunningProcessor(kafka_bootstrap, topics) as processor:
+        run_simulation(cfg, {"bootstrap": kafka_bootstrap, "topic_prefix": topics.prefix})
+        runs = _run_steps(kafka_bootstrap, topics, "straggle", cfg.steps)
+        stage = processor.run_stage
+        seen = (f"run stage emitted {processor.health.run_steps}, holds "
+                f"{ {k: (sorted(r.ranks), r.floor, len(r.pending)) for k, r in stage.runs.items()} }, "
+                f"steps closed {processor.health.steps_closed}, assignment "
+                f"{processor.loops[1]._consumer.assignment()}")
+    truth = expected(cfg)
+    assert sorted(r["step"] for r in runs) == list(range(cfg.steps)), seen
+    for r in runs:
+        times = sorted(truth[(rank, r["step"])]["step_time_ns"] for rank in range(4))
+        median = (times[1] + times[2]) / 2
+        assert r["ranks_reported"] == 4
+        assert r["straggler_rank"] == 2
+        assert r["skew"] == pytest.approx((times[-1] - times[0]) / median, rel=1e-12)
+        assert r["max_step_time_ns"] == truth[(2, r["step"])]["step_time_ns"]
+
+
+def test_undecodable_messages_go_to_the_dead_letter_topic_and_valid_steps_still_count(kafka_bootstrap, topics):
+    from profstream.schema.batch import EventBatch, encode_batch
+
+    cfg = SimConfig(run_id="mixed", ranks=2, steps=20, ops_per_step=40, seed=2)
+    good = encode_batch(EventBatch(run_id="x", rank=0))
+    garbage = {
+        "not_avro": b'{"op": "matmul"}',
+        "truncated": good[: len(good) // 2],
+        "unknown_fingerprint": b"\xc3\x01" + b"\x13" * 8 + good[10:],
+    }
+    producer = make_producer(kafka_bootstrap)
+    with RunningProcessor(kafka_bootstrap, topics):
+        for value in garbage.values():  # before, between and after the run's batches
+            producer.send(topics.raw, value=value, key=b"mixed/0")
+        producer.flush()
+        run_simulation(cfg, {"bootstrap": kafka_bootstrap, "topic_prefix": topics.prefix})
+        for value in garbage.values():
+            producer.send(topics.raw, value=value, key=b"mixed/1")
+        producer.close()
+        steps = step_records(kafka_bootstrap, topics.steps, "mixed", 40)
+        dead = read_topic(kafka_bootstrap, topics.dlq, lambda _: True, 6, 30, decode=None)
+    assert sorted((s["rank"], s["step"]) for s in steps) == [(r, s) for r in range(2) for s in range(20)]
+    truth = expected(cfg)
+    assert all(s["step_time_ns"] == truth[(s["rank"], s["step"])]["step_time_ns"] for s in steps)
+    assert len(dead) == 6
+    consumer = KafkaConsumer(bootstrap_servers=kafka_bootstrap, auto_offset_reset="earliest",
+                             isolation_level="read_committed", consumer_timeout_ms=5000)
+    consumer.subscribe([topics.dlq])
+    reasons = Counter()
+    for rec in consumer:
+        headers = dict(rec.headers)
+        reasons[headers["reason"].decode()] += 1
+        topic, part, offset = headers["origin"].decode().rsplit("/", 2)
+        assert topic == topics.raw and int(part) >= 0 and int(offset) >= 0
+        assert rec.value in garbage.values()  # the original bytes, untouched
+        if sum(reasons.values()) == 6:
+            break
+    consumer.close()
+    assert reasons == {"not_avro": 2, "truncated": 2, "unknown_fingerprint": 2}
+
+
+_Rec = namedtuple("_Rec", "topic partition offset key value")
+
+
+def _uninterrupted(bootstrap, topics, run_id, n_batches) -> dict:
+    """StepMetrics of the run computed by one StepStage that never stops, per (rank, step)."""
+    records: list = []
+    read_topic(bootstrap, topics.raw, lambda r: records.append(r) or True, n_batches, 30,
+               decode=lambda v: v)
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, auto_offset_reset="earliest",
+                             isolation_level="read_committed", consumer_timeout_ms=3000)
+    consumer.subscribe([topics.raw])
+    stage = StepStage(topics, 3, ProcessorHealth())
+    out = []
+    for rec in consumer:
+        out += stage.fold(_Rec(rec.topic, rec.partition, rec.offset, rec.key, rec.value), 0.0)
+        out += stage.ready(0.0)
+    consumer.close()
+    out += stage.ready(1e9)
+    steps = [decode("StepMetrics", o.value) for o in out if o.topic == topics.steps]
+    return {(s["rank"], s["step"]): s for s in steps if s["run_id"] == run_id}
+
+
+def test_kill_9_and_restart_gives_every_step_exactly_once_with_identical_values(kafka_bootstrap, topics, tmp_path):
+    # realtime: each step's ops arrive before its end mark, so commits happen with steps open
+    cfg = SimConfig(run_id="crash", ranks=2, steps=400, ops_per_step=100, step_time_ms=25, seed=4,
+                    rate="realtime")
+    total = cfg.ranks * cfg.steps
+    cmd = [sys.executable, "-m", "profstream.cli", "process", "--bootstrap", kafka_bootstrap,
+           "--topic-prefix", topics.prefix, "--group-id", f"g-{topics.prefix}", "--instance-id", "p0",
+           "--metrics-port", "0", "--grace-s", "0.5", "--run-grace-s", "5"]
+    log = open(tmp_path / "processor.log", "w")
+
+    def start():
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    proc = start()
+    wait_until(lambda: "processing" in (tmp_path / "processor.log").read_text(), 60, "the processor to start")
+    sim = {}
+    producer = threading.Thread(target=lambda: sim.update(r=run_simulation(
+        cfg, {"bootstrap": kafka_bootstrap, "topic_prefix": topics.prefix, "batch_interval_ms": 5})))
+    producer.start()
+    try:
+        # kill -9 once it has committed some steps, mid-run
+        wait_until(lambda: len(step_records(kafka_bootstrap, topics.steps, "crash", 100, timeout=0.5)) >= 100,
+                   60, "100 committed steps before the crash")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        before = len(step_records(kafka_bootstrap, topics.steps, "crash", total, timeout=1))
+        assert before < total, "the run was over before the crash: the test did not test a crash"
+        proc = start()
+        producer.join(120)
+        steps = step_records(kafka_bootstrap, topics.steps, "crash", total, timeout=90)
+        # give a duplicate the chance to show up
+        steps = step_records(kafka_bootstrap, topics.steps, "crash", total + 1, timeout=3)
+    finally:
+        proc.terminate()
+        proc.wait(20)
+        log.close()
+    counts = Counter((s["rank"], s["step"]) for s in steps)
+    assert len(counts) == total and max(counts.values()) == 1, (tmp_path / "processor.log").read_text()[-2000:]
+    reference = _uninterrupted(kafka_bootstrap, topics, "crash", sum(s["seq"] for s in sim["r"].stats))
+    assert len(reference) == total
+    for s in steps:
+        ref = reference[(s["rank"], s["step"])]
+        for field in s:
+            if field != "closed_ns":
+                assert s[field] == ref[field], (s["rank"], s["step"], field)
