@@ -239,7 +239,10 @@ def demo(
     from profstream.kafka.topics import Topics
 
     if bootstrap is None:
-        err.print("starting the local Kafka broker (first run fetches its jars with Maven)...")
+        from profstream.kafka.launcher import stack_status
+
+        if stack_status() is None:
+            err.print("starting the local Kafka broker (the first run fetches its jars with Maven)...")
         bootstrap = stack_up().bootstrap
     _require_broker(bootstrap)
     out.print(f"Kafka: {bootstrap}", highlight=False)
@@ -258,14 +261,17 @@ def _print_summary(cfg, result) -> None:
     table = Table(title=f"run {cfg.run_id}: {cfg.ranks} ranks x {cfg.steps} steps "
                         f"({result.sim.ops_recorded} ops) in {result.wall_s:.1f} s")
     for col in ("rank", "steps", "step ms mean", "p50", "p95", "data wait ms", "fp+bp ms", "tail ms",
-                "util %", "overlap %", "starved", "= truth"):
+                "util %", "overlap %", "queue", "empty %", "starved", "= truth"):
         table.add_column(col, justify="right")
     for r in result.per_rank():
         table.add_row(str(r["rank"]), str(r["steps"]), f"{r['step_ms_mean']:.2f}", f"{r['step_ms_p50']:.2f}",
                       f"{r['step_ms_p95']:.2f}", f"{r['data_wait_ms']:.2f}", f"{r['fp_bp_ms']:.2f}",
                       f"{r['tail_ms']:.2f}", f"{100 * r['utilization']:.1f}", f"{100 * r['overlap_ratio']:.1f}",
+                      f"{r['queue_mean']:.1f}", f"{100 * r['queue_empty_ratio']:.0f}",
                       str(r["starved_steps"]), "yes" if r["matches_truth"] else "NO")
     out.print(table)
+    for a in result.alerts:
+        out.print(f"alert {a['name']} {a['state']} at step {a['step']}: {a['summary']}", highlight=False)
 
 
 def main() -> None:

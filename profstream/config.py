@@ -114,6 +114,13 @@ def _default_rank(environ: Mapping[str, str]) -> int:
     return 0
 
 
+def _default_world_size(environ: Mapping[str, str]) -> int | None:
+    for var in ("WORLD_SIZE", "RANK_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS"):
+        if environ.get(var, "").isdigit() and int(environ[var]) > 0:
+            return int(environ[var])
+    return None
+
+
 def _default_host(_environ: Mapping[str, str]) -> str:
     return socket.gethostname()
 
@@ -142,6 +149,9 @@ MONITOR_OPTIONS: tuple[Option, ...] = (
            lambda v: bool(_NAME_RE.match(v)), "1-128 letters, digits or . _ : = + @ - (no '/')"),
     Option("rank", "int", _default_rank, "rank of this process (default: $RANK, $RANK_ID or 0)",
            _non_negative, "an integer >= 0"),
+    Option("world_size", "int", _default_world_size,
+           "ranks in the run, so processors know when a step is complete across ranks "
+           "(default: $WORLD_SIZE, $RANK_SIZE or unknown)", _positive, "an integer >= 1", optional=True),
     Option("host", "str", _default_host, "host name reported with every batch",
            lambda v: bool(_NAME_RE.match(v)), "1-128 letters, digits or . _ : = + @ -"),
     Option("device", "str", "cpu", "device of this rank, e.g. cuda:0, npu:3, cpu",

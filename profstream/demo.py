@@ -19,6 +19,7 @@ from profstream.schema.codec import decode
 class DemoResult:
     sim: SimResult
     steps: list[dict]  # StepMetrics records of the run
+    alerts: list[dict]  # Alert records of the run
     truth: dict  # (rank, step) -> simulator ground truth
     wall_s: float
 
@@ -39,6 +40,8 @@ class DemoResult:
                 "tail_ms": float(np.mean([r["tail_ns"] for r in recs]) / 1e6),
                 "utilization": float(np.mean([r["utilization"] for r in recs])),
                 "overlap_ratio": float(np.mean([r["overlap_ratio"] for r in recs])),
+                "queue_mean": float(np.mean([q["mean"] for r in recs for q in r["queues"]] or [np.nan])),
+                "queue_empty_ratio": float(np.mean([q["empty_ratio"] for r in recs for q in r["queues"]] or [np.nan])),
                 "starved_steps": sum(r["starved"] for r in recs),
                 "matches_truth": all(
                     r["step_time_ns"] == self.truth[(rank, r["step"])]["step_time_ns"] for r in recs),
@@ -64,7 +67,10 @@ def run_demo(bootstrap: str, cfg: SimConfig, topics: Topics | None = None,
         want = cfg.ranks * cfg.steps
         steps = read_topic(bootstrap, topics.steps, lambda r: r["run_id"] == cfg.run_id, want,
                            timeout=timeout, decode=lambda v: decode("StepMetrics", v))
+        alerts = read_topic(bootstrap, topics.alerts, lambda a: a["run_id"] == cfg.run_id,
+                            processor.health.alerts, timeout=10, decode=lambda v: decode("Alert", v))
     finally:
         stop.set()
         worker.join(timeout=30)
-    return DemoResult(sim, steps, expected(cfg), time.monotonic() - t0)
+    alerts.sort(key=lambda a: (a["step"], a["rank"] if a["rank"] is not None else -1))
+    return DemoResult(sim, steps, alerts, expected(cfg), time.monotonic() - t0)

@@ -93,7 +93,7 @@ def test_fingerprints_agree_with_fastavro(name):
 
 def test_processed_records_round_trip():
     step = {
-        "run_id": "r", "rank": 1, "host": "h", "device": "cpu", "step": 7, "start_ns": 1, "end_ns": 11,
+        "run_id": "r", "rank": 1, "world_size": 8, "host": "h", "device": "cpu", "step": 7, "start_ns": 1, "end_ns": 11,
         "step_time_ns": 10, "data_wait_ns": 1, "fp_bp_ns": 8, "tail_ns": 1, "compute_ns": 8, "comm_ns": 2,
         "overlap_ns": 1, "pure_comm_ns": 1, "idle_ns": 1, "utilization": 0.8, "overlap_ratio": 0.5,
         "op_count": 3, "op_types": [{"op_type": "MatMul", "total_ns": 8, "count": 2}],
@@ -111,9 +111,18 @@ def test_processed_records_round_trip():
 
 
 def test_shipped_v1_message_still_decodes():
-    """A message written by profstream 0.1 (schema v1) must decode forever."""
-    batch = decode_batch(GOLDEN.read_bytes())
+    """A message written before world_size existed (schema v1) must decode forever."""
+    raw = GOLDEN.read_bytes()
+    assert raw[2:10] != CURRENT["EventBatch"].header[2:10]  # it really is an older version
+    batch = decode_batch(raw)
     assert_same_batch(random_batch(1234, 20), batch)
+    assert batch.world_size is None
+
+
+def test_world_size_round_trips_in_the_current_version():
+    batch = random_batch(3, 10)
+    batch.world_size = 64
+    assert decode_batch(encode_batch(batch)).world_size == 64
 
 
 def test_decode_error_names_the_reason():

@@ -207,3 +207,67 @@ def test_kill_9_and_restart_gives_every_step_exactly_once_with_identical_values(
         for field in s:
             if field != "closed_ns":
                 assert s[field] == ref[field], (s["rank"], s["step"], field)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _scrape(port: int) -> dict[str, float]:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def test_health_metrics_report_what_went_through_and_idle_runs_are_freed(kafka_bootstrap, topics):
+    cfg = SimConfig(run_id="health", ranks=2, steps=10, ops_per_step=40, seed=1)
+    port = _free_port()
+    with RunningProcessor(kafka_bootstrap, topics, idle_timeout_s=3.0) as processor:
+        processor.health.serve(port, addr="127.0.0.1")
+        producer = make_producer(kafka_bootstrap)
+        producer.send(topics.raw, value=b"not avro at all", key=b"health/0")
+        producer.close()
+        sim = run_simulation(cfg, {"bootstrap": kafka_bootstrap, "topic_prefix": topics.prefix})
+        step_records(kafka_bootstrap, topics.steps, "health", 20)
+        m = wait_until(lambda: (lambda s: s if s["profstream_steps_closed_total"] >= 20 else None)(_scrape(port)),
+                       30, "the metrics to show the run")
+        assert m["profstream_events_total{family=ops}"] == sim.ops_recorded
+        assert m["profstream_events_total{family=steps}"] == 20
+        assert m["profstream_decode_errors_total{reason=not_avro}"] == 1
+        assert m["profstream_lost_batches_total"] == 0 and m["profstream_late_events_total"] == 0
+        assert m["profstream_open_runs"] == 1
+        assert m["profstream_step_freshness_seconds_count"] == 20
+        # the run goes silent: after the idle timeout its state is freed
+        wait_until(lambda: _scrape(port)["profstream_open_runs"] == 0, 30, "the silent run to be closed")
+        assert processor.step_stage.ranks == {}
+        assert processor.health.runs_closed == 2
+
+
+def test_two_processors_in_one_group_share_the_ranks_and_still_agree_across_ranks(kafka_bootstrap, topics):
+    cfg = SimConfig(run_id="shared", ranks=6, steps=20, ops_per_step=40, straggler_rank=4, seed=8)
+    group = f"g-{topics.prefix}"
+    with RunningProcessor(kafka_bootstrap, topics, group_id=group, instance_id="a") as a, \
+            RunningProcessor(kafka_bootstrap, topics, group_id=group, instance_id="b") as b:
+        wait_until(lambda: len(a.loops[0]._consumer.assignment()) + len(b.loops[0]._consumer.assignment()) == 4
+                   and a.loops[0]._consumer.assignment() and b.loops[0]._consumer.assignment(),
+                   60, "both processors to own raw partitions")
+        run_simulation(cfg, {"bootstrap": kafka_bootstrap, "topic_prefix": topics.prefix})
+        steps = step_records(kafka_bootstrap, topics.steps, "shared", 120)
+        runs = _run_steps(kafka_bootstrap, topics, "shared", 20)
+        closed_by = (a.health.steps_closed, b.health.steps_closed)
+    assert sorted(Counter((s["rank"], s["step"]) for s in steps).values()) == [1] * 120
+    assert all(n > 0 for n in closed_by), f"one processor did all the work: {closed_by}"
+    assert sorted(r["step"] for r in runs) == list(range(20))
+    assert all(r["ranks_reported"] == 6 and r["straggler_rank"] == 4 for r in runs)

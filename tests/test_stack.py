@@ -177,8 +177,10 @@ def test_topic_names() -> None:
         "profstream.run",
         "profstream.alerts",
         "profstream.dlq",
+        "profstream.state",
+        "profstream.run-state",
     ]
-    assert (t.raw, t.steps, t.run, t.alerts, t.dlq) == tuple(t.all())
+    assert (t.raw, t.steps, t.run, t.alerts, t.dlq, t.state, t.run_state) == tuple(t.all())
     assert Topics("a").raw == "a.raw"
 
 
@@ -219,7 +221,7 @@ def test_produced_message_is_consumed_back(kafka_bootstrap: str, topics: Topics)
     assert (got[0].key, got[0].value) == (b"run-1", payload)
 
 
-def test_topics_fixture_creates_the_five_topics(kafka_bootstrap: str, topics: Topics) -> None:
+def test_topics_fixture_creates_every_topic(kafka_bootstrap: str, topics: Topics) -> None:
     counts = _partition_counts(kafka_bootstrap, topics.all())
     assert counts == {
         topics.raw: 4,
@@ -227,6 +229,8 @@ def test_topics_fixture_creates_the_five_topics(kafka_bootstrap: str, topics: To
         topics.run: 3,
         topics.alerts: 3,
         topics.dlq: 3,
+        topics.state: 4,  # a changelog is partitioned like the topic whose state it holds
+        topics.run_state: 3,
     }
 
 
@@ -239,6 +243,8 @@ def test_ensure_topics_is_idempotent_and_race_safe(kafka_bootstrap: str) -> None
         t.run: 2,
         t.alerts: 2,
         t.dlq: 2,
+        t.state: 6,
+        t.run_state: 2,
     }
     # Existing topics are left alone, whatever partition counts are asked for.
     assert ensure_topics(kafka_bootstrap, t, raw_partitions=9, partitions=5) == []

@@ -79,6 +79,7 @@ class RankAssembler:
         self.grace_s = grace_s
         self.host = ""
         self.device = ""
+        self.world_size: int | None = None
         self.open: dict[int, _OpenStep] = {}
         self.floor = None  # every step < floor is closed
         self.watermark: int | None = None
@@ -108,6 +109,8 @@ class RankAssembler:
         fresh = expected is None or batch.seq >= expected
         self._fresh = fresh
         self._offset = offset
+        if batch.world_size is not None:
+            self.world_size = batch.world_size
         if fresh:
             if expected is not None:
                 self.lost_batches += batch.seq - expected
@@ -224,6 +227,7 @@ class RankAssembler:
             fp_start_ns=F, bp_end_ns=B, host=self.host, device=self.device,
             op_kind=ops["kind"], op_type=ops["type"], op_stream=ops["stream"],
             op_start_ns=ops["start_ns"], op_dur_ns=ops["dur_ns"], type_names=self.type_names,
+            world_size=self.world_size,
             mem_ts_ns=mem["ts_ns"], mem_allocated=mem["allocated"], mem_reserved=mem["reserved"],
             mem_peak=mem["peak"], queue=q["queue"], queue_ts_ns=q["ts_ns"], queue_size=q["size"],
             queue_names=self.queue_names,

@@ -73,6 +73,14 @@ class TransactionalLoop(ConsumerRebalanceListener):
         self._producer.init_transactions()
         self._consumer = make_consumer(bootstrap, group_id=group_id, group_instance_id=self.transactional_id,
                                        session_timeout_ms=10000)
+        # Know the input's partitions before joining: a first assignment computed without
+        # them is empty and forces an immediate rejoin, after which kafka-python 3.0 can
+        # leave the member waiting forever for its SyncGroup answer (seen in our tests).
+        if not self._consumer.partitions_for_topic(stage.input_topic):
+            self._consumer.close()
+            self._producer.close(timeout=1)
+            raise RuntimeError(f"input topic {stage.input_topic} does not exist: create it first "
+                               "(`profstream process` does)")
         self._consumer.subscribe([stage.input_topic], listener=self)
         self._positions: dict[TopicPartition, int] = {}
         self._txn_started: float | None = None

@@ -64,7 +64,8 @@ class RankFigures:
         transition = self.stall.update(ev.step, starved)
         self.rolling.add(trace["step_time_ns"], trace["data_wait_ns"], util["utilization"])
         record = {
-            "run_id": ev.run_id, "rank": ev.rank, "host": ev.host, "device": ev.device,
+            "run_id": ev.run_id, "rank": ev.rank, "world_size": ev.world_size, "host": ev.host,
+            "device": ev.device,
             "step": ev.step, "start_ns": ev.start_ns, "end_ns": ev.end_ns,
             **trace, **util,
             "op_count": len(ev.op_kind),

@@ -30,6 +30,7 @@ class StepEvents:
     bp_end_ns: int = NO_VALUE  # B mark when the producer has one
     host: str = ""
     device: str = ""
+    world_size: int | None = None
     # ops: parallel arrays; op_type holds codes into type_names
     op_kind: np.ndarray = field(default_factory=lambda: _empty(np.uint8))
     op_type: np.ndarray = field(default_factory=lambda: _empty(np.int32))

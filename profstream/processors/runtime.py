@@ -178,6 +178,7 @@ class StepStage:
 class _RunState:
     partition: int
     ranks: set[int] = field(default_factory=set)
+    world_size: int | None = None  # from the producers, when they know it
     floor: int | None = None  # every step below has been emitted
     pending: dict[int, dict[int, int]] = field(default_factory=dict)  # step -> rank -> step_time_ns
     first_offset: dict[int, int] = field(default_factory=dict)  # step -> input offset
@@ -186,8 +187,9 @@ class _RunState:
 
 
 class RunStage:
-    """steps -> RunStepMetrics: a step of a run is emitted once every rank seen in the run
-    reported it, or ``grace_s`` after its first report; steps are emitted in order."""
+    """steps -> RunStepMetrics: a step of a run is emitted once all its ranks reported it
+    (the producers' world_size, else every rank seen in the run so far), or ``grace_s``
+    after its first report; steps are emitted in order."""
 
     def __init__(self, topics: Topics, health: ProcessorHealth, grace_s: float = 10.0,
                  idle_timeout_s: float = 60.0) -> None:
@@ -238,6 +240,8 @@ class RunStage:
         if run is None:
             run = self.runs[m["run_id"]] = _RunState(rec.partition)
         run.last_seen = now
+        if m["world_size"] is not None:
+            run.world_size = m["world_size"]
         if m["rank"] not in run.ranks:
             run.ranks.add(m["rank"])
             self._changed.add(m["run_id"])
@@ -254,9 +258,10 @@ class RunStage:
     def ready(self, now: float) -> list[Output]:
         out: list[Output] = []
         for run_id, run in list(self.runs.items()):
+            expected = run.world_size or len(run.ranks)
             for step in sorted(run.pending):
                 reported = run.pending[step]
-                if len(reported) < len(run.ranks) and now - run.first_seen[step] < self.grace_s:
+                if len(reported) < expected and now - run.first_seen[step] < self.grace_s:
                     break
                 out.append(self._emit(run_id, step, reported))
                 del run.pending[step], run.first_offset[step], run.first_seen[step]

@@ -300,7 +300,8 @@ class Sender(threading.Thread):
         ):
             return False
         batch = EventBatch(
-            run_id=m.run_id, rank=m.rank, host=m.options["host"], device=m.options["device"],
+            run_id=m.run_id, rank=m.rank, world_size=m.options["world_size"], host=m.options["host"],
+            device=m.options["device"],
             producer_id=m.producer_id, seq=self._seq, sent_ns=time.time_ns(),
             buffer_fill_ratio=m.buffer_fill_ratio, send_latency_ns=self._last_latency_ns,
         )

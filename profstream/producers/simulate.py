@@ -273,6 +273,7 @@ def run_simulation(cfg: SimConfig, monitor_options: dict | None = None, progress
 
     opts = dict(monitor_options or {})
     opts["run_id"] = cfg.run_id
+    opts["world_size"] = cfg.ranks
     opts.setdefault("host_sample_interval_s", 0)
     monitors = [Monitor(rank=r, **opts) for r in range(cfg.ranks)]
     wall0 = time.monotonic()

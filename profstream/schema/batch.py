@@ -53,6 +53,7 @@ def _empty(section: str):
 class EventBatch:
     run_id: str
     rank: int
+    world_size: int | None = None
     host: str = ""
     device: str = "cpu"
     producer_id: str = ""
@@ -84,7 +85,7 @@ class EventBatch:
         return sum(self.n(s) for s in SECTIONS)
 
 
-_HEADER_FIELDS = ("run_id", "rank", "host", "device", "producer_id", "seq", "sent_ns",
+_HEADER_FIELDS = ("run_id", "rank", "world_size", "host", "device", "producer_id", "seq", "sent_ns",
                   "dropped_ops", "dropped_samples", "complete_through_step",
                   "buffer_fill_ratio", "send_latency_ns", "op_names", "op_types", "queue_names")
 

@@ -88,13 +88,19 @@ def _version(schema: dict, version: int, upgrade: Callable[[dict], dict] | None 
 # Every version ever shipped, oldest first. The last of each name is the one written.
 # To change a schema: add a new .avsc (e.g. event_batch.v2.avsc), append its version here
 # and give the older ones an upgrade function; never edit or remove a shipped one.
+def _add_world_size(record: dict) -> dict:
+    return {**record, "world_size": None}
+
+
 _VERSIONS: list[SchemaVersion] = [
-    _version(_load("event_batch.avsc"), 1),
-    _version(_load("step_metrics.avsc"), 1),
+    _version(_load("event_batch.avsc"), 1, _add_world_size),
+    _version(_load("step_metrics.avsc"), 1, _add_world_size),
     _version(_load("run_step_metrics.avsc"), 1),
     _version(_load("alert.avsc"), 1),
     _version(_load("rank_checkpoint.avsc"), 1),
     _version(_load("run_checkpoint.avsc"), 1),
+    _version(_load("event_batch.v2.avsc"), 2),  # + world_size
+    _version(_load("step_metrics.v2.avsc"), 2),  # + world_size
 ]
 
 SCHEMAS: dict[int, SchemaVersion] = {v.fingerprint: v for v in _VERSIONS}
