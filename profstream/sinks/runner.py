@@ -1,0 +1,93 @@
+"""The one consume loop every sink runs: read topics, hand records over, commit.
+
+A sink implements ``handle(records)`` (records of one poll, in partition order) and may
+implement ``durable_offsets()``: the offsets it has made durable so far (a file written
+and renamed, say). Offsets are committed only up to what the sink says is durable, so a
+crash neither loses nor, for sinks that deduplicate, repeats anything. Sinks that keep
+nothing (an exporter serving current values) commit everything they handled.
+
+Readers use read_committed: they see the processors' transactional outputs only once
+committed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from kafka import TopicPartition
+from kafka.structs import OffsetAndMetadata
+
+from profstream.kafka.clients import make_consumer
+
+log = logging.getLogger("profstream.sink")
+
+
+class Sink(Protocol):
+    def handle(self, records: Sequence[Any]) -> None: ...
+
+
+class SinkLoop:
+    """Consume ``topics`` in consumer group ``group_id`` and feed ``sink``."""
+
+    def __init__(self, bootstrap: str, topics: Sequence[str], group_id: str, sink: Sink,
+                 poll_ms: int = 100, from_beginning: bool = True, **consumer_options: Any) -> None:
+        self.sink = sink
+        self.poll_ms = poll_ms
+        self._consumer = make_consumer(bootstrap, group_id=group_id,
+                                       auto_offset_reset="earliest" if from_beginning else "latest",
+                                       **consumer_options)
+        for topic in topics:  # know the partitions before joining (see processors/checkpoint.py)
+            if not self._consumer.partitions_for_topic(topic):
+                self._consumer.close()
+                raise RuntimeError(f"topic {topic} does not exist: start a processor or create it first")
+        self._consumer.subscribe(list(topics))
+        self._handled: dict[TopicPartition, int] = {}
+        self._committed: dict[TopicPartition, int] = {}
+        self.records = 0
+        self.last_poll = 0.0
+
+    def poll_once(self) -> int:
+        polled = self._consumer.poll(timeout_ms=self.poll_ms)
+        self.last_poll = time.monotonic()
+        n = 0
+        for tp, records in polled.items():
+            self.sink.handle(records)
+            self._handled[tp] = records[-1].offset + 1
+            n += len(records)
+        self.records += n
+        self._commit()
+        return n
+
+    def _commit(self) -> None:
+        durable = getattr(self.sink, "durable_offsets", None)
+        if durable is None:
+            offsets = dict(self._handled)
+        else:
+            offsets = {TopicPartition(t, p): o for (t, p), o in durable().items()}
+        offsets = {tp: o for tp, o in offsets.items() if self._committed.get(tp) != o}
+        if offsets:
+            self._consumer.commit({tp: OffsetAndMetadata(o, "", -1) for tp, o in offsets.items()})
+            self._committed.update(offsets)
+
+    def run(self, stop: threading.Event) -> None:
+        try:
+            while not stop.is_set():
+                self.poll_once()
+            close = getattr(self.sink, "close", None)
+            if close is not None:
+                close()
+            self._commit()
+        finally:
+            self._consumer.close()
+
+    def lag(self) -> int:
+        total = 0
+        for tp in self._consumer.assignment():
+            high = self._consumer.highwater(tp)
+            if high is not None:
+                total += max(0, high - self._consumer.position(tp))
+        return total
