@@ -19,6 +19,11 @@ app = typer.Typer(help="profstream: a live profiler for long training runs.", no
 stack_app = typer.Typer(help="A local single-node Kafka broker (KRaft) for trying profstream out.",
                         no_args_is_help=True)
 app.add_typer(stack_app, name="stack")
+sink_app = typer.Typer(help="Sinks: export the processed topics (Prometheus, Grafana, timeline files, archive).",
+                       no_args_is_help=True)
+app.add_typer(sink_app, name="sink")
+grafana_app = typer.Typer(help="Grafana dashboards and annotations.", no_args_is_help=True)
+app.add_typer(grafana_app, name="grafana")
 
 # Off a terminal rich assumes 80 columns, too narrow for the summary table.
 out = Console(width=None if sys.stdout.isatty() else 140)
@@ -217,6 +222,9 @@ def process(
         processor.run()
     except KeyboardInterrupt:
         processor.stop()
+
+
+# -- sinks (one section per sink below) ------------------------------------------------
 
 
 # -- demo -----------------------------------------------------------------------------
