@@ -67,6 +67,16 @@ def make_consumer(bootstrap: str, *topics: str, group_id: str | None = None, **o
     return KafkaConsumer(*topics, **config)
 
 
+def consumer_lag(consumer: KafkaConsumer) -> int:
+    """Messages behind the end of the consumer's assigned partitions, as of its last fetch."""
+    total = 0
+    for tp in consumer.assignment():
+        high = consumer.highwater(tp)
+        if high is not None:
+            total += max(0, high - consumer.position(tp))
+    return total
+
+
 def read_topic(bootstrap: str, topic: str, want, count: int, timeout: float,
                decode=None) -> list:
     """Read ``topic`` from the start (read_committed, no group) until ``count`` values

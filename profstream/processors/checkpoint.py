@@ -28,7 +28,7 @@ from kafka import ConsumerRebalanceListener, TopicPartition
 from kafka.errors import KafkaError, ProducerFencedError
 from kafka.structs import OffsetAndMetadata
 
-from profstream.kafka.clients import make_consumer, make_producer
+from profstream.kafka.clients import consumer_lag, make_consumer, make_producer
 
 log = logging.getLogger("profstream.processor")
 
@@ -200,12 +200,7 @@ class TransactionalLoop(ConsumerRebalanceListener):
 
     def lag(self) -> int:
         """Messages behind the end of the assigned input partitions (from the last fetch)."""
-        total = 0
-        for tp in self._consumer.assignment():
-            high = self._consumer.highwater(tp)
-            if high is not None:
-                total += max(0, high - self._consumer.position(tp))
-        return total
+        return consumer_lag(self._consumer)
 
     def close(self) -> None:
         try:

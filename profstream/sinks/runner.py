@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from kafka import TopicPartition
 from kafka.structs import OffsetAndMetadata
 
-from profstream.kafka.clients import make_consumer
+from profstream.kafka.clients import consumer_lag, make_consumer
 
 log = logging.getLogger("profstream.sink")
 
@@ -85,9 +85,5 @@ class SinkLoop:
             self._consumer.close()
 
     def lag(self) -> int:
-        total = 0
-        for tp in self._consumer.assignment():
-            high = self._consumer.highwater(tp)
-            if high is not None:
-                total += max(0, high - self._consumer.position(tp))
-        return total
+        """Messages behind the end of the assigned input partitions (from the last fetch)."""
+        return consumer_lag(self._consumer)
