@@ -87,6 +87,8 @@ class TransactionalLoop(ConsumerRebalanceListener):
         self._txn_outputs = 0
         self.transactions = 0
         self.aborts = 0
+        self.lag = 0  # input messages not consumed yet; updated on the loop's thread
+        self._lag_at = 0.0
 
     # -- rebalance --------------------------------------------------------------------
 
@@ -135,6 +137,9 @@ class TransactionalLoop(ConsumerRebalanceListener):
     def step(self) -> None:
         polled = self._consumer.poll(timeout_ms=self.poll_ms)
         now = time.monotonic()
+        if now - self._lag_at >= 1.0:  # consumers are not thread-safe: metrics read self.lag
+            self.lag = consumer_lag(self._consumer)
+            self._lag_at = now
         try:
             for tp, records in polled.items():
                 self._begin()
@@ -197,10 +202,6 @@ class TransactionalLoop(ConsumerRebalanceListener):
                 self._consumer.seek_to_beginning(tp)
             else:
                 self._consumer.seek(tp, offset)
-
-    def lag(self) -> int:
-        """Messages behind the end of the assigned input partitions (from the last fetch)."""
-        return consumer_lag(self._consumer)
 
     def close(self) -> None:
         try:

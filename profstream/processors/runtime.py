@@ -338,7 +338,8 @@ class Processor:
         self._stop.set()
 
     def lag(self) -> int:
-        return sum(loop.lag() for loop in self.loops[:1])
+        """Raw messages not consumed yet (as of the step stage's last check, at most 1 s old)."""
+        return sum(loop.lag for loop in self.loops[:1])
 
 
 def _partition_count(bootstrap: str, topic: str) -> int:

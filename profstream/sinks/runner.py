@@ -49,10 +49,15 @@ class SinkLoop:
         self._committed: dict[TopicPartition, int] = {}
         self.records = 0
         self.last_poll = 0.0
+        self.lag = 0  # messages not consumed yet; updated on the loop's thread (consumers are not thread-safe)
+        self._lag_at = 0.0
 
     def poll_once(self) -> int:
         polled = self._consumer.poll(timeout_ms=self.poll_ms)
-        self.last_poll = time.monotonic()
+        self.last_poll = now = time.monotonic()
+        if now - self._lag_at >= 1.0:
+            self.lag = consumer_lag(self._consumer)
+            self._lag_at = now
         n = 0
         for tp, records in polled.items():
             self.sink.handle(records)
@@ -83,7 +88,3 @@ class SinkLoop:
             self._commit()
         finally:
             self._consumer.close()
-
-    def lag(self) -> int:
-        """Messages behind the end of the assigned input partitions (from the last fetch)."""
-        return consumer_lag(self._consumer)
