@@ -180,3 +180,16 @@ def test_bulk_ops_are_copied_split_across_batches_and_covered_by_the_watermark(k
             covered = b.complete_through_step
     for s in range(3):
         assert sorted(got[s]) == (np.arange(n) * 100 + s * 10**6).tolist()
+
+
+def test_per_call_and_bulk_ops_share_one_buffer_bound():
+    mon = Monitor(run_id="bound", bootstrap=UNREACHABLE, buffer_bytes="1MiB", host_sample_interval_s=0)
+    limit = mon._max_ops
+    with mon.step(0):
+        mon.ops(["a"] * limit, list(range(limit)), [1] * limit)  # the buffer is full of bulk ops
+        for i in range(1000):
+            mon.op("b", i, 1)
+    stats = mon.stats()
+    assert stats["buffered_ops"] == limit
+    assert stats["dropped_ops"] == 1000
+    mon.close(timeout=0.5)

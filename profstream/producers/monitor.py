@@ -94,6 +94,7 @@ class Monitor:
         self._op_chunks: deque = deque()  # one OpChunk per ops() call
         self._chunk_ops_in = 0  # ops put into chunks (recording thread)
         self._chunk_ops_out = 0  # ops taken out of chunks (sender thread)
+        self._tuple_limit = self._max_ops  # room for op() tuples: max_ops less the chunk backlog
         self._marks: deque = deque()
         self._memory: deque = deque()
         self._queues: deque = deque()
@@ -135,7 +136,7 @@ class Monitor:
         name; ``op_type`` defaults to ``name``; ``step`` defaults to the current step."""
         if self._capturing:
             ops = self._ops
-            if len(ops) < self._max_ops:
+            if len(ops) < self._tuple_limit:
                 ops.append((name, op_type, kind, stream, self._step if step is None else step, start_ns, dur_ns))
                 if len(ops) == self._batch_max_ops:
                     self._wake.set()
@@ -159,6 +160,7 @@ class Monitor:
         self._op_chunks.append(OpChunk(n, _copy(names, n), _copy(op_types, n), _copy(kinds, n), _copy(streams, n),
                                        self._step if step is None else step, _copy(start_ns, n), _copy(dur_ns, n)))
         self._chunk_ops_in += n
+        self.update_tuple_limit()
         if self.buffered_ops >= self._batch_max_ops:
             self._wake.set()
 
@@ -253,6 +255,11 @@ class Monitor:
             self.dropped_samples += 1
 
     # -- lifecycle --------------------------------------------------------------------
+
+    def update_tuple_limit(self) -> None:
+        """Keep op() tuples and ops() chunks together under the buffer bound (called when
+        the chunk backlog changes, on either thread: a value at most one change stale)."""
+        self._tuple_limit = self._max_ops - (self._chunk_ops_in - self._chunk_ops_out)
 
     @property
     def buffered_ops(self) -> int:

@@ -355,6 +355,8 @@ class Sender(threading.Thread):
                 chunks[0] = _slice(head, room, head.n)
                 m._chunk_ops_out += room
                 room = 0
+        if len(taken) > bool(rows):
+            m.update_tuple_limit()
         return taken
 
     def _fill_ops(self, batch: EventBatch, ops: list[OpChunk]) -> int:
