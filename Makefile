@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install jars demo test test-fast lint bench stack-up stack-down clean
+.PHONY: install jars demo test test-fast lint bench stack-up stack-down clean dashboards
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "profstream needs Python 3.11+: install it or run make PYTHON=python3.11")'
@@ -37,6 +37,10 @@ lint: install
 
 bench: jars
 	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+# Regenerate the Grafana dashboards (dashboards/*.json) from dashboards/generate.py.
+dashboards: install
+	$(BIN)/python dashboards/generate.py
 
 stack-up: jars
 	$(BIN)/profstream stack up

@@ -1,0 +1,214 @@
+"""docker-compose.yml, the Dockerfile and Grafana's provisioning files hold together.
+
+Docker cannot run here, so these check what `docker compose up` would trip over: services
+and their dependencies, healthchecks, host paths that must exist, profstream commands and
+options that must parse, and the addresses the services use to find each other.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+import typer.main
+import yaml
+from typer.testing import CliRunner
+
+from profstream.cli import app
+from profstream.sinks.grafana import Grafana
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+SERVICES: dict = COMPOSE["services"]
+PROFSTREAM = {name: s for name, s in SERVICES.items() if s.get("build") == "."}
+CONDITIONS = {"service_started", "service_healthy", "service_completed_successfully"}
+
+
+def _interpolate(value: str) -> str:
+    """Compose's ${VAR:-default} with the variables unset."""
+    return re.sub(r"\$\{\w+(?::?-([^}]*))?\}", lambda m: m.group(1) or "", value)
+
+
+def _command(service: dict) -> list[str]:
+    cmd = service["command"]
+    return cmd if isinstance(cmd, list) else shlex.split(cmd)
+
+
+def _option(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+def _mounts(service: dict) -> dict[str, str]:
+    """Bind mounts of a service: container path -> host path (relative to the repo)."""
+    out = {}
+    for volume in service.get("volumes", ()):
+        source, target = volume.split(":")[:2]
+        if source.startswith((".", "/")):
+            out[target] = source
+    return out
+
+
+def _depends(service: dict) -> dict[str, str]:
+    deps = service.get("depends_on", {})
+    if isinstance(deps, list):
+        return {d: "service_started" for d in deps}
+    return {name: spec.get("condition", "service_started") for name, spec in deps.items()}
+
+
+def test_the_stack_has_every_part_and_pins_its_images():
+    assert set(SERVICES) == {"kafka", "processor", "sink-prometheus", "sink-grafana", "prometheus", "alertmanager",
+                             "grafana"}
+    assert SERVICES["kafka"]["image"].startswith("apache/kafka:3.9")
+    assert SERVICES["kafka"]["environment"]["KAFKA_PROCESS_ROLES"] == "broker,controller"  # KRaft
+    for name, service in SERVICES.items():
+        if name in PROFSTREAM:
+            assert service["image"] == "profstream:local"
+        else:
+            image = service["image"]
+            assert ":" in image and not image.endswith(":latest"), f"{name}: pin the image version"
+
+
+def test_dependencies_exist_have_no_cycle_and_wait_for_health_where_health_is_checked():
+    for name, service in SERVICES.items():
+        for dep, condition in _depends(service).items():
+            assert dep in SERVICES, f"{name} depends on unknown service {dep}"
+            assert condition in CONDITIONS, f"{name} -> {dep}: {condition}"
+            if condition == "service_healthy":
+                assert "healthcheck" in SERVICES[dep], f"{name} waits for {dep} to be healthy: it has no healthcheck"
+    seen: dict[str, int] = {}
+
+    def visit(name: str) -> None:  # depth-first: 1 = on the path, 2 = done
+        assert seen.get(name) != 1, f"dependency cycle through {name}"
+        if seen.get(name) == 2:
+            return
+        seen[name] = 1
+        for dep in _depends(SERVICES[name]):
+            visit(dep)
+        seen[name] = 2
+
+    for name in SERVICES:
+        visit(name)
+    # the order a user needs: broker, then processor (it creates the topics), then the sinks
+    assert _depends(SERVICES["processor"]) == {"kafka": "service_healthy"}
+    for sink in ("sink-prometheus", "sink-grafana"):
+        assert _depends(SERVICES[sink])["processor"] == "service_healthy"
+    assert _depends(SERVICES["sink-grafana"])["grafana"] == "service_healthy"
+
+
+def test_every_service_others_wait_for_or_that_serves_a_port_has_a_healthcheck():
+    needed = {dep for s in SERVICES.values() for dep in _depends(s)} | {n for n, s in SERVICES.items() if "ports" in s}
+    for name in needed:
+        check = SERVICES[name].get("healthcheck")
+        assert check, f"{name} has no healthcheck"
+        test = check["test"]
+        assert isinstance(test, list) and test[0] in ("CMD", "CMD-SHELL") and len(test) > 1, name
+        assert {"interval", "timeout", "retries"} <= set(check), name
+
+
+def test_every_host_path_mounted_or_copied_exists_in_the_repo():
+    for name, service in SERVICES.items():
+        for source in _mounts(service).values():
+            assert not source.startswith("/"), f"{name}: {source} is outside the repo"
+            assert (ROOT / source).exists(), f"{name} mounts {source}, which is not in the repo"
+        for volume in service.get("volumes", ()):
+            source = volume.split(":")[0]
+            if not source.startswith((".", "/")):
+                assert source in COMPOSE.get("volumes", {}), f"{name}: named volume {source} is not declared"
+        for config in service.get("configs", ()):
+            assert config["source"] in COMPOSE.get("configs", {}), f"{name}: config {config['source']} undeclared"
+        if "build" in service:
+            assert (ROOT / service["build"] / "Dockerfile").is_file()
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert re.search(r"^FROM python:3\.11-slim\b", dockerfile, re.M)
+    assert re.search(r"pip install \.", dockerfile)
+    for line in re.findall(r"^COPY (.+)$", dockerfile, re.M):
+        for source in line.split()[:-1]:
+            assert list(ROOT.glob(source)), f"the Dockerfile copies {source}, which is not in the repo"
+            # and .dockerignore lets it through
+            ignore = (ROOT / ".dockerignore").read_text().splitlines()
+            assert f"!{source.rstrip('/')}" in ignore or f"!{source}" in ignore or f"!{source.rstrip('/')}/" in ignore
+
+
+def _click_command(words: list[str]):
+    command = typer.main.get_command(app)
+    for word in words:
+        assert word in getattr(command, "commands", {}), f"no command profstream {' '.join(words)}"
+        command = command.commands[word]
+    return command
+
+
+@pytest.mark.parametrize("name", sorted(PROFSTREAM))
+def test_every_profstream_service_runs_a_real_command_with_options_that_parse(name):
+    args = _command(PROFSTREAM[name])
+    assert args[0] == "profstream"
+    words = [a for a in args[1:3] if not a.startswith("-")]
+    options = args[1 + len(words):]
+    result = CliRunner().invoke(app, [*words, "--help"])
+    assert result.exit_code == 0, result.output
+    command = _click_command(words)
+    known = {opt for p in command.params for opt in p.opts}
+    for flag in (a for a in options if a.startswith("--")):
+        assert flag.split("=")[0] in known, f"{name}: profstream {' '.join(words)} has no option {flag}"
+    command.make_context(f"profstream {' '.join(words)}", list(options))  # values parse and are in range
+
+
+def test_the_profstream_services_find_kafka_on_its_advertised_listener():
+    env = SERVICES["kafka"]["environment"]
+    advertised = dict(item.split("://") for item in env["KAFKA_ADVERTISED_LISTENERS"].split(","))
+    for name, service in PROFSTREAM.items():
+        assert _option(_command(service), "--bootstrap") == advertised["PLAINTEXT"], name
+    host_port = advertised["HOST"].rsplit(":", 1)[1]
+    assert f"{host_port}:{host_port}" in SERVICES["kafka"]["ports"]
+
+
+def test_prometheus_scrapes_the_services_where_they_serve_and_loads_the_rules():
+    config = yaml.safe_load(COMPOSE["configs"]["prometheus-config"]["content"])
+    (mount,) = [c for c in SERVICES["prometheus"]["configs"] if c["source"] == "prometheus-config"]
+    assert f"--config.file={mount['target']}" in SERVICES["prometheus"]["command"]
+    mounts = _mounts(SERVICES["prometheus"])
+    for rule_file in config["rule_files"]:
+        assert mounts.get(rule_file) == "./deploy/prometheus/alerts.yml"
+    targets = {job["job_name"]: job["static_configs"][0]["targets"] for job in config["scrape_configs"]}
+    assert targets["profstream-processor"] == [f"processor:{_option(_command(SERVICES['processor']), '--metrics-port')}"]
+    assert targets["profstream-exporter"] == [f"sink-prometheus:{_option(_command(SERVICES['sink-prometheus']), '--port')}"]
+    (alertmanager,) = config["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"]
+    assert alertmanager == "alertmanager:9093"
+    # the alert rules select on the job names of deploy/prometheus/prometheus.yml
+    standalone = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    assert {j["job_name"] for j in standalone["scrape_configs"]} == set(targets)
+    assert _mounts(SERVICES["alertmanager"])["/etc/alertmanager/alertmanager.yml"] == "./deploy/alertmanager.yml"
+
+
+def test_grafana_is_provisioned_with_the_prometheus_datasource_and_the_generated_dashboards():
+    mounts = _mounts(SERVICES["grafana"])
+    assert mounts["/etc/grafana/provisioning/datasources"] == "./dashboards/provisioning/datasources"
+    assert mounts["/etc/grafana/provisioning/dashboards"] == "./dashboards/provisioning/dashboards"
+    datasources = [d for f in sorted((ROOT / "dashboards/provisioning/datasources").glob("*.yml"))
+                   for d in yaml.safe_load(f.read_text())["datasources"]]
+    (prometheus,) = datasources
+    assert prometheus["type"] == "prometheus" and prometheus["isDefault"] is True
+    url = urlsplit(prometheus["url"])
+    assert url.hostname == "prometheus" and f"{url.port}:{url.port}" in SERVICES["prometheus"]["ports"]
+    providers = [p for f in sorted((ROOT / "dashboards/provisioning/dashboards").glob("*.yml"))
+                 for p in yaml.safe_load(f.read_text())["providers"]]
+    (provider,) = providers
+    assert provider["type"] == "file"
+    host_dir = ROOT / mounts[provider["options"]["path"]]  # the provider reads a mounted directory...
+    assert sorted(p.name for p in host_dir.glob("*.json")) == ["cluster.json", "pipeline-health.json",
+                                                               "training-run.json"]  # ...holding the dashboards
+    home = SERVICES["grafana"]["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert (host_dir / Path(home).relative_to(provider["options"]["path"])).is_file()
+
+
+def test_the_grafana_sink_reaches_grafana_without_showing_its_password():
+    env = SERVICES["sink-grafana"]["environment"]
+    url = _interpolate(env["PROFSTREAM_GRAFANA_URL"])
+    parts = urlsplit(url)
+    assert parts.hostname == "grafana" and f"{parts.port}:{parts.port}" in SERVICES["grafana"]["ports"]
+    assert parts.password == _interpolate(SERVICES["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"])
+    grafana = Grafana.from_options(environ={"PROFSTREAM_GRAFANA_URL": url,
+                                            "PROFSTREAM_GRAFANA_TOKEN": _interpolate(env["PROFSTREAM_GRAFANA_TOKEN"])})
+    assert grafana.display_url == "http://grafana:3000"

@@ -1,0 +1,225 @@
+"""The generated Grafana dashboards: fresh, and querying only what profstream exports.
+
+The metric and label names are taken from the collectors themselves (the Prometheus
+exporter fed one record of each kind, the processor health), not from a list kept here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import time
+from collections import namedtuple
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from profstream.kafka.topics import Topics
+from profstream.processors.health import ProcessorHealth
+from profstream.schema.codec import encode
+from profstream.sinks.prometheus import ExporterState
+
+ROOT = Path(__file__).resolve().parent.parent
+DASHBOARDS = ROOT / "dashboards"
+PER_RUN = ("training-run.json", "cluster.json")
+
+
+def _generator():
+    spec = importlib.util.spec_from_file_location("dashboards_generate", DASHBOARDS / "generate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _load(name: str) -> dict:
+    return json.loads((DASHBOARDS / name).read_text(encoding="utf-8"))
+
+
+def _panels(dashboard: dict) -> list[dict]:
+    out = []
+    for panel in dashboard["panels"]:
+        out.append(panel)
+        out.extend(panel.get("panels", ()))  # collapsed rows hold theirs
+    return out
+
+
+def _exprs(dashboard: dict) -> list[str]:
+    return [t["expr"] for p in _panels(dashboard) for t in p.get("targets", ())]
+
+
+# -- what profstream exports ---------------------------------------------------------------------
+
+Rec = namedtuple("Rec", "topic partition offset timestamp value")
+
+
+def _exported() -> dict[str, set[str]]:
+    """Every sample name profstream serves to Prometheus -> its label names (+ instance, job)."""
+    topics = Topics("p")
+    now_ns = time.time_ns()
+    step = {"run_id": "r", "rank": 0, "world_size": 1, "host": "h", "device": "cpu", "step": 1,
+            "start_ns": now_ns - 10**8, "end_ns": now_ns, "step_time_ns": 10**8, "data_wait_ns": 10**7,
+            "fp_bp_ns": 8 * 10**7, "tail_ns": 10**7, "compute_ns": 7 * 10**7, "comm_ns": 10**7,
+            "overlap_ns": 5 * 10**6, "pure_comm_ns": 5 * 10**6, "idle_ns": 2 * 10**7, "utilization": 0.7,
+            "overlap_ratio": 0.5, "op_count": 1, "op_types": [{"op_type": "MatMul", "total_ns": 10**7, "count": 1}],
+            "memory": {"peak": 3, "allocated": 2, "reserved": 4},
+            "queues": [{"queue": "q", "min": 0, "mean": 1.0, "last": 2, "at_start": 1, "empty_ratio": 0.1}],
+            "starved": True, "rolling": None, "closed_by": "watermark", "late_events": 0, "closed_ns": now_ns}
+    run = {"run_id": "r", "step": 1, "ranks_reported": 1, "min_step_time_ns": 10**8, "median_step_time_ns": 1e8,
+           "max_step_time_ns": 10**8, "skew": 0.0, "straggler_rank": 0, "step_times_ns": {"0": 10**8}}
+    alert = {"name": "DataQueueStall", "state": "firing", "run_id": "r", "rank": 0, "step": 1, "ts_ns": now_ns,
+             "summary": "s", "evidence": {}}
+    exporter = ExporterState(topics)
+    exporter.handle([Rec(topics.steps, 0, 0, now_ns // 10**6, encode("StepMetrics", step)),
+                     Rec(topics.run, 0, 0, now_ns // 10**6, encode("RunStepMetrics", run)),
+                     Rec(topics.alerts, 0, 0, now_ns // 10**6, encode("Alert", alert))])
+    health = ProcessorHealth()
+    stage = SimpleNamespace(open_runs=0, open_events=0, ranks={})
+    health.bind(SimpleNamespace(lag=lambda: 0, step_stage=stage))
+    health_registry = CollectorRegistry(auto_describe=False)
+    health_registry.register(health)
+    names: dict[str, set[str]] = {}
+    for text in (exporter.exposition().decode(), generate_latest(health_registry).decode()):
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                names.setdefault(sample.name, {"instance", "job"}).update(sample.labels)
+    return names
+
+
+EXPORTED = _exported()
+_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless",
+             "offset"}
+
+
+def _metric_names(expr: str) -> set[str]:
+    e = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)  # strings
+    e = re.sub(r"\{[^}]*\}", " ", e)  # label matchers
+    e = re.sub(r"\[[^\]]*\]", " ", e)  # range selectors
+    e = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", e)
+    out = set()
+    for m in re.finditer(r"(?<![\w.$])[A-Za-z_:][A-Za-z0-9_:]*", e):
+        if m.group() in _KEYWORDS or e[m.end():].lstrip().startswith("("):
+            continue  # an operator, or a function or aggregation called
+        out.add(m.group())
+    return out
+
+
+def _selectors(expr: str) -> list[tuple[str, set[str]]]:
+    """(metric, label names matched) of every selector with a {...}."""
+    return [(m.group(1), set(re.findall(r"(\w+)\s*(?:=~|!~|!=|=)", m.group(2))))
+            for m in re.finditer(r"([A-Za-z_:][A-Za-z0-9_:]*)\{([^}]*)\}", expr)]
+
+
+def test_the_metric_name_extraction_finds_metrics_and_skips_functions_labels_and_ranges():
+    expr = ('histogram_quantile(0.95, sum by (le, rank) (rate(profstream_a_bucket{run="$run", rank=~"$rank"}'
+            '[$__rate_interval]))) / on(run) group_left max(profstream_b) - profstream_c offset 5m')
+    assert _metric_names(expr) == {"profstream_a_bucket", "profstream_b", "profstream_c"}
+    assert _selectors(expr) == [("profstream_a_bucket", {"run", "rank"})]
+    assert "profstream_step_duration_seconds" in EXPORTED and "profstream_events_total" in EXPORTED
+
+
+# -- the tests ------------------------------------------------------------------------------
+
+def test_the_committed_dashboards_are_exactly_what_the_generator_makes():
+    generator = _generator()
+    stale = generator.stale(DASHBOARDS)
+    assert stale == [], f"{stale} differ from dashboards/generate.py: run `make dashboards` and commit them"
+    assert sorted(p.name for p in DASHBOARDS.glob("*.json")) == sorted(generator.DASHBOARDS), \
+        "a dashboards/*.json file that the generator does not make would be provisioned too"
+
+
+def test_the_generator_check_mode_fails_on_a_stale_file(tmp_path):
+    generator = _generator()
+    generator.write(tmp_path)
+    assert generator.main(["--check", "--out", str(tmp_path)]) == 0
+    path = tmp_path / "cluster.json"
+    path.write_text(path.read_text().replace("Rank skew", "Rank skew (hand-edited)"))
+    assert generator.main(["--check", "--out", str(tmp_path)]) == 1
+
+
+@pytest.mark.parametrize("name", ["training-run.json", "cluster.json", "pipeline-health.json"])
+def test_every_query_uses_only_metrics_and_labels_profstream_exports(name):
+    dashboard = _load(name)
+    exprs = _exprs(dashboard)
+    assert exprs, "a dashboard without queries"
+    for var in dashboard["templating"]["list"]:
+        if var["type"] == "query":
+            m = re.fullmatch(r"label_values\((\w+)(\{[^}]*\})?,\s*(\w+)\)", var["query"])
+            assert m, f"variable {var['name']}: unexpected query {var['query']!r}"
+            assert m.group(1) in EXPORTED and m.group(3) in EXPORTED[m.group(1)], var["query"]
+            exprs.append(f"{m.group(1)}{m.group(2) or ''}")
+    for expr in exprs:
+        names = _metric_names(expr)
+        assert names, f"no metric in {expr!r}"
+        unknown = names - set(EXPORTED)
+        assert not unknown, f"{name}: {expr!r} uses {unknown}, which profstream does not export"
+        for metric, labels in _selectors(expr):
+            assert labels <= EXPORTED[metric], f"{name}: {expr!r}: {metric} has no label {labels - EXPORTED[metric]}"
+        for labels in re.findall(r"\b(?:by|without)\s*\(([^)]*)\)", expr):
+            have = set.union(*(EXPORTED[n] for n in names))
+            assert {s.strip() for s in labels.split(",")} <= have | {"le"}, expr
+
+
+def test_the_label_values_asked_for_are_the_ones_exported():
+    exprs = "\n".join(e for n in PER_RUN for e in _exprs(_load(n)))
+    assert set(re.findall(r'phase="(\w+)"', exprs)) <= {"data_wait", "fp_bp", "tail"}
+    assert set(re.findall(r'kind="(\w+)"', exprs)) <= {"allocated", "reserved", "peak"}
+
+
+@pytest.mark.parametrize("name", PER_RUN)
+def test_per_run_dashboards_have_run_and_rank_variables_and_every_query_is_filtered_by_run(name):
+    dashboard = _load(name)
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert {"datasource", "run", "rank"} <= set(variables)
+    assert variables["run"]["query"] == "label_values(profstream_last_step, run)"
+    assert not variables["run"].get("multi")  # one run at a time: the annotations follow it
+    rank = variables["rank"]
+    assert rank["multi"] and rank["includeAll"] and rank["allValue"] == ".*"
+    assert '$run' in rank["query"]  # the ranks of the chosen run
+    for expr in _exprs(dashboard):
+        assert 'run="$run"' in expr, f"{name}: {expr!r} is not filtered by the run variable"
+    if name == "training-run.json":
+        assert all('rank=~"$rank"' in e for e in _exprs(dashboard))
+
+
+@pytest.mark.parametrize("name", ["training-run.json", "cluster.json", "pipeline-health.json"])
+def test_every_panel_queries_prometheus_through_the_datasource_variable(name):
+    dashboard = _load(name)
+    assert dashboard["uid"].startswith("profstream-") and "profstream" in dashboard["tags"]
+    (ds,) = [v for v in dashboard["templating"]["list"] if v["name"] == "datasource"]
+    assert ds["type"] == "datasource" and ds["query"] == "prometheus"
+    panels = [p for p in _panels(dashboard) if p["type"] != "row"]
+    assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
+    for panel in panels:
+        assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel["title"]
+        for target in panel["targets"]:
+            assert target["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel["title"]
+
+
+def test_the_training_run_dashboard_has_the_promised_panels_and_annotations():
+    dashboard = _load("training-run.json")
+    exprs = "\n".join(_exprs(dashboard))
+    for metric in ("profstream_step_duration_seconds", "profstream_step_phase_seconds",
+                   "profstream_device_utilization_ratio", "profstream_comm_overlap_ratio", "profstream_memory_bytes",
+                   "profstream_queue_size", "profstream_starved_steps_total", "profstream_op_type_seconds_total"):
+        assert metric in exprs, metric
+    stacked = [p for p in _panels(dashboard) if p["title"].startswith("Step phases")]
+    assert stacked and stacked[0]["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] == "normal"
+    queues = next(p for p in _panels(dashboard) if p["title"].startswith("Queue sizes"))
+    assert any("starved_steps_total" in t["expr"] for t in queues["targets"])  # the shaded series
+    tags = [a["target"]["tags"] for a in dashboard["annotations"]["list"]]
+    assert ["profstream", "alert", "run:$run"] in tags and ["profstream", "run", "run:$run"] in tags
+
+
+def test_the_cluster_and_pipeline_dashboards_show_what_they_promise():
+    cluster = "\n".join(_exprs(_load("cluster.json")))
+    for metric in ("profstream_rank_skew_ratio", "profstream_straggler_rank", "profstream_step_duration_seconds"):
+        assert metric in cluster
+    assert any(p["type"] == "heatmap" for p in _panels(_load("cluster.json")))
+    pipeline = "\n".join(_exprs(_load("pipeline-health.json")))
+    for metric in ("profstream_events_total", "profstream_consumer_lag_messages", "profstream_producer_dropped_total",
+                   "profstream_decode_errors_total", "profstream_step_freshness_seconds_bucket"):
+        assert metric in pipeline
