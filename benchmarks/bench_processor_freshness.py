@@ -15,6 +15,10 @@ definition. The first ``--warmup-s`` seconds of each run (Monitors connecting) a
 out of the headline figures and reported apart. As a breakdown, ``closed_ns - end_ns``
 (when the processor computed the StepMetrics) is read back from the steps topic.
 
+``--commit-interval-ms`` and ``--monitor-batch-interval-ms`` change the two intervals a
+step's figures wait through (defaults: the processor's 100 ms and the Monitor's 50 ms),
+to see what each contributes.
+
 Each repeat is one simulated run (a new run id) against the same processor. Prints one
 JSON object on stdout; progress goes to stderr.
 """
@@ -72,9 +76,12 @@ def simulate(bootstrap: str, prefix: str, run_id: str, args: argparse.Namespace)
            "--run-id", run_id, "--ranks", str(args.ranks), "--steps", str(args.steps),
            "--ops-per-step", str(args.ops_per_step), "--step-time-ms", str(args.step_time_ms),
            "--rate", "realtime", "--seed", "3"]
+    env = dict(os.environ)
+    if args.monitor_batch_interval_ms is not None:
+        env["PROFSTREAM_BATCH_INTERVAL_MS"] = str(args.monitor_batch_interval_ms)
     with tempfile.TemporaryFile("w+") as log:
         t0 = time.monotonic()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             rc = proc.wait(timeout=args.steps * args.step_time_ms / 1000 * 3 + 60)
         finally:
@@ -123,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-time-ms", type=float, default=50.0)
     p.add_argument("--warmup-s", type=float, default=1.0, help="seconds at the start of each run left out")
     p.add_argument("--commit-interval-ms", type=float, default=100.0, help="the processor's (its default: 100)")
+    p.add_argument("--monitor-batch-interval-ms", type=float, default=None,
+                   help="the simulated Monitors' batch_interval_ms (default: theirs, 50)")
     p.add_argument("--keep-topics", action="store_true", help="do not delete the benchmark's topics")
     args = p.parse_args(argv)
 
@@ -183,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         "p95_ms": summary([r["freshness_ms"]["p95"] for r in runs]),
         "p99_ms": summary(p99s),
         "max_ms": summary([r["freshness_ms"]["max"] for r in runs]),
+        "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
         "target": {"max_p99_ms": TARGET_P99_MS},
         "meets_target": median_p99 <= TARGET_P99_MS,
         "transactions": transactions,

@@ -251,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         "one_process_ops_per_s": summary(one),
         "two_processes_ops_per_s": summary(two),
         "ratio_from_group_stable": summary(ratios_stable) if ratios_stable else None,
+        "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
         "target": {"min_ratio": TARGET_RATIO},
         "meets_target": median_ratio >= TARGET_RATIO,
         "runs": {"one_process": runs[1], "two_processes": runs[2]},

@@ -9,8 +9,10 @@ at E), the batching of a live run with one Sender cycle per phase. Nothing is se
 
 The target figure, ``in_memory``: ``StepStage.fold(record, now)`` and
 ``StepStage.ready(now)`` for each record in turn, timed over all records, no Kafka.
-ops/s = op events / time; every (rank, step) must come out exactly once, with the
-step time, op count and compute time of the simulator's ground truth.
+ops/s = op events / wall time; every (rank, step) must come out exactly once, with the
+step time, op count and compute time of the simulator's ground truth. The same loop's
+op events per CPU second of this process (``ops_per_cpu_s``) is reported beside it: on
+a shared machine it is closer to what one dedicated core would do.
 
 A second figure, ``end_to_end``, runs the real ``Processor`` (step stage only, on a thread
 of this process) against the broker: the same messages are pre-filled into a fresh
@@ -25,6 +27,7 @@ Prints one JSON object on stdout; progress goes to stderr.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import threading
@@ -137,6 +140,7 @@ def fold_all(records: list[Record], topics: Topics) -> dict[str, Any]:
     outputs = []
     fold_s = ready_s = 0.0
     now = time.monotonic()
+    cpu0 = time.process_time()
     t0 = pc()
     for rec in records:
         t1 = pc()
@@ -148,8 +152,9 @@ def fold_all(records: list[Record], topics: Topics) -> dict[str, Any]:
         if out:
             outputs.extend(out)
     elapsed = pc() - t0
+    cpu_s = time.process_time() - cpu0
     steps = [o.value for o in outputs if o.topic == steps_topic]
-    return {"elapsed_s": elapsed, "fold_s": fold_s, "ready_s": ready_s, "step_values": steps,
+    return {"elapsed_s": elapsed, "cpu_s": cpu_s, "fold_s": fold_s, "ready_s": ready_s, "step_values": steps,
             "other_outputs": len(outputs) - len(steps)}
 
 
@@ -172,7 +177,7 @@ def verify(step_values: list[bytes], truth: dict) -> dict[str, Any]:
 
 def in_memory(records: list[Record], truth: dict, total_ops: int, repeats: int, label: str) -> dict[str, Any]:
     topics = Topics("bench-mem")
-    rates, steps_rates, fold_share, decode_rates = [], [], [], []
+    rates, cpu_rates, steps_rates, fold_share, decode_rates = [], [], [], [], []
     check = None
     for r in range(repeats):
         t0 = time.perf_counter()
@@ -185,12 +190,15 @@ def in_memory(records: list[Record], truth: dict, total_ops: int, repeats: int, 
             if not (check["each_once"] and check["values_match_truth"]):
                 raise SystemExit(f"{label}: StepMetrics wrong: {check}")
         rates.append(total_ops / res["elapsed_s"])
+        cpu_rates.append(total_ops / res["cpu_s"])
         steps_rates.append(len(res["step_values"]) / res["elapsed_s"])
         fold_share.append(res["fold_s"] / (res["fold_s"] + res["ready_s"]))
-        note(f"{label} repeat {r + 1}/{repeats}: {rates[-1] / 1e6:.3f} M ops/s, {steps_rates[-1]:.0f} steps/s "
+        note(f"{label} repeat {r + 1}/{repeats}: {rates[-1] / 1e6:.3f} M ops/s ({cpu_rates[-1] / 1e6:.3f} M per "
+             f"CPU second), {steps_rates[-1]:.0f} steps/s "
              f"(fold {res['fold_s']:.3f} s, ready {res['ready_s']:.3f} s; decode alone "
              f"{decode_rates[-1] / 1e6:.2f} M ops/s)")
     return {"ops_per_s": rates, "summary": summary(rates),
+            "ops_per_cpu_s": cpu_rates, "cpu_summary": summary(cpu_rates),
             "steps_closed_per_s": steps_rates, "median_steps_closed_per_s": statistics.median(steps_rates),
             "fold_share_of_time": statistics.median(fold_share),
             "decode_batch_alone_ops_per_s": statistics.median(decode_rates),
@@ -326,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
                      "batching": "Monitor + Sender._build after each phase: 3 messages per step and rank"},
         "per_repeat": mem["ops_per_s"],
         "median": median,
+        "median_ops_per_cpu_s": mem["cpu_summary"]["median"],
+        "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
         "target": {"min_ops_per_s": TARGET_OPS_PER_S},
         "meets_target": bool(median >= TARGET_OPS_PER_S and mem["check"]["each_once"]),
         "figures": figures,

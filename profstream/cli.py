@@ -226,6 +226,388 @@ def process(
 
 # -- sinks (one section per sink below) ------------------------------------------------
 
+@sink_app.command("prometheus")
+def sink_prometheus(
+    bootstrap: BootstrapOpt = None,
+    topic_prefix: PrefixOpt = "profstream",
+    port: Annotated[int, typer.Option(min=0, max=65535, help="serve /metrics on this port")] = 9464,
+    addr: Annotated[str, typer.Option(help="address to listen on")] = "0.0.0.0",
+    group_id: Annotated[str, typer.Option(help="consumer group; give every exporter replica its own")]
+    = "profstream-prometheus",
+    ttl_s: Annotated[float, typer.Option(min=1.0, help="drop the series of a run or rank silent this long")]
+    = 900.0,
+    top_k: Annotated[int, typer.Option(min=1, help="op types with series of their own per run (the "
+                                                   "rest: other)")] = 10,
+) -> None:
+    """Serve every profstream figure to Prometheus (docs/metrics.md): steps, run and alerts topics in."""
+    from profstream.kafka.topics import Topics, validate_prefix
+    from profstream.sinks.prometheus import ExporterError, PrometheusExporter
+
+    try:
+        validate_prefix(topic_prefix)
+    except ValueError as e:
+        _fail(str(e))
+    boot = _bootstrap(bootstrap)
+    _require_broker(boot)
+    exporter = PrometheusExporter(boot, Topics(topic_prefix), port=port, addr=addr, group_id=group_id,
+                                  ttl_s=ttl_s, top_k=top_k)
+    try:
+        url = exporter.serve()
+    except ExporterError as e:
+        _fail(str(e))
+    err.print(f"serving {url} from {boot} (topics {topic_prefix}.steps, .run, .alerts; group {group_id}); "
+              "Ctrl-C stops", highlight=False, soft_wrap=True)
+    try:
+        exporter.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        exporter.close()
+
+
+GrafanaUrlOpt = Annotated[str | None, typer.Option("--url", help="Grafana base URL (default: "
+                                                        "$PROFSTREAM_GRAFANA_URL, else http://localhost:3000)")]
+GrafanaTokenOpt = Annotated[str | None, typer.Option("--token", help="Grafana service-account token (default: "
+                                                            "$PROFSTREAM_GRAFANA_TOKEN); never printed")]
+
+
+@grafana_app.command("push")
+def grafana_push(
+    url: GrafanaUrlOpt = None,
+    token: GrafanaTokenOpt = None,
+    dir: Annotated[Path | None, typer.Option("--dir", help="directory of the dashboard JSON files "
+                                                           "(default: ./dashboards, else the checkout's)")] = None,
+    folder_uid: Annotated[str, typer.Option(help="uid of the Grafana folder to put them in")] = "profstream",
+) -> None:
+    """Upload the profstream dashboards to Grafana (creating or replacing them)."""
+    from profstream.sinks.grafana import (
+        Grafana,
+        GrafanaError,
+        default_dashboards_dir,
+        load_dashboards,
+    )
+
+    grafana = Grafana.from_options(url, token)
+    dashboards = load_dashboards(dir or default_dashboards_dir())
+    try:
+        grafana.ensure_folder(folder_uid, "profstream")
+        for dashboard in dashboards:
+            answer = grafana.push_dashboard(dashboard, folder_uid)
+            out.print(f"{dashboard['title']}: {grafana.link(answer.get('url', ''))} "
+                      f"(version {answer.get('version', '?')})", highlight=False)
+    except GrafanaError as e:
+        _fail(str(e))
+
+
+@sink_app.command("grafana")
+def sink_grafana(
+    bootstrap: BootstrapOpt = None,
+    topic_prefix: PrefixOpt = "profstream",
+    url: GrafanaUrlOpt = None,
+    token: GrafanaTokenOpt = None,
+    group_id: Annotated[str, typer.Option(help="consumer group of the Grafana sink")] = "profstream-grafana",
+    run_idle_s: Annotated[float, typer.Option(min=0.1, help="a run without steps this long is marked "
+                                                            "ended")] = 60.0,
+    max_pending: Annotated[int, typer.Option(min=1, help="annotations kept while Grafana is down (the "
+                                                         "oldest are dropped beyond)")] = 10000,
+) -> None:
+    """Annotate Grafana: run start and end, alerts firing and resolved (steps and alerts topics in)."""
+    import signal
+    import threading
+
+    from profstream.kafka.topics import Topics, validate_prefix
+    from profstream.sinks.grafana import Grafana, GrafanaAnnotationSink
+    from profstream.sinks.runner import SinkLoop
+
+    try:
+        validate_prefix(topic_prefix)
+    except ValueError as e:
+        _fail(str(e))
+    grafana = Grafana.from_options(url, token)
+    boot = _bootstrap(bootstrap)
+    _require_broker(boot)
+    topics = Topics(topic_prefix)
+    sink = GrafanaAnnotationSink(grafana, run_idle_s=run_idle_s, max_pending=max_pending)
+    try:
+        loop = SinkLoop(boot, [topics.steps, topics.alerts], group_id, sink)
+    except RuntimeError as e:
+        sink.close()
+        _fail(str(e))
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    err.print(f"annotating Grafana at {grafana.display_url} from {topics.steps} and {topics.alerts} ({boot}, "
+              f"group {group_id}); Ctrl-C stops", highlight=False, soft_wrap=True)
+    loop.run(stop)
+
+
+@sink_app.command("archive")
+def sink_archive(
+    out_dir: Annotated[Path, typer.Argument(help="archive directory (created if missing)")],
+    bootstrap: BootstrapOpt = None,
+    topic_prefix: PrefixOpt = "profstream",
+    topics: Annotated[str, typer.Option(help="comma-separated topics to archive, by their name after the "
+                                             "prefix")] = "raw,steps",
+    group_id: Annotated[str, typer.Option(help="consumer group of the archive sink")] = "profstream-archive",
+    instance_id: Annotated[str, typer.Option(help="stable across restarts (static group membership)")] = "0",
+    codec: Annotated[str, typer.Option(help="zstandard, deflate or null")] = "zstandard",
+    max_bytes: Annotated[str, typer.Option(help="start a new file beyond this size")] = "64MiB",
+    max_age_s: Annotated[float, typer.Option(min=0.001, help="finish a file this old")] = 300.0,
+    progress: Annotated[bool | None, typer.Option("--progress/--no-progress", help="show progress (default: "
+                                                  "when stderr is a terminal)")] = None,
+) -> None:
+    """Archive topics into Avro files (<dir>/<topic>/<run>/p<partition>/<first>-<last>.avro), exactly once."""
+    import signal
+    import threading
+
+    from profstream.config import PARSERS
+    from profstream.kafka.topics import Topics, validate_prefix
+    from profstream.sinks.archive import CODECS, ArchiveError, run_archive
+
+    try:
+        prefix = Topics(validate_prefix(topic_prefix))
+        check_name(instance_id, "instance id")
+        size = PARSERS["size"](max_bytes)
+    except ValueError as e:
+        _fail(str(e))
+    if codec not in CODECS:
+        _fail(f"--codec {codec!r}: expected one of {', '.join(CODECS)}")
+    names = [f"{prefix.prefix}.{t.strip()}" for t in topics.split(",") if t.strip()]
+    boot = _bootstrap(bootstrap)
+    _require_broker(boot)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    bar, show = _work_progress("archive", progress, unit="messages")
+
+    def started(sink) -> None:
+        err.print(f"archiving {', '.join(names)} from {boot} into {sink.root} (group {group_id}); Ctrl-C stops",
+                  highlight=False, soft_wrap=True)
+
+    try:
+        with bar:
+            stats = run_archive(boot, names, out_dir, stop, group_id=group_id, instance_id=instance_id,
+                                progress=show, ready=started, codec=codec, max_bytes=size, max_age_s=max_age_s)
+    except (ArchiveError, RuntimeError) as e:
+        _fail(str(e))
+    err.print(f"archived {stats.messages} messages in {stats.files} files", highlight=False)
+
+
+
+@sink_app.command("timeline")
+def sink_timeline(
+    out_dir: Annotated[Path, typer.Option("--out", help="directory of the timeline files (created if missing)")],
+    bootstrap: BootstrapOpt = None,
+    topic_prefix: PrefixOpt = "profstream",
+    window_steps: Annotated[int, typer.Option(min=1, help="steps per file")] = 100,
+    max_bytes: Annotated[str, typer.Option(help="most JSON text per file, before gzip (a bigger window is "
+                                                "split into more files)")] = "20MB",
+    group_id: Annotated[str, typer.Option(help="consumer group of the timeline sink")] = "profstream-timeline",
+) -> None:
+    """Write Perfetto / chrome://tracing timelines from the raw topic (<out>/<run>/rank-<r>/steps-<a>-<b>.json.gz)."""
+    import signal
+    import threading
+
+    from profstream.config import PARSERS
+    from profstream.kafka.topics import Topics, validate_prefix
+    from profstream.sinks.runner import SinkLoop
+    from profstream.sinks.timeline import TimelineSink
+
+    try:
+        topics = Topics(validate_prefix(topic_prefix))
+    except ValueError as e:
+        _fail(str(e))
+    try:
+        size = PARSERS["size"](max_bytes)
+    except ValueError as e:
+        _fail(f"--max-bytes {max_bytes!r}: {e}")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        sink = TimelineSink(out_dir, window_steps=window_steps, max_bytes=size)
+    except ConfigError as e:
+        _fail(str(e))
+    except OSError as e:
+        _fail(f"cannot create --out {out_dir} ({e.strerror}): choose a directory you can write")
+    boot = _bootstrap(bootstrap)
+    _require_broker(boot)
+    try:
+        loop = SinkLoop(boot, [topics.raw], group_id, sink)
+    except RuntimeError as e:
+        _fail(str(e))
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    err.print(f"writing timelines of {topics.raw} ({boot}, group {group_id}) into {out_dir}; Ctrl-C stops",
+              highlight=False, soft_wrap=True)
+    try:
+        loop.run(stop)
+    except OSError as e:
+        _fail(f"cannot write timeline files in {out_dir} ({e.strerror or e}): fix it and start again; "
+              "nothing is lost, the sink goes on from its last file")
+    stats = sink.stats()
+    err.print(f"wrote {stats['files_written']} files ({stats['steps_written']} steps, {stats['ops_written']} ops)"
+              + (f"; skipped undecodable messages: {stats['decode_errors']}" if stats["decode_errors"] else ""),
+              highlight=False)
+
+def _work_progress(what: str, enabled: bool | None, unit: str = "MB"):
+    """A rich progress display on stderr (when it is a terminal, or --progress) and the callback
+    that updates it from a replay.Tally or an archive.ArchiveProgress."""
+    import contextlib
+
+    if not (enabled if enabled is not None else sys.stderr.isatty()):
+        return contextlib.nullcontext(), None
+    progress = Progress(TextColumn(f"[bold]{what}"), BarColumn(), TextColumn("{task.fields[detail]}"),
+                        TimeRemainingColumn(), console=err, transient=True)
+    task = progress.add_task(what, total=None, detail="")
+
+    def show(t) -> None:
+        rate_s = max(t.elapsed_s, 1e-9)
+        if hasattr(t, "lag"):  # the archive sink: done = archived, total = archived + still to read
+            progress.update(task, completed=t.messages, total=t.messages + t.lag, detail=(
+                f"{t.files} files ({t.open_files} open)  {t.messages:,} messages  "
+                f"{t.value_bytes / 1e6 / rate_s:.1f} MB/s  lag {t.lag:,}"))
+        else:
+            detail = f"{t.files_done}/{t.files_total} files  {t.messages:,} messages"
+            if t.events:
+                detail += f"  {t.events:,} events  {t.steps:,} steps  {t.events / rate_s:,.0f} events/s"
+            else:
+                detail += f"  {t.messages / rate_s:,.0f} messages/s"
+            progress.update(task, completed=t.bytes_done, total=t.bytes_total or None, detail=detail)
+
+    return progress, show
+
+
+# -- replay and export ------------------------------------------------------------------
+
+export_app = typer.Typer(help="Files for notebooks from an archive.", no_args_is_help=True)
+app.add_typer(export_app, name="export")
+
+ArchiveArg = Annotated[Path, typer.Argument(help="archive directory written by `profstream sink archive`")]
+ProgressOpt = Annotated[bool | None, typer.Option("--progress/--no-progress",
+                                                  help="show progress (default: when stderr is a terminal)")]
+
+
+def _report_losses(losses) -> None:
+    for loss in losses:
+        err.print(f"[yellow]warning:[/yellow] {loss}", highlight=False, soft_wrap=True)
+    if losses:
+        err.print(f"[red]{len(losses)} damaged stretch(es) of the archive skipped[/red]", highlight=False)
+        raise typer.Exit(1)
+
+
+@app.command()
+def replay(
+    archive: ArchiveArg,
+    run: Annotated[str | None, typer.Option(help="only this run (default: every run archived)")] = None,
+    steps: Annotated[str | None, typer.Option(help="only steps A:B (inclusive)")] = None,
+    speed: Annotated[str, typer.Option(help="1: as recorded, N: N times faster, max: no pacing")] = "max",
+    to_topic: Annotated[str | None, typer.Option(help="topic to republish to (a <prefix>.raw that does "
+                                                      "not exist is created)")] = None,
+    rewrite_run: Annotated[str | None, typer.Option(help="republish the run under this run id")] = None,
+    offline: Annotated[bool, typer.Option(help="no broker: run the processors on the archive and write "
+                                               "their output to --output")] = False,
+    output: Annotated[Path | None, typer.Option(help="directory for --offline results")] = None,
+    format: Annotated[str, typer.Option(help="jsonl or parquet (--offline)")] = "jsonl",
+    workers: Annotated[int, typer.Option(min=0, help="--offline processes (0: one per CPU, up to 4)")] = 0,
+    topic: Annotated[str | None, typer.Option(help="archived raw topic, when the archive holds several")] = None,
+    bootstrap: BootstrapOpt = None,
+    progress: ProgressOpt = None,
+    grace_s: Annotated[float, typer.Option(min=0.0, help="--offline: as for `profstream process`")] = 2.0,
+    run_grace_s: Annotated[float, typer.Option(min=0.0, help="--offline: as for `profstream process`")] = 10.0,
+    idle_timeout_s: Annotated[float, typer.Option(min=1.0, help="--offline: as for `profstream process`")] = 60.0,
+    stall_ratio: Annotated[float, typer.Option(min=0.0, max=1.0, help="--offline: as for `profstream process`")]
+    = 0.3,
+    stall_steps: Annotated[int, typer.Option(min=1, help="--offline: as for `profstream process`")] = 5,
+    top_k: Annotated[int, typer.Option(min=1, help="--offline: as for `profstream process`")] = 10,
+    rolling_steps: Annotated[int, typer.Option(min=1, help="--offline: as for `profstream process`")] = 100,
+) -> None:
+    """Republish an archived run (keys kept, in partition order), or run the processors on it offline."""
+    from profstream.processors.figures import FigureOptions
+    from profstream.sinks.archive import ArchiveError
+    from profstream.sinks.replay import (
+        OfflineOptions,
+        archive_files,
+        default_workers,
+        parse_speed,
+        replay_offline_to,
+        republish,
+    )
+
+    step_range = _parse_range(steps, "--steps")
+    try:
+        pace = parse_speed(speed)
+        if rewrite_run is not None:
+            check_name(rewrite_run, "run id")
+        files = archive_files(archive, "raw", topic, run)
+    except (ValueError, ArchiveError) as e:
+        _fail(str(e))
+    if rewrite_run is not None and len({f.run_id for f in files}) > 1:
+        _fail("--rewrite-run renames one run: choose it with --run")
+    if format not in ("jsonl", "parquet"):
+        _fail(f"--format {format!r}: expected jsonl or parquet")
+    bar, show = _work_progress("replay", progress)
+    if offline:
+        if output is None:
+            _fail("--offline writes its results to a directory: give --output DIR")
+        with bar:
+            options = OfflineOptions(grace_s, run_grace_s, idle_timeout_s,
+                                     FigureOptions(top_k, stall_ratio, stall_steps, rolling_steps))
+            result = replay_offline_to(files, output, format, options=options, steps=step_range,
+                                       rewrite_run=rewrite_run, workers=workers or default_workers(), progress=show)
+        out.print(f"{result.messages} messages, {result.events} op events -> {result.steps} StepMetrics, "
+                  f"{result.run_steps} RunStepMetrics, {result.alerts} alerts in {output} "
+                  f"({result.elapsed_s:.1f} s)", highlight=False)
+    else:
+        target = to_topic or files[0].topic
+        if target == files[0].topic and rewrite_run is None:
+            _fail(f"replaying onto {target}, where the run already is, would feed the processors its "
+                  "batches twice: give --to-topic or --rewrite-run")
+        boot = _bootstrap(bootstrap)
+        _require_broker(boot)
+        try:
+            with bar:
+                result = republish(files, boot, target, pace, step_range, rewrite_run, progress=show)
+        except ArchiveError as e:
+            _fail(str(e))
+        out.print(f"{result.sent} of {result.messages} messages sent to {target} ({result.dropped} left out) "
+                  f"in {result.elapsed_s:.1f} s", highlight=False)
+    _report_losses(result.losses)
+
+
+@export_app.command("parquet")
+def export_parquet_cmd(
+    archive: ArchiveArg,
+    output: Annotated[Path, typer.Option(help="directory for <run>.steps.parquet and <run>.ops.parquet")],
+    run: Annotated[str | None, typer.Option(help="the run (default: the only run archived)")] = None,
+    steps: Annotated[str | None, typer.Option(help="only steps A:B (inclusive)")] = None,
+    source: Annotated[str, typer.Option(help="step metrics from the archived steps topic (steps), computed "
+                                             "from the raw archive (raw), or steps if archived (auto)")] = "auto",
+    what: Annotated[str, typer.Option(help="steps, ops or steps,ops")] = "steps,ops",
+    topic_prefix: Annotated[str | None, typer.Option(help="the archived prefix, when there are several")] = None,
+    progress: ProgressOpt = None,
+) -> None:
+    """A run's step metrics and op table as Parquet files for pandas."""
+    from profstream.sinks.archive import ArchiveError
+    from profstream.sinks.export import export_parquet
+
+    parts = tuple(w.strip() for w in what.split(",") if w.strip())
+    if not parts or set(parts) - {"steps", "ops"}:
+        _fail(f"--what {what!r}: expected steps, ops or steps,ops")
+    if source not in ("auto", "steps", "raw"):
+        _fail(f"--source {source!r}: expected auto, steps or raw")
+    step_range = _parse_range(steps, "--steps")
+    bar, show = _work_progress("export", progress)
+    try:
+        with bar:
+            result = export_parquet(archive, output, run, step_range, source, parts, topic_prefix, progress=show)
+    except (ValueError, ArchiveError) as e:
+        _fail(str(e))
+    for path in result.paths:
+        out.print(str(path), highlight=False)
+    out.print(f"{result.step_rows} step rows ({result.steps_source or 'not asked'}), {result.op_rows} op rows",
+              highlight=False)
+    _report_losses(result.losses)
+
 
 # -- demo -----------------------------------------------------------------------------
 

@@ -1,0 +1,629 @@
+"""The archive sink: every message of the raw (and steps) topic, in Avro Object Container Files.
+
+Layout (one file holds one run's messages of one partition, in offset order)::
+
+    <out>/<topic>/<run_id>/p<partition>/<first_offset>-<last_offset>.avro
+    <out>/index.jsonl      one line per finished file: offsets, runs, ranks, steps
+    <out>/.lock            one archive sink per directory
+
+A message's run is the part of its key before the last "/"; a key that is missing or is
+not a valid name (``config.check_name``) goes under ``_unknown``, so no key can reach
+outside ``<out>``. Each record is ``ARCHIVE_SCHEMA``: the message as it was on the wire.
+
+Crash safety: a file is written as ``<first_offset>.avro.tmp``, fsynced, renamed and its
+directory fsynced; only then does ``durable_offsets`` let the consumer commit past its
+messages. A crash before the rename leaves a ``.tmp`` file (removed at start-up; its
+messages were never committed, so they come again). A crash between the rename and the
+commit re-delivers messages already in a finished file: at start-up the sink reads the
+highest archived offset of every (topic, run, partition) from the file names and skips
+those messages.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import io
+import json
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from fastavro import parse_schema, reader, schemaless_reader
+from fastavro.schema import to_parsing_canonical_form
+from fastavro.write import Writer
+from kafka.errors import CommitFailedError, RebalanceInProgressError
+
+from profstream.config import ConfigError, check_name
+from profstream.schema.codec import HEADER_LEN, MAGIC, SCHEMAS, DecodeError, decode_any
+from profstream.sinks.runner import SinkLoop
+
+log = logging.getLogger("profstream.archive")
+
+ARCHIVE_SCHEMA = {
+    "type": "record", "name": "ArchivedMessage", "namespace": "profstream.archive",
+    "doc": "One Kafka message as it was on the wire.",
+    "fields": [
+        {"name": "topic", "type": "string"},
+        {"name": "partition", "type": "int"},
+        {"name": "offset", "type": "long"},
+        {"name": "timestamp", "type": "long", "doc": "Kafka record timestamp, ms since the epoch"},
+        {"name": "key", "type": ["null", "bytes"]},
+        {"name": "value", "type": ["null", "bytes"]},
+        {"name": "headers", "default": [], "type": {"type": "array", "items": {
+            "type": "record", "name": "Header",
+            "fields": [{"name": "key", "type": "string"}, {"name": "value", "type": ["null", "bytes"]}]}}},
+    ],
+}
+_PARSED = parse_schema(ARCHIVE_SCHEMA)
+
+UNKNOWN_RUN = "_unknown"  # starts with "_": never a valid run id, so never a real run's directory
+INDEX_FILE = "index.jsonl"
+LOCK_FILE = ".lock"
+TMP_SUFFIX = ".avro.tmp"
+CODECS = ("zstandard", "deflate", "null")
+DEFAULT_MAX_BYTES = 64 * 1024 * 1024
+DEFAULT_MAX_AGE_S = 300.0
+BLOCK_BYTES = 1024 * 1024  # uncompressed bytes per Avro block
+
+_FILE_RE = re.compile(r"(\d+)-(\d+)\.avro")
+_TOPIC_RE = re.compile(r"[A-Za-z0-9._-]+")
+
+
+class ArchiveError(Exception):
+    """A problem with an archive directory the user can fix; the message says what to do."""
+
+
+# -- layout ------------------------------------------------------------------------------
+
+def run_of_key(key: bytes | None) -> str:
+    """The run directory of a message: its key before the last "/", if that is a valid name."""
+    if not key:
+        return UNKNOWN_RUN
+    try:
+        run = key.rpartition(b"/")[0].decode()
+        return check_name(run, "run id")
+    except (UnicodeDecodeError, ConfigError):
+        return UNKNOWN_RUN
+
+
+def _topic_dir(topic: str) -> str:
+    if not _TOPIC_RE.fullmatch(topic) or topic in (".", ".."):
+        raise ValueError(f"topic name {topic!r} cannot be a directory name")
+    return topic
+
+
+@dataclass(frozen=True, order=True)
+class ArchiveFile:
+    """A finished archive file, located by its path: <topic>/<run_id>/p<partition>/<first>-<last>.avro."""
+
+    topic: str
+    run_id: str
+    partition: int
+    first_offset: int
+    last_offset: int
+    path: Path = field(compare=False)
+
+    @classmethod
+    def from_path(cls, path: Path) -> ArchiveFile | None:
+        m = _FILE_RE.fullmatch(path.name)
+        part = path.parent.name
+        if m is None or not part.startswith("p") or not part[1:].isdigit():
+            return None
+        return cls(path.parent.parent.parent.name, path.parent.parent.name, int(part[1:]),
+                   int(m.group(1)), int(m.group(2)), path)
+
+    def relative_to(self, root: Path) -> str:
+        return self.path.relative_to(root).as_posix()
+
+
+def finished_files(root: Path) -> list[ArchiveFile]:
+    """Every finished archive file under ``root`` (an archive directory or any part of one)."""
+    root = Path(root)
+    paths = [root] if root.is_file() else root.rglob("*.avro")
+    files = [f for f in (ArchiveFile.from_path(p) for p in paths) if f is not None]
+    return sorted(files)
+
+
+# -- what a message holds, for the index ---------------------------------------------------
+
+def _batch_projection(sv) -> dict:
+    """A reader schema of EventBatch holding only run_id, rank and each section's step column:
+    fastavro skips the rest (op names, the other columns) without building objects."""
+    schema = json.loads(to_parsing_canonical_form(sv.parsed))
+    keep = []
+    for f in schema["fields"]:
+        if f["name"] in ("run_id", "rank"):
+            keep.append(f)
+        elif isinstance(f["type"], dict) and any(c["name"] == "step" for c in f["type"].get("fields", ())):
+            f["type"]["fields"] = [c for c in f["type"]["fields"] if c["name"] in ("count", "step")]
+            keep.append(f)
+    schema["fields"] = keep
+    return parse_schema(schema)
+
+
+_BATCH_READERS = {sv.header: (sv.parsed, _batch_projection(sv)) for sv in SCHEMAS.values() if sv.name == "EventBatch"}
+_I64 = np.dtype("<i8")
+
+
+def message_steps(value: bytes | None) -> tuple[str, int | None, int | None, int | None] | None:
+    """(run_id, rank, lowest step, highest step) of a profstream message, or None when it
+    cannot be decoded. Steps are None for a batch without step-bearing events."""
+    if not value:
+        return None
+    readers = _BATCH_READERS.get(value[:HEADER_LEN])
+    if readers is not None:
+        try:
+            body = io.BytesIO(value)
+            body.seek(HEADER_LEN)
+            rec = schemaless_reader(body, readers[0], readers[1])
+            lo = hi = None
+            for section in rec.values():
+                if isinstance(section, dict) and section["count"]:
+                    steps = np.frombuffer(section["step"], _I64)
+                    a, b = int(steps.min()), int(steps.max())
+                    lo = a if lo is None else min(lo, a)
+                    hi = b if hi is None else max(hi, b)
+            return rec["run_id"], rec["rank"], lo, hi
+        except Exception:  # garbage after a valid header: fastavro raises many types; counted
+            return None
+    if value[:2] != MAGIC:
+        return None
+    try:
+        _name, record = decode_any(value)
+    except DecodeError:
+        return None
+    step = record.get("step")
+    return record.get("run_id", ""), record.get("rank"), step, step
+
+
+class FileSummary:
+    """What the index says about one file, accumulated message by message."""
+
+    __slots__ = ("messages", "value_bytes", "first_ts", "last_ts", "runs", "ranks", "lo", "hi", "undecodable")
+
+    def __init__(self) -> None:
+        self.messages = self.value_bytes = self.undecodable = 0
+        self.first_ts = self.last_ts = None
+        self.runs: set[str] = set()
+        self.ranks: set[int] = set()
+        self.lo = self.hi = None
+
+    def add(self, timestamp: int, value: bytes | None) -> None:
+        self.messages += 1
+        self.value_bytes += len(value) if value else 0
+        if self.first_ts is None:
+            self.first_ts = timestamp
+        self.last_ts = timestamp
+        found = message_steps(value)
+        if found is None:
+            self.undecodable += 1
+            return
+        run, rank, lo, hi = found
+        self.runs.add(run)
+        if rank is not None:
+            self.ranks.add(rank)
+        if lo is not None:
+            self.lo = lo if self.lo is None else min(self.lo, lo)
+            self.hi = hi if self.hi is None else max(self.hi, hi)
+
+    def entry(self, f: ArchiveFile, root: Path, codec: str) -> dict:
+        return {"file": f.relative_to(root), "topic": f.topic, "run_id": f.run_id, "partition": f.partition,
+                "first_offset": f.first_offset, "last_offset": f.last_offset, "messages": self.messages,
+                "bytes": f.path.stat().st_size, "value_bytes": self.value_bytes,
+                "first_timestamp_ms": self.first_ts, "last_timestamp_ms": self.last_ts,
+                "runs": sorted(self.runs), "ranks": sorted(self.ranks),
+                "steps": None if self.lo is None else [self.lo, self.hi],
+                "undecodable": self.undecodable, "codec": codec}
+
+
+# -- files on disk -----------------------------------------------------------------------
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _make_dirs(root: Path, path: Path) -> None:
+    """mkdir -p whose new entries are durable (each new directory's parent is fsynced)."""
+    if not path.resolve().is_relative_to(root):
+        raise ValueError(f"{path} is outside the archive {root}")
+    missing = []
+    p = path
+    while not p.exists():
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        d.mkdir(exist_ok=True)
+        _fsync_dir(d.parent)
+
+
+class ArchiveIndex:
+    """``index.jsonl``: one JSON line per finished file, appended with one write and fsynced."""
+
+    def __init__(self, root: Path) -> None:
+        self.path = root / INDEX_FILE
+
+    def entries(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        out = []
+        for line in self.path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                log.warning("%s: skipping a damaged line", self.path)
+        return out
+
+    def repair(self) -> None:
+        """Cut a line left half-written by a crash, so that the next append starts clean."""
+        if not self.path.exists():
+            return
+        data = self.path.read_bytes()
+        if data and not data.endswith(b"\n"):
+            with open(self.path, "r+b") as f:
+                f.truncate(data.rfind(b"\n") + 1)
+                os.fsync(f.fileno())
+
+    def append(self, entry: dict) -> None:
+        line = (json.dumps(entry, separators=(",", ":")) + "\n").encode()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+class _OpenFile:
+    """The file being written for one (topic, run, partition)."""
+
+    def __init__(self, directory: Path, topic: str, run_id: str, partition: int, first_offset: int,
+                 codec: str, level: int | None, opened_at: float) -> None:
+        self.topic, self.run_id, self.partition = topic, run_id, partition
+        self.first_offset = self.last_offset = first_offset
+        self.opened_at = opened_at
+        self.tmp = directory / f"{first_offset}{TMP_SUFFIX}"
+        self.fo = open(self.tmp, "wb")
+        self.writer = Writer(self.fo, _PARSED, codec=codec, sync_interval=BLOCK_BYTES, compression_level=level,
+                             metadata={"profstream.topic": topic, "profstream.run_id": run_id,
+                                       "profstream.partition": str(partition)})
+        self.summary = FileSummary()
+
+    @property
+    def size(self) -> int:
+        """Bytes on disk plus the pending (uncompressed) block: an upper bound of the final size."""
+        return self.fo.tell() + self.writer.io.tell()
+
+    def append(self, rec: Any) -> None:
+        headers = [{"key": k, "value": v} for k, v in rec.headers] if rec.headers else []
+        self.writer.write({"topic": rec.topic, "partition": rec.partition, "offset": rec.offset,
+                           "timestamp": rec.timestamp, "key": rec.key, "value": rec.value, "headers": headers})
+        self.last_offset = rec.offset
+        self.summary.add(rec.timestamp, rec.value)
+
+    def finish(self) -> Path:
+        self.writer.flush()
+        self.fo.flush()
+        os.fsync(self.fo.fileno())
+        self.fo.close()
+        final = self.tmp.with_name(f"{self.first_offset}-{self.last_offset}.avro")
+        os.rename(self.tmp, final)
+        _fsync_dir(final.parent)
+        return final
+
+    def abandon(self) -> None:
+        self.fo.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+# -- the sink ----------------------------------------------------------------------------
+
+@dataclass
+class ArchiveStats:
+    messages: int = 0  # archived (written to a file)
+    value_bytes: int = 0
+    files: int = 0  # finished
+    skipped: int = 0  # already in a finished file (re-delivered after a crash)
+    orphans_removed: int = 0  # *.tmp files of a crashed sink, at start-up
+    reindexed: int = 0  # finished files missing from the index, at start-up
+
+
+class ArchiveSink:
+    """Writes every handled message into its (topic, run, partition) file; rotates files by
+    size and age; reports as durable only what is in finished files."""
+
+    def __init__(self, out_dir: Path | str, codec: str = "zstandard", max_bytes: int = DEFAULT_MAX_BYTES,
+                 max_age_s: float = DEFAULT_MAX_AGE_S, compression_level: int | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if codec not in CODECS:
+            raise ValueError(f"codec {codec!r}: expected one of {', '.join(CODECS)}")
+        if max_bytes < 1 or max_age_s <= 0:
+            raise ValueError("max_bytes and max_age_s must be > 0")
+        self.root = Path(out_dir).resolve()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.codec, self.level = codec, compression_level
+        self.max_bytes, self.max_age_s = max_bytes, max_age_s
+        self.clock = clock
+        self.stats = ArchiveStats()
+        self._lock_fd = _lock(self.root)
+        self.index = ArchiveIndex(self.root)
+        self._open: dict[tuple[str, str, int], _OpenFile] = {}
+        self._next: dict[tuple[str, int], int] = {}  # (topic, partition) -> next offset handled
+        self.archived: dict[tuple[str, str, int], int] = {}  # (topic, run, partition) -> last archived offset
+        self._recover()
+
+    def _recover(self) -> None:
+        for tmp in self.root.glob(f"*/*/p*/*{TMP_SUFFIX}"):
+            log.info("removing %s, left by a crash (its messages were never committed)", tmp)
+            tmp.unlink()
+            self.stats.orphans_removed += 1
+        files = finished_files(self.root)
+        for f in files:
+            k = (f.topic, f.run_id, f.partition)
+            self.archived[k] = max(self.archived.get(k, -1), f.last_offset)
+        self.index.repair()
+        indexed = {e.get("file") for e in self.index.entries()}
+        for f in files:
+            if f.relative_to(self.root) not in indexed:  # renamed, then crashed before the index line
+                summary = FileSummary()
+                for rec, _ in iter_file(f):
+                    if rec is not None:
+                        summary.add(rec["timestamp"], rec["value"])
+                self.index.append(summary.entry(f, self.root, self.codec))
+                self.stats.reindexed += 1
+
+    # -- the SinkLoop interface --
+
+    def handle(self, records: Sequence[Any]) -> None:
+        for rec in records:
+            self._append(rec)
+
+    def _append(self, rec: Any) -> None:
+        self._next[(rec.topic, rec.partition)] = rec.offset + 1
+        run = run_of_key(rec.key)
+        k = (rec.topic, run, rec.partition)
+        if rec.offset <= self.archived.get(k, -1):
+            self.stats.skipped += 1
+            return
+        f = self._open.get(k)
+        if f is not None and f.size + len(rec.value or b"") + len(rec.key or b"") > self.max_bytes:
+            self._finish(k)
+            f = None
+        if f is None:
+            directory = self.root / _topic_dir(rec.topic) / run / f"p{int(rec.partition)}"
+            _make_dirs(self.root, directory)
+            f = self._open[k] = _OpenFile(directory, rec.topic, run, rec.partition, rec.offset,
+                                          self.codec, self.level, self.clock())
+        f.append(rec)
+        self.stats.messages += 1
+        self.stats.value_bytes += len(rec.value) if rec.value else 0
+
+    def durable_offsets(self) -> dict[tuple[str, int], int]:
+        """Per (topic, partition), the first offset not yet in a finished file."""
+        out = dict(self._next)
+        for (topic, _run, part), f in self._open.items():
+            out[(topic, part)] = min(out[(topic, part)], f.first_offset)
+        return out
+
+    def rotate_due(self) -> int:
+        """Finish the files open for max_age_s or longer; returns how many."""
+        now = self.clock()
+        due = [k for k, f in self._open.items() if now - f.opened_at >= self.max_age_s]
+        for k in due:
+            self._finish(k)
+        return len(due)
+
+    def close(self) -> None:
+        """Finish every open file and release the directory."""
+        for k in list(self._open):
+            self._finish(k)
+        self._unlock()
+
+    def abandon(self) -> None:
+        """Drop the open files without finishing them (their messages were not committed)."""
+        for f in self._open.values():
+            f.abandon()
+        self._open.clear()
+        self._unlock()
+
+    def _unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def _finish(self, k: tuple[str, str, int]) -> None:
+        f = self._open.pop(k)
+        path = f.finish()
+        done = ArchiveFile(f.topic, f.run_id, f.partition, f.first_offset, f.last_offset, path)
+        self.archived[k] = f.last_offset
+        self.index.append(f.summary.entry(done, self.root, self.codec))
+        self.stats.files += 1
+
+    @property
+    def open_files(self) -> int:
+        return len(self._open)
+
+
+def _lock(root: Path) -> int:
+    fd = os.open(root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ArchiveError(f"another archive sink is writing to {root}: stop it or choose another "
+                           "output directory") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
+
+
+# -- reading files back --------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Loss:
+    """Messages of a damaged archive file that could not be read."""
+
+    file: Path
+    topic: str
+    partition: int
+    run_id: str
+    first_offset: int  # first offset lost (inclusive)
+    last_offset: int  # last offset lost (inclusive); only this run's messages in between
+    reason: str
+
+    def __str__(self) -> str:
+        return (f"{self.file}: damaged ({self.reason}); offsets {self.first_offset}..{self.last_offset} of "
+                f"{self.topic} partition {self.partition} (run {self.run_id}) lost")
+
+
+def iter_file(f: ArchiveFile) -> Iterator[tuple[dict | None, Loss | None]]:
+    """Records of one archive file in offset order, as ``(record, None)``; for each stretch that
+    cannot be read, ``(None, Loss)``. A block that fails to decode loses only itself: reading
+    goes on at the next block (found by the file's sync marker)."""
+    last = f.first_offset - 1
+    try:
+        with open(f.path, "rb") as fo:
+            for rec in reader(fo):
+                if rec["offset"] <= last:
+                    raise ValueError(f"offset {rec['offset']} after {last}")
+                last = rec["offset"]
+                yield rec, None
+        if last < f.last_offset:
+            yield None, Loss(f.path, f.topic, f.partition, f.run_id, last + 1, f.last_offset,
+                             f"ends after offset {last}")
+        return
+    except Exception as e:  # anything fastavro / the codec raise on damaged bytes
+        reason = f"{type(e).__name__}: {e}"
+    yield from _salvage(f, last, reason)
+
+
+def _salvage(f: ArchiveFile, last: int, reason: str) -> Iterator[tuple[dict | None, Loss | None]]:
+    data = f.path.read_bytes()
+    blocks = _blocks(data)
+    if blocks is None:
+        yield None, Loss(f.path, f.topic, f.partition, f.run_id, last + 1, f.last_offset, reason)
+        return
+    header, sync, segments = blocks
+    gap_from = None  # first offset of a stretch lost since ``last``
+    for segment in segments:
+        try:
+            recs = list(reader(io.BytesIO(header + segment + sync)))
+        except Exception as e:  # a damaged block: its messages are lost
+            gap_from = last + 1 if gap_from is None else gap_from
+            reason = f"{type(e).__name__}: {e}"
+            continue
+        recs = [r for r in recs if r["offset"] > last]
+        if not recs:
+            continue
+        if gap_from is not None:
+            yield None, Loss(f.path, f.topic, f.partition, f.run_id, gap_from, recs[0]["offset"] - 1, reason)
+            gap_from = None
+        for r in recs:
+            if r["offset"] > last:  # offsets only grow; anything else is damage
+                last = r["offset"]
+                yield r, None
+    if last < f.last_offset:
+        yield None, Loss(f.path, f.topic, f.partition, f.run_id, last + 1, f.last_offset, reason)
+
+
+def _blocks(data: bytes) -> tuple[bytes, bytes, list[bytes]] | None:
+    """(header, sync marker, the bytes of each block) of an Object Container File, or None
+    when its header is unreadable."""
+    if data[:4] != b"Obj\x01":
+        return None
+    body = io.BytesIO(data)
+    body.seek(4)
+    try:
+        schemaless_reader(body, {"type": "map", "values": "bytes"}, None)
+    except Exception:  # a damaged header: nothing can be located in this file
+        return None
+    end = body.tell() + 16
+    if end > len(data):
+        return None
+    sync = data[end - 16:end]
+    segments, pos = [], end
+    while pos < len(data):
+        nxt = data.find(sync, pos)
+        if nxt < 0:
+            segments.append(data[pos:])
+            break
+        segments.append(data[pos:nxt])
+        pos = nxt + 16
+    return data[:end], sync, segments
+
+
+# -- running it --------------------------------------------------------------------------
+
+class _ArchiveLoop(SinkLoop):
+    """SinkLoop that also finishes files by age when no message comes, and that survives an
+    offset commit refused during a rebalance (the next poll commits again; until then the
+    broker would re-deliver what the start-up scan skips)."""
+
+    def poll_once(self) -> int:
+        self.sink.rotate_due()
+        return super().poll_once()
+
+    def _commit(self) -> None:
+        try:
+            super()._commit()
+        except (RebalanceInProgressError, CommitFailedError) as e:
+            log.info("offset commit deferred to the next poll: %s", e)
+
+
+@dataclass
+class ArchiveProgress:
+    messages: int
+    value_bytes: int
+    files: int
+    open_files: int
+    lag: int
+    elapsed_s: float
+
+
+def run_archive(bootstrap: str, topics: Iterable[str], out_dir: Path | str, stop: threading.Event,
+                group_id: str = "profstream-archive", instance_id: str = "0",
+                progress: Callable[[ArchiveProgress], None] | None = None,
+                ready: Callable[[ArchiveSink], None] | None = None, **sink_options: Any) -> ArchiveStats:
+    """Archive ``topics`` into ``out_dir`` until ``stop`` is set; then finish the open files and
+    commit. Static group membership (``<group>-<instance>``) lets a restarted sink take its
+    partitions back at once."""
+    sink = ArchiveSink(out_dir, **sink_options)
+    try:
+        loop = _ArchiveLoop(bootstrap, list(topics), group_id, sink,
+                            group_instance_id=f"{group_id}-{instance_id}")
+    except BaseException:
+        sink.abandon()
+        raise
+    if ready is not None:
+        ready(sink)
+    t0 = time.monotonic()
+    watcher = None
+    if progress is not None:
+        def report() -> None:
+            while not stop.wait(0.25):
+                s = sink.stats
+                progress(ArchiveProgress(s.messages, s.value_bytes, s.files, sink.open_files, loop.lag,
+                                         time.monotonic() - t0))
+
+        watcher = threading.Thread(target=report, name="archive-progress", daemon=True)
+        watcher.start()
+    try:
+        loop.run(stop)
+    except BaseException:
+        sink.abandon()  # the open files' messages were not committed: they come again
+        raise
+    finally:
+        stop.set()
+        if watcher is not None:
+            watcher.join()
+    return sink.stats

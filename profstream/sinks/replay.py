@@ -1,0 +1,602 @@
+"""Replay an archive: republish a run to a topic, or run the processors on it offline.
+
+Order: each partition's messages in offset order (a partition's runs merged by offset);
+partitions interleaved by their clock, the highest Kafka timestamp seen so far in the
+partition. The offline processors use that clock as ``now`` and keep one ``StepStage``
+per partition (a rank's state lives in its partition), so what they compute depends on
+each partition's own messages only: the same with one worker process or several, and the
+same as the live processors wherever the figures do not depend on wall-clock timing
+(steps closed by the producers' watermarks).
+
+A damaged archive file costs only its damaged blocks: each is reported as a ``Loss``
+(file, topic, partition, offsets) and the replay goes on.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import multiprocessing
+import os
+import queue
+import threading
+import time
+from collections import defaultdict, namedtuple
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from profstream.config import check_name
+from profstream.kafka.topics import Topics
+from profstream.processors.figures import FigureOptions
+from profstream.processors.health import ProcessorHealth
+from profstream.processors.runtime import RunStage, StepStage
+from profstream.schema.batch import SECTIONS, EventBatch, decode_batch, encode_batch
+from profstream.schema.codec import DecodeError, decode
+from profstream.sinks.archive import ArchiveError, ArchiveFile, Loss, finished_files, iter_file
+
+_Rec = namedtuple("_Rec", "topic partition offset key value")
+
+
+# -- progress --------------------------------------------------------------------------------
+
+@dataclass
+class Tally:
+    """What a long job has done so far, for a progress display."""
+
+    what: str
+    files_total: int
+    bytes_total: int  # archive file bytes to read
+    files_done: int = 0
+    bytes_done: int = 0
+    messages: int = 0
+    events: int = 0  # op events
+    steps: int = 0  # StepMetrics out
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self.started
+
+
+class _Reporter:
+    """Calls ``progress(tally)`` at most every 0.2 s (checked every 32 ticks)."""
+
+    def __init__(self, tally: Tally, progress: Callable[[Tally], None] | None) -> None:
+        self.tally, self.progress = tally, progress
+        self._n = 0
+        self._at = 0.0
+
+    def tick(self, force: bool = False) -> None:
+        if self.progress is None:
+            return
+        self._n += 1
+        if force or self._n % 32 == 0:
+            now = time.monotonic()
+            if force or now - self._at >= 0.2:
+                self._at = now
+                self.progress(self.tally)
+
+
+# -- choosing and reading files --------------------------------------------------------------
+
+def select_files(files: list[ArchiveFile], kind: str, topic: str | None, run: str | None, archive: Path,
+                 required: bool = True) -> list[ArchiveFile]:
+    """The files of the archived ``<prefix>.<kind>`` topic (``topic``: its full name, needed
+    when the archive holds several prefixes) and of ``run`` (None: every run)."""
+    topics = sorted({f.topic for f in files if (f.topic == topic if topic else f.topic.endswith("." + kind))})
+    if not topics:
+        if not required:
+            return []
+        raise ArchiveError(f"no archive of {'topic ' + topic if topic else 'a ' + kind + ' topic'} under "
+                           f"{archive}: point at the directory given to `profstream sink archive`")
+    if len(topics) > 1:
+        raise ArchiveError(f"{archive} holds several {kind} topics ({', '.join(topics)}): choose one with --topic")
+    chosen = [f for f in files if f.topic == topics[0]]
+    if run is not None:
+        runs = sorted({f.run_id for f in chosen})
+        chosen = [f for f in chosen if f.run_id == run]
+        if not chosen and required:
+            raise ArchiveError(f"run {run} is not in the archive of {topics[0]} under {archive}; runs there: "
+                               f"{', '.join(runs[:20])}{' ...' if len(runs) > 20 else ''}")
+    return chosen
+
+
+def _file_records(f: ArchiveFile, on_loss: Callable[[Loss], None], tally: Tally) -> Iterator[dict]:
+    for rec, loss in iter_file(f):
+        if loss is not None:
+            on_loss(loss)
+        else:
+            yield rec
+    tally.files_done += 1
+    tally.bytes_done += f.path.stat().st_size
+
+
+def _partition_records(files: list[ArchiveFile], on_loss, tally: Tally) -> Iterator[dict]:
+    """One partition's messages in offset order: each run's files in turn, runs merged."""
+    by_run: dict[str, list[ArchiveFile]] = defaultdict(list)
+    for f in sorted(files):
+        by_run[f.run_id].append(f)
+    streams = [itertools.chain.from_iterable(_file_records(f, on_loss, tally) for f in fs)
+               for fs in by_run.values()]
+    last = -1
+    for rec in heapq.merge(*streams, key=lambda r: r["offset"]):
+        if rec["offset"] > last:  # files that overlap (two sinks on one topic) hold a message twice
+            last = rec["offset"]
+            yield rec
+
+
+def _clocked(partition: int, records: Iterator[dict]) -> Iterator[tuple[float, int, dict]]:
+    now = -math.inf
+    for rec in records:
+        now = max(now, rec["timestamp"] / 1000.0)
+        yield now, partition, rec
+
+
+def merged(files: list[ArchiveFile], on_loss: Callable[[Loss], None], tally: Tally) -> Iterator[tuple[float, int, dict]]:
+    """(clock, partition, record) of every archived message of ``files`` in replay order."""
+    parts: dict[int, list[ArchiveFile]] = defaultdict(list)
+    for f in files:
+        parts[f.partition].append(f)
+    streams = [_clocked(p, _partition_records(fs, on_loss, tally)) for p, fs in sorted(parts.items())]
+    return heapq.merge(*streams, key=lambda t: (t[0], t[1]))
+
+
+def records(files: list[ArchiveFile], on_loss: Callable[[Loss], None], tally: Tally | None = None,
+            progress: Callable[[Tally], None] | None = None) -> Iterator[dict]:
+    """Every archived record of ``files`` in replay order (see the module docstring)."""
+    tally = tally or Tally("read", len(files), sum(f.path.stat().st_size for f in files))
+    reporter = _Reporter(tally, progress)
+    for _now, _p, rec in merged(files, on_loss, tally):
+        tally.messages += 1
+        reporter.tick()
+        yield rec
+    reporter.tick(force=True)
+
+
+# -- changing messages on the way: --rewrite-run, --steps --------------------------------------
+
+def rewrite_key(key: bytes | None, run_id: str) -> bytes | None:
+    """``<run>/<rank>`` -> ``<run_id>/<rank>``."""
+    if key is None:
+        return None
+    sep, tail = key.rpartition(b"/")[1:]
+    return run_id.encode() + sep + tail if sep else run_id.encode()
+
+
+def _slice(batch: EventBatch, lo: int, hi: int, keep_host: bool) -> EventBatch:
+    out = replace(batch)
+    for section in SECTIONS:
+        cols = getattr(batch, section)
+        if section == "host_samples":
+            if not keep_host:
+                setattr(out, section, {c: a[:0] for c, a in cols.items()})
+            continue
+        steps = cols["step"]
+        keep = (steps >= lo) & (steps <= hi)
+        if not keep.all():
+            setattr(out, section, {c: a[keep] for c, a in cols.items()})
+    return out
+
+
+class StepRange:
+    """Keeps the events of steps A..B of each producer's batches: batches before the first
+    one with such events are dropped; later ones keep their header (seq, watermark) even when
+    emptied, so the processors see no gap, until a watermark >= B has passed."""
+
+    def __init__(self, lo: int, hi: int) -> None:
+        self.lo, self.hi = lo, hi
+        self._state: dict[tuple[str, int, str], int] = {}  # producer -> 1 started, 2 done
+
+    def apply(self, batch: EventBatch) -> EventBatch | None:
+        who = (batch.run_id, batch.rank, batch.producer_id)
+        state = self._state.get(who, 0)
+        if state == 2:
+            return None
+        inside = any(bool(((cols["step"] >= self.lo) & (cols["step"] <= self.hi)).any())
+                     for name, cols in ((s, getattr(batch, s)) for s in SECTIONS) if name != "host_samples")
+        if state == 0 and not inside:
+            return None
+        wm = batch.complete_through_step
+        self._state[who] = 2 if wm is not None and wm >= self.hi else 1
+        return _slice(batch, self.lo, self.hi, inside)
+
+
+# -- republish -------------------------------------------------------------------------------
+
+class Pacer:
+    """Waits so that messages go out ``speed`` times as fast as their timestamps say
+    (``speed`` None: as fast as possible)."""
+
+    def __init__(self, speed: float | None, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], Any] = time.sleep) -> None:
+        if speed is not None and not speed > 0:
+            raise ValueError("speed must be > 0")
+        self.speed, self.clock, self.sleep = speed, clock, sleep
+        self._t0: float | None = None
+        self._ts0 = 0.0
+
+    def wait(self, timestamp_ms: int) -> None:
+        if self.speed is None:
+            return
+        if self._t0 is None:
+            self._t0, self._ts0 = self.clock(), timestamp_ms
+            return
+        delay = self._t0 + (timestamp_ms - self._ts0) / 1000.0 / self.speed - self.clock()
+        if delay > 0:
+            self.sleep(delay)
+
+
+def parse_speed(value: str) -> float | None:
+    """``max`` -> None (no pacing); ``1``, ``10``, ``0.5`` -> that factor."""
+    if value.strip().lower() == "max":
+        return None
+    try:
+        speed = float(value)
+    except ValueError:
+        speed = math.nan
+    if not speed > 0 or math.isinf(speed):
+        raise ValueError(f"--speed {value!r}: expected max or a number > 0 (1: as recorded, 10: ten times faster)")
+    return speed
+
+
+@dataclass
+class ReplayResult:
+    messages: int = 0  # read from the archive
+    sent: int = 0  # republished
+    dropped: int = 0  # left out by --steps (outside the range, or undecodable)
+    events: int = 0
+    steps: int = 0  # StepMetrics (offline)
+    run_steps: int = 0  # RunStepMetrics (offline)
+    alerts: int = 0  # (offline)
+    undecodable: int = 0
+    elapsed_s: float = 0.0
+    losses: list[Loss] = field(default_factory=list)
+    outputs: list[Path] = field(default_factory=list)
+
+
+def _transform(rewrite_run: str | None, step_range: StepRange | None, result: ReplayResult):
+    def change(key: bytes | None, value: bytes | None) -> tuple[bytes | None, bytes | None] | None:
+        if rewrite_run is None and step_range is None:
+            return key, value
+        try:
+            batch = decode_batch(value)
+        except DecodeError:
+            result.undecodable += 1
+            if step_range is not None:
+                return None  # no step to judge it by
+            return rewrite_key(key, rewrite_run), value
+        if step_range is not None:
+            batch = step_range.apply(batch)
+            if batch is None:
+                return None
+        if rewrite_run is not None:
+            batch.run_id = rewrite_run
+            key = rewrite_key(key, rewrite_run)
+        return key, encode_batch(batch)
+
+    return change
+
+
+def republish(files: list[ArchiveFile], bootstrap: str, to_topic: str, speed: float | None = None,
+              steps: tuple[int, int] | None = None, rewrite_run: str | None = None,
+              stop: threading.Event | None = None, progress: Callable[[Tally], None] | None = None,
+              on_loss: Callable[[Loss], None] | None = None) -> ReplayResult:
+    """Send the archived messages of ``files`` to ``to_topic`` in replay order, keys kept
+    (the producer partitions by key, as the Monitor does). Messages unchanged are sent
+    byte for byte; ``rewrite_run`` renames the run in keys and batches; ``steps`` keeps the
+    events of steps A..B (see ``StepRange``). A ``<prefix>.raw`` topic that does not exist
+    is created with its prefix's other topics."""
+    from profstream.kafka.clients import make_producer
+
+    if rewrite_run is not None:
+        check_name(rewrite_run, "run id")
+    _ensure_topic(bootstrap, to_topic)
+    stop = stop or threading.Event()
+    result = ReplayResult()
+    tally = Tally("replay", len(files), sum(f.path.stat().st_size for f in files))
+    reporter = _Reporter(tally, progress)
+    change = _transform(rewrite_run, StepRange(*steps) if steps else None, result)
+    pacer = Pacer(speed, sleep=stop.wait)
+    failures: list[BaseException] = []
+    producer = make_producer(bootstrap)
+    try:
+        partitions = len(producer.partitions_for(to_topic))
+        for _now, _p, rec in merged(files, _collect(result, on_loss), tally):
+            if stop.is_set():
+                break
+            result.messages += 1
+            tally.messages += 1
+            changed = change(rec["key"], rec["value"])
+            if changed is None:
+                result.dropped += 1
+                continue
+            pacer.wait(rec["timestamp"])
+            key, value = changed
+            headers = [(h["key"], h["value"] or b"") for h in rec["headers"]]
+            future = producer.send(to_topic, key=key, value=value, headers=headers,
+                                   partition=None if key else rec["partition"] % partitions)
+            future.add_errback(failures.append)
+            result.sent += 1
+            reporter.tick()
+        producer.flush(timeout=120)  # raises KafkaTimeoutError if not all are delivered by then
+    finally:
+        producer.close(timeout=10)
+    if failures:
+        raise RuntimeError(f"replay to {to_topic}: {len(failures)} messages failed ({failures[0]!r})")
+    reporter.tick(force=True)
+    result.elapsed_s = tally.elapsed_s
+    return result
+
+
+def _collect(result: ReplayResult, on_loss: Callable[[Loss], None] | None) -> Callable[[Loss], None]:
+    def lost(loss: Loss) -> None:
+        result.losses.append(loss)
+        if on_loss is not None:
+            on_loss(loss)
+
+    return lost
+
+
+def _ensure_topic(bootstrap: str, topic: str) -> None:
+    from profstream.kafka.clients import make_consumer
+    from profstream.kafka.topics import ensure_topics, validate_prefix
+
+    consumer = make_consumer(bootstrap, group_id=None)
+    try:
+        exists = bool(consumer.partitions_for_topic(topic))
+    finally:
+        consumer.close()
+    if exists:
+        return
+    prefix, _, base = topic.rpartition(".")
+    if base != "raw" or not prefix:
+        raise ArchiveError(f"topic {topic} does not exist on {bootstrap}: create it, or replay to a "
+                           "<prefix>.raw topic (created with its prefix's other topics)")
+    ensure_topics(bootstrap, Topics(validate_prefix(prefix)))
+
+
+# -- offline ---------------------------------------------------------------------------------
+
+class _OfflineHealth(ProcessorHealth):
+    """Counts without keeping each step's end time (nothing commits offline)."""
+
+    def step_closed(self, record: dict) -> None:
+        self.steps_closed += 1
+
+
+@dataclass(frozen=True)
+class OfflineOptions:
+    """The processors' options (the same names and defaults as `profstream process`)."""
+
+    grace_s: float = 2.0
+    run_grace_s: float = 10.0
+    idle_timeout_s: float = 60.0
+    figures: FigureOptions = field(default_factory=FigureOptions)
+
+
+# One step-stage output, in the order the run stage must see it: (clock, partition, seq, kind, value)
+_STEP, _ALERT, _DLQ = 0, 1, 2
+
+
+def _step_outputs(files: list[ArchiveFile], options: OfflineOptions, on_loss, tally: Tally,
+                  change=None) -> Iterator[tuple[float, int, int, int, bytes]]:
+    """Run one StepStage per partition over ``files``; yield its outputs in (clock, partition) order."""
+    topic = files[0].topic if files else "offline.raw"
+    topics = Topics(topic[: -len(".raw")] if topic.endswith(".raw") else topic)
+    kinds = {topics.steps: _STEP, topics.alerts: _ALERT, topics.dlq: _DLQ}
+    health = _OfflineHealth()
+    stages: dict[int, list] = {}  # partition -> [StepStage, clock]
+    seq = itertools.count()
+    for now, p, rec in merged(files, on_loss, tally):
+        entry = stages.get(p)
+        if entry is None:
+            entry = stages[p] = [StepStage(topics, 1, health, options.grace_s, options.idle_timeout_s,
+                                           options.figures), now]
+        stage = entry[0]
+        out = []
+        if now > entry[1]:  # steps whose grace ran out before this message came
+            entry[1] = now
+            out = stage.ready(now)
+        key, value = rec["key"], rec["value"]
+        if change is not None:
+            changed = change(key, value)
+            if changed is None:
+                continue
+            key, value = changed
+        out += stage.fold(_Rec(topic, p, rec["offset"], key, value), now)
+        out += stage.ready(now)
+        tally.messages += 1
+        tally.events = health.events["ops"]
+        for o in out:
+            kind = kinds.get(o.topic)
+            if kind is not None:
+                yield now, p, next(seq), kind, o.value
+    for p, (stage, now) in sorted(stages.items()):
+        final = now + options.idle_timeout_s + options.grace_s + 1.0
+        for _ in range(2):  # close by grace, then the idle ranks
+            for o in stage.ready(final):
+                kind = kinds.get(o.topic)
+                if kind is not None:
+                    yield math.inf, p, next(seq), kind, o.value
+
+
+def replay_offline(files: list[ArchiveFile], options: OfflineOptions | None = None,
+                   steps: tuple[int, int] | None = None, workers: int = 1, rewrite_run: str | None = None,
+                   on_step: Callable[[dict], None] | None = None, on_run_step: Callable[[dict], None] | None = None,
+                   on_alert: Callable[[dict], None] | None = None, progress: Callable[[Tally], None] | None = None,
+                   on_loss: Callable[[Loss], None] | None = None) -> ReplayResult:
+    """Run the processors (StepStage per partition, then RunStage) over archived raw ``files``
+    without a broker; hand each StepMetrics / RunStepMetrics / Alert of steps A..B
+    (``steps``; None: all) to the callbacks. ``workers`` > 1 runs the step stages of
+    disjoint partition sets in that many processes: the figures are the same."""
+    options = options or OfflineOptions()
+    result = ReplayResult()
+    lost = _collect(result, on_loss)
+    if rewrite_run is not None:
+        check_name(rewrite_run, "run id")
+    change = _transform(rewrite_run, None, result) if rewrite_run else None
+    tally = Tally("offline", len(files), sum(f.path.stat().st_size for f in files))
+    reporter = _Reporter(tally, progress)
+    topics = Topics("offline")
+    run_stage = RunStage(topics, _OfflineHealth(), options.run_grace_s, options.idle_timeout_s)
+    wanted = (lambda step: True) if steps is None else (lambda step: steps[0] <= step <= steps[1])
+    partitions = sorted({f.partition for f in files})
+    workers = max(1, min(workers, len(partitions)))
+    if workers == 1:
+        outputs = _step_outputs(files, options, lost, tally, change)
+    else:
+        outputs = _parallel_outputs(files, partitions, workers, options, lost, tally, rewrite_run)
+    offset = itertools.count()
+    now = -math.inf
+    for now_out, _p, _seq, kind, value in outputs:
+        reporter.tick()
+        if kind == _DLQ:
+            result.undecodable += 1
+            continue
+        if kind == _ALERT:
+            alert = decode("Alert", value)
+            if wanted(alert["step"]):
+                result.alerts += 1
+                if on_alert is not None:
+                    on_alert(alert)
+            continue
+        if now_out != math.inf:
+            now = now_out
+        else:
+            now = now if now != -math.inf else 0.0
+        m = decode("StepMetrics", value)
+        if wanted(m["step"]):
+            result.steps += 1
+            tally.steps += 1
+            if on_step is not None:
+                on_step(m)
+        run_stage.fold(_Rec(topics.steps, 0, next(offset), None, value), now)
+        _run_outputs(run_stage.ready(now), wanted, result, on_run_step)
+    final = (now if now != -math.inf else 0.0) + options.run_grace_s + options.idle_timeout_s + options.grace_s + 1.0
+    _run_outputs(run_stage.ready(final), wanted, result, on_run_step)
+    reporter.tick(force=True)
+    result.messages, result.events = tally.messages, tally.events
+    result.elapsed_s = tally.elapsed_s
+    return result
+
+
+def _run_outputs(outputs, wanted, result: ReplayResult, on_run_step) -> None:
+    for o in outputs:
+        if o.value is None or not o.topic.endswith(".run"):
+            continue
+        r = decode("RunStepMetrics", o.value)
+        if wanted(r["step"]):
+            result.run_steps += 1
+            if on_run_step is not None:
+                on_run_step(r)
+
+
+# -- offline in several processes --------------------------------------------------------------
+
+_CHUNK = 256
+
+
+def _worker(files, options, rewrite_run, queue) -> None:
+    tally = Tally("worker", 0, 0)
+    losses: list[Loss] = []
+    sent = [0, 0, 0]  # messages, events, bytes reported so far
+    chunk: list = []
+    last = time.monotonic()
+
+    def delta() -> tuple[int, int, int, int]:
+        d = (tally.messages - sent[0], tally.events - sent[1], tally.bytes_done - sent[2], tally.files_done)
+        sent[:] = [tally.messages, tally.events, tally.bytes_done]
+        return d
+
+    try:
+        change = _transform(rewrite_run, None, ReplayResult()) if rewrite_run else None
+        for item in _step_outputs(files, options, losses.append, tally, change):
+            chunk.append(item)
+            if len(chunk) >= _CHUNK or time.monotonic() - last >= 0.2:
+                queue.put(("out", chunk, losses, delta()))
+                chunk, losses, last = [], [], time.monotonic()
+        queue.put(("out", chunk, losses, delta()))
+        queue.put(("done", None, None, None))
+    except BaseException as e:  # surfaced in the parent
+        queue.put(("error", f"{type(e).__name__}: {e}", None, None))
+
+
+def _parallel_outputs(files, partitions, workers, options, lost, tally: Tally, rewrite_run):
+    ctx = multiprocessing.get_context("fork")
+    shares = [partitions[i::workers] for i in range(workers)]
+    queues, procs = [], []
+    files_done = [0] * workers
+    for share in shares:
+        q = ctx.Queue(maxsize=64)
+        mine = [f for f in files if f.partition in set(share)]
+        proc = ctx.Process(target=_worker, args=(mine, options, rewrite_run, q), daemon=True)
+        proc.start()
+        queues.append(q)
+        procs.append(proc)
+
+    def stream(i: int, q) -> Iterator:
+        while True:
+            try:
+                kind, chunk, losses, d = q.get(timeout=1.0)
+            except queue.Empty:
+                if not procs[i].is_alive():
+                    raise RuntimeError(f"offline replay worker {i} died (exit code {procs[i].exitcode})") from None
+                continue
+            if kind == "error":
+                raise RuntimeError(f"offline replay worker {i} failed: {chunk}")
+            if kind == "done":
+                return
+            for loss in losses:
+                lost(loss)
+            tally.messages += d[0]
+            tally.events += d[1]
+            tally.bytes_done += d[2]
+            files_done[i] = d[3]
+            tally.files_done = sum(files_done)
+            yield from chunk
+
+    try:
+        yield from heapq.merge(*(stream(i, q) for i, q in enumerate(queues)), key=lambda t: (t[0], t[1], t[2]))
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.terminate()
+            proc.join()
+
+
+def default_workers() -> int:
+    return max(1, min(4, len(os.sched_getaffinity(0))))
+
+
+# -- writing offline results ---------------------------------------------------------------------
+
+def replay_offline_to(files: list[ArchiveFile], out_dir: Path, fmt: str = "jsonl", **kw: Any) -> ReplayResult:
+    """``replay_offline`` writing ``steps``, ``run_steps`` and ``alerts`` files (``.jsonl`` or
+    ``.parquet``) into ``out_dir``."""
+    from profstream.sinks.export import RecordWriter
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ext = "jsonl" if fmt == "jsonl" else "parquet"
+    writers = {name: RecordWriter(out_dir / f"{stem}.{ext}", name, fmt)
+               for name, stem in (("StepMetrics", "steps"), ("RunStepMetrics", "run_steps"), ("Alert", "alerts"))}
+    try:
+        result = replay_offline(files, on_step=writers["StepMetrics"].write,
+                                on_run_step=writers["RunStepMetrics"].write, on_alert=writers["Alert"].write, **kw)
+    finally:
+        for w in writers.values():
+            w.close()
+    result.outputs = [w.path for w in writers.values()]
+    return result
+
+
+def archive_files(archive: Path | str, kind: str = "raw", topic: str | None = None,
+                  run: str | None = None) -> list[ArchiveFile]:
+    """The finished files of the archived ``kind`` topic (and ``run``) under ``archive``."""
+    archive = Path(archive)
+    if not archive.exists():
+        raise ArchiveError(f"{archive} does not exist: give the directory written by `profstream sink archive`")
+    return select_files(finished_files(archive), kind, topic, run, archive)
