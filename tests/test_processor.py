@@ -232,7 +232,8 @@ def _scrape(port: int) -> dict[str, float]:
 
 
 def test_health_metrics_report_what_went_through_and_idle_runs_are_freed(kafka_bootstrap, topics):
-    cfg = SimConfig(run_id="health", ranks=2, steps=10, ops_per_step=40, seed=1)
+    # realtime, 10 x 50 ms: several batches per rank, so later headers carry an acknowledged latency
+    cfg = SimConfig(run_id="health", ranks=2, steps=10, ops_per_step=40, seed=1, step_time_ms=50, rate="realtime")
     port = _free_port()
     with RunningProcessor(kafka_bootstrap, topics, idle_timeout_s=3.0) as processor:
         processor.health.serve(port, addr="127.0.0.1")
@@ -249,8 +250,13 @@ def test_health_metrics_report_what_went_through_and_idle_runs_are_freed(kafka_b
         assert m["profstream_lost_batches_total"] == 0 and m["profstream_late_events_total"] == 0
         assert m["profstream_open_runs"] == 1
         assert m["profstream_step_freshness_seconds_count"] == 20
-        # the run goes silent: after the idle timeout its state is freed
+        # producer health per rank, from the batch headers: fill within 0..1, latency acknowledged
+        for rank in range(cfg.ranks):
+            assert 0.0 <= m[f"profstream_producer_buffer_fill_ratio{{rank={rank},run=health}}"] <= 1.0
+            assert m[f"profstream_producer_send_latency_seconds{{rank={rank},run=health}}"] > 0
+        # the run goes silent: after the idle timeout its state is freed, its series with it
         wait_until(lambda: _scrape(port)["profstream_open_runs"] == 0, 30, "the silent run to be closed")
+        assert not [k for k in _scrape(port) if "run=health" in k]
         assert processor.step_stage.ranks == {}
         assert processor.health.runs_closed == 2
 

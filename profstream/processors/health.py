@@ -20,6 +20,23 @@ if TYPE_CHECKING:
 FRESHNESS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 
 
+def _producer_health(stage):
+    """Per-producer gauges from the latest batch header of each (run, rank) held; a rank's
+    series goes away with its state (idle timeout)."""
+    fill = GaugeMetricFamily("profstream_producer_buffer_fill_ratio",
+                             "share of the producer's buffer in use when it built its latest batch",
+                             labels=["run", "rank"])
+    latency = GaugeMetricFamily("profstream_producer_send_latency_seconds",
+                                "send-to-acknowledge latency of the producer's last acknowledged batch",
+                                labels=["run", "rank"])
+    for (run_id, rank_no), rank in list(stage.ranks.items()):  # the loop thread may add ranks meanwhile
+        labels = [run_id, str(rank_no)]
+        fill.add_metric(labels, rank.buffer_fill_ratio)
+        if rank.send_latency_s is not None:
+            latency.add_metric(labels, rank.send_latency_s)
+    return fill, latency
+
+
 class ProcessorHealth:
     def __init__(self, keep_freshness: int = 100_000) -> None:
         self.batches = 0
@@ -28,7 +45,6 @@ class ProcessorHealth:
         self.late_events = 0
         self.lost_batches = 0
         self.producer_dropped = 0
-        self.producer_send_latency_s = 0.0
         self.steps_closed = 0
         self.run_steps = 0
         self.runs_closed = 0
@@ -95,9 +111,7 @@ class ProcessorHealth:
                 yield GaugeMetricFamily(p + "state_events", "events held for steps not yet closed",
                                         value=stage.open_events)
                 yield GaugeMetricFamily(p + "open_ranks", "(run, rank) states held", value=len(stage.ranks))
-        yield GaugeMetricFamily(p + "producer_send_latency_seconds",
-                                "last send-to-acknowledge latency reported by a producer",
-                                value=self.producer_send_latency_s)
+                yield from _producer_health(stage)
         buckets, acc = [], 0
         for bound, n in zip(FRESHNESS_BUCKETS, self._fresh_buckets):
             acc += n

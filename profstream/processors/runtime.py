@@ -42,6 +42,8 @@ def run_partition(run_id: str, partitions: int) -> int:
 class _Rank:
     assembler: RankAssembler
     figures: RankFigures
+    buffer_fill_ratio: float = 0.0  # producer health from the latest batch header
+    send_latency_s: float | None = None
 
 
 class StepStage:
@@ -121,8 +123,9 @@ class StepStage:
             h.late_events += asm.late_events - before[0]
             h.lost_batches += asm.lost_batches - before[1]
             h.producer_dropped += asm.dropped_ops - before[2]
+            rank.buffer_fill_ratio = batch.buffer_fill_ratio
             if batch.send_latency_ns >= 0:
-                h.producer_send_latency_s = batch.send_latency_ns / 1e9
+                rank.send_latency_s = batch.send_latency_ns / 1e9
         return []
 
     def ready(self, now: float) -> list[Output]:
