@@ -328,6 +328,14 @@ def pipeline_health() -> Dashboard:
                                 "batches lost", "B"),
                            prom(f"sum(rate(profstream_late_events_total{{{inst}}}[$__rate_interval]))",
                                 "late events", "C")))
+        .with_panel(series("Producer buffer fill", "share of each producer's buffer in use at its latest batch: "
+                           "at 1 it drops op events", "percentunit",
+                           prom(f"max by (run, rank) (profstream_producer_buffer_fill_ratio{{{inst}}})",
+                                "{{run}}/{{rank}}")))
+        .with_panel(series("Producer send latency", "send-to-acknowledge latency of each producer's last "
+                           "acknowledged batch", "s",
+                           prom(f"max by (run, rank) (profstream_producer_send_latency_seconds{{{inst}}})",
+                                "{{run}}/{{rank}}")))
         .with_panel(series("Decode errors by reason", "raw messages sent to the dead-letter topic", "cps",
                            prom(f"sum by (reason) (rate(profstream_decode_errors_total{{{inst}}}"
                                 "[$__rate_interval]))", "{{reason}}")))

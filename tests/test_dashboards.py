@@ -77,7 +77,8 @@ def _exported() -> dict[str, set[str]]:
                      Rec(topics.run, 0, 0, now_ns // 10**6, encode("RunStepMetrics", run)),
                      Rec(topics.alerts, 0, 0, now_ns // 10**6, encode("Alert", alert))])
     health = ProcessorHealth()
-    stage = SimpleNamespace(open_runs=0, open_events=0, ranks={})
+    stage = SimpleNamespace(open_runs=1, open_events=0,
+                            ranks={("r", 0): SimpleNamespace(buffer_fill_ratio=0.1, send_latency_s=0.01)})
     health.bind(SimpleNamespace(lag=lambda: 0, step_stage=stage))
     health_registry = CollectorRegistry(auto_describe=False)
     health_registry.register(health)
