@@ -24,6 +24,7 @@ from profstream.schema import (
 )
 
 GOLDEN = Path(__file__).parent / "data" / "eventbatch-v1.bin"
+GOLDEN_V2 = Path(__file__).parent / "data" / "eventbatch-v2.bin"  # random_batch(1234, 20), world_size 8
 
 
 def random_batch(seed: int, n_ops: int = 500) -> EventBatch:
@@ -117,6 +118,38 @@ def test_shipped_v1_message_still_decodes():
     batch = decode_batch(raw)
     assert_same_batch(random_batch(1234, 20), batch)
     assert batch.world_size is None
+
+
+def test_shipped_v2_message_still_decodes():
+    """v2 carried op_names as an Avro array of strings; v3 as one blob. Both decode the same."""
+    raw = GOLDEN_V2.read_bytes()
+    assert raw[2:10] not in (CURRENT["EventBatch"].header[2:10], GOLDEN.read_bytes()[2:10])
+    batch = decode_batch(raw)
+    assert_same_batch(random_batch(1234, 20), batch)
+    assert batch.world_size == 8
+    assert_same_batch(batch, decode_batch(encode_batch(batch)))  # re-encoded as v3, unchanged
+
+
+def test_op_names_with_any_characters_survive_and_a_nul_cannot_shift_the_dictionary():
+    batch = random_batch(5, 50)
+    batch.op_names = ["", "Default/net/Conv2D-op1", "ünïcødé ✓", "bad\0name", *[f"n{i}" for i in range(13)]]
+    back = decode_batch(encode_batch(batch))
+    assert len(back.op_names) == 17
+    assert list(back.op_names)[:3] == batch.op_names[:3]
+    assert back.op_names[3] == "bad\ufffdname" and back.op_names[16] == "n12"
+
+
+def test_op_names_blob_without_its_terminator_is_malformed():
+    from profstream.schema.codec import encode
+    batch = random_batch(6, 10)
+    record = {f: getattr(batch, f) for f in ("run_id", "rank", "world_size", "host", "device", "producer_id", "seq",
+                                             "sent_ns", "dropped_ops", "dropped_samples", "complete_through_step",
+                                             "buffer_fill_ratio", "send_latency_ns", "op_types", "queue_names")}
+    good = decode_any(encode_batch(batch))[1]
+    record.update({s: good[s] for s in SECTIONS}, op_names=b"op0\0op1")
+    with pytest.raises(DecodeError) as e:
+        decode_batch(encode("EventBatch", record))
+    assert e.value.reason == "malformed"
 
 
 def test_world_size_round_trips_in_the_current_version():

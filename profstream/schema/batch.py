@@ -7,11 +7,13 @@ batch of thousands of ops costs a handful of buffer copies, not thousands of rec
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from profstream.schema.codec import DecodeError, decode, encode
+from profstream.schema.codec import names_blob as _names_blob
 
 # Op kinds (the u8 ``kind`` column).
 COMPUTE, COMMUNICATION, MEMCPY, HOST, DATA, MEMSET = range(6)
@@ -49,6 +51,43 @@ def _empty(section: str):
     return field(default_factory=lambda: empty_section(section))
 
 
+class OpNames(Sequence):
+    """``op_names`` of a decoded batch: the wire blob (v3), split into strings only when a
+    name is read, so consumers that need none (the processors) never pay for them."""
+
+    __slots__ = ("blob", "_names", "_n")
+
+    def __init__(self, blob: bytes) -> None:
+        self.blob = blob
+        self._names: list[str] | None = None
+        self._n = blob.count(0)
+
+    def _list(self) -> list[str]:
+        if self._names is None:
+            self._names = self.blob[:-1].decode("utf-8", "replace").split("\0") if self._n else []
+        return self._names
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i):
+        return self._list()[i]
+
+    def __iter__(self):
+        return iter(self._list())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, (list, tuple, OpNames)) and self._list() == list(other)
+
+    def __repr__(self) -> str:
+        return f"OpNames({self._list()!r})"
+
+
+def names_blob(names: Sequence[str]) -> bytes:
+    """The v3 wire form of ``op_names``."""
+    return names.blob if isinstance(names, OpNames) else _names_blob(list(names))
+
+
 @dataclass
 class EventBatch:
     run_id: str
@@ -64,7 +103,7 @@ class EventBatch:
     complete_through_step: int | None = None
     buffer_fill_ratio: float = 0.0
     send_latency_ns: int = NO_VALUE
-    op_names: list[str] = field(default_factory=list)
+    op_names: Sequence[str] = field(default_factory=list)  # a list, or OpNames once decoded
     op_types: list[str] = field(default_factory=list)
     queue_names: list[str] = field(default_factory=list)
     ops: dict[str, np.ndarray] = _empty("ops")
@@ -117,6 +156,7 @@ def _unpack(section: str, record: dict) -> dict[str, np.ndarray]:
 
 def encode_batch(batch: EventBatch) -> bytes:
     record = {f: getattr(batch, f) for f in _HEADER_FIELDS}
+    record["op_names"] = names_blob(batch.op_names)
     for section in SECTIONS:
         record[section] = _pack(section, getattr(batch, section))
     return encode("EventBatch", record)
@@ -126,6 +166,10 @@ def decode_batch(data: bytes) -> EventBatch:
     """Decode a raw-topic message; raises DecodeError (and only that) on bad input."""
     record = decode("EventBatch", data)
     batch = EventBatch(**{f: record[f] for f in _HEADER_FIELDS})
+    blob = batch.op_names
+    if blob and blob[-1] != 0:
+        raise DecodeError("malformed", "op_names does not end with its NUL terminator")
+    batch.op_names = OpNames(blob)
     for section in SECTIONS:
         setattr(batch, section, _unpack(section, record[section]))
     ops = batch.ops

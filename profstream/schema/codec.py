@@ -88,19 +88,38 @@ def _version(schema: dict, version: int, upgrade: Callable[[dict], dict] | None 
 # Every version ever shipped, oldest first. The last of each name is the one written.
 # To change a schema: add a new .avsc (e.g. event_batch.v2.avsc), append its version here
 # and give the older ones an upgrade function; never edit or remove a shipped one.
+def names_blob(names: list[str]) -> bytes:
+    """v3's op_names: every name followed by one NUL byte (a NUL inside a name becomes U+FFFD)."""
+    if not names:
+        return b""
+    joined = "\0".join(names)
+    if joined.count("\0") != len(names) - 1:
+        joined = "\0".join(n.replace("\0", "\ufffd") for n in names)
+    return (joined + "\0").encode("utf-8", "surrogatepass")
+
+
+def _event_batch_v2_to_v3(record: dict) -> dict:
+    return {**record, "op_names": names_blob(record["op_names"])}
+
+
+def _event_batch_v1_to_v3(record: dict) -> dict:
+    return _event_batch_v2_to_v3({**record, "world_size": None})
+
+
 def _add_world_size(record: dict) -> dict:
     return {**record, "world_size": None}
 
 
 _VERSIONS: list[SchemaVersion] = [
-    _version(_load("event_batch.avsc"), 1, _add_world_size),
+    _version(_load("event_batch.avsc"), 1, _event_batch_v1_to_v3),
     _version(_load("step_metrics.avsc"), 1, _add_world_size),
     _version(_load("run_step_metrics.avsc"), 1),
     _version(_load("alert.avsc"), 1),
     _version(_load("rank_checkpoint.avsc"), 1),
     _version(_load("run_checkpoint.avsc"), 1),
-    _version(_load("event_batch.v2.avsc"), 2),  # + world_size
+    _version(_load("event_batch.v2.avsc"), 2, _event_batch_v2_to_v3),  # + world_size
     _version(_load("step_metrics.v2.avsc"), 2),  # + world_size
+    _version(_load("event_batch.v3.avsc"), 3),  # op_names as one blob
 ]
 
 SCHEMAS: dict[int, SchemaVersion] = {v.fingerprint: v for v in _VERSIONS}
