@@ -609,6 +609,53 @@ def export_parquet_cmd(
     _report_losses(result.losses)
 
 
+# -- ingest ---------------------------------------------------------------------------
+
+@app.command()
+def ingest(
+    path: Annotated[Path, typer.Argument(help="Chrome trace JSON (.json/.json.gz: PyTorch, Kineto, MindSpore "
+                                              "or msprof timeline) or a MindSpore profiler output directory")],
+    run_id: Annotated[str, typer.Option(help="run identifier the profile is sent as")],
+    rank: Annotated[int | None, typer.Option(min=0, help="rank (default: the one the profile names, else 0)")]
+    = None,
+    pace: Annotated[str, typer.Option(help="max: as fast as possible; realtime: steps as far apart as "
+                                           "they were")] = "max",
+    format: Annotated[str, typer.Option(help="auto, chrome or mindspore")] = "auto",
+    base_ns: Annotated[int | None, typer.Option(help="ns since the epoch of time 0 of a relative trace "
+                                                     "(default: it ended at the file's modification time)")]
+    = None,
+    step_trace_unit_ns: Annotated[float, typer.Option(min=0.0, help="ns per unit of a MindSpore step trace "
+                                                                    "(10 for Ascend's 100 MHz counter)")] = 1.0,
+    device: Annotated[str, typer.Option(help="device reported with the events, e.g. cuda:0, npu:3")] = "cpu",
+    bootstrap: BootstrapOpt = None,
+    topic_prefix: PrefixOpt = "profstream",
+) -> None:
+    """Send an existing profile to Kafka as raw events, as a live producer would (docs/ingest.md)."""
+    from profstream.producers.ingest import IngestError
+    from profstream.producers.ingest import ingest as ingest_profile
+
+    check_name(run_id, "run id")
+    boot = _bootstrap(bootstrap)
+    _require_broker(boot)
+    try:
+        result = ingest_profile(path, {"bootstrap": boot, "run_id": run_id, "topic_prefix": topic_prefix,
+                                       "device": device}, format=format, pace=pace, rank=rank, base_ns=base_ns,
+                                step_trace_unit_ns=step_trace_unit_ns)
+    except IngestError as e:
+        _fail(str(e))
+    p, s = result.profile, result.sent
+    unknown = ", ".join(f"{c}: {n}" for c, n in p.unknown_categories.most_common()) or "none"
+    out.print(f"{path} ({p.source}; clock: {p.clock}) -> run {run_id} rank {p.rank or 0}: {s.steps} steps, "
+              f"{s.ops} ops, {s.queue_samples} queue and {s.memory_samples} memory samples in {s.elapsed_s:.1f} s; "
+              f"ops outside every step (not sent): {s.ops_outside_steps}; unknown categories recorded as host: "
+              f"{unknown}; dropped ops: {s.dropped_ops}; {'all delivered' if s.flushed else 'NOT all delivered'}",
+              highlight=False, soft_wrap=True)
+    for note in p.notes:
+        err.print(f"note: {note}", highlight=False, soft_wrap=True)
+    if not s.flushed:
+        raise typer.Exit(1)
+
+
 # -- demo -----------------------------------------------------------------------------
 
 @app.command()

@@ -1,0 +1,269 @@
+"""Chrome Trace Event Format JSON (plain or gzip): PyTorch ``export_chrome_trace`` and
+Kineto traces, MindSpore timeline files, CANN msprof timelines.
+
+Complete events (``ph: X``) become ops; their kind comes from the track (process and
+thread names: ``Ascend Hardware``, ``HCCL``, ``AI CPU``...), then the category (``kernel``,
+``gpu_memcpy``, ``cpu_op``...), then the name (nccl/hccl/all_reduce -> communication,
+Memcpy -> memcpy). An op whose category none of these knows is recorded as host and
+counted per category in ``Profile.unknown_categories``. Step events (``ProfilerStep#N``,
+``Iteration N``, ``Step N``) become step marks; ``[memory]`` instant events become memory
+samples. Tracks that hold figures derived from the ops (msprof's ``Overlap Analysis``,
+MindSpore's merged/pure/free tracks) are left out: the processors compute those.
+"""
+
+from __future__ import annotations
+
+import gzip
+import re
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from profstream.producers.ingest.model import (
+    I64,
+    IngestError,
+    Profile,
+    kind_from_name,
+    relative_base_ns,
+    set_steps,
+    type_from_name,
+)
+from profstream.schema.batch import COMPUTE, HOST, MEMCPY, MEMSET
+
+try:  # orjson parses traces ~3x faster than the standard library
+    from orjson import JSONDecodeError as _JSONError
+    from orjson import loads as _loads
+except ImportError:  # pragma: no cover - orjson is a dependency
+    from json import JSONDecodeError as _JSONError
+    from json import loads as _loads
+
+EXPECTED = "a Chrome trace JSON file (an object with traceEvents, or an array of trace events)"
+
+_STEP = re.compile(r"^(?:ProfilerStep#|Iteration[ _]?|[Ss]tep[ _#]?)(\d+)$")
+_SKIP = -2  # a derived or bookkeeping event, not an op
+_UNKNOWN = -1
+
+# category -> kind; None: decided by whether the trace has device events
+_CATEGORIES: dict[str, int | None] = {
+    "kernel": COMPUTE, "gpu_op": COMPUTE, "ai_core": COMPUTE, "ai_cpu": COMPUTE, "aicore": COMPUTE,
+    "gpu_memcpy": MEMCPY, "gpu_memset": MEMSET,
+    "cpu_op": None, "operator": None,
+    "user_annotation": HOST, "gpu_user_annotation": HOST, "python_function": HOST, "cuda_runtime": HOST,
+    "cuda_driver": HOST, "runtime": HOST, "driver": HOST, "overhead": HOST, "cpu_instant_event": HOST,
+    "cuda_sync": HOST, "python": HOST, "acl": HOST, "ascendcl": HOST, "cann": HOST, "ge": HOST,
+    "mstx": HOST,
+    "trace": _SKIP, "fwdbwd": _SKIP, "ac2g": _SKIP, "async": _SKIP, "flow": _SKIP,
+}
+_DEVICE_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset", "gpu_op", "ai_core", "ai_cpu", "aicore"}
+
+# track (process or thread name) -> kind, first match wins
+_TRACKS: tuple[tuple[re.Pattern, int], ...] = (
+    (re.compile(r"overlap analysis|merged|pure communication|free time|^steps?$|step trace|iteration",
+                re.I), _SKIP),
+    (re.compile(r"hccl|nccl|communication|hcom|lccl", re.I), -3),  # by name: comm unless memcpy/memset
+    (re.compile(r"ascend hardware|ai ?core|ai ?cpu|aiv|ascend op|gpu op|cpu op|kernel|stream \d+|"
+                r"npu|device", re.I), COMPUTE),
+    (re.compile(r"cann|ascendcl|acl|runtime|\bge\b|python|host|framework|pta|cpu usage|memory", re.I), HOST),
+)
+_COMM_TRACK = -3
+
+
+def read_json(path: Path):
+    """The parsed JSON of a plain or gzip file; IngestError naming the file otherwise."""
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise IngestError(f"{path}: cannot read ({e.strerror}): expected {EXPECTED}") from None
+    if raw[:2] == b"\x1f\x8b":
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError, zlib.error) as e:
+            raise IngestError(f"{path}: truncated or corrupt gzip ({e}): expected {EXPECTED}") from None
+    if raw.lstrip()[:1] not in (b"{", b"["):
+        raise IngestError(f"{path}: not JSON: expected {EXPECTED}")
+    try:
+        return _loads(raw)
+    except _JSONError as e:
+        raise IngestError(f"{path}: truncated or invalid JSON ({str(e).splitlines()[0]}): "
+                          f"expected {EXPECTED}") from None
+
+
+def _us_to_ns(ts_us: np.ndarray) -> np.ndarray:
+    """Microseconds (float) to integer ns, whole microseconds kept exact."""
+    whole = np.floor(ts_us)
+    return whole.astype(I64) * 1000 + np.rint((ts_us - whole) * 1000).astype(I64)
+
+
+def _codes(values: list, table: dict) -> np.ndarray:
+    setdefault = table.setdefault
+    return np.fromiter([setdefault(v, len(table)) for v in values], np.int32, len(values))
+
+
+def parse_chrome(path: Path, data=None, base_ns: int | None = None) -> Profile:
+    """Read a Chrome trace JSON file (or its already parsed ``data``) into a ``Profile``."""
+    if data is None:
+        data = read_json(path)
+    meta: dict = {}
+    if isinstance(data, dict):
+        events = data.get("traceEvents")
+        meta = data
+    else:
+        events = data
+    if not isinstance(events, list) or (events and not isinstance(events[0], dict)):
+        raise IngestError(f"{path}: no trace events: expected {EXPECTED}")
+
+    complete = [e for e in events if e.get("ph") == "X"]
+    other = [e for e in events if e.get("ph") != "X"]
+    n = len(complete)
+    names = [e.get("name", "") for e in complete]
+    cats = [e.get("cat") or "" for e in complete]
+    tracks = [(e.get("pid", 0), e.get("tid", 0)) for e in complete]
+    try:
+        ts_us = np.array([e.get("ts", 0) for e in complete], np.float64)
+        dur_us = np.array([e.get("dur", 0) for e in complete], np.float64)
+    except (TypeError, ValueError):
+        raise IngestError(f"{path}: an event's ts or dur is not a number: expected {EXPECTED}") from None
+
+    name_ix: dict = {}
+    cat_ix: dict = {}
+    track_ix: dict = {}
+    name_code = _codes(names, name_ix)
+    cat_code = _codes(cats, cat_ix)
+    track_code = _codes(tracks, track_ix)
+
+    process_names, thread_names = {}, {}
+    mem_ts, mem_alloc, mem_resv = [], [], []
+    for e in other:
+        ph, nm = e.get("ph"), e.get("name")
+        if ph == "M":
+            label = (e.get("args") or {}).get("name")
+            if nm == "process_name":
+                process_names[e.get("pid", 0)] = str(label)
+            elif nm == "thread_name":
+                thread_names[(e.get("pid", 0), e.get("tid", 0))] = str(label)
+        elif ph == "i" and nm == "[memory]":
+            args = e.get("args") or {}
+            if "Total Allocated" in args:
+                mem_ts.append(e.get("ts", 0))
+                mem_alloc.append(args["Total Allocated"])
+                mem_resv.append(args.get("Total Reserved", -1))
+
+    # kind per category, per track and per name (each decided once per distinct value)
+    has_device = any(c.lower() in _DEVICE_CATEGORIES for c in cat_ix)
+    cat_kind = np.array([_category_kind(c, has_device) for c in cat_ix] or [0], np.int8)
+    track_kind = np.array([_track_kind(process_names.get(p, ""), thread_names.get((p, t), ""))
+                           for p, t in track_ix] or [0], np.int8)
+    name_list = list(name_ix)
+    name_kind = np.array([kind_from_name(nm) for nm in name_list] or [0], np.int8)
+    step_of_name = [_STEP.match(nm) for nm in name_list]
+
+    # a derived track is left out; else the category decides, else the track, else the name
+    by_track = track_kind[track_code].astype(np.int16) if n else np.empty(0, np.int16)
+    kind = cat_kind[cat_code].astype(np.int16) if n else by_track
+    kind = np.where(by_track == _SKIP, _SKIP, np.where(kind == _UNKNOWN, by_track, kind))
+    by_name = name_kind[name_code] if n else kind
+    comm_track = kind == _COMM_TRACK
+    kind = np.where(comm_track, np.where(by_name >= 0, by_name, 1), kind)  # 1: COMMUNICATION
+    named = (by_name >= 0) & ((kind == COMPUTE) | (kind == _UNKNOWN))
+    kind = np.where(named, by_name, kind)
+
+    # steps: step-named events that are not the GPU-side copies of the annotation
+    gpu_annotation = cat_ix.get("gpu_user_annotation", -1)
+    is_step_name = np.array([m is not None for m in step_of_name] or [False], bool)[name_code] if n else \
+        np.empty(0, bool)
+    is_step = is_step_name & (cat_code != gpu_annotation)
+    keep = (kind != _SKIP) & ~is_step_name & (dur_us >= 0)
+
+    starts_ns = _us_to_ns(ts_us)
+    durs_ns = np.rint(dur_us * 1000).astype(I64)
+    base, clock = _clock(path, meta, starts_ns, durs_ns, base_ns)
+
+    profile = Profile(source=_flavour(meta, cat_ix, process_names), path=path, clock=clock)
+    unknown = keep & (kind == _UNKNOWN)
+    if unknown.any():
+        counts = np.bincount(cat_code[unknown], minlength=len(cat_ix))
+        cat_list = list(cat_ix)
+        for code in np.flatnonzero(counts):
+            profile.unknown_categories[cat_list[code] or "(none)"] += int(counts[code])
+    kind = np.where(kind == _UNKNOWN, HOST, kind)
+
+    sel = np.flatnonzero(keep)
+    profile.name_table = np.array(name_list, dtype=object)
+    profile.type_table = np.array([type_from_name(nm) for nm in name_list], dtype=object)
+    profile.op_name = name_code[sel]
+    profile.op_type = name_code[sel]  # type_table is indexed by name code
+    profile.op_kind = kind[sel].astype(np.uint8)
+    profile.op_stream = track_code[sel]
+    profile.op_start_ns = starts_ns[sel] + base
+    profile.op_dur_ns = durs_ns[sel]
+
+    steps_at = np.flatnonzero(is_step)
+    numbers = [int(step_of_name[name_code[i]].group(1)) for i in steps_at]
+    seen: dict[int, int] = {}
+    for i, s in zip(steps_at, numbers):  # a step number twice (several threads): the first one
+        seen.setdefault(s, i)
+    idx = np.array(list(seen.values()), I64)
+    if len(idx):
+        set_steps(profile, list(seen), starts_ns[idx] + base, starts_ns[idx] + durs_ns[idx] + base)
+    elif len(sel):
+        first, last = int(profile.op_start_ns.min()), int((profile.op_start_ns + profile.op_dur_ns).max())
+        set_steps(profile, [0], [first], [last + 1])
+        profile.notes.append("no step events (ProfilerStep#N, Iteration N, Step N): the whole trace is step 0")
+
+    if mem_ts:
+        mts = _us_to_ns(np.array(mem_ts, np.float64)) + base
+        order = np.argsort(mts, kind="stable")
+        profile.mem_ts_ns = mts[order]
+        profile.mem_allocated = np.array(mem_alloc, I64)[order]
+        profile.mem_reserved = np.array(mem_resv, I64)[order]
+    profile.host = meta.get("host_name") if isinstance(meta.get("host_name"), str) else None
+    dist = meta.get("distributedInfo")
+    if isinstance(dist, dict) and isinstance(dist.get("rank"), int):
+        profile.rank = dist["rank"]
+    profile.assign_steps()
+    return profile
+
+
+def _category_kind(cat: str, has_device: bool) -> int:
+    c = cat.lower()
+    if c in _CATEGORIES:
+        k = _CATEGORIES[c]
+        return (HOST if has_device else COMPUTE) if k is None else k
+    if not c:
+        return _UNKNOWN
+    by_name = kind_from_name(c)
+    return by_name if by_name >= 0 else _UNKNOWN
+
+
+def _track_kind(process: str, thread: str) -> int:
+    for label in (thread, process):
+        if not label:
+            continue
+        for pattern, k in _TRACKS:
+            if pattern.search(label):
+                return k
+    return _UNKNOWN
+
+
+def _clock(path: Path, meta: dict, starts_ns: np.ndarray, durs_ns: np.ndarray,
+           base_ns: int | None) -> tuple[int, str]:
+    if base_ns is not None:
+        return base_ns, f"trace time + --base-ns {base_ns}"
+    if isinstance(meta.get("baseTimeNanoseconds"), int):
+        return meta["baseTimeNanoseconds"], "trace time + the trace's baseTimeNanoseconds"
+    if len(starts_ns) and int(starts_ns.max()) > 10**18:  # ts in epoch microseconds (after 2001)
+        return 0, "absolute (epoch microseconds in the trace)"
+    last = int((starts_ns + durs_ns).max()) if len(starts_ns) else 0
+    return relative_base_ns(path, last), "relative trace: its last event ends at the file's modification time"
+
+
+def _flavour(meta: dict, cats: dict, processes: dict) -> str:
+    labels = " ".join(processes.values()).lower()
+    if "baseTimeNanoseconds" in meta or "cpu_op" in cats or "kernel" in cats:
+        return "pytorch trace"
+    if "ascend hardware" in labels or "cann" in labels or "overlap analysis" in labels:
+        return "msprof timeline"
+    if "ascend op" in labels or "gpu op" in labels or "cpu op" in labels or "step trace" in labels:
+        return "mindspore timeline"
+    return "chrome trace"

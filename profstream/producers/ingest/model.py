@@ -1,0 +1,131 @@
+"""``Profile``: what every ingest reader turns a profiler's output into.
+
+Columns, not records: an old profile holds millions of ops, and the sender works on
+slices of these arrays step by step. All timestamps are nanoseconds since the epoch.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from profstream.config import ConfigError
+from profstream.schema.batch import COMMUNICATION, MEMCPY, MEMSET, NO_VALUE
+
+I64 = np.int64
+
+
+class IngestError(ConfigError):
+    """A file that is not what it was taken for; one line naming the file and what was expected."""
+
+
+def _empty(dtype=I64) -> np.ndarray:
+    return np.empty(0, dtype)
+
+
+@dataclass
+class Profile:
+    """One rank's profile: step marks, ops, queue and memory samples (all ns since the epoch)."""
+
+    source: str  # the format read, e.g. "pytorch trace", "msprof timeline", "mindspore profiler dir"
+    path: Path
+    # steps, sorted by start
+    step: np.ndarray = field(default_factory=_empty)
+    step_start_ns: np.ndarray = field(default_factory=_empty)
+    step_end_ns: np.ndarray = field(default_factory=_empty)
+    step_fp_ns: np.ndarray = field(default_factory=_empty)  # NO_VALUE where the file has none
+    step_bp_ns: np.ndarray = field(default_factory=_empty)
+    # ops: codes into name_table / type_table
+    name_table: np.ndarray = field(default_factory=lambda: np.empty(0, object))
+    type_table: np.ndarray = field(default_factory=lambda: np.empty(0, object))
+    op_name: np.ndarray = field(default_factory=lambda: _empty(np.int32))
+    op_type: np.ndarray = field(default_factory=lambda: _empty(np.int32))
+    op_kind: np.ndarray = field(default_factory=lambda: _empty(np.uint8))
+    op_stream: np.ndarray = field(default_factory=lambda: _empty(np.int32))
+    op_start_ns: np.ndarray = field(default_factory=_empty)
+    op_dur_ns: np.ndarray = field(default_factory=_empty)
+    op_step: np.ndarray = field(default_factory=_empty)  # filled by assign_steps (-1: outside every step)
+    # samples
+    queue_samples: list[tuple[str, int, int, int, int]] = field(default_factory=list)  # name, ts, step, size, cap
+    mem_ts_ns: np.ndarray = field(default_factory=_empty)
+    mem_allocated: np.ndarray = field(default_factory=_empty)
+    mem_reserved: np.ndarray = field(default_factory=_empty)
+    mem_step: np.ndarray = field(default_factory=_empty)
+    # what the reader saw
+    rank: int | None = None
+    host: str | None = None
+    clock: str = ""  # how the file's timestamps became ns since the epoch
+    unknown_categories: Counter = field(default_factory=Counter)  # category -> ops recorded as host
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ops(self) -> int:
+        return len(self.op_start_ns)
+
+    @property
+    def steps(self) -> int:
+        return len(self.step)
+
+    def assign_steps(self) -> None:
+        """Give every op and memory sample the step whose [start, end) holds its start."""
+        order = np.argsort(self.step_start_ns, kind="stable")
+        for name in ("step", "step_start_ns", "step_end_ns", "step_fp_ns", "step_bp_ns"):
+            setattr(self, name, getattr(self, name)[order])
+        self.op_step = self._step_of(self.op_start_ns)
+        self.mem_step = self._step_of(self.mem_ts_ns)
+
+    def _step_of(self, ts: np.ndarray) -> np.ndarray:
+        if not len(self.step):
+            return np.full(len(ts), -1, I64)
+        idx = np.searchsorted(self.step_start_ns, ts, side="right") - 1
+        safe = np.clip(idx, 0, None)
+        inside = (idx >= 0) & (ts < self.step_end_ns[safe])
+        return np.where(inside, self.step[safe], -1)
+
+
+def set_steps(profile: Profile, steps, starts, ends, fps=None, bps=None) -> None:
+    n = len(steps)
+    profile.step = np.asarray(steps, I64)
+    profile.step_start_ns = np.asarray(starts, I64)
+    profile.step_end_ns = np.asarray(ends, I64)
+    profile.step_fp_ns = np.full(n, NO_VALUE, I64) if fps is None else np.asarray(fps, I64)
+    profile.step_bp_ns = np.full(n, NO_VALUE, I64) if bps is None else np.asarray(bps, I64)
+
+
+# -- op kinds and types from names -----------------------------------------------------
+
+_COMM = re.compile(r"nccl|hccl|hcom|gloo|c10d::|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|"
+                   r"broadcast|collective|send_?recv|\blccl", re.I)
+_MEMCPY = re.compile(r"memcpy|memcopy|\bh2d\b|\bd2h\b|\bd2d\b|host_?to_?device|device_?to_?host", re.I)
+_MEMSET = re.compile(r"memset", re.I)
+_OP_SUFFIX = re.compile(r"-op\d+$")
+
+
+def kind_from_name(name: str) -> int:
+    """COMMUNICATION / MEMCPY / MEMSET when the name says so, else -1."""
+    if _COMM.search(name):
+        return COMMUNICATION
+    if _MEMSET.search(name):
+        return MEMSET
+    if _MEMCPY.search(name):
+        return MEMCPY
+    return -1
+
+
+def type_from_name(name: str) -> str:
+    """Op type of a full op name: the last scope component without MindSpore's ``-opN``
+    suffix (``Default/network/Conv2D-op11`` -> ``Conv2D``); other names as they are."""
+    if "/" in name and not name.endswith("/"):
+        name = name.rsplit("/", 1)[1]
+    return _OP_SUFFIX.sub("", name)
+
+
+def relative_base_ns(path: Path, last_end_ns: int) -> int:
+    """Base for a trace whose clock is relative: the file was written when its trace
+    ended, so its last event ends at the file's modification time."""
+    return os.stat(path).st_mtime_ns - int(last_end_ns)
