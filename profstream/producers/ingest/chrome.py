@@ -62,9 +62,9 @@ _TRACKS: tuple[tuple[re.Pattern, int], ...] = (
     (re.compile(r"overlap analysis|merged|pure communication|free time|^steps?$|step trace|iteration",
                 re.I), _SKIP),
     (re.compile(r"hccl|nccl|communication|hcom|lccl", re.I), -3),  # by name: comm unless memcpy/memset
+    (re.compile(r"cann|ascendcl|acl|runtime|\bge\b|python|host|framework|pta|cpu usage|memory", re.I), HOST),
     (re.compile(r"ascend hardware|ai ?core|ai ?cpu|aiv|ascend op|gpu op|cpu op|kernel|stream \d+|"
                 r"npu|device", re.I), COMPUTE),
-    (re.compile(r"cann|ascendcl|acl|runtime|\bge\b|python|host|framework|pta|cpu usage|memory", re.I), HOST),
 )
 _COMM_TRACK = -3
 

@@ -92,6 +92,13 @@ def read_csv(path: Path, required: tuple[str, ...], what: str) -> list[dict[str,
         raise IngestError(f"{path}: unreadable ({e}): expected {what}") from None
 
 
+def _number(text: str) -> int | float:
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
+
+
 def _read_step_trace(profile: Profile, path: Path, unit_ns: float, base_ns: int | None) -> None:
     rows = read_csv(path, STEP_COLUMNS, "a MindSpore step trace CSV")
     steps, points = [], []
@@ -99,14 +106,18 @@ def _read_step_trace(profile: Profile, path: Path, unit_ns: float, base_ns: int 
         if not row["step_num"].isdigit():  # the averages row
             continue
         try:
-            points.append([float(row[c]) for c in STEP_COLUMNS[1:]])
+            points.append([_number(row[c]) for c in STEP_COLUMNS[1:]])
         except ValueError:
             raise IngestError(f"{path}: step {row['step_num']}: a point is not a number: expected "
                               "numbers in start_point,end_point,fp_point,bp_point") from None
         steps.append(int(row["step_num"]))
     if not steps:
         raise IngestError(f"{path}: no step rows: expected {EXPECTED}")
-    ns = np.rint(np.array(points, np.float64) * unit_ns).astype(I64)
+    if float(unit_ns).is_integer():  # exact: ns since the epoch do not fit a float64
+        ns = np.array([[int(v * int(unit_ns)) if isinstance(v, int) else round(v * unit_ns) for v in p]
+                       for p in points], I64)
+    else:
+        ns = np.array([[round(v * unit_ns) for v in p] for p in points], I64)
     if base_ns is not None:
         base, profile.clock = base_ns, f"step trace points x {unit_ns} ns + --base-ns {base_ns}"
     elif int(ns.max()) > 10**18:
