@@ -1,0 +1,422 @@
+"""The PyTorch producer: ``instrument()`` hooks a training loop into a ``Monitor``.
+
+Where each mark comes from:
+
+- S (step start): the loop asks a DataLoader iterator for its next batch. Without a
+  DataLoader, a step starts where the previous one ended (the first one at the first
+  forward call).
+- F (forward start): the first forward call of the model (a forward pre-hook on the
+  outermost module, or on any module with the global hook) in the step.
+- B (backward end): the first ``optimizer.step()`` of the step is about to run.
+- E (step end): the last ``optimizer.step()`` of the step has returned (the next batch
+  request when the step had none).
+- queue: batches fetched by a multi-worker DataLoader and waiting, sampled at S.
+- memory: torch.cuda memory statistics at E when CUDA is there, else the process RSS.
+- ops: torch.profiler on the window start_step / stop_step / every_n_steps
+  (``torch_capture``).
+
+Nothing here raises into the training loop: an internal error is logged once with its
+traceback and switches the instrumentation off; the training goes on untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+from profstream.config import ConfigError, Option, resolve
+from profstream.producers.torch_capture import OpCapture, OpWindow
+
+log = logging.getLogger("profstream.torch")
+
+_time_ns = time.time_ns
+
+# Options of the torch producer itself (on top of the Monitor's). They are read from
+# arguments and PROFSTREAM_<NAME> variables; PROFSTREAM_OPTIONS holds Monitor options only.
+TORCH_OPTIONS: tuple[Option, ...] = (
+    Option("capture_ops", "bool", True,
+           "capture ops with torch.profiler on the steps of start_step / stop_step / every_n_steps"),
+)
+QUEUE_NAME = "dataloader"
+
+
+def instrument(model: Any = None, optimizer: Any = None, loader: Any = None, monitor: Any = None,
+               *, mark_steps: bool = True, **options: Any) -> TorchInstrumentation:
+    """Hook a training loop into profstream; returns a handle with ``.remove()`` / ``.close()``.
+
+    ``model``, ``optimizer``, ``loader``: the outermost module, the optimizer and the
+    DataLoader to hook; each one left out is hooked globally (every module, every
+    optimizer, every DataLoader). ``monitor``: the Monitor to feed, else one is made from
+    ``options`` (Monitor options, see profstream.config, plus ``capture_ops``).
+    ``mark_steps=False``: the loop marks its steps itself with ``monitor.step()``.
+    """
+    import torch
+
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if loader is not None and not isinstance(loader, torch.utils.data.DataLoader):
+        raise TypeError(f"loader must be a torch.utils.data.DataLoader, got {type(loader).__name__}")
+    torch_names = {o.name for o in TORCH_OPTIONS}
+    torch_opts = resolve(TORCH_OPTIONS, {k: v for k, v in options.items() if k in torch_names},
+                         environ={k: v for k, v in os.environ.items() if k != "PROFSTREAM_OPTIONS"})
+    monitor_opts = {k: v for k, v in options.items() if k not in torch_names}
+    if monitor is not None and monitor_opts:
+        raise ConfigError(f"options {', '.join(sorted(monitor_opts))} configure a new Monitor: "
+                          "give them to Monitor(...) or leave out monitor=")
+    inst = TorchInstrumentation(monitor, monitor_opts, torch_opts["capture_ops"], mark_steps)
+    inst.attach(model, optimizer, loader)
+    return inst
+
+
+class TorchInstrumentation:
+    """The hooks of one ``instrument()`` call and the step state they share."""
+
+    def __init__(self, monitor: Any, monitor_options: dict, capture_ops: bool, mark_steps: bool,
+                 lazy: bool = False) -> None:
+        import torch
+
+        self._torch = torch
+        self.cuda = torch.cuda.is_available()
+        self.capture_ops = capture_ops
+        self.mark_steps = mark_steps
+        self.active = True
+        self.error: BaseException | None = None
+        self.owns_monitor = monitor is None
+        self._monitor_options = dict(monitor_options)
+        if self.cuda:
+            self._monitor_options.setdefault("device", f"cuda:{torch.cuda.current_device()}")
+        self._pid = os.getpid()
+        self._hooks: list[Any] = []
+        self._restore: list[tuple[Any, str, Any]] = []
+        self._lock = threading.Lock()  # one failure report, one close
+        self._closed = False
+        self.capture: OpCapture | None = None
+        self.monitor: Any = None
+        # step state (training thread)
+        self._in_step = False
+        self._step = -1
+        self._fp_marked = False
+        self._bp_marked = False
+        self._fp_ns: int | None = None
+        self._ended_fp_ns: int | None = None
+        self._last_opt_end: int | None = None
+        self._prev_end: int | None = None
+        self._loader_driven = False
+        self._seen_step = -1  # mark_steps=False: the monitor's step the hooks saw last
+        self._process = None
+        if monitor is not None or not lazy:
+            self._setup_monitor(monitor)
+
+    # -- setup ------------------------------------------------------------------------
+
+    def _setup_monitor(self, monitor: Any) -> None:
+        if monitor is None:
+            opts = dict(self._monitor_options)
+            if self.capture_ops:
+                opts["auto_watermark"] = False  # ops of a step are sent after it ends
+            from profstream.producers.monitor import Monitor
+
+            monitor = Monitor(**opts)
+        self.monitor = monitor
+        if self.capture_ops and getattr(monitor, "_enabled", True):
+            o = monitor.options
+            window = OpWindow(o["start_step"], o["stop_step"], o["every_n_steps"])
+            _hand_op_window_to_producer(monitor)
+            self.capture = OpCapture(monitor, window, self.cuda, self._fail)
+        if not self.cuda:
+            import psutil
+
+            self._process = psutil.Process()
+
+    def attach(self, model: Any, optimizer: Any, loader: Any) -> None:
+        """Install the hooks; the ones whose target is None are global."""
+        torch = self._torch
+        if model is not None:
+            self._hooks.append(model.register_forward_pre_hook(self._forward_pre_hook))
+        else:
+            self._hooks.append(torch.nn.modules.module.register_module_forward_pre_hook(self._forward_pre_hook))
+        if optimizer is not None:
+            self._hooks.append(optimizer.register_step_pre_hook(self._optimizer_pre_hook))
+            self._hooks.append(optimizer.register_step_post_hook(self._optimizer_post_hook))
+        else:
+            from torch.optim.optimizer import (
+                register_optimizer_step_post_hook,
+                register_optimizer_step_pre_hook,
+            )
+
+            self._hooks.append(register_optimizer_step_pre_hook(self._optimizer_pre_hook))
+            self._hooks.append(register_optimizer_step_post_hook(self._optimizer_post_hook))
+        target = loader if loader is not None else torch.utils.data.DataLoader
+        original = target._get_iterator  # DataLoader.__iter__ gets its iterators here
+        inst = self
+
+        def _get_iterator(*args: Any, **kwargs: Any) -> Any:
+            return TimedIterator(original(*args, **kwargs), inst)
+
+        if loader is not None:
+            loader._get_iterator = _get_iterator
+            self._restore.append((loader, "_get_iterator", None))
+        else:
+            target._get_iterator = _get_iterator
+            self._restore.append((target, "_get_iterator", original))
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    def close(self, timeout: float = 10.0) -> None:
+        """End the open step, send the captured ops, remove the hooks; close the Monitor
+        if instrument() made it."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self.active:
+            self._guard(self._finish_run)
+        self.active = False
+        self._remove_hooks()
+        if self.capture is not None:
+            try:
+                self.capture.close(timeout)
+            except Exception as e:  # noqa: BLE001 - closing must not raise
+                self._fail(e)
+        if self.owns_monitor and self.monitor is not None:
+            self.monitor.close(timeout)
+
+    remove = close
+
+    def __enter__(self) -> TorchInstrumentation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _remove_hooks(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        for obj, name, original in self._restore:
+            if original is None:
+                obj.__dict__.pop(name, None)
+            else:
+                setattr(obj, name, original)
+        self._restore.clear()
+
+    def _fail(self, exc: BaseException) -> None:
+        """An internal error: report it once and switch profiling off."""
+        with self._lock:
+            first = self.error is None
+            if first:
+                self.error = exc
+            self.active = False
+        if first:
+            log.error("profstream: internal error in the torch instrumentation; profiling is off for "
+                      "the rest of this run, training goes on", exc_info=exc)
+        capture = self.capture
+        if capture is not None:
+            capture.failed = True
+            if threading.current_thread() is not capture.worker:
+                try:
+                    capture.stop()
+                except Exception:  # noqa: BLE001 - already failing; the first error was logged
+                    log.debug("stopping the profiler after an error failed", exc_info=True)
+
+    def _guard(self, fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except Exception as e:  # an internal error never reaches the training loop
+            self._fail(e)
+            return None
+
+    # -- hooks (training thread) ------------------------------------------------------
+
+    def _forward_pre_hook(self, _module: Any, _args: Any) -> None:
+        if self.active and (not self._fp_marked or not self.mark_steps):
+            self._guard(self._on_forward)
+
+    def _optimizer_pre_hook(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        if self.active and not self._bp_marked:
+            self._guard(self._on_optimizer_pre)
+
+    def _optimizer_post_hook(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        if self.active:
+            self._guard(self._on_optimizer_post)
+
+    def before_batch(self, it: Any) -> int | None:
+        """The loop asks for the next batch: S of the step it begins. Returns S."""
+        if not self.active:
+            return None
+        return self._guard(self._on_batch_request, it)
+
+    def after_batch(self, s_ns: int, queued: int, capacity: int) -> None:
+        if self.active:
+            self._guard(self._on_batch_ready, s_ns, queued, capacity)
+
+    # -- step logic -------------------------------------------------------------------
+
+    def _ensure_monitor(self) -> bool:
+        if self.monitor is None:
+            if os.getpid() != self._pid:  # a forked worker: never profile it
+                return False
+            self._setup_monitor(None)
+        return True
+
+    def _on_batch_request(self, it: Any) -> int | None:
+        if not self._ensure_monitor():
+            return None
+        self._loader_driven = True
+        if self.mark_steps:
+            ended = self._end_step(self._last_opt_end)
+            if self.capture is not None:
+                self.capture.advance(ended, self.monitor.current_step + 1, self._ended_fp_ns)
+        return _time_ns()
+
+    def _on_batch_ready(self, s_ns: int, queued: int, capacity: int) -> None:
+        monitor = self.monitor
+        if self.mark_steps:
+            self._begin_step(s_ns)
+        if queued >= 0:
+            monitor.queue(QUEUE_NAME, queued, capacity, ts_ns=s_ns)
+
+    def _on_forward(self) -> None:
+        if not self._ensure_monitor():
+            return
+        if self.mark_steps:
+            if not self._in_step:
+                if self._loader_driven:
+                    return  # a forward outside a loader step (evaluation): not a step of ours
+                self._begin_step(self._prev_end if self._prev_end is not None else _time_ns())
+                if self.capture is not None:
+                    self.capture.advance(None, self._step)  # profiler stepping happens before S in loader mode
+        elif not self._follow_monitor_step():
+            return
+        self._fp_marked = True
+        self._fp_ns = now = _time_ns()
+        self.monitor.mark_fp_start(now)
+
+    def _on_optimizer_pre(self) -> None:
+        if not self._ensure_monitor():
+            return
+        self._bp_marked = True
+        self.monitor.mark_bp_end()
+
+    def _on_optimizer_post(self) -> None:
+        if self.monitor is None:
+            return
+        self._last_opt_end = now = _time_ns()
+        if not self.mark_steps:
+            self._sample_memory(now)
+        elif not self._loader_driven and self._in_step:
+            ended = self._end_step(now)
+            if self.capture is not None:
+                self.capture.advance(ended, None, self._ended_fp_ns)
+
+    def _begin_step(self, s_ns: int) -> None:
+        self._step = self.monitor.begin_step(ts_ns=s_ns)
+        self._in_step = True
+        self._fp_marked = self._bp_marked = False
+        self._fp_ns = self._last_opt_end = None
+
+    def _end_step(self, e_ns: int | None) -> int | None:
+        """End the open step at ``e_ns`` (now if None); returns its number."""
+        if not self._in_step:
+            return None
+        e_ns = _time_ns() if e_ns is None else e_ns
+        self._sample_memory(e_ns)
+        self.monitor.end_step(e_ns)
+        self._in_step = False
+        self._prev_end = e_ns
+        self._ended_fp_ns = self._fp_ns
+        self._fp_marked = self._bp_marked = False
+        return self._step
+
+    def _follow_monitor_step(self) -> bool:
+        """mark_steps=False: the loop marks steps. On the first forward of a new step, move
+        the profiler on; returns whether this forward is that first one."""
+        step = self.monitor.current_step
+        if step == self._seen_step:
+            return False
+        ended = self._seen_step if self._seen_step >= 0 else None
+        self._seen_step = step
+        self._bp_marked = False
+        if self.capture is not None:
+            self.capture.advance(ended, step)
+        return True
+
+    def _finish_run(self) -> None:
+        if self.monitor is None:
+            return
+        ended = self._end_step(self._last_opt_end) if self.mark_steps else (
+            self._seen_step if self._seen_step >= 0 else None)
+        if self.capture is not None:
+            self.capture.advance(ended, None, self._ended_fp_ns if self.mark_steps else None)
+            self.capture.stop()
+
+    def _sample_memory(self, ts_ns: int) -> None:
+        if self.cuda:
+            cuda = self._torch.cuda
+            cuda_peak = cuda.max_memory_allocated()
+            self.monitor.memory(cuda.memory_allocated(), cuda.memory_reserved(), cuda_peak, ts_ns=ts_ns)
+            cuda.reset_peak_memory_stats()
+        elif self._process is not None:
+            self.monitor.memory(self._process.memory_info().rss, ts_ns=ts_ns)
+
+
+class TimedIterator:
+    """A DataLoader iterator that tells the instrumentation when a batch is asked for and
+    how many batches were waiting; everything else goes to the wrapped iterator."""
+
+    __slots__ = ("_it", "_inst")
+
+    def __init__(self, it: Any, inst: TorchInstrumentation) -> None:
+        self._it = it
+        self._inst = inst
+
+    def __iter__(self) -> TimedIterator:
+        return self
+
+    def __len__(self) -> int:
+        return len(self._it)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._it, name)
+
+    def __next__(self) -> Any:
+        inst = self._inst
+        s_ns = inst.before_batch(self._it)
+        if s_ns is None:
+            return next(self._it)
+        queued, capacity = waiting_batches(self._it)
+        batch = next(self._it)  # StopIteration and the loader's own errors go to the loop as they are
+        inst.after_batch(s_ns, queued, capacity)
+        return batch
+
+
+def waiting_batches(it: Any) -> tuple[int, int]:
+    """(batches fetched by the workers and waiting, prefetch capacity) of a multi-worker
+    DataLoader iterator; (-1, -1) for a single-process one, which has no queue."""
+    workers = getattr(it, "_num_workers", 0)
+    data_queue = getattr(it, "_data_queue", None)
+    if not workers or data_queue is None:
+        return -1, -1
+    try:
+        waiting = data_queue.qsize()
+    except (NotImplementedError, OSError):  # macOS multiprocessing queues have no qsize
+        return -1, -1
+    waiting += sum(1 for info in getattr(it, "_task_info", {}).values() if len(info) == 2)  # out of order
+    return waiting, workers * (getattr(it, "_prefetch_factor", None) or 2)
+
+
+def _hand_op_window_to_producer(monitor: Any) -> None:
+    """The Monitor gates ops by the step being recorded now; this producer sends a step's
+    ops after the step ended, so it applies the window itself and keeps the Monitor's
+    gate open, and moves the watermark itself once the ops are sent."""
+    monitor._start_step = monitor._stop_step = monitor._every_n = None
+    monitor._capturing = monitor._enabled and not monitor._closed
+    monitor._auto_watermark = False
+
+
+__all__ = ["TORCH_OPTIONS", "TimedIterator", "TorchInstrumentation", "instrument", "waiting_batches"]

@@ -1,0 +1,177 @@
+"""Op capture for the torch producer: torch.profiler on the Monitor's step window.
+
+The profiler records each step of the window (start_step, stop_step, every_n_steps) as
+its own trace: the training thread only starts and stops it at step boundaries and hands
+the finished trace to a worker thread, which turns its events into op columns
+(``torch_ops``), sends them with ``Monitor.ops`` and then moves the watermark
+(``complete_through``) past the step. Steps outside the window move the watermark in the
+same queue, so it never passes a step whose ops are still being converted.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+from profstream.producers.torch_ops import HostThreads, clock_offset_ns, raw_events, to_op_columns
+
+log = logging.getLogger("profstream.torch")
+
+_STOP = object()
+
+
+class OpWindow:
+    """Which steps have their ops captured: start_step..stop_step, every n-th from start."""
+
+    def __init__(self, start: int | None, stop: int | None, every: int | None) -> None:
+        self.start, self.stop, self.every = start, stop, every
+
+    def __contains__(self, step: int) -> bool:
+        if self.start is not None and step < self.start:
+            return False
+        if self.stop is not None and step > self.stop:
+            return False
+        return not (self.every is not None and (step - (self.start or 0)) % self.every)
+
+    def over(self, step: int) -> bool:
+        """No step from ``step`` on will be captured."""
+        return self.stop is not None and step > self.stop
+
+
+class OpCapture:
+    """Drives one torch.profiler through the window and feeds its ops to a Monitor."""
+
+    def __init__(self, monitor: Any, window: OpWindow, run_has_device: bool, on_error: Any) -> None:
+        self.monitor = monitor
+        self.window = window
+        self.run_has_device = run_has_device
+        self.on_error = on_error  # called once, on the worker thread, with the exception
+        self.failed = False
+        self.steps_captured = 0
+        self.ops_sent = 0
+        self._profiler: Any = None
+        self._upcoming: int | None = None  # the step the profiler's schedule is asked about
+        self._recording: int | None = None  # the step being recorded now
+        self._saving: int | None = None  # the step whose trace is handed over next
+        self._saving_fp_ns: int | None = None
+        self._threads = HostThreads()
+        self._offset_ns: int | None = None
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = threading.Event()
+        self._idle.set()
+        self.worker = threading.Thread(target=self._convert_loop, name="profstream-torch-ops", daemon=True)
+        self.worker.start()
+
+    # -- training thread --------------------------------------------------------------
+
+    def advance(self, ended: int | None, upcoming: int | None, ended_fp_ns: int | None = None) -> None:
+        """Step ``ended`` is over (None: none was open) and ``upcoming`` is about to begin.
+
+        ``ended_fp_ns``: the ended step's forward start; host ops before it load data."""
+        # The trace being recorded is handed over only when it is the step that ended (a
+        # step asked for at the end of an epoch never begins: its trace is dropped).
+        self._saving = ended if ended is not None and ended == self._recording else None
+        self._upcoming = upcoming
+        self._saving_fp_ns = ended_fp_ns
+        if self._profiler is None:
+            if upcoming is not None and upcoming in self.window and not self.failed:
+                self._start_profiler()
+        elif self.failed or (upcoming is not None and self.window.over(upcoming)):
+            self.stop()
+        else:
+            self._profiler.step()  # saves `ended` if it was recorded, records `upcoming` if in window
+        if ended is not None and ended != self._saving:
+            self._put((ended, None, None))  # not captured: the watermark may pass it
+        self._saving = None
+
+    def stop(self) -> None:
+        """Stop the profiler (handing over the step it was recording)."""
+        prof, self._profiler = self._profiler, None
+        if prof is not None:
+            try:
+                prof.stop()
+            finally:
+                self._recording = None
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until every handed-over step has been converted and sent."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._work.empty() and self._idle.is_set():
+                return True
+            time.sleep(0.005)
+        return False
+
+    def close(self, timeout: float = 10.0) -> None:
+        self.stop()
+        self.drain(timeout)
+        self._work.put(_STOP)
+        self.worker.join(timeout)
+
+    def _start_profiler(self) -> None:
+        import warnings
+
+        from torch.profiler import ProfilerActivity, profile
+
+        # Each step is its own profiler cycle on purpose; torch warns about that once.
+        warnings.filterwarnings("ignore", message="Warning: Profiler clears events at the end of each cycle")
+        activities = [ProfilerActivity.CPU]
+        if self.run_has_device:
+            activities.append(ProfilerActivity.CUDA)
+        self._profiler = profile(activities=activities, schedule=self._schedule, on_trace_ready=self._trace_ready)
+        self._profiler.start()
+
+    def _schedule(self, _profiler_step: int) -> Any:
+        from torch.profiler import ProfilerAction
+
+        step = self._upcoming
+        if step is not None and step in self.window:
+            self._recording = step
+            return ProfilerAction.RECORD_AND_SAVE
+        self._recording = None
+        return ProfilerAction.NONE
+
+    def _trace_ready(self, prof: Any) -> None:
+        step = self._saving
+        results = getattr(prof.profiler, "kineto_results", None)
+        if step is not None and results is not None:
+            self._put((step, results, self._saving_fp_ns))
+            self.steps_captured += 1
+
+    def _put(self, item: tuple) -> None:
+        self._idle.clear()
+        self._work.put(item)
+
+    # -- worker thread ----------------------------------------------------------------
+
+    def _convert_loop(self) -> None:
+        while True:
+            item = self._work.get()
+            if item is _STOP:
+                return
+            step, results, fp_ns = item
+            try:
+                if results is not None and not self.failed:
+                    self._send_ops(step, results, fp_ns)
+                self.monitor.complete_through(step)
+            except Exception as e:  # internal error: capture switches off, training goes on
+                self.failed = True
+                self.on_error(e)
+            finally:
+                if self._work.empty():
+                    self._idle.set()
+
+    def _send_ops(self, step: int, results: Any, fp_ns: int | None) -> None:
+        events = raw_events(results.events())
+        if not events:
+            return
+        if self._offset_ns is None:
+            self._offset_ns = clock_offset_ns(events[0].start_ns)
+        cols = to_op_columns(events, self.run_has_device, self._offset_ns, self._threads, fp_ns)
+        if len(cols):
+            self.monitor.ops(cols.names, cols.start_ns, cols.dur_ns, cols.kinds, cols.op_types, cols.streams,
+                             step=step)
+            self.ops_sent += len(cols)
