@@ -656,6 +656,35 @@ def ingest(
         raise typer.Exit(1)
 
 
+# -- run ------------------------------------------------------------------------------
+
+@app.command(context_settings={"allow_interspersed_args": False})
+def run(
+    command: Annotated[list[str], typer.Argument(help="the training command, after --")],
+    bootstrap: BootstrapOpt = None,
+    run_id: Annotated[str | None, typer.Option(help="run identifier (default: one per launch)")] = None,
+    topic_prefix: Annotated[str | None, typer.Option(help="topic name prefix")] = None,
+    start_step: Annotated[int | None, typer.Option(help="first step whose ops are captured")] = None,
+    stop_step: Annotated[int | None, typer.Option(help="last step whose ops are captured")] = None,
+    every_n_steps: Annotated[int | None, typer.Option(help="capture ops on every n-th step")] = None,
+    capture_ops: Annotated[bool | None, typer.Option("--capture-ops/--no-capture-ops",
+                                                     help="op capture with torch.profiler (default: on)")] = None,
+) -> None:
+    """Profile a PyTorch training script without changing it: profstream run -- python train.py ARGS (docs/torch.md)."""
+    from profstream.producers.launch import run_profiled
+
+    options = {"bootstrap": _bootstrap(bootstrap), "run_id": run_id, "topic_prefix": topic_prefix,
+               "start_step": start_step, "stop_step": stop_step, "every_n_steps": every_n_steps}
+    try:
+        code = run_profiled(command, options, {"capture_ops": capture_ops})
+    except FileNotFoundError:
+        _fail(f"command not found: {command[0]!r} (give the full command after --, e.g. profstream run -- "
+              "python train.py)")
+    except ValueError as e:  # ConfigError is a ValueError
+        _fail(str(e))
+    raise typer.Exit(code)
+
+
 # -- demo -----------------------------------------------------------------------------
 
 @app.command()

@@ -70,7 +70,31 @@ def instrument(model: Any = None, optimizer: Any = None, loader: Any = None, mon
                           "give them to Monitor(...) or leave out monitor=")
     inst = TorchInstrumentation(monitor, monitor_opts, torch_opts["capture_ops"], mark_steps)
     inst.attach(model, optimizer, loader)
+    close_at_exit(inst)
     return inst
+
+
+def close_at_exit(inst: TorchInstrumentation) -> None:
+    """Close ``inst`` when the interpreter exits, before atexit handlers run: the Kafka
+    producer closes itself in one, and the last step's events must be sent before that."""
+    import weakref
+
+    ref = weakref.ref(inst)
+
+    def close() -> None:
+        live = ref()
+        if live is not None:
+            live.close(timeout=5.0)
+
+    register = getattr(threading, "_register_atexit", None)  # runs before atexit (CPython >= 3.9)
+    try:
+        if register is None:
+            raise RuntimeError("no threading._register_atexit")
+        register(close)
+    except RuntimeError:  # interpreter already shutting down, or another Python
+        import atexit
+
+        atexit.register(close)
 
 
 class TorchInstrumentation:
