@@ -13,11 +13,15 @@ MindSpore's merged/pure/free tracks) are left out: the processors compute those.
 
 from __future__ import annotations
 
+import gc
 import gzip
 import re
 import zlib
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
+import msgspec
 import numpy as np
 
 from profstream.producers.ingest.model import (
@@ -30,13 +34,6 @@ from profstream.producers.ingest.model import (
     type_from_name,
 )
 from profstream.schema.batch import COMPUTE, HOST, MEMCPY, MEMSET
-
-try:  # orjson parses traces ~3x faster than the standard library
-    from orjson import JSONDecodeError as _JSONError
-    from orjson import loads as _loads
-except ImportError:  # pragma: no cover - orjson is a dependency
-    from json import JSONDecodeError as _JSONError
-    from json import loads as _loads
 
 EXPECTED = "a Chrome trace JSON file (an object with traceEvents, or an array of trace events)"
 
@@ -69,8 +66,41 @@ _TRACKS: tuple[tuple[re.Pattern, int], ...] = (
 _COMM_TRACK = -3
 
 
-def read_json(path: Path):
-    """The parsed JSON of a plain or gzip file; IngestError naming the file otherwise."""
+class EventArgs(msgspec.Struct, gc=False):
+    """The args ingest reads: a metadata event's name, a [memory] event's totals."""
+
+    name: Any = None
+    allocated: Any = msgspec.field(default=None, name="Total Allocated")
+    reserved: Any = msgspec.field(default=None, name="Total Reserved")
+
+
+class TraceEvent(msgspec.Struct, gc=False):
+    """The fields of a trace event that ingest reads; the rest are skipped while parsing."""
+
+    ph: str = ""
+    name: str = ""
+    cat: str | None = None
+    pid: int | str = 0
+    tid: int | str = 0
+    ts: float | str = 0.0
+    dur: float | str = 0.0
+    args: EventArgs | None = None
+
+
+class _Trace(msgspec.Struct, gc=False):
+    traceEvents: list[TraceEvent]
+    baseTimeNanoseconds: int | None = None
+    host_name: str | None = None
+    distributedInfo: Any = None
+
+
+_TRACE = msgspec.json.Decoder(_Trace | list[TraceEvent])
+
+
+def read_trace(path: Path) -> tuple[list[TraceEvent], dict[str, Any]]:
+    """The events and header fields of a plain or gzip trace file; IngestError naming the
+    file when it is not one. Typed decoding (no dict per event) is the fast path; a trace
+    with odd field types goes through a tolerant generic parse."""
     try:
         raw = path.read_bytes()
     except OSError as e:
@@ -83,10 +113,40 @@ def read_json(path: Path):
     if raw.lstrip()[:1] not in (b"{", b"["):
         raise IngestError(f"{path}: not JSON: expected {EXPECTED}")
     try:
-        return _loads(raw)
-    except _JSONError as e:
-        raise IngestError(f"{path}: truncated or invalid JSON ({str(e).splitlines()[0]}): "
-                          f"expected {EXPECTED}") from None
+        trace = _TRACE.decode(raw)
+    except msgspec.ValidationError:
+        return _tolerant(path, raw)
+    except msgspec.DecodeError as e:
+        raise IngestError(f"{path}: truncated or invalid JSON ({e}): expected {EXPECTED}") from None
+    if isinstance(trace, list):
+        return trace, {}
+    return trace.traceEvents, {"baseTimeNanoseconds": trace.baseTimeNanoseconds, "host_name": trace.host_name,
+                               "distributedInfo": trace.distributedInfo}
+
+
+def _tolerant(path: Path, raw: bytes) -> tuple[list[TraceEvent], dict[str, Any]]:
+    data = msgspec.json.decode(raw)
+    meta: dict = {}
+    if isinstance(data, dict):
+        meta, data = data, data.get("traceEvents")
+    if not isinstance(data, list):
+        raise IngestError(f"{path}: no trace events: expected {EXPECTED}")
+    events = []
+    for e in data:
+        if not isinstance(e, dict):
+            raise IngestError(f"{path}: a trace event is not an object: expected {EXPECTED}")
+        pid, tid = e.get("pid", 0), e.get("tid", 0)
+        events.append(TraceEvent(str(e.get("ph", "")), str(e.get("name", "")), str(e.get("cat") or ""),
+                                 pid if isinstance(pid, (int, str)) else str(pid),
+                                 tid if isinstance(tid, (int, str)) else str(tid),
+                                 e.get("ts", 0), e.get("dur", 0), _tolerant_args(e.get("args"))))
+    return events, meta
+
+
+def _tolerant_args(args) -> EventArgs | None:
+    if not isinstance(args, dict):
+        return None
+    return EventArgs(args.get("name"), args.get("Total Allocated"), args.get("Total Reserved"))
 
 
 def _us_to_ns(ts_us: np.ndarray) -> np.ndarray:
@@ -95,59 +155,78 @@ def _us_to_ns(ts_us: np.ndarray) -> np.ndarray:
     return whole.astype(I64) * 1000 + np.rint((ts_us - whole) * 1000).astype(I64)
 
 
-def _codes(values: list, table: dict) -> np.ndarray:
+def _codes(values: list) -> tuple[np.ndarray, dict]:
+    """Codes of values (in order of first appearance) and {value: code}."""
+    table: dict = {}
     setdefault = table.setdefault
-    return np.fromiter([setdefault(v, len(table)) for v in values], np.int32, len(values))
+    return np.fromiter([setdefault(v, len(table)) for v in values], np.int32, len(values)), table
 
 
-def parse_chrome(path: Path, data=None, base_ns: int | None = None) -> Profile:
-    """Read a Chrome trace JSON file (or its already parsed ``data``) into a ``Profile``."""
-    if data is None:
-        data = read_json(path)
-    meta: dict = {}
-    if isinstance(data, dict):
-        events = data.get("traceEvents")
-        meta = data
-    else:
-        events = data
-    if not isinstance(events, list) or (events and not isinstance(events[0], dict)):
-        raise IngestError(f"{path}: no trace events: expected {EXPECTED}")
+def _track_codes(pids: list, tids: list) -> tuple[np.ndarray, dict]:
+    """Codes of (pid, tid) pairs, from the codes of each (no tuple per event)."""
+    pid_code, pid_ix = _codes(pids)
+    tid_code, tid_ix = _codes(tids)
+    pid_list, tid_list, width = list(pid_ix), list(tid_ix), len(tid_ix)
+    pair = pid_code.astype(I64) * width + tid_code
+    uniques, first = np.unique(pair, return_index=True)
+    uniques = uniques[np.argsort(first)]  # order of first appearance
+    lookup = np.empty(len(pid_ix) * width, np.int32)
+    lookup[uniques] = np.arange(len(uniques), dtype=np.int32)
+    return lookup[pair], {(pid_list[c // width], tid_list[c % width]): i for i, c in enumerate(uniques.tolist())}
 
-    complete = [e for e in events if e.get("ph") == "X"]
-    other = [e for e in events if e.get("ph") != "X"]
-    n = len(complete)
-    names = [e.get("name", "") for e in complete]
-    cats = [e.get("cat") or "" for e in complete]
-    tracks = [(e.get("pid", 0), e.get("tid", 0)) for e in complete]
+
+def parse_chrome(path: Path, base_ns: int | None = None) -> Profile:
+    """Read a Chrome trace JSON file into a ``Profile``."""
+    with _gc_paused():
+        events, meta = read_trace(path)
+        return _profile(path, events, meta, base_ns)
+
+
+@contextmanager
+def _gc_paused():
+    """Millions of new objects would run the cyclic GC over and over for nothing."""
+    enabled = gc.isenabled()
+    gc.disable()
     try:
-        ts_us = np.array([e.get("ts", 0) for e in complete], np.float64)
-        dur_us = np.array([e.get("dur", 0) for e in complete], np.float64)
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _profile(path: Path, events: list[TraceEvent], meta: dict, base_ns: int | None) -> Profile:
+    complete = [e for e in events if e.ph == "X"]
+    other = [e for e in events if e.ph != "X"]
+    n = len(complete)
+    # one hashed key per event; names, categories and tracks are coded from the distinct keys
+    key_code, key_ix = _codes([(e.name, e.cat, e.pid, e.tid) for e in complete])
+    keys = list(key_ix)
+    try:
+        ts_us = np.array([e.ts for e in complete], np.float64)
+        dur_us = np.array([e.dur for e in complete], np.float64)
     except (TypeError, ValueError):
         raise IngestError(f"{path}: an event's ts or dur is not a number: expected {EXPECTED}") from None
 
-    name_ix: dict = {}
-    cat_ix: dict = {}
-    track_ix: dict = {}
-    name_code = _codes(names, name_ix)
-    cat_code = _codes(cats, cat_ix)
-    track_code = _codes(tracks, track_ix)
+    key_name, name_ix = _codes([k[0] for k in keys])
+    key_cat, cat_ix = _codes([k[1] or "" for k in keys])
+    key_track, track_ix = _track_codes([k[2] for k in keys], [k[3] for k in keys])
+    name_code, cat_code, track_code = key_name[key_code], key_cat[key_code], key_track[key_code]
 
     process_names, thread_names = {}, {}
     mem_ts, mem_alloc, mem_resv = [], [], []
     for e in other:
-        ph, nm = e.get("ph"), e.get("name")
+        ph, nm, args = e.ph, e.name, e.args
+        if args is None:
+            continue
         if ph == "M":
-            label = (e.get("args") or {}).get("name")
             if nm == "process_name":
-                process_names[e.get("pid", 0)] = str(label)
+                process_names[e.pid] = str(args.name)
             elif nm == "thread_name":
-                thread_names[(e.get("pid", 0), e.get("tid", 0))] = str(label)
-        elif ph == "i" and nm == "[memory]":
-            args = e.get("args") or {}
-            if "Total Allocated" in args:
-                mem_ts.append(e.get("ts", 0))
-                mem_alloc.append(args["Total Allocated"])
-                mem_resv.append(args.get("Total Reserved", -1))
+                thread_names[(e.pid, e.tid)] = str(args.name)
+        elif ph == "i" and nm == "[memory]" and isinstance(args.allocated, int):
+            mem_ts.append(e.ts)
+            mem_alloc.append(args.allocated)
+            mem_resv.append(args.reserved if isinstance(args.reserved, int) else -1)
 
     # kind per category, per track and per name (each decided once per distinct value)
     has_device = any(c.lower() in _DEVICE_CATEGORIES for c in cat_ix)
@@ -260,7 +339,7 @@ def _clock(path: Path, meta: dict, starts_ns: np.ndarray, durs_ns: np.ndarray,
 
 def _flavour(meta: dict, cats: dict, processes: dict) -> str:
     labels = " ".join(processes.values()).lower()
-    if "baseTimeNanoseconds" in meta or "cpu_op" in cats or "kernel" in cats:
+    if meta.get("baseTimeNanoseconds") is not None or "cpu_op" in cats or "kernel" in cats:
         return "pytorch trace"
     if "ascend hardware" in labels or "cann" in labels or "overlap analysis" in labels:
         return "msprof timeline"
