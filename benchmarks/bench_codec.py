@@ -32,7 +32,7 @@ import numpy as np
 from _common import emit, envelope, note, summary
 from fastavro import parse_schema, schemaless_reader, schemaless_writer
 
-from profstream.producers.sender import op_columns
+from profstream.producers.sender import op_columns, rows_chunk
 from profstream.schema.batch import I32, I64, NO_VALUE, U8, EventBatch, decode_batch, encode_batch
 
 TARGET_OPS_PER_S = 2_000_000
@@ -138,7 +138,7 @@ def columnar_decode(data: bytes) -> dict:
 
 
 def sender_build(rows: list[tuple]) -> bytes:
-    names, types, cols, _ = op_columns(rows)
+    names, types, cols, _ = op_columns([rows_chunk(rows)])
     b = EventBatch(run_id="bench-run", rank=3, op_names=names, op_types=types, ops=cols)
     return encode_batch(b)
 

@@ -194,6 +194,7 @@ class Monitor:
         self._step_start = None
         if self._auto_watermark:
             self._watermark = self._step
+            self._wake.set()  # the step is complete: send it now rather than at the next interval
 
     def step(self, step: int | None = None) -> _StepContext:
         """``with monitor.step(): ...`` marks the start and end of one step."""

@@ -153,6 +153,7 @@ class Sender(threading.Thread):
         opts = monitor.options
         self._producer_factory = producer_factory
         self._interval = opts["batch_interval_ms"] / 1000.0
+        self._min_gap = self._interval / 5
         self._host_interval = opts["host_sample_interval_s"]
         self._connect_timeout = opts["connect_timeout_s"]
         self._producer = None
@@ -192,6 +193,7 @@ class Sender(threading.Thread):
             stopping = self._stopping.is_set()
             with self._flush_cv:
                 flush_target = self._flush_requested
+            cycle_started = time.monotonic()
             try:
                 self._cycle()
             except Exception:  # a bug here must not end profiling silently
@@ -207,8 +209,13 @@ class Sender(threading.Thread):
             if stopping:
                 self._close_producer()
                 return
-            wake.wait(self._interval)
-            wake.clear()
+            if wake.wait(self._interval):  # woken early (a step ended, a batch is full, a flush)
+                wake.clear()
+                # at most one cycle per min_gap, so that thousands of tiny steps a second
+                # still make batches of many steps
+                rest = self._min_gap - (time.monotonic() - cycle_started)
+                if rest > 0:
+                    self._stopping.wait(rest)
 
     def _close_producer(self) -> None:
         if self._producer is not None:

@@ -165,13 +165,11 @@ def encode_batch(batch: EventBatch) -> bytes:
 def decode_batch(data: bytes) -> EventBatch:
     """Decode a raw-topic message; raises DecodeError (and only that) on bad input."""
     record = decode("EventBatch", data)
-    batch = EventBatch(**{f: record[f] for f in _HEADER_FIELDS})
-    blob = batch.op_names
+    blob = record["op_names"]
     if blob and blob[-1] != 0:
         raise DecodeError("malformed", "op_names does not end with its NUL terminator")
-    batch.op_names = OpNames(blob)
-    for section in SECTIONS:
-        setattr(batch, section, _unpack(section, record[section]))
+    batch = EventBatch(**{f: record[f] for f in _HEADER_FIELDS if f != "op_names"}, op_names=OpNames(blob),
+                       **{section: _unpack(section, record[section]) for section in SECTIONS})
     ops = batch.ops
     if len(ops["name_idx"]) and (
         ops["name_idx"].min() < 0 or ops["name_idx"].max() >= len(batch.op_names)
