@@ -1,0 +1,356 @@
+"""The PyTorch producer with real torch, the real broker and the real processor.
+
+A small CPU training loop (Linear/ReLU layers, a synthetic TensorDataset) is profiled with
+``instrument()`` and with ``profstream run -- python script.py``; its StepMetrics must split
+every step into data wait, forward/backward and tail, and carry the layers' ops.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from profstream.kafka.clients import read_topic
+from profstream.producers.torch_ops import (
+    HOST_STREAM_BASE,
+    RawEvent,
+    clock_offset_ns,
+    op_kind,
+    to_op_columns,
+)
+from profstream.schema.batch import COMMUNICATION, COMPUTE, DATA, HOST, MEMCPY, MEMSET
+from profstream.schema.codec import decode
+from tests.helpers import step_records
+from tests.test_processor import RunningProcessor
+
+torch = pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The training loop of the tests, as a script: `profstream run` runs it unchanged and
+# test (a) runs the same code in-process through instrument().
+LOOP = '''
+import time
+import torch
+
+class Data(torch.utils.data.Dataset):
+    """Synthetic regression data; items of batches in `slow` take `delay_s` to load."""
+
+    def __init__(self, n, slow=(), delay_s=0.0, batch=16):
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 32, generator=g)
+        self.y = torch.randn(n, 4, generator=g)
+        self.slow, self.delay_s, self.batch = set(slow), delay_s, batch
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        if i // self.batch in self.slow and i % self.batch == 0:
+            time.sleep(self.delay_s)
+        return self.x[i], self.y[i]
+
+def make(steps, slow=(), delay_s=0.0, workers=0, hidden=256):
+    torch.manual_seed(0)
+    loader = torch.utils.data.DataLoader(Data(16 * steps, slow, delay_s), batch_size=16, num_workers=workers)
+    model = torch.nn.Sequential(torch.nn.Linear(32, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, hidden),
+                                torch.nn.ReLU(), torch.nn.Linear(hidden, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    return model, optimizer, loader
+
+def train(model, optimizer, loader):
+    for x, y in loader:
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+'''
+
+ns: dict = {}
+exec(compile(LOOP, "<test loop>", "exec"), ns)
+make, train = ns["make"], ns["train"]
+
+
+def _options(kafka_bootstrap, topics, run_id):
+    return {"bootstrap": kafka_bootstrap, "topic_prefix": topics.prefix, "run_id": run_id,
+            "host_sample_interval_s": 0}
+
+
+def _alerts(bootstrap, topics, run_id, count, timeout=60.0):
+    return read_topic(bootstrap, topics.alerts, lambda a: a["run_id"] == run_id, count, timeout,
+                      decode=lambda v: decode("Alert", v))
+
+
+def _assert_phases_tile_each_step(steps: list[dict], n: int) -> None:
+    assert sorted(s["step"] for s in steps) == list(range(n))
+    for s in steps:
+        parts = (s["data_wait_ns"], s["fp_bp_ns"], s["tail_ns"])
+        assert all(p > 0 for p in parts), (s["step"], parts)
+        assert sum(parts) == s["step_time_ns"] == s["end_ns"] - s["start_ns"]
+        assert s["closed_by"] == "watermark"  # the producer said when each step's ops were all sent
+
+
+def _op_types(step: dict) -> set[str]:
+    return {t["op_type"] for t in step["op_types"]}
+
+
+# -- profiler events -> ops ------------------------------------------------------------
+
+def _ev(name, start, dur, thread=1, device=False, activity="cpu_op", annotation=False):
+    return RawEvent(name, start, dur, thread, device, activity, annotation)
+
+
+def test_outermost_cpu_ops_become_ops_and_annotations_do_not():
+    events = [
+        _ev("ProfilerStep#3", 0, 1000, annotation=True),
+        _ev("aten::select", 10, 5),  # before the forward start: loads the batch
+        _ev("aten::linear", 100, 300),
+        _ev("aten::addmm", 110, 280),  # inside aten::linear
+        _ev("Optimizer.step#SGD.step", 700, 200, annotation=True),
+        _ev("aten::add_", 710, 50),  # inside an annotation: still an op
+        _ev("autograd::engine::evaluate_function: AddmmBackward0", 450, 200, thread=7),
+        _ev("AddmmBackward0", 451, 198, thread=7),
+        _ev("aten::mm", 460, 100, thread=7),
+    ]
+    cols = to_op_columns(events, run_has_device=False, offset_ns=1_000, data_until_ns=1_100)
+    got = sorted(zip(cols.names, cols.op_types, cols.kinds.tolist(), cols.streams.tolist(),
+                     cols.start_ns.tolist(), cols.dur_ns.tolist()), key=lambda r: r[4])
+    assert got == [
+        ("aten::select", "aten::select", DATA, 0, 1_010, 5),
+        ("aten::linear", "aten::linear", COMPUTE, 0, 1_100, 300),
+        ("autograd::engine::evaluate_function: AddmmBackward0", "AddmmBackward0", COMPUTE, 1, 1_450, 200),
+        ("aten::add_", "aten::add_", COMPUTE, 0, 1_710, 50),
+    ]
+
+
+def test_op_kinds_on_a_device_run_and_on_a_cpu_run():
+    cols = to_op_columns([
+        _ev("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float> >(int)", 0, 5,
+            thread=7, device=True, activity="kernel"),
+        _ev("ncclKernel_AllReduce_RING_LL_Sum_float(ncclDevComm*, unsigned long, ncclWork*)", 10, 5, thread=13,
+            device=True, activity="kernel"),
+        _ev("Memcpy HtoD (Pageable -> Device)", 20, 5, thread=7, device=True, activity="gpu_memcpy"),
+        _ev("Memset (Device)", 30, 5, thread=7, device=True, activity="gpu_memset"),
+        _ev("aten::linear", 40, 5),
+    ], run_has_device=True)
+    by_name = dict(zip(cols.op_types, zip(cols.kinds.tolist(), cols.streams.tolist())))
+    assert by_name == {
+        "at::native::vectorized_elementwise_kernel": (COMPUTE, 7),
+        "ncclKernel_AllReduce_RING_LL_Sum_float": (COMMUNICATION, 13),
+        "Memcpy HtoD": (MEMCPY, 7),  # the type leaves out the memory kinds
+        "Memset": (MEMSET, 7),
+        "aten::linear": (HOST, HOST_STREAM_BASE),
+    }
+    # On a CPU-only run the aten ops are the compute, and gloo collectives communication.
+    assert op_kind("aten::addmm", False, "cpu_op", run_has_device=False) == COMPUTE
+    assert op_kind("aten::broadcast_tensors", False, "cpu_op", run_has_device=False) == COMPUTE
+    assert op_kind("gloo:all_reduce", False, "cpu_op", run_has_device=False) == COMMUNICATION
+    assert op_kind("c10d::allreduce_", False, "cpu_op", run_has_device=False) == COMMUNICATION
+
+
+def test_clock_offset_keeps_epoch_timestamps_and_moves_monotonic_ones():
+    epoch, mono = 1_795_000_000_000_000_000, 3_000_000_000_000
+    assert clock_offset_ns(epoch - 5_000_000, epoch, mono) == 0
+    assert clock_offset_ns(mono - 5_000_000, epoch, mono) == epoch - mono
+
+
+def test_profiled_ops_land_on_the_host_epoch_clock():
+    from torch.profiler import ProfilerActivity, profile
+
+    from profstream.producers.torch_ops import raw_events
+
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        before = time.time_ns()
+        torch.mm(a, b)
+        after = time.time_ns()
+    events = raw_events(prof.profiler.kineto_results.events())
+    cols = to_op_columns(events, False, clock_offset_ns(events[0].start_ns))
+    i = cols.names.index("aten::mm")
+    assert before <= cols.start_ns[i] and cols.start_ns[i] + cols.dur_ns[i] <= after
+
+
+# -- never in the way of the training --------------------------------------------------
+
+class FailingMonitor:
+    """A Monitor stand-in (no Kafka: it records nothing) whose forward mark fails."""
+
+    options = {"start_step": None, "stop_step": None, "every_n_steps": None}
+    _enabled = False
+    current_step = -1
+
+    def __init__(self):
+        self.calls = 0
+
+    def begin_step(self, step=None, ts_ns=None):
+        self.calls += 1
+        self.current_step += 1
+        return self.current_step
+
+    def end_step(self, ts_ns=None):
+        self.calls += 1
+
+    def mark_fp_start(self, ts_ns=None):
+        self.calls += 1
+        raise RuntimeError("injected failure")
+
+    def mark_bp_end(self, ts_ns=None):
+        self.calls += 1
+
+    def memory(self, *a, **k):
+        self.calls += 1
+
+    def queue(self, *a, **k):
+        self.calls += 1
+
+
+def test_a_failing_hook_never_reaches_the_training_loop(caplog):
+    import profstream.torch as pst
+
+    plain = make(6)
+    train(*plain)
+    model, optimizer, loader = make(6)
+    monitor = FailingMonitor()
+    with caplog.at_level(logging.ERROR, logger="profstream.torch"):
+        handle = pst.instrument(model, optimizer, loader, monitor=monitor)
+        train(model, optimizer, loader)  # raises nothing
+        calls_after_failure = monitor.calls
+        train(model, optimizer, loader)  # a second epoch: the hooks are off
+        handle.close()
+    assert isinstance(handle.error, RuntimeError) and not handle.active
+    assert monitor.calls == calls_after_failure
+    assert [r.levelno for r in caplog.records] == [logging.ERROR]  # reported once, with its traceback
+    assert caplog.records[0].exc_info is not None
+    # the training itself is untouched: the first epoch ends with the plain run's weights
+    model2, optimizer2, loader2 = make(6)
+    with pst.instrument(model2, optimizer2, loader2, monitor=FailingMonitor()):
+        train(model2, optimizer2, loader2)
+    for p, q in zip(plain[0].parameters(), model2.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_errors_of_the_loader_reach_the_loop_unchanged():
+    import profstream.torch as pst
+
+    class Broken(torch.utils.data.Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            raise KeyError(f"sample {i} is missing")
+
+    loader = torch.utils.data.DataLoader(Broken(), batch_size=2)
+    with pst.instrument(torch.nn.Linear(2, 2), None, loader, monitor=FailingMonitor()) as handle:
+        with pytest.raises(KeyError, match="sample 0 is missing"):
+            next(iter(loader))
+    assert handle.error is None
+
+
+def test_bad_arguments_get_one_line_errors():
+    import profstream.torch as pst
+    from profstream.config import ConfigError
+
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got str"):
+        pst.instrument("model")
+    with pytest.raises(ConfigError, match="run_id configure a new Monitor"):
+        pst.instrument(monitor=FailingMonitor(), run_id="r")
+    with pytest.raises(ConfigError, match="every-n-steps=0: expected an integer >= 1"):
+        pst.instrument(every_n_steps=0, enabled=False)
+
+
+# -- end to end: broker, processor, figures --------------------------------------------
+
+def test_instrument_gives_each_step_its_phases_and_the_layers_ops(kafka_bootstrap, topics):
+    import profstream.torch as pst
+
+    steps = 12
+    model, optimizer, loader = make(steps)
+    with RunningProcessor(kafka_bootstrap, topics):
+        with pst.instrument(model, optimizer, loader, **_options(kafka_bootstrap, topics, "torch-api")) as handle:
+            train(model, optimizer, loader)
+        got = step_records(kafka_bootstrap, topics.steps, "torch-api", steps)
+    assert handle.error is None
+    _assert_phases_tile_each_step(got, steps)
+    for s in got:
+        assert {"aten::linear", "AddmmBackward0"} <= _op_types(s), s["step"]  # the top op types
+        assert s["compute_ns"] > 0 and s["memory"]["allocated"] > 0  # process RSS on a CPU run
+
+
+def test_only_the_steps_of_the_window_carry_ops(kafka_bootstrap, topics):
+    import profstream.torch as pst
+
+    steps = 10
+    model, optimizer, loader = make(steps)
+    options = _options(kafka_bootstrap, topics, "torch-window")
+    with RunningProcessor(kafka_bootstrap, topics):
+        with pst.instrument(model, optimizer, loader, start_step=2, stop_step=8, every_n_steps=3, **options):
+            train(model, optimizer, loader)
+        got = step_records(kafka_bootstrap, topics.steps, "torch-window", steps)
+    _assert_phases_tile_each_step(got, steps)
+    assert sorted(s["step"] for s in got if s["op_count"]) == [2, 5, 8]
+
+
+def test_profstream_run_profiles_an_unchanged_script(kafka_bootstrap, topics, tmp_path):
+    steps = 10
+    script = tmp_path / "train.py"
+    script.write_text(LOOP + textwrap.dedent(f"""
+        train(*make({steps}))
+        raise SystemExit(7)
+    """))
+    proc = subprocess.run(
+        [sys.executable, "-m", "profstream.cli", "run", "--bootstrap", kafka_bootstrap, "--run-id", "torch-run",
+         "--topic-prefix", topics.prefix, "--", sys.executable, str(script)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 7, proc.stderr[-3000:]  # the script's own exit code
+    with RunningProcessor(kafka_bootstrap, topics):
+        got = step_records(kafka_bootstrap, topics.steps, "torch-run", steps)
+    _assert_phases_tile_each_step(got, steps)
+    for s in got:
+        assert {"aten::linear", "AddmmBackward0"} <= _op_types(s)
+
+
+def test_a_slow_dataset_raises_data_queue_stall(kafka_bootstrap, topics):
+    import profstream.torch as pst
+
+    steps, slow = 30, range(8, 18)
+    # batches 8..17 take 0.3 s to load; the rest load in well under a millisecond
+    model, optimizer, loader = make(steps, slow=slow, delay_s=0.3, hidden=1024)
+    options = _options(kafka_bootstrap, topics, "torch-stall")
+    with RunningProcessor(kafka_bootstrap, topics):
+        with pst.instrument(model, optimizer, loader, every_n_steps=5, **options):
+            train(model, optimizer, loader)
+        got = step_records(kafka_bootstrap, topics.steps, "torch-stall", steps)
+        alerts = _alerts(kafka_bootstrap, topics, "torch-stall", 1)
+    seen = [(s["step"], s["starved"], round(s["data_wait_ns"] / s["step_time_ns"], 2))
+            for s in sorted(got, key=lambda s: s["step"])]
+    assert alerts, f"no alert; steps (step, starved, data wait share): {seen}"
+    firing = alerts[0]
+    assert firing["name"] == "DataQueueStall" and firing["state"] == "firing", seen
+    assert slow.start + 4 <= firing["step"] < slow.stop and "since step" in firing["summary"], seen
+    assert set(slow) <= {s["step"] for s in got if s["starved"]}, seen
+
+
+def test_the_prefetch_queue_of_a_multi_worker_loader_is_sampled_at_each_step(kafka_bootstrap, topics):
+    import profstream.torch as pst
+
+    steps, slow = 24, range(6, 14)
+    model, optimizer, loader = make(steps, slow=slow, delay_s=0.4, workers=2, hidden=1024)
+    options = _options(kafka_bootstrap, topics, "torch-queue")
+    with RunningProcessor(kafka_bootstrap, topics):
+        with pst.instrument(model, optimizer, loader, capture_ops=False, **options):
+            train(model, optimizer, loader)
+        got = step_records(kafka_bootstrap, topics.steps, "torch-queue", steps)
+    at_start = {s["step"]: q["at_start"] for s in got for q in s["queues"] if q["queue"] == "dataloader"}
+    assert sorted(at_start) == list(range(steps))
+    assert all(0 <= n <= 4 for n in at_start.values())  # 2 workers x prefetch factor 2
+    # drained while the workers are slow, fuller before
+    stalled = [at_start[i] for i in range(slow.start + 3, slow.stop)]
+    before = [at_start[i] for i in range(1, slow.start)]
+    assert min(stalled) == 0 and np.mean(stalled) < np.mean(before), at_start
