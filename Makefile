@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install jars demo test test-fast lint bench stack-up stack-down clean dashboards
+.PHONY: install jars demo test test-mindspore test-fast lint bench stack-up stack-down clean dashboards
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "profstream needs Python 3.11+: install it or run make PYTHON=python3.11")'
@@ -26,7 +26,15 @@ demo: jars
 
 test: jars
 	$(BIN)/ruff check profstream tests $(wildcard benchmarks)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not mindspore" $(PYTEST_ARGS)
+
+# The MindSpore callback against a real MindSpore (CPU wheel, ~800 MB), in a virtual
+# environment of its own so that the main one keeps its torch and numpy: docs/mindspore.md.
+MS_VENV ?= build/venv-mindspore
+test-mindspore: jars
+	@test -x $(MS_VENV)/bin/python || $(PYTHON) -m venv $(MS_VENV)
+	$(MS_VENV)/bin/python -m pip install --quiet -e '.[dev,mindspore]'
+	$(MS_VENV)/bin/python -m pytest -m mindspore tests/test_mindspore.py $(PYTEST_ARGS)
 
 # Unit tests only (no broker).
 test-fast: install

@@ -1,0 +1,134 @@
+"""MindSpore: ``ProfstreamCallback``, a ``mindspore.train.Callback`` that streams step marks,
+the device data queue and memory of ``Model.train`` to profstream.
+
+    from profstream.mindspore import ProfstreamCallback
+    model.train(epochs, dataset, callbacks=[ProfstreamCallback(run_id="my-run")])
+
+Where the marks come from (``Model.train``'s loop fetches a batch, then calls
+``on_train_step_begin``, runs the network, then ``on_train_step_end``):
+
+- S (the loop asks for its next batch): the previous step's end, or the epoch's start for
+  its first step; so data_wait = F - S is the time spent getting the batch;
+- F (forward starts): ``on_train_step_begin``;
+- B and E: ``on_train_step_end``. The train network runs forward, backward and the
+  optimizer in one call, so a callback cannot see the end of backward: tail is 0 and
+  fp_bp holds the whole network call.
+
+Steps are MindSpore's ``cur_step_num`` (1-based; in sink mode one step per sink).
+``start_step`` / ``stop_step`` (inclusive) limit the steps marked, as the profilers' step
+windows do. In dataset sink mode the device queue (``DatasetHelper.get_mbuf_queue_size``,
+batches waiting in the device channel) is sampled at each step begin and stamped at S;
+without sink mode MindSpore exposes no queue size and none is sent. Memory
+(``mindspore.runtime.memory_allocated`` / ``memory_reserved`` / ``max_memory_allocated``)
+is sampled at each step end.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+try:
+    import mindspore as ms
+    from mindspore.train import Callback
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError("profstream.mindspore needs MindSpore: pip install 'profstream[mindspore]'") from e
+
+from profstream.producers.monitor import Monitor
+
+log = logging.getLogger("profstream.mindspore")
+
+DEVICE_QUEUE = "device_queue"
+
+
+class ProfstreamCallback(Callback):
+    """Marks every training step of ``Model.train`` (within ``start_step``..``stop_step``)
+    on a profstream ``Monitor``: the one given, else one built from ``monitor_options``
+    (run_id, bootstrap, rank... see ``profstream.config``) and closed at train end."""
+
+    def __init__(self, monitor: Monitor | None = None, start_step: int | None = None,
+                 stop_step: int | None = None, queue_name: str = DEVICE_QUEUE, **monitor_options: Any) -> None:
+        super().__init__()
+        if start_step is not None and stop_step is not None and stop_step < start_step:
+            raise ValueError(f"stop_step {stop_step} < start_step {start_step}")
+        self._owns_monitor = monitor is None
+        self.monitor = monitor if monitor is not None else Monitor(**monitor_options)
+        self.start_step = start_step
+        self.stop_step = stop_step
+        self.queue_name = queue_name
+        self.steps_marked = 0
+        self.queue_samples = 0
+        self._asked_ns: int | None = None  # when the loop asked for the next batch (S)
+        self._open = False
+        self._memory = _memory_probe()
+
+    def in_window(self, step: int) -> bool:
+        return ((self.start_step is None or step >= self.start_step)
+                and (self.stop_step is None or step <= self.stop_step))
+
+    # -- MindSpore hooks ----------------------------------------------------------------
+
+    def on_train_epoch_begin(self, run_context) -> None:
+        self._asked_ns = time.time_ns()
+
+    def on_train_step_begin(self, run_context) -> None:
+        now = time.time_ns()
+        cb = run_context.original_args()
+        step = int(cb.cur_step_num)
+        if not self.in_window(step):
+            self._open = False
+            return
+        start = self._asked_ns if self._asked_ns is not None else now
+        self.monitor.begin_step(step, ts_ns=start)
+        self.monitor.mark_fp_start(now)
+        self._open = True
+        size = _device_queue_size(cb)
+        if size is not None:
+            self.monitor.queue(self.queue_name, size, ts_ns=start, step=step)
+            self.queue_samples += 1
+
+    def on_train_step_end(self, run_context) -> None:
+        now = time.time_ns()
+        self._asked_ns = now
+        if not self._open:
+            return
+        self._open = False
+        if self._memory:
+            rt = ms.runtime
+            self.monitor.memory(int(rt.memory_allocated()), int(rt.memory_reserved()),
+                                int(rt.max_memory_allocated()), ts_ns=now)
+        self.monitor.mark_bp_end(now)
+        self.monitor.end_step(now)
+        self.steps_marked += 1
+
+    def on_train_end(self, run_context) -> None:
+        if self._owns_monitor:
+            self.monitor.close()
+        else:
+            self.monitor.flush()
+
+
+def _device_queue_size(cb_params) -> int | None:
+    """Batches waiting in the device channel, in dataset sink mode; None where MindSpore
+    does not expose it (no sink mode, or a device without the mbuf channel)."""
+    helper = cb_params.get("dataset_helper")  # cb_params is a dict whose missing attributes raise KeyError
+    if helper is None or not cb_params.get("dataset_sink_mode", False):
+        return None
+    try:
+        return int(helper.get_mbuf_queue_size())
+    except RuntimeError:  # no device channel on this target (e.g. CPU)
+        return None
+
+
+def _memory_probe() -> bool:
+    """Whether mindspore.runtime reports memory on this target (probed once)."""
+    rt = getattr(ms, "runtime", None)
+    if rt is None or not hasattr(rt, "memory_allocated"):
+        return False
+    try:
+        rt.memory_allocated()
+        return True
+    except RuntimeError as e:
+        log.info("mindspore.runtime memory statistics unavailable here (%s): no memory samples", e)
+        return False

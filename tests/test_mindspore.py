@@ -1,0 +1,61 @@
+"""ProfstreamCallback on a real MindSpore Model.train (CPU), through the real broker and
+processor. Needs the mindspore wheel (~800 MB): run with `make test-mindspore`."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+ms = pytest.importorskip("mindspore")
+
+from mindspore import dataset as ds  # noqa: E402
+from mindspore import nn  # noqa: E402
+
+from profstream.mindspore import ProfstreamCallback  # noqa: E402
+from tests.helpers import step_records  # noqa: E402
+from tests.test_processor import RunningProcessor  # noqa: E402
+
+pytestmark = pytest.mark.mindspore
+
+LOAD_S = 0.3  # every batch takes this long to load (one worker): several times a CPU step here
+
+
+class SlowSource:
+    """A random-access dataset whose every item takes LOAD_S to load."""
+
+    def __init__(self, n: int) -> None:
+        rng = np.random.default_rng(0)
+        self.x = rng.standard_normal((n, 16)).astype(np.float32)
+        self.y = rng.standard_normal((n, 4)).astype(np.float32)
+
+    def __getitem__(self, i):
+        time.sleep(LOAD_S)
+        return self.x[i], self.y[i]
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+
+def test_callback_marks_the_window_of_steps_with_the_data_wait(kafka_bootstrap, topics):
+    ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU")
+    ds.config.set_prefetch_size(1)  # past the first few steps, loading is what every step waits for
+    data = ds.GeneratorDataset(SlowSource(14), ["x", "y"], shuffle=False, num_parallel_workers=1,
+                               python_multiprocessing=False).batch(1)
+    net = nn.SequentialCell(nn.Dense(16, 32), nn.ReLU(), nn.Dense(32, 4))
+    model = ms.train.Model(net, loss_fn=nn.MSELoss(), optimizer=nn.SGD(net.trainable_params(), 0.01))
+    callback = ProfstreamCallback(run_id="ms-cb", bootstrap=kafka_bootstrap, topic_prefix=topics.prefix,
+                                  start_step=8, stop_step=12)
+    with RunningProcessor(kafka_bootstrap, topics):
+        model.train(1, data, callbacks=[callback], dataset_sink_mode=False)
+        steps = step_records(kafka_bootstrap, topics.steps, "ms-cb", 5)
+        extra = step_records(kafka_bootstrap, topics.steps, "ms-cb", 6, timeout=3)  # nothing beyond
+    assert callback.steps_marked == 5
+    assert sorted(s["step"] for s in steps) == list(range(8, 13)) and len(extra) == 5
+    for s in steps:
+        assert s["data_wait_ns"] >= 0.3 * LOAD_S * 1e9  # waiting for the batch, before the forward pass
+        assert s["fp_bp_ns"] > 0 and s["tail_ns"] == 0  # the train network is one call
+        assert s["data_wait_ns"] + s["fp_bp_ns"] + s["tail_ns"] == s["step_time_ns"]
+        assert s["memory"] is not None  # mindspore.runtime memory statistics, sampled per step
+    assert all(s["starved"] for s in steps)  # loading dominates every step
