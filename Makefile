@@ -24,7 +24,13 @@ jars: install
 demo: jars
 	$(BIN)/profstream demo $(DEMO_ARGS)
 
-test: jars
+# `make test` also needs torch (the PyTorch producer is tested for real); `make demo` does not.
+TORCH_STAMP := $(VENV)/.installed-torch-stamp
+$(TORCH_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[dev,torch]'
+	@touch $@
+
+test: jars $(TORCH_STAMP)
 	$(BIN)/ruff check profstream tests $(wildcard benchmarks)
 	$(BIN)/python -m pytest -m "not mindspore" $(PYTEST_ARGS)
 
