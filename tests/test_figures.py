@@ -367,6 +367,21 @@ def test_rolling_window_before_it_is_full() -> None:
     assert fig["data_wait_share"] == pytest.approx(30 / 600)
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_rolling_percentiles_are_numpys_linear_percentiles_bit_for_bit(seed) -> None:
+    """Replayed and live figures must be equal, so the percentile must not drift in the last bit."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 130))
+    window = RollingWindow(n=100)
+    values = rng.integers(0, 2**62 if seed % 2 else 10**9, n)
+    for v in values:
+        window.add(int(v), 0, 0.5)
+    held = values[-100:]
+    fig = window.figures()
+    assert fig["p50_step_time_ns"] == float(np.percentile(held, 50))
+    assert fig["p95_step_time_ns"] == float(np.percentile(held, 95))
+
+
 # ---------------------------------------------------------------- ranks
 
 
