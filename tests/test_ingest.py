@@ -223,3 +223,20 @@ def test_a_file_that_is_not_the_format_claimed_gets_one_line_naming_it(kafka_boo
         bad.mkdir()
         (bad / "step_trace_raw_0_detail_time.csv").write_text("a,b\n1,2\n")
         load_profile(bad)
+
+
+def test_a_relative_trace_with_odd_fields_and_no_steps_is_one_step_ending_at_the_file_time(tmp_path):
+    events = [{"ph": "X", "name": "conv", "cat": "kernel", "pid": 1.0, "tid": "stream 7", "ts": 100, "dur": 50,
+               "args": ["not", "an", "object"]},  # odd types: parsed by the tolerant path
+              {"ph": "X", "name": "ncclAllReduce", "cat": "kernel", "pid": 1.0, "tid": "stream 9", "ts": 120,
+               "dur": 40}]
+    path = tmp_path / "relative.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    mtime_ns = BASE_NS + 5_000_000_000
+    os.utime(path, ns=(mtime_ns, mtime_ns))
+    profile = load_profile(path)
+    assert profile.steps == 1 and profile.notes  # the whole trace is step 0, and it says so
+    base = mtime_ns - 160_000  # the last event ends (160 us) at the file's modification time
+    assert profile.step_start_ns.tolist() == [base + 100_000]
+    assert sorted(profile.op_start_ns.tolist()) == [base + 100_000, base + 120_000]
+    assert sorted(profile.op_kind.tolist()) == [0, 1]  # compute, communication (by name)

@@ -66,7 +66,13 @@ def load_profile(path: str | Path, format: str = "auto", rank: int | None = None
     if format == "chrome":
         from profstream.producers.ingest.chrome import parse_chrome
 
-        if path.is_dir() or not path.exists() or sniff(path) != "chrome":
+        if not path.exists():
+            raise IngestError(f"{path}: no such file")
+        try:
+            found = sniff(path)
+        except IngestError:
+            found = None
+        if found != "chrome":
             raise IngestError(f"{path}: not {_EXPECTED['chrome']}")
         profile = parse_chrome(path, base_ns=base_ns)
     else:
