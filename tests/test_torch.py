@@ -164,15 +164,15 @@ def test_clock_offset_keeps_epoch_timestamps_and_moves_monotonic_ones():
 def test_profiled_ops_land_on_the_host_epoch_clock():
     from torch.profiler import ProfilerActivity, profile
 
-    from profstream.producers.torch_ops import raw_events
+    from profstream.producers.torch_ops import table_from_kineto
 
     a, b = torch.randn(256, 256), torch.randn(256, 256)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         before = time.time_ns()
         torch.mm(a, b)
         after = time.time_ns()
-    events = raw_events(prof.profiler.kineto_results.events())
-    cols = to_op_columns(events, False, clock_offset_ns(events[0].start_ns))
+    table = table_from_kineto(prof.profiler.kineto_results.events(), run_has_device=False)
+    cols = to_op_columns(table, False, clock_offset_ns(int(table.start_ns[0])))
     i = cols.names.index("aten::mm")
     assert before <= cols.start_ns[i] and cols.start_ns[i] + cols.dur_ns[i] <= after
 

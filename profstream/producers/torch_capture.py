@@ -16,7 +16,12 @@ import threading
 import time
 from typing import Any
 
-from profstream.producers.torch_ops import HostThreads, clock_offset_ns, raw_events, to_op_columns
+from profstream.producers.torch_ops import (
+    HostThreads,
+    clock_offset_ns,
+    table_from_kineto,
+    to_op_columns,
+)
 
 log = logging.getLogger("profstream.torch")
 
@@ -165,12 +170,12 @@ class OpCapture:
                     self._idle.set()
 
     def _send_ops(self, step: int, results: Any, fp_ns: int | None) -> None:
-        events = raw_events(results.events())
-        if not events:
+        table = table_from_kineto(results.events(), self.run_has_device)
+        if not len(table):
             return
         if self._offset_ns is None:
-            self._offset_ns = clock_offset_ns(events[0].start_ns)
-        cols = to_op_columns(events, self.run_has_device, self._offset_ns, self._threads, fp_ns)
+            self._offset_ns = clock_offset_ns(int(table.start_ns[0]))
+        cols = to_op_columns(table, self.run_has_device, self._offset_ns, self._threads, fp_ns)
         if len(cols):
             self.monitor.ops(cols.names, cols.start_ns, cols.dur_ns, cols.kinds, cols.op_types, cols.streams,
                              step=step)

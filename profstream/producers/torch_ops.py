@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Sequence
+from functools import lru_cache
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -35,6 +36,7 @@ HOST_STREAM_BASE = 1_000_000
 _EPOCH_TOLERANCE_NS = 86_400 * 10**9
 
 
+@lru_cache(maxsize=8192)
 def op_kind(name: str, on_device: bool, activity: str, run_has_device: bool) -> int:
     """Kind code of one profiler event (see the module docstring)."""
     if on_device:
@@ -51,6 +53,7 @@ def op_kind(name: str, on_device: bool, activity: str, run_has_device: bool) -> 
     return COMMUNICATION if _COMM_RE.search(name) else COMPUTE
 
 
+@lru_cache(maxsize=8192)
 def op_type(name: str) -> str:
     """A short type for an event name: the autograd node of an engine call, a kernel's
     function name without its template arguments and parameters."""
@@ -78,7 +81,7 @@ def clock_offset_ns(profiler_ns: int, epoch_ns: int | None = None, monotonic_ns:
 
 
 class RawEvent(NamedTuple):
-    """The fields of one profiler event that become an op."""
+    """One profiler event, as the unit tests write them."""
 
     name: str
     start_ns: int
@@ -89,19 +92,47 @@ class RawEvent(NamedTuple):
     annotation: bool
 
 
-def raw_events(kineto_events: Iterable[Any]) -> list[RawEvent]:
-    """Read the fields we need from torch's ``_KinetoEvent`` objects."""
-    from torch.autograd import DeviceType
+class EventTable(NamedTuple):
+    """The profiler events of a captured step as columns; names and activities are read
+    only for the events that become ops (reading a name costs more than the rest)."""
 
-    cpu = DeviceType.CPU
-    out = []
-    for e in kineto_events:
-        on_device = e.device_type() != cpu
-        out.append(RawEvent(e.name(), e.start_ns(), e.duration_ns(),
-                            e.device_resource_id() if on_device else e.start_thread_id(),
-                            on_device, str(e.activity_type()) if on_device else "cpu_op",
-                            e.is_user_annotation()))
-    return out
+    start_ns: np.ndarray
+    dur_ns: np.ndarray
+    thread: np.ndarray
+    on_device: np.ndarray
+    annotation: np.ndarray
+    name: Callable[[int], str]
+    activity: Callable[[int], str]
+
+    def __len__(self) -> int:
+        return len(self.start_ns)
+
+
+def table_from_raw(events: Sequence[RawEvent]) -> EventTable:
+    return EventTable(
+        np.array([e.start_ns for e in events], np.int64), np.array([e.dur_ns for e in events], np.int64),
+        np.array([e.thread for e in events], np.int64), np.array([e.on_device for e in events], bool),
+        np.array([e.annotation for e in events], bool),
+        lambda i: events[i].name, lambda i: events[i].activity)
+
+
+def table_from_kineto(events: list[Any], run_has_device: bool) -> EventTable:
+    """Columns of torch's ``_KinetoEvent`` objects (``prof.profiler.kineto_results.events()``)."""
+    n = len(events)
+    if run_has_device:
+        from torch.autograd import DeviceType
+
+        cpu = DeviceType.CPU
+        on_device = np.array([e.device_type() != cpu for e in events], bool)
+        thread = np.array([e.device_resource_id() if d else e.start_thread_id()
+                           for e, d in zip(events, on_device.tolist())], np.int64)
+    else:  # only CPU activities were recorded
+        on_device = np.zeros(n, bool)
+        thread = np.array([e.start_thread_id() for e in events], np.int64)
+    return EventTable(
+        np.array([e.start_ns() for e in events], np.int64), np.array([e.duration_ns() for e in events], np.int64),
+        thread, on_device, np.array([e.is_user_annotation() for e in events], bool),
+        lambda i: events[i].name(), lambda i: str(events[i].activity_type()))
 
 
 class OpColumns(NamedTuple):
@@ -127,45 +158,46 @@ class HostThreads:
         return HOST_STREAM_BASE + n if run_has_device else n
 
 
-def to_op_columns(events: Sequence[RawEvent], run_has_device: bool, offset_ns: int = 0,
+def outermost_cpu_ops(table: EventTable) -> np.ndarray:
+    """Indices of the CPU events (annotations left out) that no other one contains."""
+    cpu = np.flatnonzero(~table.on_device & ~table.annotation & (table.dur_ns >= 0))
+    if not len(cpu):
+        return cpu
+    thread, start, dur = table.thread[cpu], table.start_ns[cpu], table.dur_ns[cpu]
+    order = np.lexsort((-dur, start, thread))  # by thread, then start, longest first
+    t, s = thread[order], start[order]
+    ends = s + dur[order]
+    new_thread = np.ones(len(t), bool)
+    new_thread[1:] = t[1:] != t[:-1]
+    # An op is outermost when it starts at or after the end of every earlier op of its
+    # thread (nested ops end inside their parent; a new thread starts afresh).
+    return np.sort(cpu[order[(s >= _prev_max_end(ends, new_thread)) | new_thread]])
+
+
+def to_op_columns(table: EventTable | Sequence[RawEvent], run_has_device: bool, offset_ns: int = 0,
                   threads: HostThreads | None = None, data_until_ns: int | None = None) -> OpColumns:
-    """The ops of a captured window: device events and outermost CPU ops, on the epoch clock.
+    """The ops of a captured step: device events and outermost CPU ops, on the epoch clock.
 
     CPU ops that end by ``data_until_ns`` (epoch clock: the step's forward start) load
     the batch and get the kind data."""
+    if not isinstance(table, EventTable):
+        table = table_from_raw(table)
     threads = threads or HostThreads()
-    cpu = [e for e in events if not e.on_device and not e.annotation and e.dur_ns >= 0]
-    keep = [e for e in events if e.on_device and not e.annotation and e.dur_ns >= 0]
-    if cpu:
-        thread = np.fromiter((e.thread for e in cpu), np.int64, len(cpu))
-        start = np.fromiter((e.start_ns for e in cpu), np.int64, len(cpu))
-        dur = np.fromiter((e.dur_ns for e in cpu), np.int64, len(cpu))
-        order = np.lexsort((-dur, start, thread))  # by thread, then start, longest first
-        t, s = thread[order], start[order]
-        ends = s + dur[order]
-        new_thread = np.ones(len(t), bool)
-        new_thread[1:] = t[1:] != t[:-1]
-        # An op is outermost when it starts at or after the end of every earlier op of its
-        # thread (nested ops end inside their parent; a new thread starts afresh).
-        outer = order[(s >= _prev_max_end(ends, new_thread)) | new_thread]
-        keep.extend(cpu[i] for i in np.sort(outer))
-    n = len(keep)
-    names = [e.name for e in keep]
-    start = np.fromiter((e.start_ns for e in keep), np.int64, n) + offset_ns
-    dur = np.fromiter((e.dur_ns for e in keep), np.int64, n)
-    kinds = np.fromiter((op_kind(e.name, e.on_device, e.activity, run_has_device) for e in keep), np.uint8, n)
+    device = np.flatnonzero(table.on_device & ~table.annotation & (table.dur_ns >= 0))
+    keep = np.sort(np.concatenate([device, outermost_cpu_ops(table)]))
+    names = [table.name(i) for i in keep.tolist()]
+    on_device = table.on_device[keep]
+    activities = [table.activity(i) if d else "cpu_op" for i, d in zip(keep.tolist(), on_device.tolist())]
+    start = table.start_ns[keep] + offset_ns
+    dur = table.dur_ns[keep]
+    kinds = np.array([op_kind(nm, d, a, run_has_device) for nm, d, a in zip(names, on_device.tolist(), activities)],
+                     np.uint8)
     if data_until_ns is not None:
-        on_host = np.fromiter((not e.on_device for e in keep), bool, n)
-        kinds[on_host & (start + dur <= data_until_ns)] = DATA
-    return OpColumns(
-        names=names,
-        op_types=[op_type(nm) for nm in names],
-        kinds=kinds,
-        streams=np.fromiter((e.thread if e.on_device else threads.stream(e.thread, run_has_device)
-                             for e in keep), np.int32, n),
-        start_ns=start,
-        dur_ns=dur,
-    )
+        kinds[~on_device & (start + dur <= data_until_ns)] = DATA
+    stream_ids = table.thread[keep].tolist()
+    streams = np.array([t if d else threads.stream(t, run_has_device)
+                        for t, d in zip(stream_ids, on_device.tolist())], np.int32)
+    return OpColumns(names, [op_type(nm) for nm in names], kinds, streams, start, dur)
 
 
 def _prev_max_end(end: np.ndarray, new_thread: np.ndarray) -> np.ndarray:
