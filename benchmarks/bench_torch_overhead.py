@@ -1,0 +1,165 @@
+"""Training overhead of ``profstream.torch.instrument()`` on a CPU training loop.
+
+The loop: a DataLoader over a synthetic TensorDataset (batch 64, in-process loading), an
+MLP of Linear/ReLU layers (512 -> 1024 -> 1024 -> 1024 -> 10), MSE loss, SGD, one torch
+thread. Four variants:
+
+- ``plain``: the loop as it is;
+- ``instrumented``: ``instrument(model, optimizer, loader, capture_ops=False)`` feeding a
+  real Monitor and broker (step marks, F/B marks, queue and memory samples);
+- ``plain_profiler``: the loop under torch.profiler recording every step as its own
+  cycle (the schedule op capture uses) with an on_trace_ready that does nothing: the
+  profiler's own cost;
+- ``instrumented_capture``: ``instrument()`` with op capture on every step: the profiler,
+  plus turning its events into ops and sending them.
+
+The variants run interleaved in blocks of ``--block`` steps (one epoch of the loader),
+in a rotating order, so that a busy moment of a shared machine hits them alike; the
+first two steps of a block (hooks attached, profiler started) are left out. A step's
+time is the wall time from one ``optimizer.step()`` return to the next, the loader's
+next batch included. Each repeat pools at least ``--steps`` steps per variant and gives
+its median step time; overheads are per repeat (instrumented / plain - 1,
+instrumented_capture / plain_profiler - 1) and the figure is their median over repeats.
+Targets: <= 1 % and <= 3 %.
+
+Prints one JSON object on stdout; progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import time
+from typing import Any
+
+from _common import broker_bootstrap, drop_topics, emit, envelope, note, summary, unique_prefix
+
+VARIANTS = ("plain", "instrumented", "plain_profiler", "instrumented_capture")
+TARGETS = {"instrumented": 0.01, "instrumented_capture": 0.03}
+SKIP = 2  # first steps of a block left out
+
+
+def make_loop(steps: int, batch: int, hidden: int) -> tuple[Any, Any, Any]:
+    import torch
+
+    torch.manual_seed(0)
+    x, y = torch.randn(steps * batch, 512), torch.randn(steps * batch, 10)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=batch)
+    layers: list[Any] = [torch.nn.Linear(512, hidden), torch.nn.ReLU()]
+    for _ in range(2):
+        layers += [torch.nn.Linear(hidden, hidden), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers, torch.nn.Linear(hidden, 10))
+    return model, torch.optim.SGD(model.parameters(), lr=1e-3), loader
+
+
+def run_steps(model: Any, optimizer: Any, loader: Any, profiler: Any = None) -> list[float]:
+    """Train one epoch; the wall time of each step in seconds, the first SKIP left out."""
+    import torch
+
+    ends = []
+    for x, y in loader:
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        if profiler is not None:
+            profiler.step()
+        ends.append(time.perf_counter())
+    return [b - a for a, b in zip(ends, ends[1:])][SKIP - 1:]
+
+
+def run_block(variant: str, loop: tuple[Any, Any, Any], monitors: dict[str, Any], stats: dict) -> list[float]:
+    import profstream.torch as pst
+
+    model, optimizer, loader = loop
+    if variant == "plain":
+        return run_steps(model, optimizer, loader)
+    if variant == "plain_profiler":
+        from torch.profiler import ProfilerAction, ProfilerActivity, profile
+
+        prof = profile(activities=[ProfilerActivity.CPU], schedule=lambda _step: ProfilerAction.RECORD_AND_SAVE,
+                       on_trace_ready=lambda _prof: None)
+        prof.start()
+        try:
+            return run_steps(model, optimizer, loader, prof)
+        finally:
+            prof.stop()
+    capture = variant == "instrumented_capture"
+    handle = pst.instrument(model, optimizer, loader, monitor=monitors[variant], capture_ops=capture)
+    try:
+        return run_steps(model, optimizer, loader)
+    finally:
+        handle.close(timeout=30)
+        if handle.capture is not None:
+            stats["ops_sent"] = stats.get("ops_sent", 0) + handle.capture.ops_sent
+            stats["steps_captured"] = stats.get("steps_captured", 0) + handle.capture.steps_captured
+        if handle.error is not None:
+            stats.setdefault("errors", []).append(repr(handle.error))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bootstrap", default=os.environ.get("PROFSTREAM_TEST_BOOTSTRAP"),
+                        help="Kafka broker (default: $PROFSTREAM_TEST_BOOTSTRAP, else the local stack)")
+    parser.add_argument("--steps", type=int, default=200, help="steps per variant and repeat (>= 200 for the target)")
+    parser.add_argument("--block", type=int, default=25, help="steps per interleaved block")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: steadier on a shared box)")
+    args = parser.parse_args()
+
+    import torch
+
+    from profstream.producers.monitor import Monitor
+
+    torch.set_num_threads(args.threads)
+    bootstrap = broker_bootstrap(args.bootstrap)
+    prefix = unique_prefix()
+    options = {"bootstrap": bootstrap, "topic_prefix": prefix, "host_sample_interval_s": 0}
+    monitors = {"instrumented": Monitor(run_id="bench-instrumented", **options),
+                "instrumented_capture": Monitor(run_id="bench-capture", auto_watermark=False, **options)}
+    loop = make_loop(args.block, args.batch, args.hidden)
+    rounds = math.ceil(args.steps / (args.block - SKIP))
+    per_repeat: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    stats: dict[str, Any] = {}
+    try:
+        for variant in VARIANTS:  # warm-up: allocator, kineto's first start, the broker connection
+            run_block(variant, loop, monitors, {})
+        for r in range(args.repeats):
+            times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+            for i in range(rounds):
+                order = VARIANTS[i % 4:] + VARIANTS[:i % 4]
+                for variant in order:
+                    times[variant] += run_block(variant, loop, monitors, stats)
+            for v in VARIANTS:
+                per_repeat[v].append(statistics.median(times[v]))
+            note(f"repeat {r}: " + ", ".join(f"{v} {per_repeat[v][-1] * 1e3:.2f} ms ({len(times[v])} steps)"
+                                             for v in VARIANTS))
+        stats["dropped_ops"] = sum(m.stats()["dropped_ops"] for m in monitors.values())
+    finally:
+        for m in monitors.values():
+            m.close(timeout=30)
+        drop_topics(bootstrap, prefix)
+
+    def overhead(variant: str, base: str) -> list[float]:
+        return [a / b - 1 for a, b in zip(per_repeat[variant], per_repeat[base])]
+
+    figures = {
+        "instrumented": summary(overhead("instrumented", "plain")),
+        "instrumented_capture": summary(overhead("instrumented_capture", "plain_profiler")),
+        "profiler_alone": summary(overhead("plain_profiler", "plain")),
+    }
+    emit(envelope("torch_overhead", args, {
+        "median_step_ms": {v: summary([t * 1e3 for t in per_repeat[v]]) for v in VARIANTS},
+        "steps_per_variant_and_repeat": rounds * (args.block - SKIP),
+        "overhead": figures,
+        "target": TARGETS,
+        "meets_target": {k: figures[k]["median"] <= t for k, t in TARGETS.items()},
+        "capture": stats,
+    }))
+
+
+if __name__ == "__main__":
+    main()
