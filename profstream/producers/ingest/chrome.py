@@ -162,6 +162,15 @@ def _codes(values: list) -> tuple[np.ndarray, dict]:
     return np.fromiter([setdefault(v, len(table)) for v in values], np.int32, len(values)), table
 
 
+def _floats(events: list[TraceEvent], field: str) -> np.ndarray:
+    values = [getattr(e, field) for e in events] if field not in ("ts", "dur") else \
+        ([e.ts for e in events] if field == "ts" else [e.dur for e in events])
+    try:
+        return np.fromiter(values, np.float64, len(values))
+    except (TypeError, ValueError):  # numbers as strings (msprof)
+        return np.array(values, np.float64)
+
+
 def _track_codes(pids: list, tids: list) -> tuple[np.ndarray, dict]:
     """Codes of (pid, tid) pairs, from the codes of each (no tuple per event)."""
     pid_code, pid_ix = _codes(pids)
@@ -195,21 +204,24 @@ def _gc_paused():
 
 
 def _profile(path: Path, events: list[TraceEvent], meta: dict, base_ns: int | None) -> Profile:
-    complete = [e for e in events if e.ph == "X"]
-    other = [e for e in events if e.ph != "X"]
-    n = len(complete)
-    # one hashed key per event; names, categories and tracks are coded from the distinct keys
-    key_code, key_ix = _codes([(e.name, e.cat, e.pid, e.tid) for e in complete])
+    # one pass over the events: a hashed key each; phase, name, category and track are
+    # coded from the distinct keys, so per-event work stays in C and numpy
+    all_code, key_ix = _codes([(e.ph, e.name, e.cat, e.pid, e.tid) for e in events])
     keys = list(key_ix)
+    is_complete = np.array([k[0] == "X" for k in keys] or [False], bool)[all_code]
+    complete = np.flatnonzero(is_complete)
+    other = [events[i] for i in np.flatnonzero(~is_complete).tolist()]
+    n = len(complete)
+    key_code = all_code[complete]
     try:
-        ts_us = np.array([e.ts for e in complete], np.float64)
-        dur_us = np.array([e.dur for e in complete], np.float64)
+        ts_us = _floats(events, "ts")[complete]
+        dur_us = _floats(events, "dur")[complete]
     except (TypeError, ValueError):
         raise IngestError(f"{path}: an event's ts or dur is not a number: expected {EXPECTED}") from None
 
-    key_name, name_ix = _codes([k[0] for k in keys])
-    key_cat, cat_ix = _codes([k[1] or "" for k in keys])
-    key_track, track_ix = _track_codes([k[2] for k in keys], [k[3] for k in keys])
+    key_name, name_ix = _codes([k[1] for k in keys])
+    key_cat, cat_ix = _codes([k[2] or "" for k in keys])
+    key_track, track_ix = _track_codes([k[3] for k in keys], [k[4] for k in keys])
     name_code, cat_code, track_code = key_name[key_code], key_cat[key_code], key_track[key_code]
 
     process_names, thread_names = {}, {}

@@ -76,7 +76,7 @@ def send_profile(profile: Profile, monitor: Monitor, pace: str = "max",
             b = min(a + _CHUNK, hi[i])
             _wait_for_room(monitor)
             monitor.ops(names[a:b], starts[a:b], durs[a:b], kinds[a:b], types[a:b], streams[a:b], step=step)
-            sent_ops += b - a
+            sent_ops += int(b - a)
         for name, ts, _, size, capacity in queues.get(step, ()):
             monitor.queue(name, size, capacity, ts_ns=ts, step=step)
         for j in mem_order[mem_lo[i]:mem_hi[i]]:
@@ -86,7 +86,7 @@ def send_profile(profile: Profile, monitor: Monitor, pace: str = "max",
         if progress is not None:
             progress(1)
     flushed = monitor.flush(flush_timeout)
-    return SendResult(steps=profile.steps, ops=sent_ops, ops_outside_steps=profile.ops - len(inside),
+    return SendResult(steps=profile.steps, ops=sent_ops, ops_outside_steps=int(profile.ops - len(inside)),
                       queue_samples=sum(len(v) for k, v in queues.items() if k in set(profile.step.tolist())),
                       memory_samples=len(mem_in), dropped_ops=monitor.dropped_ops, flushed=flushed,
                       elapsed_s=time.monotonic() - t0)
