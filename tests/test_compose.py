@@ -59,8 +59,8 @@ def _depends(service: dict) -> dict[str, str]:
 
 
 def test_the_stack_has_every_part_and_pins_its_images():
-    assert set(SERVICES) == {"kafka", "processor", "sink-prometheus", "sink-grafana", "prometheus", "alertmanager",
-                             "grafana"}
+    assert set(SERVICES) == {"kafka", "processor", "sink-prometheus", "sink-grafana", "sink-archive", "sink-timeline",
+                             "prometheus", "alertmanager", "grafana"}
     assert SERVICES["kafka"]["image"].startswith("apache/kafka:3.9")
     assert SERVICES["kafka"]["environment"]["KAFKA_PROCESS_ROLES"] == "broker,controller"  # KRaft
     for name, service in SERVICES.items():
@@ -93,7 +93,7 @@ def test_dependencies_exist_have_no_cycle_and_wait_for_health_where_health_is_ch
         visit(name)
     # the order a user needs: broker, then processor (it creates the topics), then the sinks
     assert _depends(SERVICES["processor"]) == {"kafka": "service_healthy"}
-    for sink in ("sink-prometheus", "sink-grafana"):
+    for sink in ("sink-prometheus", "sink-grafana", "sink-archive", "sink-timeline"):
         assert _depends(SERVICES[sink])["processor"] == "service_healthy"
     assert _depends(SERVICES["sink-grafana"])["grafana"] == "service_healthy"
 
