@@ -121,7 +121,7 @@ def _mindspore_dir(folder: Path, rank: int = 3) -> list[dict]:
 
 def test_mindspore_profiler_dir_gives_its_step_trace_ops_and_queue(kafka_bootstrap, topics, tmp_path):
     rows = _mindspore_dir(tmp_path / "profiler")
-    result, steps = _ingest_and_process(kafka_bootstrap, topics, tmp_path, "ms-dir", 5)
+    result, steps = _ingest_and_process(kafka_bootstrap, topics, tmp_path, "ms-dir", 5, pace="realtime")
     assert result.profile.rank == 3 and {s["rank"] for s in steps} == {3}
     for r, rec in zip(rows, steps):
         assert rec["step"] == r["step"]
@@ -240,3 +240,18 @@ def test_a_relative_trace_with_odd_fields_and_no_steps_is_one_step_ending_at_the
     assert profile.step_start_ns.tolist() == [base + 100_000]
     assert sorted(profile.op_start_ns.tolist()) == [base + 100_000, base + 120_000]
     assert sorted(profile.op_kind.tolist()) == [0, 1]  # compute, communication (by name)
+
+
+def test_many_memory_samples_in_a_step_keep_its_peak_and_last_value():
+    import numpy as np
+
+    from profstream.producers.ingest.model import Profile
+    from profstream.producers.ingest.replay import _MEMORY_PER_STEP, _memory_picks
+
+    rng = np.random.default_rng(1)
+    profile = Profile(source="test", path=Path("x"))
+    profile.mem_allocated = rng.integers(0, 10**9, 5000)
+    idx = np.arange(5000)
+    picks = _memory_picks(profile, idx)
+    assert len(picks) <= _MEMORY_PER_STEP and picks[-1] == 4999  # time order, the last one kept
+    assert profile.mem_allocated[picks].max() == profile.mem_allocated.max()

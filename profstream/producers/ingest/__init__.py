@@ -86,6 +86,16 @@ def load_profile(path: str | Path, format: str = "auto", rank: int | None = None
     return profile
 
 
+def _valid_name(value: str) -> bool:
+    from profstream.config import ConfigError, check_name
+
+    try:
+        check_name(value)
+        return True
+    except ConfigError:
+        return False
+
+
 @dataclass
 class IngestResult:
     profile: Profile
@@ -106,7 +116,7 @@ def ingest(path: str | Path, monitor_options: dict[str, Any], format: str = "aut
     profile = load_profile(path, format, rank, base_ns, step_trace_unit_ns)
     options = {"host_sample_interval_s": 0.0, "auto_watermark": True, **monitor_options}
     options["rank"] = profile.rank if profile.rank is not None else 0
-    if profile.host and "host" not in monitor_options:
+    if profile.host and "host" not in monitor_options and _valid_name(profile.host):
         options["host"] = profile.host
     monitor = Monitor(**options)
     try:

@@ -226,8 +226,11 @@ def _profile(path: Path, events: list[TraceEvent], meta: dict, base_ns: int | No
 
     process_names, thread_names = {}, {}
     mem_ts, mem_alloc, mem_resv = [], [], []
+    begin_end = 0
     for e in other:
         ph, nm, args = e.ph, e.name, e.args
+        if ph in ("B", "E"):
+            begin_end += 1
         if args is None:
             continue
         if ph == "M":
@@ -302,6 +305,8 @@ def _profile(path: Path, events: list[TraceEvent], meta: dict, base_ns: int | No
         set_steps(profile, [0], [first], [last + 1])
         profile.notes.append("no step events (ProfilerStep#N, Iteration N, Step N): the whole trace is step 0")
 
+    if begin_end:
+        profile.notes.append(f"{begin_end} begin/end (B/E) events not read: complete (X) events become ops")
     if mem_ts:
         mts = _us_to_ns(np.array(mem_ts, np.float64)) + base
         order = np.argsort(mts, kind="stable")

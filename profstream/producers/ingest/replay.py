@@ -21,6 +21,7 @@ from profstream.producers.monitor import Monitor
 PACES = ("realtime", "max")
 _FILL_LIMIT = 0.5
 _CHUNK = 32768
+_MEMORY_PER_STEP = 256
 
 
 @dataclass
@@ -60,7 +61,7 @@ def send_profile(profile: Profile, monitor: Monitor, pace: str = "max",
     mem_hi = np.searchsorted(mem_steps, profile.step, side="right")
 
     first_start = int(profile.step_start_ns[0]) if profile.steps else 0
-    sent_ops = 0
+    sent_ops = sent_memory = 0
     for i in range(profile.steps):
         step, start, end = int(profile.step[i]), int(profile.step_start_ns[i]), int(profile.step_end_ns[i])
         if pace == "realtime":
@@ -79,7 +80,9 @@ def send_profile(profile: Profile, monitor: Monitor, pace: str = "max",
             sent_ops += int(b - a)
         for name, ts, _, size, capacity in queues.get(step, ()):
             monitor.queue(name, size, capacity, ts_ns=ts, step=step)
-        for j in mem_order[mem_lo[i]:mem_hi[i]]:
+        picks = _memory_picks(profile, mem_order[mem_lo[i]:mem_hi[i]])
+        sent_memory += len(picks)
+        for j in picks:
             monitor.memory(int(profile.mem_allocated[j]), int(profile.mem_reserved[j]),
                            ts_ns=int(profile.mem_ts_ns[j]), step=step)
         monitor.end_step(end)
@@ -88,8 +91,19 @@ def send_profile(profile: Profile, monitor: Monitor, pace: str = "max",
     flushed = monitor.flush(flush_timeout)
     return SendResult(steps=profile.steps, ops=sent_ops, ops_outside_steps=int(profile.ops - len(inside)),
                       queue_samples=sum(len(v) for k, v in queues.items() if k in set(profile.step.tolist())),
-                      memory_samples=len(mem_in), dropped_ops=monitor.dropped_ops, flushed=flushed,
+                      memory_samples=sent_memory, dropped_ops=monitor.dropped_ops, flushed=flushed,
                       elapsed_s=time.monotonic() - t0)
+
+
+def _memory_picks(profile: Profile, idx: np.ndarray) -> np.ndarray:
+    """At most _MEMORY_PER_STEP of a step's memory samples (a profile with
+    profile_memory=True has one per allocation): evenly spaced ones, the highest and the
+    last, so that the step's peak and its values at E stay exactly as in the profile."""
+    if len(idx) <= _MEMORY_PER_STEP:
+        return idx
+    spaced = idx[np.linspace(0, len(idx) - 1, _MEMORY_PER_STEP - 2).astype(np.int64)]
+    peak = idx[int(np.argmax(profile.mem_allocated[idx]))]
+    return np.unique(np.concatenate((spaced, [peak, idx[-1]])))
 
 
 def _wait_for_room(monitor: Monitor, timeout: float = 120.0) -> None:
