@@ -624,7 +624,7 @@ def ingest(
     base_ns: Annotated[int | None, typer.Option(help="ns since the epoch of time 0 of a relative trace "
                                                      "(default: it ended at the file's modification time)")]
     = None,
-    step_trace_unit_ns: Annotated[float, typer.Option(min=0.0, help="ns per unit of a MindSpore step trace "
+    step_trace_unit_ns: Annotated[float, typer.Option(min=0.001, help="ns per unit of a MindSpore step trace "
                                                                     "(10 for Ascend's 100 MHz counter)")] = 1.0,
     device: Annotated[str, typer.Option(help="device reported with the events, e.g. cuda:0, npu:3")] = "cpu",
     bootstrap: BootstrapOpt = None,
