@@ -5,6 +5,8 @@ MLP of Linear/ReLU layers (512 -> 1024 -> 1024 -> 1024 -> 10), MSE loss, SGD, on
 thread. Four variants:
 
 - ``plain``: the loop as it is;
+- ``hooks_only``: ``instrument(..., capture_ops=False)`` feeding a disabled Monitor: the
+  cost of the hooks themselves, nothing sent (context);
 - ``instrumented``: ``instrument(model, optimizer, loader, capture_ops=False)`` feeding a
   real Monitor and broker (step marks, F/B marks, queue and memory samples);
 - ``plain_profiler``: the loop under torch.profiler recording every step as its own
@@ -20,7 +22,9 @@ time is the wall time from one ``optimizer.step()`` return to the next, the load
 next batch included. Each repeat pools at least ``--steps`` steps per variant and gives
 its median step time; overheads are per repeat (instrumented / plain - 1,
 instrumented_capture / plain_profiler - 1) and the figure is their median over repeats.
-Targets: <= 1 % and <= 3 %.
+Targets: <= 1 % and <= 3 %. The process CPU time per step (all threads: the Monitor's
+sender and the Kafka client included) is reported beside the wall time: on a machine with
+no idle core every CPU cycle of a background thread lengthens the step.
 
 Prints one JSON object on stdout; progress goes to stderr.
 """
@@ -36,7 +40,7 @@ from typing import Any
 
 from _common import broker_bootstrap, drop_topics, emit, envelope, note, summary, unique_prefix
 
-VARIANTS = ("plain", "instrumented", "plain_profiler", "instrumented_capture")
+VARIANTS = ("plain", "hooks_only", "instrumented", "plain_profiler", "instrumented_capture")
 TARGETS = {"instrumented": 0.01, "instrumented_capture": 0.03}
 SKIP = 2  # first steps of a block left out
 
@@ -86,6 +90,8 @@ def run_block(variant: str, loop: tuple[Any, Any, Any], monitors: dict[str, Any]
         finally:
             prof.stop()
     capture = variant == "instrumented_capture"
+    if variant == "hooks_only":
+        variant = "disabled"
     handle = pst.instrument(model, optimizer, loader, monitor=monitors[variant], capture_ops=capture)
     try:
         return run_steps(model, optimizer, loader)
@@ -108,6 +114,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: steadier on a shared box)")
+    parser.add_argument("--batch-interval-ms", type=float, default=None,
+                        help="Monitor batch_interval_ms (default: the Monitor's default)")
     args = parser.parse_args()
 
     import torch
@@ -117,24 +125,31 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     bootstrap = broker_bootstrap(args.bootstrap)
     prefix = unique_prefix()
-    options = {"bootstrap": bootstrap, "topic_prefix": prefix, "host_sample_interval_s": 0}
+    options = {"bootstrap": bootstrap, "topic_prefix": prefix, "host_sample_interval_s": 0,
+               "batch_interval_ms": args.batch_interval_ms}
     monitors = {"instrumented": Monitor(run_id="bench-instrumented", **options),
-                "instrumented_capture": Monitor(run_id="bench-capture", auto_watermark=False, **options)}
+                "instrumented_capture": Monitor(run_id="bench-capture", auto_watermark=False, **options),
+                "disabled": Monitor(enabled=False)}
     loop = make_loop(args.block, args.batch, args.hidden)
     rounds = math.ceil(args.steps / (args.block - SKIP))
     per_repeat: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    cpu_per_repeat: dict[str, list[float]] = {v: [] for v in VARIANTS}
     stats: dict[str, Any] = {}
     try:
         for variant in VARIANTS:  # warm-up: allocator, kineto's first start, the broker connection
             run_block(variant, loop, monitors, {})
         for r in range(args.repeats):
             times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+            cpu = dict.fromkeys(VARIANTS, 0.0)
             for i in range(rounds):
-                order = VARIANTS[i % 4:] + VARIANTS[:i % 4]
-                for variant in order:
+                k = i % len(VARIANTS)
+                for variant in VARIANTS[k:] + VARIANTS[:k]:
+                    c0 = time.process_time()
                     times[variant] += run_block(variant, loop, monitors, stats)
+                    cpu[variant] += time.process_time() - c0
             for v in VARIANTS:
                 per_repeat[v].append(statistics.median(times[v]))
+                cpu_per_repeat[v].append(cpu[v] / (rounds * args.block))
             note(f"repeat {r}: " + ", ".join(f"{v} {per_repeat[v][-1] * 1e3:.2f} ms ({len(times[v])} steps)"
                                              for v in VARIANTS))
         stats["dropped_ops"] = sum(m.stats()["dropped_ops"] for m in monitors.values())
@@ -143,18 +158,26 @@ def main() -> None:
             m.close(timeout=30)
         drop_topics(bootstrap, prefix)
 
-    def overhead(variant: str, base: str) -> list[float]:
-        return [a / b - 1 for a, b in zip(per_repeat[variant], per_repeat[base])]
+    def overhead(variant: str, base: str, source: dict = per_repeat) -> list[float]:
+        return [a / b - 1 for a, b in zip(source[variant], source[base])]
 
     figures = {
         "instrumented": summary(overhead("instrumented", "plain")),
+        "hooks_only": summary(overhead("hooks_only", "plain")),
         "instrumented_capture": summary(overhead("instrumented_capture", "plain_profiler")),
         "profiler_alone": summary(overhead("plain_profiler", "plain")),
     }
+    cpu_figures = {
+        "instrumented": summary(overhead("instrumented", "plain", cpu_per_repeat)),
+        "hooks_only": summary(overhead("hooks_only", "plain", cpu_per_repeat)),
+        "instrumented_capture": summary(overhead("instrumented_capture", "plain_profiler", cpu_per_repeat)),
+    }
     emit(envelope("torch_overhead", args, {
         "median_step_ms": {v: summary([t * 1e3 for t in per_repeat[v]]) for v in VARIANTS},
+        "cpu_ms_per_step": {v: summary([t * 1e3 for t in cpu_per_repeat[v]]) for v in VARIANTS},
         "steps_per_variant_and_repeat": rounds * (args.block - SKIP),
         "overhead": figures,
+        "cpu_overhead": cpu_figures,
         "target": TARGETS,
         "meets_target": {k: figures[k]["median"] <= t for k, t in TARGETS.items()},
         "capture": stats,

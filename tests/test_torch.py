@@ -297,6 +297,27 @@ def test_only_the_steps_of_the_window_carry_ops(kafka_bootstrap, topics):
     assert sorted(s["step"] for s in got if s["op_count"]) == [2, 5, 8]
 
 
+def test_steps_marked_by_the_loop_get_forward_backward_marks_and_ops(kafka_bootstrap, topics):
+    import profstream.torch as pst
+    from profstream.producers.monitor import Monitor
+
+    steps = 8
+    model, optimizer, loader = make(steps)
+    with RunningProcessor(kafka_bootstrap, topics):
+        monitor = Monitor(**_options(kafka_bootstrap, topics, "torch-manual"))
+        with pst.instrument(model, optimizer, loader, monitor=monitor, mark_steps=False):
+            for x, y in loader:
+                with monitor.step():
+                    optimizer.zero_grad()
+                    torch.nn.functional.mse_loss(model(x), y).backward()
+                    optimizer.step()
+        monitor.close()
+        got = step_records(kafka_bootstrap, topics.steps, "torch-manual", steps)
+    _assert_phases_tile_each_step(got, steps)
+    for s in got:
+        assert {"aten::linear", "AddmmBackward0"} <= _op_types(s)
+
+
 def test_profstream_run_profiles_an_unchanged_script(kafka_bootstrap, topics, tmp_path):
     steps = 10
     script = tmp_path / "train.py"
