@@ -83,6 +83,8 @@ def stop_process(proc: subprocess.Popen, timeout: float = 15.0) -> int:
 
 
 def cpu_seconds(pid: int) -> float:
+    if pid <= 0:  # a broker given by --bootstrap: its process is not ours to watch
+        return float("nan")
     try:
         t = psutil.Process(pid).cpu_times()
         return t.user + t.system
@@ -167,7 +169,10 @@ def run_config(bootstrap: str, prefix: str, processes: int, expected: int, total
             tails.append(log.read()[-500:])
         raise SystemExit(f"{processes} processor(s): {seen} of {expected} StepMetrics within {timeout} s; "
                          f"exit codes {codes}; log tails {tails}")
+    warnings = []  # aborted transactions, fencing, rebalances: what a slow repeat did
     for log in logs:
+        log.seek(0)
+        warnings.append([line.strip()[:300] for line in log if "WARNING" in line or "abort" in line][:10])
         log.close()
     elapsed = t_end - t0
     stable = group_watch.stable_at
@@ -180,6 +185,7 @@ def run_config(bootstrap: str, prefix: str, processes: int, expected: int, total
         "processor_cpu_s": proc_cpu, "processor_cpu_share": [c / elapsed for c in proc_cpu],
         "broker_cpu_s": broker_cpu, "broker_cpu_share": broker_cpu / elapsed,
         "loadavg_1m": [round(load0, 2), round(os.getloadavg()[0], 2)], "exit_codes": codes,
+        "processor_warnings": warnings,
     }
 
 
