@@ -104,6 +104,53 @@ def run_block(variant: str, loop: tuple[Any, Any, Any], monitors: dict[str, Any]
             stats.setdefault("errors", []).append(repr(handle.error))
 
 
+def hook_cost_us(loops: int = 5000) -> float:
+    """Wall time the hooks add to one step of an empty loop (a 1-sample DataLoader batch,
+    an identity module, an optimizer over one scalar), with a disabled Monitor: the
+    instrumentation's own per-step cost, best of 3."""
+    import torch
+
+    import profstream.torch as pst
+    from profstream.producers.monitor import Monitor
+
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(loops + 1, 1)), batch_size=1)
+    model = torch.nn.Identity()
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+
+    def loop() -> float:
+        it = iter(loader)
+        t0 = time.perf_counter()
+        for _ in range(loops):
+            next(it)
+            model(0)
+            optimizer.step()
+        return (time.perf_counter() - t0) / loops
+
+    loop()
+    base = min(loop() for _ in range(3))
+    with pst.instrument(model, optimizer, loader, monitor=Monitor(enabled=False), capture_ops=False):
+        hooked = min(loop() for _ in range(3))
+    return (hooked - base) * 1e6
+
+
+def monitor_cpu_ms_per_step(options: dict[str, Any], steps: int = 100, step_s: float = 0.02) -> float:
+    """Process CPU time per step of a bare Monitor (a step mark and a memory sample per
+    step, steps of ``step_s`` asleep) sending to the broker: what sending costs."""
+    from profstream.producers.monitor import Monitor
+
+    monitor = Monitor(run_id="bench-monitor-alone", **options)
+    try:
+        monitor.flush(30)
+        c0 = time.process_time()
+        for _ in range(steps):
+            with monitor.step():
+                monitor.memory(1)
+                time.sleep(step_s)
+        return (time.process_time() - c0) / steps * 1e3
+    finally:
+        monitor.close(timeout=30)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bootstrap", default=os.environ.get("PROFSTREAM_TEST_BOOTSTRAP"),
@@ -153,6 +200,8 @@ def main() -> None:
             note(f"repeat {r}: " + ", ".join(f"{v} {per_repeat[v][-1] * 1e3:.2f} ms ({len(times[v])} steps)"
                                              for v in VARIANTS))
         stats["dropped_ops"] = sum(m.stats()["dropped_ops"] for m in monitors.values())
+        context = {"hook_cost_us_per_step": hook_cost_us(),
+                   "monitor_alone_cpu_ms_per_20ms_step": monitor_cpu_ms_per_step(options)}
     finally:
         for m in monitors.values():
             m.close(timeout=30)
@@ -181,6 +230,7 @@ def main() -> None:
         "target": TARGETS,
         "meets_target": {k: figures[k]["median"] <= t for k, t in TARGETS.items()},
         "capture": stats,
+        "context": context,
     }))
 
 
