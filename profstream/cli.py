@@ -50,7 +50,8 @@ def _bootstrap(given: str | None) -> str:
         broker = stack_status()
         if broker is not None:
             return broker.bootstrap
-    return resolve(tuple(o for o in MONITOR_OPTIONS if o.name == "bootstrap"), {"bootstrap": given})["bootstrap"]
+    # the whole table: PROFSTREAM_OPTIONS may hold other Monitor options beside bootstrap
+    return resolve(MONITOR_OPTIONS, {"bootstrap": given})["bootstrap"]
 
 
 def _parse_range(value: str | None, flag: str) -> tuple[int, int] | None:

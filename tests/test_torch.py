@@ -337,6 +337,45 @@ def test_profstream_run_profiles_an_unchanged_script(kafka_bootstrap, topics, tm
         assert {"aten::linear", "AddmmBackward0"} <= _op_types(s)
 
 
+def _profstream_run(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "profstream.cli", "run", *args], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=cwd)
+
+
+def test_profstream_run_passes_options_and_keeps_an_existing_sitecustomize(tmp_path):
+    import json
+    import os
+
+    own = tmp_path / "own"
+    own.mkdir()
+    (own / "sitecustomize.py").write_text("import builtins\nbuiltins.OWN_SITECUSTOMIZE_RAN = True\n")
+    child = textwrap.dedent("""
+        import builtins, json, os, sys
+        hooked = any(type(f).__name__ == "_TorchImportHook" for f in sys.meta_path)
+        print(json.dumps({"own": getattr(builtins, "OWN_SITECUSTOMIZE_RAN", False), "hooked": hooked,
+                          "options": json.loads(os.environ["PROFSTREAM_OPTIONS"]),
+                          "capture": os.environ.get("PROFSTREAM_CAPTURE_OPS")}))
+    """)
+    env = {**os.environ, "PYTHONPATH": str(own), "PROFSTREAM_OPTIONS": json.dumps({"device": "cpu"})}
+    proc = _profstream_run("--bootstrap", "127.0.0.1:1", "--every-n-steps", "5", "--no-capture-ops", "--",
+                           sys.executable, "-c", child, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["own"] and seen["hooked"]
+    assert seen["options"]["every_n_steps"] == 5 and seen["options"]["device"] == "cpu"
+    assert seen["options"]["run_id"].startswith("run-")  # one run id for every process of the launch
+    assert seen["capture"] == "false"
+
+
+def test_profstream_run_bad_input_gets_one_line_errors():
+    proc = _profstream_run("--every-n-steps", "0", "--", sys.executable, "-c", "pass")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "error: option --every-n-steps=0: expected an integer >= 1"
+    proc = _profstream_run("--", "no-such-command-xyz")
+    assert proc.returncode == 2 and "command not found: 'no-such-command-xyz'" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
 def test_a_slow_dataset_raises_data_queue_stall(kafka_bootstrap, topics):
     import profstream.torch as pst
 
