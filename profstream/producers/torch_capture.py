@@ -11,6 +11,7 @@ same queue, so it never passes a step whose ops are still being converted.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -123,6 +124,9 @@ class OpCapture:
 
         # Each step is its own profiler cycle on purpose; torch warns about that once.
         warnings.filterwarnings("ignore", message="Warning: Profiler clears events at the end of each cycle")
+        # Kineto prints two lines on stderr per cycle (profiler_start / profiler_stop, at
+        # its highest level): off unless the user chose a level. Read when kineto starts.
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
         activities = [ProfilerActivity.CPU]
         if self.run_has_device:
             activities.append(ProfilerActivity.CUDA)
