@@ -112,8 +112,6 @@ class TorchInstrumentation:
         self.error: BaseException | None = None
         self.owns_monitor = monitor is None
         self._monitor_options = dict(monitor_options)
-        if self.cuda:
-            self._monitor_options.setdefault("device", f"cuda:{torch.cuda.current_device()}")
         self._pid = os.getpid()
         self._hooks: list[Any] = []
         self._restore: list[tuple[Any, str, Any]] = []
@@ -141,6 +139,9 @@ class TorchInstrumentation:
     def _setup_monitor(self, monitor: Any) -> None:
         if monitor is None:
             opts = dict(self._monitor_options)
+            if self.cuda and self._torch.cuda.is_initialized() and not _device_given(opts):
+                # the device the loop uses; CUDA is never initialized here for the user
+                opts["device"] = f"cuda:{self._torch.cuda.current_device()}"
             if self.capture_ops:
                 opts["auto_watermark"] = False  # ops of a step are sent after it ends
             from profstream.producers.monitor import Monitor
@@ -432,6 +433,12 @@ def waiting_batches(it: Any) -> tuple[int, int]:
         return -1, -1
     waiting += sum(1 for info in getattr(it, "_task_info", {}).values() if len(info) == 2)  # out of order
     return waiting, workers * (getattr(it, "_prefetch_factor", None) or 2)
+
+
+def _device_given(options: dict) -> bool:
+    from profstream.config import _env_options
+
+    return "device" in options or "PROFSTREAM_DEVICE" in os.environ or "device" in _env_options(os.environ)
 
 
 class RssReader:
