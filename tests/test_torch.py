@@ -297,6 +297,32 @@ def test_only_the_steps_of_the_window_carry_ops(kafka_bootstrap, topics):
     assert sorted(s["step"] for s in got if s["op_count"]) == [2, 5, 8]
 
 
+def test_without_a_dataloader_each_optimizer_step_ends_a_step(kafka_bootstrap, topics):
+    import profstream.torch as pst
+
+    steps = 8
+    model, optimizer, loader = make(steps)
+    batches = list(loader)  # the loop below slices its own tensors: no DataLoader iterator
+    with RunningProcessor(kafka_bootstrap, topics):
+        with pst.instrument(model, optimizer, **_options(kafka_bootstrap, topics, "torch-noloader")) as handle:
+            for x, y in batches:
+                x = x * 1.0  # some work between steps: it is the next step's data wait
+                optimizer.zero_grad()
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                optimizer.step()
+        got = step_records(kafka_bootstrap, topics.steps, "torch-noloader", steps)
+    assert handle.error is None
+    got.sort(key=lambda s: s["step"])
+    assert [s["step"] for s in got] == list(range(steps))
+    for prev, s in zip(got, got[1:]):
+        assert s["start_ns"] == prev["end_ns"]  # a step starts where the previous one ended
+        assert s["data_wait_ns"] > 0
+    for s in got:
+        assert s["fp_bp_ns"] > 0 and s["tail_ns"] > 0
+        assert s["data_wait_ns"] + s["fp_bp_ns"] + s["tail_ns"] == s["step_time_ns"]
+        assert {"aten::linear", "AddmmBackward0"} <= _op_types(s)
+
+
 def test_steps_marked_by_the_loop_get_forward_backward_marks_and_ops(kafka_bootstrap, topics):
     import profstream.torch as pst
     from profstream.producers.monitor import Monitor
