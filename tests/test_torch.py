@@ -236,6 +236,39 @@ def test_a_failing_hook_never_reaches_the_training_loop(caplog):
         assert torch.equal(p, q)
 
 
+class FailingOpsMonitor(FailingMonitor):
+    """A Monitor stand-in that takes marks but fails when the captured ops arrive (on
+    the capture's worker thread)."""
+
+    _enabled = True
+    _closed = False
+
+    def mark_fp_start(self, ts_ns=None):
+        self.calls += 1
+
+    def ops(self, *a, **k):
+        raise RuntimeError("injected failure in ops")
+
+    def complete_through(self, step):
+        pass
+
+
+def test_a_failing_op_capture_switches_profiling_off_and_stops_the_profiler(caplog):
+    import profstream.torch as pst
+
+    model, optimizer, loader = make(8)
+    with caplog.at_level(logging.ERROR, logger="profstream.torch"):
+        handle = pst.instrument(model, optimizer, loader, monitor=FailingOpsMonitor())
+        train(model, optimizer, loader)  # raises nothing
+        handle.capture.drain(10)
+        train(model, optimizer, loader)  # the hooks notice and stop the profiler
+        running = handle.capture.running
+        handle.close()
+    assert isinstance(handle.error, RuntimeError) and "injected failure in ops" in str(handle.error)
+    assert not handle.active and not running
+    assert len(caplog.records) == 1
+
+
 def test_errors_of_the_loader_reach_the_loop_unchanged():
     import profstream.torch as pst
 

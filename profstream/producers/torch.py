@@ -243,11 +243,15 @@ class TorchInstrumentation:
         capture = self.capture
         if capture is not None:
             capture.failed = True
-            if threading.current_thread() is not capture.worker:
-                try:
-                    capture.stop()
-                except Exception:  # noqa: BLE001 - already failing; the first error was logged
-                    log.debug("stopping the profiler after an error failed", exc_info=True)
+            if threading.current_thread() is not capture.worker:  # else at the next hook
+                self._stop_profiler_after_failure()
+
+    def _stop_profiler_after_failure(self) -> None:
+        """Stop the profiler on the training thread once profiling is off."""
+        try:
+            self.capture.stop()
+        except Exception:  # noqa: BLE001 - already failing; the first error was logged
+            log.debug("stopping the profiler after an error failed", exc_info=True)
 
     def _guard(self, fn: Any, *args: Any) -> Any:
         try:
@@ -269,10 +273,14 @@ class TorchInstrumentation:
     def _optimizer_post_hook(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
         if self.active:
             self._guard(self._on_optimizer_post)
+        elif self.capture is not None and self.capture.running:
+            self._stop_profiler_after_failure()
 
     def before_batch(self, it: Any) -> int | None:
         """The loop asks for the next batch: S of the step it begins. Returns S."""
         if not self.active:
+            if self.capture is not None and self.capture.running:
+                self._stop_profiler_after_failure()
             return None
         return self._guard(self._on_batch_request, it)
 

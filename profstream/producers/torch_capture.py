@@ -93,6 +93,11 @@ class OpCapture:
             self._put((ended, None, None))  # not captured: the watermark may pass it
         self._saving = None
 
+    @property
+    def running(self) -> bool:
+        """The profiler is started (recording or waiting for the next step of the window)."""
+        return self._profiler is not None
+
     def stop(self) -> None:
         """Stop the profiler (handing over the step it was recording)."""
         prof, self._profiler = self._profiler, None
