@@ -610,6 +610,39 @@ def export_parquet_cmd(
     _report_losses(result.losses)
 
 
+@app.command()
+def report(
+    archive: ArchiveArg,
+    run: Annotated[str | None, typer.Option(help="the run to report on (default: the archive's only run)")] = None,
+    output: Annotated[Path, typer.Option("--output", "-o", help="the HTML file to write")] = Path("report.html"),
+    timeline_dir: Annotated[Path | None, typer.Option(help="output directory of `profstream sink timeline`: "
+                                                           "the report links the run's files")] = None,
+    workers: Annotated[int, typer.Option(min=0, help="processes (0: one per CPU, up to 4)")] = 0,
+    progress: ProgressOpt = None,
+) -> None:
+    """A self-contained HTML post-mortem of an archived run (no network needed to view it)."""
+    from profstream.sinks.archive import ArchiveError
+    from profstream.sinks.replay import archive_files
+    from profstream.sinks.report import ReportError, gather, write_report
+
+    bar, show = _work_progress("report", progress)
+    try:
+        if run is None:
+            runs = sorted({f.run_id for f in archive_files(archive, "raw")})
+            if len(runs) != 1:
+                _fail(f"{archive} holds {len(runs)} runs ({', '.join(runs) or 'none'}): choose one with --run")
+            run = runs[0]
+        with bar:
+            data = gather(archive, run, timeline_dir, workers, progress=show)
+        path = write_report(data, output)
+    except (ValueError, ArchiveError, ReportError, OSError) as e:
+        _fail(str(e))
+    out.print(f"{path}: {len(data.ranks())} ranks, {len({s['step'] for s in data.steps})} steps, "
+              f"{len(data.alerts)} alert transitions, {len(data.timeline_files)} timeline files linked",
+              highlight=False)
+    _report_losses(data.losses)
+
+
 # -- ingest ---------------------------------------------------------------------------
 
 @app.command()

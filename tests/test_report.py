@@ -1,0 +1,154 @@
+"""The post-mortem report: figures equal the simulator's, nothing from the network, renders in Chromium."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import threading
+import uuid
+from html.parser import HTMLParser
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from profstream.cli import app
+from profstream.kafka.topics import Topics, delete_topics, ensure_topics
+from profstream.producers.simulate import SimConfig, expected, run_simulation
+from profstream.sinks.archive import finished_files, iter_file, run_archive
+from tests.helpers import topic_size, wait_until
+
+CFG = SimConfig(run_id="postmortem", ranks=3, steps=40, ops_per_step=60, seed=21, stall=(10, 19),
+                straggler_rank=2, leak_bytes_per_step=1 << 20)
+
+
+@pytest.fixture(scope="module")
+def archive(kafka_bootstrap, tmp_path_factory) -> Path:
+    """A simulated run (data stall on steps 10-19, rank 2 a straggler) archived from the real broker."""
+    topics = Topics(f"t-report-{uuid.uuid4().hex[:8]}")
+    ensure_topics(kafka_bootstrap, topics, raw_partitions=4, partitions=3)
+    out = tmp_path_factory.mktemp("report") / "archive"
+    stop = threading.Event()
+    sink = threading.Thread(target=run_archive, args=(kafka_bootstrap, [topics.raw], out, stop),
+                            kwargs={"group_id": f"a-{topics.prefix}", "max_age_s": 0.5}, daemon=True)
+    sink.start()
+    try:
+        run_simulation(CFG, {"bootstrap": kafka_bootstrap, "topic_prefix": topics.prefix})
+        total = topic_size(kafka_bootstrap, topics.raw)
+        wait_until(lambda: sum(1 for f in finished_files(out) for r, _ in iter_file(f) if r) == total, 60,
+                   "the archive to hold every raw message")
+    finally:
+        stop.set()
+        sink.join(30)
+    yield out
+    delete_topics(kafka_bootstrap, topics, timeout=5.0)
+
+
+class _Page(HTMLParser):
+    """The parts of the page a test reads: summary cells, alert rows, charts, links, scripts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.summary: dict[tuple[int, str], float] = {}
+        self.alerts: list[tuple[str, str]] = []
+        self.charts: list[str] = []
+        self.series: list[str] = []
+        self.urls: list[str] = []
+        self.links: list[str] = []
+        self._rank: int | None = None
+
+    def handle_starttag(self, tag: str, attrs: list) -> None:
+        a = dict(attrs)
+        if tag == "tr" and "data-rank" in a:
+            self._rank = int(a["data-rank"])
+        if tag == "td" and "data-metric" in a and self._rank is not None:
+            self.summary[(self._rank, a["data-metric"])] = float(a["data-value"])
+        if tag == "tr" and "data-alert" in a:
+            self.alerts.append((a["data-alert"], a["data-state"]))
+        if tag == "svg" and "data-chart" in a:
+            self.charts.append(a["data-chart"])
+        if tag in ("polyline", "polygon") or (tag == "g" and a.get("class") == "series"):
+            self.series.append(a.get("data-series", ""))
+        for key in ("src", "href"):
+            if key in a:
+                self.urls.append(a[key])
+        if tag == "a":
+            self.links.append(a.get("href", ""))
+
+
+def _report(archive: Path, out: Path, *args: str) -> tuple[_Page, str]:
+    result = CliRunner().invoke(app, ["report", str(archive), "--run", CFG.run_id, "-o", str(out), *args])
+    assert result.exit_code == 0, result.output
+    text = out.read_text(encoding="utf-8")
+    page = _Page()
+    page.feed(text)
+    return page, text
+
+
+def test_the_report_shows_the_simulators_figures_and_the_stall(archive, tmp_path):
+    page, text = _report(archive, tmp_path / "report.html")
+    truth = expected(CFG)
+    for rank in range(CFG.ranks):
+        times = np.array([truth[(rank, s)]["step_time_ns"] for s in range(CFG.steps)], float)
+        waits = np.array([truth[(rank, s)]["data_wait_ns"] for s in range(CFG.steps)], float)
+        assert page.summary[(rank, "steps")] == CFG.steps
+        assert page.summary[(rank, "mean_step_ms")] == pytest.approx(times.mean() / 1e6, rel=1e-12)
+        assert page.summary[(rank, "p95_step_ms")] == pytest.approx(np.percentile(times, 95) / 1e6, rel=1e-12)
+        assert page.summary[(rank, "data_wait_share")] == pytest.approx(waits.sum() / times.sum(), rel=1e-12)
+        assert page.summary[(rank, "starved_steps")] == 10  # steps 10-19
+    # the straggler has the slowest mean, and is named the slowest rank on the steps it held up
+    assert max(range(CFG.ranks), key=lambda r: page.summary[(r, "mean_step_ms")]) == CFG.straggler_rank
+    assert re.search(rf'<tr data-straggler="{CFG.straggler_rank}">', text)
+    # DataQueueStall fired and resolved on every rank
+    assert sorted(page.alerts) == sorted([("DataQueueStall", "firing"), ("DataQueueStall", "resolved")] * CFG.ranks)
+    for chart in ("step-time", "utilization", "overlap", "memory", "queues", "op-types", "skew", "rank-heat",
+                  *(f"phases-rank-{r}" for r in range(CFG.ranks))):
+        assert chart in page.charts, chart
+    assert "AllReduce" in page.series and "rank 2" in page.series
+
+
+def test_the_report_needs_no_network_and_links_timelines_relatively(archive, tmp_path):
+    timelines = tmp_path / "timeline" / CFG.run_id / "rank-0"
+    timelines.mkdir(parents=True)
+    (timelines / "steps-0-39.json.gz").write_bytes(b"")
+    page, _text = _report(archive, tmp_path / "out" / "report.html", "--timeline-dir", str(tmp_path / "timeline"))
+    assert not [u for u in page.urls if re.match(r"(?i)\s*(https?:)?//", u)], page.urls
+    assert page.links == ["../timeline/postmortem/rank-0/steps-0-39.json.gz"]
+    assert (tmp_path / "out" / page.links[0]).resolve() == (timelines / "steps-0-39.json.gz").resolve()
+
+
+def test_an_unknown_run_is_a_one_line_error_naming_the_runs_there(archive, tmp_path):
+    result = CliRunner().invoke(app, ["report", str(archive), "--run", "other", "-o", str(tmp_path / "r.html")])
+    assert result.exit_code == 2
+    assert CFG.run_id in result.output and len(result.output.strip().splitlines()) == 1
+    assert not (tmp_path / "r.html").exists()
+
+
+def _chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+
+
+def _render(browser: str, page: Path) -> tuple[str, list[str]]:
+    """The DOM after Chromium loaded ``page``, and the console messages it logged."""
+    done = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr",
+                           "--v=0", "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout, [line for line in done.stderr.splitlines() if ":CONSOLE" in line]
+
+
+@pytest.mark.skipif(_chromium() is None, reason="Chromium is not installed (.ci/run installs Debian's chromium)")
+def test_the_report_renders_in_chromium_without_console_errors(archive, tmp_path):
+    out = tmp_path / "report.html"
+    _report(archive, out)
+    dom, console = _render(_chromium(), out)
+    assert console == []
+    rendered = _Page()
+    rendered.feed(dom)
+    assert len(rendered.charts) >= 8 + CFG.ranks and rendered.summary
+    assert dom.count("<polyline") >= 4 * CFG.ranks  # step time, utilization, overlap, memory lines
+    # the check itself sees a page that fails
+    broken = tmp_path / "broken.html"
+    broken.write_text(out.read_text().replace("</body>", "<script>notAFunction();</script></body>"))
+    assert any("notAFunction" in line for line in _render(_chromium(), broken)[1])
