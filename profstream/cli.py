@@ -730,13 +730,21 @@ def demo(
     stall: Annotated[str | None, typer.Option(help="inject a data stall on steps A:B")] = None,
     topic_prefix: PrefixOpt = "profstream",
     seed: int = 0,
+    out_dir: Annotated[Path, typer.Option("--out", help="where the archive, timelines, report.html and "
+                                                        "Prometheus's data go")] = Path("demo-out"),
+    serve: Annotated[bool | None, typer.Option("--serve/--no-serve", help="keep the exporter and Prometheus "
+                                               "up after the summary until Ctrl-C (default: when stdout "
+                                               "is a terminal)")] = None,
 ) -> None:
-    """Start a local broker (unless --bootstrap), simulate a run, process it, print a summary."""
+    """Start a local broker (unless --bootstrap), simulate a run, process it, print a summary; leave
+    an archive, timelines and report.html in --out; serve /metrics (and Prometheus, if installed)."""
     import time
 
     from profstream.demo import run_demo
+    from profstream.demo_outputs import DemoOutputs
     from profstream.kafka.launcher import stack_up
-    from profstream.kafka.topics import Topics
+    from profstream.kafka.topics import Topics, ensure_topics, validate_prefix
+    from profstream.processors.health import ProcessorHealth
 
     if bootstrap is None:
         from profstream.kafka.launcher import stack_status
@@ -745,16 +753,50 @@ def demo(
             err.print("starting the local Kafka broker (the first run fetches its jars with Maven)...")
         bootstrap = stack_up().bootstrap
     _require_broker(bootstrap)
+    try:
+        topics = Topics(validate_prefix(topic_prefix))
+    except ValueError as e:
+        _fail(str(e))
     out.print(f"Kafka: {bootstrap}", highlight=False)
     run_id = time.strftime("demo-%Y%m%d-%H%M%S")
     cfg = _sim_config(run_id, ranks, steps, ops_per_step, 100.0, 0.2, seed, stall, None, 1.5, 0, "max")
-    progress, advance = _progress(cfg.ranks * cfg.steps, "simulate")
-    with progress:
-        result = run_demo(bootstrap, cfg, Topics(topic_prefix), progress=advance)
-    _print_summary(cfg, result)
-    if len(result.steps) != cfg.ranks * cfg.steps:
-        _fail(f"only {len(result.steps)} of {cfg.ranks * cfg.steps} steps came back from the processor "
-              "within the timeout: check the broker (profstream stack status) and retry")
+    ensure_topics(bootstrap, topics)
+    health = ProcessorHealth()
+    outputs = DemoOutputs(bootstrap, topics, out_dir, health)
+    try:
+        paths = outputs.start()
+    except OSError as e:
+        outputs.close()
+        _fail(f"cannot write into --out {out_dir} ({e.strerror or e}): choose a directory you can write")
+    try:
+        out.print(f"metrics: {paths.exporter_url} (figures), {paths.health_url} (processor health)", highlight=False)
+        if paths.prometheus_url:
+            out.print(f"Prometheus: {paths.prometheus_url} (alert rules of deploy/prometheus/alerts.yml)",
+                      highlight=False)
+        progress, advance = _progress(cfg.ranks * cfg.steps, "simulate")
+        with progress:
+            result = run_demo(bootstrap, cfg, topics, progress=advance, health=health)
+        _print_summary(cfg, result)
+        if len(result.steps) != cfg.ranks * cfg.steps:
+            _fail(f"only {len(result.steps)} of {cfg.ranks * cfg.steps} steps came back from the processor "
+                  "within the timeout: check the broker (profstream stack status) and retry")
+        paths = outputs.finish(run_id)
+        out.print(f"archive:   {paths.archive}  (profstream replay / report / export parquet)", highlight=False)
+        out.print(f"timelines: {paths.timeline / run_id}  (open the .json.gz files in ui.perfetto.dev)",
+                  highlight=False)
+        out.print(f"report:    {paths.report}", highlight=False)
+        for note in paths.notes:
+            err.print(f"[yellow]note:[/yellow] {note}", highlight=False, soft_wrap=True)
+        if serve if serve is not None else sys.stdout.isatty():
+            out.print("serving the metrics" + (" and Prometheus" if paths.prometheus_url else "")
+                      + "; Ctrl-C stops", highlight=False)
+            try:
+                while True:
+                    time.sleep(3600)
+            except KeyboardInterrupt:
+                pass
+    finally:
+        outputs.close()
 
 
 def _print_summary(cfg, result) -> None:

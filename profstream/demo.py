@@ -10,6 +10,7 @@ import numpy as np
 
 from profstream.kafka.clients import read_topic
 from profstream.kafka.topics import Topics, ensure_topics
+from profstream.processors.health import ProcessorHealth
 from profstream.processors.runtime import Processor
 from profstream.producers.simulate import SimConfig, SimResult, expected, run_simulation
 from profstream.schema.codec import decode
@@ -51,13 +52,13 @@ class DemoResult:
 
 def run_demo(bootstrap: str, cfg: SimConfig, topics: Topics | None = None,
              group_id: str = "profstream-demo", timeout: float = 120.0,
-             progress=None) -> DemoResult:
+             progress=None, health: ProcessorHealth | None = None) -> DemoResult:
     """Simulate ``cfg`` into Kafka, process it, and read its StepMetrics back."""
     topics = topics or Topics()
     ensure_topics(bootstrap, topics)
     t0 = time.monotonic()
     # its own group and instance id: a demo must never fence a real `profstream process`
-    processor = Processor(bootstrap, topics, group_id=group_id, instance_id="demo")
+    processor = Processor(bootstrap, topics, group_id=group_id, instance_id="demo", health=health)
     stop = threading.Event()
     worker = threading.Thread(target=processor.run, kwargs={"stop": stop}, name="profstream-processor",
                               daemon=True)

@@ -10,7 +10,7 @@ import pytest
 from profstream.demo import run_demo
 from profstream.processors.runtime import Processor
 from profstream.producers.simulate import SimConfig, expected, run_simulation
-from tests.helpers import raw_batches, step_records
+from tests.helpers import raw_batches, step_records, topic_size
 
 
 def _top_k(costs: dict[str, tuple[int, int]], k: int) -> dict[str, tuple[int, int]]:
@@ -79,3 +79,31 @@ def test_every_figure_of_a_clean_run_equals_the_ground_truth(kafka_bootstrap, to
     if comm_share:
         assert any(r["pure_comm_ns"] > 0 for r in result.steps)  # the case is really exercised
     assert all(row["matches_truth"] for row in result.per_rank())
+
+
+def test_demo_command_leaves_an_archive_timelines_and_a_report_and_prints_where(kafka_bootstrap, topics, tmp_path):
+    import re
+
+    from typer.testing import CliRunner
+
+    from profstream.cli import app
+    from profstream.sinks.archive import finished_files, iter_file
+
+    out = tmp_path / "demo"
+    result = CliRunner().invoke(app, ["demo", "--bootstrap", kafka_bootstrap, "--topic-prefix", topics.prefix,
+                                      "--steps", "20", "--ops-per-step", "40", "--stall", "5:11", "--out", str(out),
+                                      "--no-serve"])
+    assert result.exit_code == 0, result.output
+    run_id = re.search(r"run (demo-\d{8}-\d{6})", result.output).group(1)
+    assert re.search(r"metrics: http://127\.0\.0\.1:\d+/metrics", result.output)
+    assert f"report:    {out / 'report.html'}" in result.output
+    # every raw message of the run is in the archive, and each rank has a timeline file
+    raw = [r for f in finished_files(out / "archive") if f.topic == topics.raw and f.run_id == run_id
+           for r, _ in iter_file(f) if r]
+    assert len(raw) == topic_size(kafka_bootstrap, topics.raw)  # the topics are this test's own
+    for rank in (0, 1):
+        assert list((out / "timeline" / run_id / f"rank-{rank}").glob("steps-0-19*.json.gz"))
+    report = (out / "report.html").read_text()
+    assert f"profstream post-mortem: {run_id}" in report
+    assert report.count('data-alert="DataQueueStall"') == 4  # fired and resolved on both ranks
+    assert f'href="timeline/{run_id}/rank-0/steps-0-19.json.gz"' in report

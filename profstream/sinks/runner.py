@@ -52,6 +52,11 @@ class SinkLoop:
         self.lag = 0  # messages not consumed yet; updated on the loop's thread (consumers are not thread-safe)
         self._lag_at = 0.0
 
+    @property
+    def lag_checked_at(self) -> float:
+        """``time.monotonic()`` when ``lag`` was last computed."""
+        return self._lag_at
+
     def poll_once(self) -> int:
         polled = self._consumer.poll(timeout_ms=self.poll_ms)
         self.last_poll = now = time.monotonic()
