@@ -118,6 +118,7 @@ def test_outermost_cpu_ops_become_ops_and_annotations_do_not():
         _ev("autograd::engine::evaluate_function: AddmmBackward0", 450, 200, thread=7),
         _ev("AddmmBackward0", 451, 198, thread=7),
         _ev("aten::mm", 460, 100, thread=7),
+        _ev("gloo:all_reduce", 500, 300, thread=9, annotation=True),  # gloo times transfers with these
     ]
     cols = to_op_columns(events, run_has_device=False, offset_ns=1_000, data_until_ns=1_100)
     got = sorted(zip(cols.names, cols.op_types, cols.kinds.tolist(), cols.streams.tolist(),
@@ -126,6 +127,7 @@ def test_outermost_cpu_ops_become_ops_and_annotations_do_not():
         ("aten::select", "aten::select", DATA, 0, 1_010, 5),
         ("aten::linear", "aten::linear", COMPUTE, 0, 1_100, 300),
         ("autograd::engine::evaluate_function: AddmmBackward0", "AddmmBackward0", COMPUTE, 1, 1_450, 200),
+        ("gloo:all_reduce", "gloo:all_reduce", COMMUNICATION, 2, 1_500, 300),
         ("aten::add_", "aten::add_", COMPUTE, 0, 1_710, 50),
     ]
 

@@ -5,7 +5,9 @@ device-side activity (kernels, copies, sets) and, per CPU thread, the outermost 
 (``aten::linear`` but not the ``aten::addmm`` inside it; the autograd node
 ``AddmmBackward0`` but not its ``aten::mm``), so that summing ops by type never counts
 the same nanosecond twice. User annotations (``ProfilerStep#N``, ``Optimizer.step#...``,
-``record_function`` blocks) are not ops and are left out; the ops inside them stay.
+``record_function`` blocks) are not ops and are left out; the ops inside them stay. The
+exception: annotations named as collectives (``gloo:all_reduce``) are ops, because gloo
+times its transfers with them on its own threads.
 
 Kinds: collectives (nccl, gloo, all_reduce, broadcast, all_gather, reduce_scatter,
 all_to_all, c10d) are communication; device copies memcpy; device sets memset; other
@@ -159,8 +161,14 @@ class HostThreads:
 
 
 def outermost_cpu_ops(table: EventTable) -> np.ndarray:
-    """Indices of the CPU events (annotations left out) that no other one contains."""
-    cpu = np.flatnonzero(~table.on_device & ~table.annotation & (table.dur_ns >= 0))
+    """Indices of the CPU events (annotations left out, but for collectives such as
+    gloo's ``gloo:all_reduce``, which times the transfer on gloo's own threads) that no
+    other one contains."""
+    annotation = table.annotation.copy()
+    for i in np.flatnonzero(annotation & ~table.on_device).tolist():
+        if _COMM_RE.search(table.name(i)):
+            annotation[i] = False
+    cpu = np.flatnonzero(~table.on_device & ~annotation & (table.dur_ns >= 0))
     if not len(cpu):
         return cpu
     thread, start, dur = table.thread[cpu], table.start_ns[cpu], table.dur_ns[cpu]
