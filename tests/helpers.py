@@ -42,3 +42,30 @@ def wait_until(condition: Callable[[], object], timeout: float, what: str, inter
         time.sleep(interval)
         value = condition()
     return value
+
+
+def chromium() -> str:
+    """Path of headless Chromium; fails the test when it is missing (.ci/run installs Debian's
+    ``chromium``), skips it only when PROFSTREAM_SKIP_CHROMIUM=1 is set."""
+    import os
+    import shutil
+
+    import pytest
+
+    path = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    if path is None:
+        if os.environ.get("PROFSTREAM_SKIP_CHROMIUM") == "1":
+            pytest.skip("chromium not installed and PROFSTREAM_SKIP_CHROMIUM=1")
+        pytest.fail("chromium is not installed: apt-get install chromium (.ci/run does), or set "
+                    "PROFSTREAM_SKIP_CHROMIUM=1 to skip this test", pytrace=False)
+    return path
+
+
+def render_in_chromium(page) -> tuple[str, list[str]]:
+    """The DOM after headless Chromium loaded the HTML file ``page``, and the console messages it logged."""
+    import subprocess
+
+    done = subprocess.run([chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr",
+                           "--v=0", "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout, [line for line in done.stderr.splitlines() if ":CONSOLE" in line]

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import subprocess
 import threading
 import uuid
 from html.parser import HTMLParser
@@ -19,7 +17,7 @@ from profstream.cli import app
 from profstream.kafka.topics import Topics, delete_topics, ensure_topics
 from profstream.producers.simulate import SimConfig, expected, run_simulation
 from profstream.sinks.archive import finished_files, iter_file, run_archive
-from tests.helpers import topic_size, wait_until
+from tests.helpers import chromium, render_in_chromium, topic_size, wait_until
 
 CFG = SimConfig(run_id="postmortem", ranks=3, steps=40, ops_per_step=60, seed=21, stall=(10, 19),
                 straggler_rank=2, leak_bytes_per_step=1 << 20)
@@ -127,27 +125,11 @@ def test_an_unknown_run_is_a_one_line_error_naming_the_runs_there(archive, tmp_p
     assert not (tmp_path / "r.html").exists()
 
 
-def _chromium() -> str | None:
-    return shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
-
-
-def _render(browser: str, page: Path) -> tuple[str, list[str]]:
-    """The DOM after Chromium loaded ``page``, and the console messages it logged."""
-    done = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr",
-                           "--v=0", "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout, [line for line in done.stderr.splitlines() if ":CONSOLE" in line]
-
-
 def test_the_report_renders_in_chromium_without_console_errors(archive, tmp_path):
-    if _chromium() is None:
-        if os.environ.get("PROFSTREAM_SKIP_CHROMIUM") == "1":
-            pytest.skip("chromium not installed and PROFSTREAM_SKIP_CHROMIUM=1")
-        pytest.fail("chromium is not installed: apt-get install chromium (.ci/run does), or set "
-                    "PROFSTREAM_SKIP_CHROMIUM=1 to skip this test", pytrace=False)
+    chromium()  # fails (or skips on request) before any work when Chromium is missing
     out = tmp_path / "report.html"
     _report(archive, out)
-    dom, console = _render(_chromium(), out)
+    dom, console = render_in_chromium(out)
     assert console == []
     rendered = _Page()
     rendered.feed(dom)
@@ -156,4 +138,37 @@ def test_the_report_renders_in_chromium_without_console_errors(archive, tmp_path
     # the check itself sees a page that fails
     broken = tmp_path / "broken.html"
     broken.write_text(out.read_text().replace("</body>", "<script>notAFunction();</script></body>"))
-    assert any("notAFunction" in line for line in _render(_chromium(), broken)[1])
+    assert any("notAFunction" in line for line in render_in_chromium(broken)[1])
+
+
+def _rank_of(record: dict) -> int:
+    return int(record["key"].decode().rsplit("/", 1)[1])  # keys are "<run>/<rank>"
+
+
+def test_a_damaged_archive_file_is_named_with_its_lost_offsets_and_the_report_still_written(archive, tmp_path):
+    damaged = tmp_path / "archive"
+    shutil.copytree(archive, damaged)
+    victim = max((f for f in finished_files(damaged) if f.run_id == CFG.run_id), key=lambda f: f.path.stat().st_size)
+    in_victim = {_rank_of(r) for r, _ in iter_file(victim) if r}
+    victim.path.write_bytes(victim.path.read_bytes()[:-200])  # the end of its last block is gone
+    out = tmp_path / "report.html"
+    result = CliRunner().invoke(app, ["report", str(damaged), "--run", CFG.run_id, "-o", str(out)])
+    assert result.exit_code == 1, result.output  # written, but the loss is not hidden behind exit 0
+    lost = re.search(rf"{re.escape(victim.path.name)}: damaged .*offsets (\d+)\.\.(\d+)", result.output)
+    assert lost and int(lost.group(2)) == victim.last_offset, result.output
+    assert victim.first_offset <= int(lost.group(1)) <= victim.last_offset
+    text = out.read_text(encoding="utf-8")
+    assert '<ul id="losses">' in text and victim.path.name in text
+    # the ranks whose messages are all in intact files are reported with the simulator's figures
+    intact = {_rank_of(r) for f in finished_files(damaged) if f.path != victim.path for r, _ in iter_file(f) if r}
+    intact -= in_victim
+    assert intact, "the test needs a rank outside the damaged file"
+    page = _Page()
+    page.feed(text)
+    truth = expected(CFG)
+    for rank in intact:
+        times = np.array([truth[(rank, s)]["step_time_ns"] for s in range(CFG.steps)], float)
+        assert page.summary[(rank, "steps")] == CFG.steps
+        assert page.summary[(rank, "mean_step_ms")] == pytest.approx(times.mean() / 1e6, rel=1e-12)
+    assert sum(page.summary[(rank, "steps")] for rank in range(CFG.ranks) if (rank, "steps") in page.summary) \
+        < CFG.ranks * CFG.steps
