@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import threading
 from collections import defaultdict
 
 import pytest
+import yaml
 
 from profstream.demo import run_demo
 from profstream.processors.runtime import Processor
 from profstream.producers.simulate import SimConfig, expected, run_simulation
-from tests.helpers import raw_batches, step_records, topic_size
+from tests.helpers import raw_batches, render_in_chromium, step_records, topic_size
 
 
 def _top_k(costs: dict[str, tuple[int, int]], k: int) -> dict[str, tuple[int, int]]:
@@ -107,3 +110,12 @@ def test_demo_command_leaves_an_archive_timelines_and_a_report_and_prints_where(
     assert f"profstream post-mortem: {run_id}" in report
     assert report.count('data-alert="DataQueueStall"') == 4  # fired and resolved on both ranks
     assert f'href="timeline/{run_id}/rank-0/steps-0-19.json.gz"' in report
+    # the page opens in a browser: no console error, its charts and summary rows are there
+    dom, console = render_in_chromium(out / "report.html")
+    assert console == [] and 'data-chart="step-time"' in dom and dom.count('<tr data-rank="') == 2
+    # Prometheus ran with a copy of deploy/prometheus's configuration scraping the demo's exporter
+    if shutil.which("prometheus") or os.environ.get("PROFSTREAM_SKIP_PROMETHEUS") != "1":
+        assert re.search(r"Prometheus: http://127\.0\.0\.1:\d+", result.output), result.output
+        exporter = re.search(r"metrics: http://(127\.0\.0\.1:\d+)/metrics", result.output).group(1)
+        config = yaml.safe_load((out / "prometheus" / "prometheus.yml").read_text())
+        assert [exporter] in [sc["targets"] for job in config["scrape_configs"] for sc in job["static_configs"]]
