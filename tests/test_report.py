@@ -102,6 +102,8 @@ def test_the_report_shows_the_simulators_figures_and_the_stall(archive, tmp_path
     assert re.search(rf'<tr data-straggler="{CFG.straggler_rank}">', text)
     # DataQueueStall fired and resolved on every rank
     assert sorted(page.alerts) == sorted([("DataQueueStall", "firing"), ("DataQueueStall", "resolved")] * CFG.ranks)
+    # ... and is marked once per transition along the step-time chart
+    assert text.count('data-mark="DataQueueStall firing"') == 1 and text.count('data-mark="DataQueueStall resolved"') == 1
     for chart in ("step-time", "utilization", "overlap", "memory", "queues", "op-types", "skew", "rank-heat",
                   *(f"phases-rank-{r}" for r in range(CFG.ranks))):
         assert chart in page.charts, chart

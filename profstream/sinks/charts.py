@@ -112,19 +112,38 @@ def _bands(frame: _Frame, shaded: Sequence[tuple[float, float]]) -> list[str]:
     return out
 
 
+def _marks(frame: _Frame, marks: Sequence[tuple[float, str, str]]) -> list[str]:
+    out, last_label_x = [], -1e9
+    for step, label, colour in sorted(marks):
+        px = float(frame.x(step))
+        out.append(f'<line class="mark" data-mark="{_esc(label)}" x1="{px:.1f}" x2="{px:.1f}" y1="{TOP}" '
+                   f'y2="{TOP + frame.h}" stroke="{colour}" stroke-dasharray="4 3"><title>{_esc(label)} '
+                   f'(step {step:g})</title></line>')
+        if px - last_label_x > 110:  # label a mark only where it does not overprint the previous one
+            out.append(f'<text x="{px + 3:.1f}" y="{TOP + 10}" fill="{colour}">{_esc(label)}</text>')
+            last_label_x = px
+    return out
+
+
 def line_chart(name: str, title: str, series: Sequence[Series], y_label: str, x_label: str = "step",
-               shaded: Sequence[tuple[float, float]] = (), y_min: float | None = 0.0) -> str:
-    """Lines, one per series; ``shaded`` step ranges are drawn as bands behind them."""
+               shaded: Sequence[tuple[float, float]] = (), y_min: float | None = 0.0,
+               marks: Sequence[tuple[float, str, str]] = ()) -> str:
+    """Lines, one per series; ``shaded`` step ranges are drawn as bands behind them and
+    ``marks`` (step, label, colour) as labelled vertical lines, e.g. alerts."""
     series = [(label, np.asarray(xs, float), np.asarray(ys, float)) for label, xs, ys in series if len(xs)]
     if not series:
         return _empty(name, title)
     x_all = np.concatenate([s[1] for s in series])
     y_all = np.concatenate([s[2] for s in series])
     y_all = y_all[np.isfinite(y_all)]
-    y_lo = y_min if y_min is not None else (float(y_all.min()) if len(y_all) else 0.0)
     y_hi = float(y_all.max()) * 1.05 if len(y_all) else 1.0
+    if y_min is not None:
+        y_lo = y_min
+    else:  # a margin below the lowest line so that it does not sit on the axis
+        lo = float(y_all.min()) if len(y_all) else 0.0
+        y_lo = lo - max(0.05 * (y_hi - lo), 0.01 * abs(lo))
     frame = _Frame(float(x_all.min()), float(x_all.max()), y_lo, y_hi)
-    body = _bands(frame, shaded) + frame.axes(x_label, y_label)
+    body = _bands(frame, shaded) + frame.axes(x_label, y_label) + _marks(frame, marks)
     for i, (label, xs, ys) in enumerate(series):
         ok = np.isfinite(ys)
         pts = " ".join(f"{px:.1f},{py:.1f}" for px, py in zip(frame.x(xs[ok]), frame.y(ys[ok])))

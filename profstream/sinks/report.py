@@ -74,7 +74,7 @@ def gather(archive: Path | str, run_id: str, timeline_dir: Path | None = None, w
                             on_loss=on_loss)
     data.steps.sort(key=lambda s: (s["rank"], s["step"]))
     data.run_steps.sort(key=lambda r: r["step"])
-    data.alerts.sort(key=lambda a: (a["ts_ns"], a["rank"]))
+    data.alerts.sort(key=lambda a: (a["ts_ns"], -1 if a["rank"] is None else a["rank"]))  # rank: None = the run
     data.losses, data.messages, data.events = list(result.losses), result.messages, result.events
     if timeline_dir is not None:
         root = Path(timeline_dir) / run_id
@@ -243,14 +243,22 @@ def _cross_rank(data: ReportData) -> str:
     return skew + table + heat
 
 
+def _alert_marks(data: ReportData) -> list[tuple[float, str, str]]:
+    """One mark per (step, alert, state), however many ranks it fired on."""
+    colour = {"firing": "#d62728", "resolved": "#2ca02c"}
+    return sorted({(a["step"], f'{a["name"]} {a["state"]}', colour.get(a["state"], "#7f7f7f"))
+                   for a in data.alerts})
+
+
 def _alerts(data: ReportData) -> str:
     if not data.alerts:
         return '<p id="alerts">No alert fired.</p>'
     rows = "".join(f'<tr data-alert="{_e(a["name"])}" data-state="{_e(a["state"])}"><td>{_e(a["name"])}</td>'
-                   f'<td>{_e(a["state"])}</td><td>{a["rank"]}</td><td>{a["step"]}</td><td>{_time(a["ts_ns"])}</td>'
+                   f'<td>{_e(a["state"])}</td><td>{"all" if a["rank"] is None else a["rank"]}</td><td>{a["step"]}</td>'
+                   f'<td style="white-space:nowrap">{_time(a["ts_ns"])}</td>'
                    f'<td style="text-align:left">{_e(a["summary"])}</td></tr>' for a in data.alerts)
     return (f'<table id="alerts"><tr><th>alert</th><th>state</th><th>rank</th><th>step</th><th>time</th>'
-            f'<th>summary</th></tr>{rows}</table>')
+            f'<th style="text-align:left">summary</th></tr>{rows}</table>')
 
 
 def _timelines(data: ReportData, out_dir: Path) -> str:
@@ -288,8 +296,10 @@ def render(data: ReportData, out_path: Path) -> str:
             "<h2>Per rank</h2>", _summary_table(data),
             "<h2>Step time</h2>",
             charts.line_chart("step-time", "Step time per rank", _per_rank_series(
-                data, lambda s: _ms(s["step_time_ns"])), "ms", shaded=_starved_ranges(data)),
-            '<p class="sub">Shaded: steps on which a rank was starved for data.</p>',
+                data, lambda s: _ms(s["step_time_ns"])), "ms", shaded=_starved_ranges(data),
+                marks=_alert_marks(data)),
+            '<p class="sub">Shaded: steps on which a rank was starved for data. Dashed: alerts firing (red) '
+            'and resolved (green), listed under Alerts.</p>',
             "<h2>Step phases</h2>", _phase_charts(data),
             "<h2>Utilization and overlap</h2>",
             charts.line_chart("utilization", "Device utilization per rank", _per_rank_series(
