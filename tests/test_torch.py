@@ -245,6 +245,9 @@ class FailingOpsMonitor(FailingMonitor):
     _enabled = True
     _closed = False
 
+    def defer_ops(self):
+        pass
+
     def mark_fp_start(self, ts_ns=None):
         self.calls += 1
 

@@ -217,6 +217,15 @@ class Monitor:
         the step ended (for example from a profiler's buffer)."""
         self._watermark = step
 
+    def defer_ops(self) -> None:
+        """For producers that record a step's ops after the step ended (from a profiler's
+        buffer): ops are no longer gated by the step window of the step being recorded now,
+        and step ends no longer move the watermark. The caller applies the window itself and
+        calls ``complete_through(step)`` once a step's ops are recorded."""
+        self._start_step = self._stop_step = self._every_n = None
+        self._capturing = self._enabled and not self._closed
+        self._auto_watermark = False
+
     @property
     def current_step(self) -> int:
         return self._step

@@ -409,9 +409,7 @@ def _hand_op_window_to_producer(monitor: Any) -> None:
     """The Monitor gates ops by the step being recorded now; this producer sends a step's
     ops after the step ended, so it applies the window itself and keeps the Monitor's
     gate open, and moves the watermark itself once the ops are sent."""
-    monitor._start_step = monitor._stop_step = monitor._every_n = None
-    monitor._capturing = monitor._enabled and not monitor._closed
-    monitor._auto_watermark = False
+    monitor.defer_ops()
 
 
 __all__ = ["TORCH_OPTIONS", "TorchInstrumentation", "instrument"]
