@@ -37,6 +37,16 @@ def _fail(message: str) -> None:
     raise typer.Exit(2)
 
 
+def _topics(prefix: str):
+    """``Topics`` of a --topic-prefix, or the one-line error that says what is wrong with it."""
+    from profstream.kafka.topics import Topics, validate_prefix
+
+    try:
+        return Topics(validate_prefix(prefix))
+    except ValueError as e:
+        _fail(str(e))
+
+
 def _bootstrap(given: str | None) -> str:
     """--bootstrap, else PROFSTREAM_BOOTSTRAP / PROFSTREAM_OPTIONS, else the running local
     stack's broker, else the default."""
@@ -241,16 +251,12 @@ def sink_prometheus(
                                                    "rest: other)")] = 10,
 ) -> None:
     """Serve every profstream figure to Prometheus (docs/metrics.md): steps, run and alerts topics in."""
-    from profstream.kafka.topics import Topics, validate_prefix
     from profstream.sinks.prometheus import ExporterError, PrometheusExporter
 
-    try:
-        validate_prefix(topic_prefix)
-    except ValueError as e:
-        _fail(str(e))
+    topics = _topics(topic_prefix)
     boot = _bootstrap(bootstrap)
     _require_broker(boot)
-    exporter = PrometheusExporter(boot, Topics(topic_prefix), port=port, addr=addr, group_id=group_id,
+    exporter = PrometheusExporter(boot, topics, port=port, addr=addr, group_id=group_id,
                                   ttl_s=ttl_s, top_k=top_k)
     try:
         url = exporter.serve()
@@ -316,18 +322,13 @@ def sink_grafana(
     import signal
     import threading
 
-    from profstream.kafka.topics import Topics, validate_prefix
     from profstream.sinks.grafana import Grafana, GrafanaAnnotationSink
     from profstream.sinks.runner import SinkLoop
 
-    try:
-        validate_prefix(topic_prefix)
-    except ValueError as e:
-        _fail(str(e))
+    topics = _topics(topic_prefix)
     grafana = Grafana.from_options(url, token)
     boot = _bootstrap(bootstrap)
     _require_broker(boot)
-    topics = Topics(topic_prefix)
     sink = GrafanaAnnotationSink(grafana, run_idle_s=run_idle_s, max_pending=max_pending)
     try:
         loop = SinkLoop(boot, [topics.steps, topics.alerts], group_id, sink)
@@ -410,14 +411,10 @@ def sink_timeline(
     import threading
 
     from profstream.config import PARSERS
-    from profstream.kafka.topics import Topics, validate_prefix
     from profstream.sinks.runner import SinkLoop
     from profstream.sinks.timeline import TimelineSink
 
-    try:
-        topics = Topics(validate_prefix(topic_prefix))
-    except ValueError as e:
-        _fail(str(e))
+    topics = _topics(topic_prefix)
     try:
         size = PARSERS["size"](max_bytes)
     except ValueError as e:
@@ -743,7 +740,7 @@ def demo(
     from profstream.demo import run_demo
     from profstream.demo_outputs import DemoOutputs
     from profstream.kafka.launcher import stack_up
-    from profstream.kafka.topics import Topics, ensure_topics, validate_prefix
+    from profstream.kafka.topics import ensure_topics
     from profstream.processors.health import ProcessorHealth
 
     if bootstrap is None:
@@ -753,10 +750,7 @@ def demo(
             err.print("starting the local Kafka broker (the first run fetches its jars with Maven)...")
         bootstrap = stack_up().bootstrap
     _require_broker(bootstrap)
-    try:
-        topics = Topics(validate_prefix(topic_prefix))
-    except ValueError as e:
-        _fail(str(e))
+    topics = _topics(topic_prefix)
     out.print(f"Kafka: {bootstrap}", highlight=False)
     run_id = time.strftime("demo-%Y%m%d-%H%M%S")
     cfg = _sim_config(run_id, ranks, steps, ops_per_step, 100.0, 0.2, seed, stall, None, 1.5, 0, "max")
