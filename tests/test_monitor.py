@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from profstream import COMMUNICATION, COMPUTE, ConfigError, Monitor
-from profstream.kafka.clients import make_producer
+from profstream.kafka.clients import make_native_producer
 from profstream.producers.sender import Sender
 from tests.helpers import raw_batches, topic_size, wait_until
 
@@ -93,7 +93,7 @@ class _Gate:
         self.attempts += 1
         if not self.open.is_set():
             raise ConnectionError("broker down (test gate)")
-        return make_producer(bootstrap, **kw)
+        return make_native_producer(bootstrap, **kw)
 
 
 def test_drops_during_an_outage_are_counted_in_batch_headers(kafka_bootstrap, topics):
