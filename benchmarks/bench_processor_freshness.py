@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         thread = threading.Thread(target=work, name="bench-processor", daemon=True)
         thread.start()
         try:
-            wait_for(lambda: processor.loops[0]._consumer.assignment() or errors, 60,
+            wait_for(lambda: processor.loops[0].assignment() or errors, 60,
                      "the processor to get its partitions")
             for r in range(args.repeats):
                 run = one_run(bootstrap, topics, health, f"bench-fresh-{r}", args)

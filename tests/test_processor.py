@@ -87,7 +87,7 @@ def test_straggler_is_named_on_every_step_with_the_defined_skew(kafka_bootstrap,
         seen = (f"run stage emitted {processor.health.run_steps}, holds "
                 f"{ {k: (sorted(r.ranks), r.floor, len(r.pending)) for k, r in stage.runs.items()} }, "
                 f"steps closed {processor.health.steps_closed}, assignment "
-                f"{processor.loops[1]._consumer.assignment()}")
+                f"{processor.loops[1].assignment()}")
     truth = expected(cfg)
     assert sorted(r["step"] for r in runs) == list(range(cfg.steps)), seen
     for r in runs:
@@ -266,8 +266,8 @@ def test_two_processors_in_one_group_share_the_ranks_and_still_agree_across_rank
     group = f"g-{topics.prefix}"
     with RunningProcessor(kafka_bootstrap, topics, group_id=group, instance_id="a") as a, \
             RunningProcessor(kafka_bootstrap, topics, group_id=group, instance_id="b") as b:
-        wait_until(lambda: len(a.loops[0]._consumer.assignment()) + len(b.loops[0]._consumer.assignment()) == 4
-                   and a.loops[0]._consumer.assignment() and b.loops[0]._consumer.assignment(),
+        wait_until(lambda: len(a.loops[0].assignment()) + len(b.loops[0].assignment()) == 4
+                   and a.loops[0].assignment() and b.loops[0].assignment(),
                    60, "both processors to own raw partitions")
         run_simulation(cfg, {"bootstrap": kafka_bootstrap, "topic_prefix": topics.prefix})
         steps = step_records(kafka_bootstrap, topics.steps, "shared", 120)

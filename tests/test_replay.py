@@ -63,7 +63,7 @@ def recorded(kafka_bootstrap, tmp_path_factory) -> Recorded:
             steps = step_records(kafka_bootstrap, topics.steps, CFG.run_id, total)
             seen = (f"the live processor: {len(steps)} of {total} steps committed, {processor.health.steps_closed} "
                     f"closed, {processor.health.batches} batches folded, "
-                    f"assignment {processor.loops[0]._consumer.assignment()}; the simulator: flushed "
+                    f"assignment {processor.loops[0].assignment()}; the simulator: flushed "
                     f"{sim.flushed}, dropped {sim.dropped_ops} ops; raw topic: "
                     f"{topic_size(kafka_bootstrap, topics.raw)} messages")
         assert len(steps) == total, seen

@@ -1,4 +1,8 @@
-"""Producer and consumer factories: every Kafka client setting profstream uses, in one place."""
+"""Producer and consumer factories: every Kafka client setting profstream uses, in one place.
+
+Two clients: librdkafka (confluent-kafka) where Kafka is on the hot path (the training
+process's Monitor, the processors' exactly-once loop), kafka-python for the rest (sinks,
+admin, tools), whose pure-Python I/O costs more CPU per message but is simpler to drive."""
 
 from __future__ import annotations
 
@@ -65,6 +69,34 @@ def make_producer(bootstrap: str, compression: str | None = "lz4", **overrides: 
     return KafkaProducer(**config)
 
 
+def _native_common(bootstrap: str) -> dict[str, Any]:
+    return {
+        "bootstrap.servers": bootstrap,
+        "reconnect.backoff.max.ms": _PRODUCER_DEFAULTS["reconnect_backoff_max_ms"],
+        "socket.nagle.disable": True,
+        "statistics.interval.ms": 0,
+        # librdkafka's own log lines go to the "kafka" logger (quiet unless the user
+        # lowers its level), not to the process's stderr
+        "logger": logging.getLogger("kafka.librdkafka"),
+    }
+
+
+def _native_producer_config(bootstrap: str, compression: str | None) -> dict[str, Any]:
+    """librdkafka names for :data:`_PRODUCER_DEFAULTS`, plus murmur2 key partitioning (the
+    Java and kafka-python default): a key lands on the same partition whichever client
+    sent it."""
+    return dict(_native_common(bootstrap), **{
+        "enable.idempotence": True,
+        "acks": "all",
+        "linger.ms": _PRODUCER_DEFAULTS["linger_ms"],
+        "batch.size": MAX_REQUEST_BYTES,
+        "message.max.bytes": MAX_REQUEST_BYTES,
+        "compression.type": _compression(compression) or "none",
+        "partitioner": "murmur2_random",
+        "request.timeout.ms": _PRODUCER_DEFAULTS["request_timeout_ms"],
+    })
+
+
 class NativeProducer:
     """The training process's producer: librdkafka (confluent-kafka) under a small surface.
 
@@ -72,33 +104,15 @@ class NativeProducer:
     process; librdkafka does the same work in C threads for ~0.35 ms (docs/benchmarks.md
     section 12). Delivery reports (``on_done(error_or_None)``) and client errors
     (``on_error``) are served by :meth:`poll`, :meth:`flush` and :meth:`close`, on the
-    calling thread: the Sender's. Same settings as :func:`make_producer`: idempotent,
-    acks=all, murmur2 key partitioning (the Java and kafka-python default), so a key lands
-    on the same partition whichever client sent it.
+    calling thread: the Sender's. Same settings as :func:`make_producer`.
     """
 
     def __init__(self, bootstrap: str, compression: str | None = "lz4", bootstrap_timeout_ms: int = 5000,
                  on_error: Callable[[Exception], None] | None = None) -> None:
         self._on_error = on_error
-        self._producer = confluent_kafka.Producer({
-            "bootstrap.servers": bootstrap,
-            "enable.idempotence": True,
-            "acks": "all",
-            "linger.ms": _PRODUCER_DEFAULTS["linger_ms"],
-            "batch.size": MAX_REQUEST_BYTES,
-            "message.max.bytes": MAX_REQUEST_BYTES,
-            "compression.type": _compression(compression) or "none",
-            "partitioner": "murmur2_random",
-            "request.timeout.ms": _PRODUCER_DEFAULTS["request_timeout_ms"],
-            "message.timeout.ms": _PRODUCER_DEFAULTS["delivery_timeout_ms"],
-            "reconnect.backoff.max.ms": _PRODUCER_DEFAULTS["reconnect_backoff_max_ms"],
-            "socket.nagle.disable": True,
-            "statistics.interval.ms": 0,
-            # librdkafka's own log lines go to the "kafka" logger (quiet unless the user
-            # lowers its level), not to the training job's stderr
-            "logger": logging.getLogger("kafka.librdkafka"),
-            "error_cb": self._error,
-        })
+        self._producer = confluent_kafka.Producer(dict(
+            _native_producer_config(bootstrap, compression),
+            **{"message.timeout.ms": _PRODUCER_DEFAULTS["delivery_timeout_ms"], "error_cb": self._error}))
         try:  # like kafka-python's constructor: fail now when no broker answers
             self._producer.list_topics(timeout=bootstrap_timeout_ms / 1000)
         except confluent_kafka.KafkaException as e:
@@ -140,6 +154,37 @@ def make_native_producer(bootstrap: str, compression: str | None = "lz4", **kw: 
     """A :class:`NativeProducer`; raises ConnectionError when no broker answers in
     ``bootstrap_timeout_ms``."""
     return NativeProducer(bootstrap, compression=compression, **kw)
+
+
+def make_transactional_producer(bootstrap: str, transactional_id: str, compression: str | None = "lz4",
+                                transaction_timeout_ms: int = 30000) -> confluent_kafka.Producer:
+    """A librdkafka producer for the processors' exactly-once loop (idempotent, acks=all,
+    murmur2 partitioning like :func:`make_producer`); the caller runs init_transactions."""
+    return confluent_kafka.Producer(dict(
+        _native_producer_config(bootstrap, compression),
+        **{"transactional.id": transactional_id, "transaction.timeout.ms": transaction_timeout_ms,
+           "message.timeout.ms": transaction_timeout_ms}))
+
+
+def make_native_consumer(bootstrap: str, group_id: str, **overrides: Any) -> confluent_kafka.Consumer:
+    """A librdkafka consumer with the settings of :func:`make_consumer` (read_committed,
+    never commits on its own, from the earliest offset). librdkafka fetches and parses in
+    its own C threads, ahead of the application: kafka-python's Python fetcher was what
+    two processors in one group waited on (docs/benchmarks.md section 6).
+    ``overrides`` are librdkafka property names."""
+    config = dict(
+        _native_common(bootstrap),
+        **{"group.id": group_id,
+           "enable.auto.commit": False,
+           "enable.auto.offset.store": False,
+           "auto.offset.reset": "earliest",
+           "isolation.level": "read_committed",
+           "fetch.max.bytes": _CONSUMER_DEFAULTS["fetch_max_bytes"],
+           "max.partition.fetch.bytes": _CONSUMER_DEFAULTS["max_partition_fetch_bytes"],
+           "session.timeout.ms": _CONSUMER_DEFAULTS["session_timeout_ms"],
+           "heartbeat.interval.ms": _CONSUMER_DEFAULTS["heartbeat_interval_ms"]})
+    config.update(overrides)
+    return confluent_kafka.Consumer(config)
 
 
 def make_consumer(bootstrap: str, *topics: str, group_id: str | None = None, **overrides: Any) -> KafkaConsumer:

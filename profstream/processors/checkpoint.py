@@ -13,6 +13,9 @@ fails is aborted and the stage is rebuilt the same way, so nothing is counted tw
 Fencing: the transactional id is ``<group>-<instance>`` and offsets carry the consumer
 group metadata (KIP-447); a processor restarted with the same instance id takes over
 from its dead predecessor at once (static group membership).
+
+Both clients are librdkafka's (confluent-kafka): it fetches and decompresses ahead of the
+loop in C threads, so the loop's thread spends its time in the stage.
 """
 
 from __future__ import annotations
@@ -22,15 +25,27 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import NamedTuple, Protocol
 
-from kafka import ConsumerRebalanceListener, TopicPartition
-from kafka.errors import KafkaError, ProducerFencedError
-from kafka.structs import OffsetAndMetadata
+import confluent_kafka
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
-from profstream.kafka.clients import consumer_lag, make_consumer, make_producer
+from profstream.kafka.clients import make_native_consumer, make_transactional_producer
 
 log = logging.getLogger("profstream.processor")
+
+_FENCED = {KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH}
+_TIMEOUT_S = 30.0  # for a transaction call, a group metadata or committed-offsets request
+
+
+class Record(NamedTuple):
+    """One input message, as a Stage sees it."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
 
 
 @dataclass(frozen=True)
@@ -47,7 +62,7 @@ class Stage(Protocol):
     state_topic: str
 
     def restore(self, partition: int, key: bytes, value: bytes | None, now: float) -> None: ...
-    def fold(self, record: Any, now: float) -> list[Output]: ...
+    def fold(self, record: Record, now: float) -> list[Output]: ...
     def ready(self, now: float) -> list[Output]: ...
     def changed_state(self) -> list[Output]: ...
     def commit_offset(self, partition: int, position: int) -> int: ...
@@ -58,69 +73,87 @@ class FencedError(RuntimeError):
     """Another processor with the same instance id took over."""
 
 
-class TransactionalLoop(ConsumerRebalanceListener):
+class TransactionalLoop:
     def __init__(self, bootstrap: str, stage: Stage, group_id: str, instance_id: str,
                  commit_interval_ms: float = 100.0, poll_ms: int = 50, compression: str = "lz4",
-                 on_commit=None) -> None:
+                 on_commit=None, max_poll_records: int = 2000) -> None:
         self.bootstrap = bootstrap
         self.stage = stage
         self.commit_interval = commit_interval_ms / 1000.0
-        self.poll_ms = poll_ms
+        self.poll_s = poll_ms / 1000.0
         self.on_commit = on_commit  # called after each commit with the number of outputs
         self.transactional_id = f"{group_id}-{instance_id}"
-        self._producer = make_producer(bootstrap, compression=compression, transactional_id=self.transactional_id,
-                                       transaction_timeout_ms=30000, max_block_ms=30000)
-        self._producer.init_transactions()
-        self._consumer = make_consumer(bootstrap, group_id=group_id, group_instance_id=self.transactional_id,
-                                       session_timeout_ms=10000)
-        # Know the input's partitions before joining: a first assignment computed without
-        # them is empty and forces an immediate rejoin, after which kafka-python 3.0 can
-        # leave the member waiting forever for its SyncGroup answer (seen in our tests).
-        if not self._consumer.partitions_for_topic(stage.input_topic):
+        self._max_poll_records = max_poll_records
+        self._producer = make_transactional_producer(bootstrap, self.transactional_id, compression)
+        try:
+            self._producer.init_transactions(_TIMEOUT_S)
+        except KafkaException as e:
+            raise RuntimeError(f"processor {self.transactional_id}: Kafka at {bootstrap} did not start a "
+                               f"transaction ({e.args[0].str()}): check --bootstrap") from None
+        self._consumer = make_native_consumer(bootstrap, group_id, **{"group.instance.id": self.transactional_id})
+        topic = self._consumer.list_topics(stage.input_topic, timeout=_TIMEOUT_S).topics.get(stage.input_topic)
+        if topic is None or topic.error is not None or not topic.partitions:
             self._consumer.close()
-            self._producer.close(timeout=1)
             raise RuntimeError(f"input topic {stage.input_topic} does not exist: create it first "
                                "(`profstream process` does)")
-        self._consumer.subscribe([stage.input_topic], listener=self)
-        self._max_poll_records = self._consumer.config["max_poll_records"]
-        self._positions: dict[TopicPartition, int] = {}
+        self._consumer.subscribe([stage.input_topic], on_assign=self._on_assign, on_revoke=self._on_revoke,
+                                 on_lost=self._on_revoke)
+        self._positions: dict[int, int] = {}  # input partition -> next offset to consume
         self._txn_started: float | None = None
         self._txn_outputs = 0
         self.transactions = 0
         self.aborts = 0
         self.lag = 0  # input messages not consumed yet; updated on the loop's thread
         self._lag_at = 0.0
+        self._assigned: list[int] = []
 
-    # -- rebalance --------------------------------------------------------------------
+    def assignment(self) -> list[int]:
+        """The input partitions this loop owns now (as of its last poll)."""
+        return list(self._assigned)
 
-    def on_partitions_revoked(self, revoked) -> None:
+    # -- rebalance (called by librdkafka inside consume(), on the loop's thread) ------
+
+    def _on_revoke(self, _consumer, revoked: list[TopicPartition]) -> None:
         if self._txn_started is not None:
-            self._commit()
-        self.stage.drop_partitions(tp.partition for tp in revoked)
-        for tp in revoked:
-            self._positions.pop(tp, None)
+            try:
+                self._commit()
+            except KafkaException as e:  # the next owner re-reads from the last commit
+                self._abort_open(e)
+        parts = {tp.partition for tp in revoked}
+        self.stage.drop_partitions(parts)
+        for p in parts:
+            self._positions.pop(p, None)
+        self._assigned = [p for p in self._assigned if p not in parts]
 
-    def on_partitions_assigned(self, assigned) -> None:
-        self._restore(tp.partition for tp in assigned)
+    def _on_assign(self, _consumer, assigned: list[TopicPartition]) -> None:
+        parts = [tp.partition for tp in assigned]
+        self._restore(parts)
+        self._assigned = sorted(set(self._assigned) | set(parts))
 
     def _restore(self, partitions: Iterable[int]) -> None:
-        parts = [TopicPartition(self.stage.state_topic, p) for p in partitions]
-        if not parts:
-            return
-        reader = make_consumer(self.bootstrap, group_id=None)
+        """Read the changelog partitions to their end (read_committed) into the stage."""
+        topic = self.stage.state_topic
+        reader = make_native_consumer(self.bootstrap, f"{self.transactional_id}-restore",
+                                      **{"enable.partition.eof": True})
         try:
-            reader.assign(parts)
-            reader.seek_to_beginning(*parts)
-            end = reader.end_offsets(parts)
-            left = {tp for tp in parts if end[tp] > 0}
+            left = set()
+            for p in partitions:
+                low, high = reader.get_watermark_offsets(TopicPartition(topic, p), timeout=_TIMEOUT_S)
+                if high > low:
+                    left.add(p)
+            if not left:
+                return
+            reader.assign([TopicPartition(topic, p, confluent_kafka.OFFSET_BEGINNING) for p in sorted(left)])
             now = time.monotonic()
             while left:
-                for tp, records in reader.poll(timeout_ms=500).items():
-                    for rec in records:
-                        self.stage.restore(tp.partition, rec.key, rec.value, now)
-                for tp in list(left):
-                    if reader.position(tp) >= end[tp]:
-                        left.discard(tp)
+                for msg in reader.consume(num_messages=1000, timeout=0.5):
+                    err = msg.error()
+                    if err is None:
+                        self.stage.restore(msg.partition(), msg.key(), msg.value(), now)
+                    elif err.code() == KafkaError._PARTITION_EOF:
+                        left.discard(msg.partition())
+                    else:
+                        raise KafkaException(err)
         finally:
             reader.close()
 
@@ -131,43 +164,73 @@ class TransactionalLoop(ConsumerRebalanceListener):
             while not stop.is_set():
                 self.step()
             if self._txn_started is not None:
-                self._commit()
+                self._guarded(self._commit)
         finally:
             self.close()
 
     def step(self) -> None:
-        polled = self._consumer.poll(timeout_ms=self.poll_ms)
-        now = time.monotonic()
-        if now - self._lag_at >= 1.0:  # consumers are not thread-safe: metrics read self.lag
-            self.lag = consumer_lag(self._consumer)
-            self._lag_at = now
+        self._guarded(self._step)
+
+    def _guarded(self, work) -> None:
         try:
-            for tp, records in polled.items():
-                self._begin()
-                for rec in records:
-                    self._send(self.stage.fold(rec, now))
-                self._positions[tp] = records[-1].offset + 1
-            outputs = self.stage.ready(now)
-            if outputs:
-                self._begin()
-                self._send(outputs)
-            if self._txn_started is not None and self._commit_due(now, polled):
-                self._commit()
-        except ProducerFencedError as e:
-            raise FencedError(f"processor {self.transactional_id} was fenced by a newer one with the same "
-                              f"instance id: run each processor with its own --instance-id ({e})") from None
-        except KafkaError as e:
+            work()
+        except KafkaException as e:
+            err = e.args[0]
+            if err.code() in _FENCED:
+                raise FencedError(f"processor {self.transactional_id} was fenced by a newer one with the same "
+                                  f"instance id: run each processor with its own --instance-id ({err.str()})") from None
+            if err.fatal():
+                raise RuntimeError(f"processor {self.transactional_id}: fatal Kafka error ({err.str()}); "
+                                   "restart it: its state is rebuilt from the last commit") from None
             self._abort(e)
 
-    def _commit_due(self, now: float, polled: dict) -> bool:
+    def _step(self) -> None:
+        msgs = self._consumer.consume(num_messages=self._max_poll_records, timeout=self.poll_s)
+        now = time.monotonic()
+        if now - self._lag_at >= 1.0:  # metrics read self.lag from other threads
+            self.lag = self._consumer_lag()
+            self._lag_at = now
+        consumed = 0
+        for msg in msgs:
+            err = msg.error()
+            if err is not None:
+                if err.code() != KafkaError._PARTITION_EOF:
+                    log.warning("profstream processor: consumer error (%s); librdkafka retries", err.str())
+                continue
+            if msg.partition() not in self._positions and msg.partition() not in self._assigned:
+                continue  # revoked within this consume() call
+            self._begin()
+            rec = Record(msg.topic(), msg.partition(), msg.offset(), msg.key(), msg.value())
+            self._send(self.stage.fold(rec, now))
+            self._positions[rec.partition] = rec.offset + 1
+            consumed += 1
+        outputs = self.stage.ready(now)
+        if outputs:
+            self._begin()
+            self._send(outputs)
+        if self._txn_started is not None and self._commit_due(now, consumed):
+            self._commit()
+
+    def _consumer_lag(self) -> int:
+        total = 0
+        topic = self.stage.input_topic
+        for tp in self._consumer.position([TopicPartition(topic, p) for p in self._assigned]):
+            try:
+                _low, high = self._consumer.get_watermark_offsets(tp, cached=True)
+            except KafkaException:
+                continue
+            if high >= 0 and tp.offset >= 0:
+                total += max(0, high - tp.offset)
+        return total
+
+    def _commit_due(self, now: float, consumed: int) -> bool:
         """Commit when the input is drained, when the interval is up, or, once outputs wait
         and the loop is at the head of its input (a short poll), after a fifth of it: figures
         become visible within tens of ms while live, and catching up keeps large transactions."""
         open_s = now - self._txn_started
-        if not polled or open_s >= self.commit_interval:
+        if not consumed or open_s >= self.commit_interval:
             return True
-        return (self._txn_outputs > 0 and open_s >= self.commit_interval / 5
-                and sum(len(r) for r in polled.values()) < self._max_poll_records)
+        return self._txn_outputs > 0 and open_s >= self.commit_interval / 5 and consumed < self._max_poll_records
 
     def _begin(self) -> None:
         if self._txn_started is None:
@@ -176,50 +239,60 @@ class TransactionalLoop(ConsumerRebalanceListener):
             self._txn_outputs = 0
 
     def _send(self, outputs: list[Output]) -> None:
-        send = self._producer.send
+        produce = self._producer.produce
         for out in outputs:
-            send(out.topic, value=out.value, key=out.key, partition=out.partition, headers=out.headers)
+            while True:
+                try:
+                    if out.partition is None:
+                        produce(out.topic, out.value, out.key, headers=out.headers)
+                    else:
+                        produce(out.topic, out.value, out.key, out.partition, headers=out.headers)
+                    break
+                except BufferError:  # librdkafka's queue is full: let it send, then go on
+                    self._producer.poll(0.05)
         self._txn_outputs += len(outputs)
 
     def _commit(self) -> None:
         self._send(self.stage.changed_state())
-        offsets = {tp: OffsetAndMetadata(self.stage.commit_offset(tp.partition, pos), "", -1)
-                   for tp, pos in self._positions.items()}
+        topic = self.stage.input_topic
+        offsets = [TopicPartition(topic, p, self.stage.commit_offset(p, pos)) for p, pos in self._positions.items()]
         if offsets:
-            self._producer.send_offsets_to_transaction(offsets, self._consumer.group_metadata())
-        self._producer.commit_transaction()
+            self._producer.send_offsets_to_transaction(offsets, self._consumer.consumer_group_metadata(), _TIMEOUT_S)
+        self._producer.commit_transaction(_TIMEOUT_S)
         self._txn_started = None
         self.transactions += 1
         if self.on_commit is not None:
             self.on_commit(self._txn_outputs)
 
-    def _abort(self, error: Exception) -> None:
-        """Abort, then rebuild the stage from the changelog and the committed offsets."""
+    def _abort_open(self, error: Exception) -> None:
         log.warning("profstream processor: transaction aborted (%s); rebuilding state from the checkpoint", error)
         self.aborts += 1
         if self._txn_started is not None:
             try:
-                self._producer.abort_transaction()
-            except KafkaError as e:
+                self._producer.abort_transaction(_TIMEOUT_S)
+            except KafkaException as e:
                 log.warning("profstream processor: abort failed too (%s)", e)
         self._txn_started = None
-        assigned = list(self._consumer.assignment())
-        self.stage.drop_partitions(tp.partition for tp in assigned)
+
+    def _abort(self, error: Exception) -> None:
+        """Abort, then rebuild the stage from the changelog and the committed offsets."""
+        self._abort_open(error)
+        parts = self.assignment()
+        self.stage.drop_partitions(parts)
         self._positions.clear()
-        self._restore(tp.partition for tp in assigned)
-        committed = {tp: self._consumer.committed(tp) for tp in assigned}
-        for tp, offset in committed.items():
-            if offset is None:
-                self._consumer.seek_to_beginning(tp)
-            else:
-                self._consumer.seek(tp, offset)
+        self._restore(parts)
+        topic = self.stage.input_topic
+        committed = self._consumer.committed([TopicPartition(topic, p) for p in parts], timeout=_TIMEOUT_S)
+        for tp in committed:
+            offset = tp.offset if tp.offset >= 0 else confluent_kafka.OFFSET_BEGINNING
+            self._consumer.seek(TopicPartition(topic, tp.partition, offset))
 
     def close(self) -> None:
         try:
             if self._txn_started is not None:
-                self._producer.abort_transaction()
-        except KafkaError:
+                self._producer.abort_transaction(5.0)
+        except KafkaException:
             pass
         finally:
-            self._producer.close(timeout=5)
+            self._producer.flush(5.0)
             self._consumer.close()
