@@ -13,7 +13,9 @@ time runs from launching the process(es) until a read_committed consumer in this
 process has seen every StepMetrics on the steps topic: Python start-up, group join and
 rebalances are inside it. A second figure starts the clock when the group is first
 Stable with all its members (polled every 0.1 s). CPU seconds of each processor and of
-the broker during the run say what the two cores were doing.
+the broker during the run say what the two cores were doing, and
+``machine_cpu_scaling_2_vs_1`` (2 busy-loop processes against 1) what the machine gives
+two CPU-bound processes at the time.
 
 Prints one JSON object on stdout; progress goes to stderr.
 """
@@ -189,12 +191,35 @@ def run_config(bootstrap: str, prefix: str, processes: int, expected: int, total
     }
 
 
+_BUSY = "x = 0\nfor i in range(30_000_000):\n    x += i"
+
+
+def cpu_scaling(repeats: int = 3) -> dict[str, Any]:
+    """What this machine gives two CPU-bound processes: the throughput of 2 concurrent
+    pure-Python busy loops against 1, median of ``repeats``. The ceiling for the processor
+    ratio here (the broker and other tenants share the same cores)."""
+    def wall(n: int) -> float:
+        t = time.perf_counter()
+        procs = [subprocess.Popen([sys.executable, "-c", _BUSY]) for _ in range(n)]
+        for proc in procs:
+            proc.wait()
+        return time.perf_counter() - t
+
+    ratios = []
+    for _ in range(repeats):
+        one, two = wall(1), wall(2)
+        ratios.append(2 * one / two)
+    return summary(ratios)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--bootstrap", help="broker host:port (default: start/reuse `profstream stack up`)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--ranks", type=int, default=24)
-    p.add_argument("--steps", type=int, default=60, help="steps per rank")
+    p.add_argument("--steps", type=int, default=600,
+                   help="steps per rank (600: ~15 s of work for one process, so start-up and group join "
+                        "are a small part of it)")
     p.add_argument("--ops-per-step", type=int, default=2000)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds one configuration may take")
     p.add_argument("--keep-topics", action="store_true", help="do not delete the benchmark's topics")
@@ -237,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
                 for prefix in prefixes.values():
                     drop_topics(bootstrap, prefix)
 
+    note("machine: 2 busy loops against 1 ...")
+    machine_scaling = cpu_scaling()
     one = [x["ops_per_s"] for x in runs[1]]
     two = [x["ops_per_s"] for x in runs[2]]
     ratios = [b / a for a, b in zip(one, two)]
@@ -257,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         "one_process_ops_per_s": summary(one),
         "two_processes_ops_per_s": summary(two),
         "ratio_from_group_stable": summary(ratios_stable) if ratios_stable else None,
+        "machine_cpu_scaling_2_vs_1": machine_scaling,
         "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
         "target": {"min_ratio": TARGET_RATIO},
         "meets_target": median_ratio >= TARGET_RATIO,

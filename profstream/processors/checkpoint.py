@@ -90,7 +90,10 @@ class TransactionalLoop:
         except KafkaException as e:
             raise RuntimeError(f"processor {self.transactional_id}: Kafka at {bootstrap} did not start a "
                                f"transaction ({e.args[0].str()}): check --bootstrap") from None
-        self._consumer = make_native_consumer(bootstrap, group_id, **{"group.instance.id": self.transactional_id})
+        # Heartbeats every 0.5 s: a member learns of a rebalance (a processor joining or
+        # leaving) at its next heartbeat, and the whole group waits for the slowest.
+        self._consumer = make_native_consumer(bootstrap, group_id, **{"group.instance.id": self.transactional_id,
+                                                                      "heartbeat.interval.ms": 500})
         topic = self._consumer.list_topics(stage.input_topic, timeout=_TIMEOUT_S).topics.get(stage.input_topic)
         if topic is None or topic.error is not None or not topic.partitions:
             self._consumer.close()
