@@ -76,7 +76,7 @@ class FencedError(RuntimeError):
 class TransactionalLoop:
     def __init__(self, bootstrap: str, stage: Stage, group_id: str, instance_id: str,
                  commit_interval_ms: float = 100.0, poll_ms: int = 50, compression: str = "lz4",
-                 on_commit=None, max_poll_records: int = 2000) -> None:
+                 on_commit=None, max_poll_records: int = 500) -> None:
         self.bootstrap = bootstrap
         self.stage = stage
         self.commit_interval = commit_interval_ms / 1000.0
