@@ -11,6 +11,7 @@ import logging
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -177,6 +178,67 @@ def test_profiled_ops_land_on_the_host_epoch_clock():
     cols = to_op_columns(table, False, clock_offset_ns(int(table.start_ns[0])))
     i = cols.names.index("aten::mm")
     assert before <= cols.start_ns[i] and cols.start_ns[i] + cols.dur_ns[i] <= after
+
+
+def _rows(cols):
+    return list(zip(cols.names, cols.op_types, cols.kinds.tolist(), cols.streams.tolist(), cols.start_ns.tolist(),
+                    cols.dur_ns.tolist()))
+
+
+def test_the_event_tree_gives_the_same_ops_as_every_event():
+    """A CPU-only capture reads its ops off the profiler's event tree (annotations and
+    outermost ops only): exactly the ops, kinds, streams and times that converting every
+    event gives, with nested and empty annotations, a collective's and a second thread."""
+    from torch._C._profiler import _ExperimentalConfig
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from profstream.producers.torch_ops import HostThreads, table_from_kineto, tree_op_columns
+
+    model, optimizer, loader = make(4)
+    a = torch.randn(64, 64)
+
+    def other_thread():
+        for _ in range(50):
+            torch.mm(a, a).relu_()
+
+    try:  # the second thread's ops are recorded too
+        config = {"experimental_config": _ExperimentalConfig(profile_all_threads=True)}
+    except TypeError:  # a torch without it: the main thread's only
+        config = {}
+    with profile(activities=[ProfilerActivity.CPU], **config) as prof:
+        side = threading.Thread(target=other_thread)
+        side.start()
+        with record_function("outer"):
+            with record_function("inner"):
+                train(model, optimizer, loader)
+            with record_function("empty"):
+                pass
+            with record_function("gloo:all_reduce"):
+                torch.ones(4).add_(1)
+        side.join()
+    results = prof.profiler.kineto_results
+    table = table_from_kineto(results.events(), run_has_device=False)
+    data_until = int(np.median(table.start_ns)) + 1_000  # some ops before, some after
+    by_events = to_op_columns(table, False, 1_000, HostThreads(), data_until)
+    by_tree = tree_op_columns(results.experimental_event_tree(), 1_000, HostThreads(), data_until)
+    assert _rows(by_tree) == _rows(by_events)
+    names = set(by_tree.names)
+    assert {"aten::linear", "gloo:all_reduce"} <= names and ("aten::mm" in names) == bool(config)
+    assert not names & {"aten::addmm", "outer", "inner", "empty"}  # nested ops, annotations
+    assert set(by_tree.streams.tolist()) == ({0, 1} if config else {0})
+    assert {DATA, COMPUTE, COMMUNICATION} <= set(by_tree.kinds.tolist())
+
+
+def test_a_tree_with_other_events_than_torch_ops_is_left_to_the_event_conversion():
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from profstream.producers.torch_ops import tree_op_columns
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with record_function("block"):
+            x = torch.ones(1024)
+            del x  # a memory event right under the annotation
+    assert tree_op_columns(prof.profiler.kineto_results.experimental_event_tree()) is None
 
 
 # -- never in the way of the training --------------------------------------------------
