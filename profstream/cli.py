@@ -658,6 +658,8 @@ def ingest(
     step_trace_unit_ns: Annotated[float, typer.Option(min=0.001, help="ns per unit of a MindSpore step trace "
                                                                     "(10 for Ascend's 100 MHz counter)")] = 1.0,
     device: Annotated[str, typer.Option(help="device reported with the events, e.g. cuda:0, npu:3")] = "cpu",
+    workers: Annotated[int | None, typer.Option(min=1, help="processes that parse a Chrome trace of 16 MiB or "
+                                                           "more (default: one per CPU; 1: one process)")] = None,
     bootstrap: BootstrapOpt = None,
     topic_prefix: PrefixOpt = "profstream",
 ) -> None:
@@ -671,7 +673,7 @@ def ingest(
     try:
         result = ingest_profile(path, {"bootstrap": boot, "run_id": run_id, "topic_prefix": topic_prefix,
                                        "device": device}, format=format, pace=pace, rank=rank, base_ns=base_ns,
-                                step_trace_unit_ns=step_trace_unit_ns)
+                                step_trace_unit_ns=step_trace_unit_ns, workers=workers)
     except IngestError as e:
         _fail(str(e))
     p, s = result.profile, result.sent

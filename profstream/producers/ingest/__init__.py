@@ -55,9 +55,11 @@ def sniff(path: Path) -> str:
 
 
 def load_profile(path: str | Path, format: str = "auto", rank: int | None = None, base_ns: int | None = None,
-                 step_trace_unit_ns: float = 1.0) -> Profile:
+                 step_trace_unit_ns: float = 1.0, workers: int | None = None) -> Profile:
     """Read ``path`` into a Profile. ``format`` is auto (sniffed), chrome or mindspore; a
-    path that is not the format claimed raises IngestError naming it and what was expected."""
+    path that is not the format claimed raises IngestError naming it and what was expected.
+    A Chrome trace of 16 MiB or more is parsed in ``workers`` processes (default: one per
+    CPU, or 1 where this process has other threads; 1: in this process), with the same result."""
     path = Path(path)
     if format not in FORMATS:
         raise IngestError(f"--format {format!r}: expected one of {', '.join(FORMATS)}")
@@ -74,7 +76,7 @@ def load_profile(path: str | Path, format: str = "auto", rank: int | None = None
             found = None
         if found != "chrome":
             raise IngestError(f"{path}: not {_EXPECTED['chrome']}")
-        profile = parse_chrome(path, base_ns=base_ns)
+        profile = parse_chrome(path, base_ns=base_ns, workers=workers)
     else:
         from profstream.producers.ingest.mindspore_dir import parse_mindspore_dir
 
@@ -104,7 +106,7 @@ class IngestResult:
 
 def ingest(path: str | Path, monitor_options: dict[str, Any], format: str = "auto", pace: str = "max",
            rank: int | None = None, base_ns: int | None = None, step_trace_unit_ns: float = 1.0,
-           progress: Callable[[int], None] | None = None) -> IngestResult:
+           progress: Callable[[int], None] | None = None, workers: int | None = None) -> IngestResult:
     """Read ``path`` and send it to Kafka as run ``monitor_options['run_id']``.
 
     ``monitor_options`` are Monitor options (bootstrap, run_id, topic_prefix, ...); the
@@ -113,7 +115,7 @@ def ingest(path: str | Path, monitor_options: dict[str, Any], format: str = "aut
 
     if pace not in PACES:
         raise IngestError(f"--pace {pace!r}: expected realtime or max")
-    profile = load_profile(path, format, rank, base_ns, step_trace_unit_ns)
+    profile = load_profile(path, format, rank, base_ns, step_trace_unit_ns, workers)
     options = {"host_sample_interval_s": 0.0, "auto_watermark": True, **monitor_options}
     options["rank"] = profile.rank if profile.rank is not None else 0
     if profile.host and "host" not in monitor_options and _valid_name(profile.host):

@@ -14,28 +14,29 @@ MindSpore's merged/pure/free tracks) are left out: the processors compute those.
 from __future__ import annotations
 
 import gc
-import gzip
 import re
-import zlib
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
-import msgspec
 import numpy as np
 
+from profstream.producers.ingest.chunks import columns_in_chunks
 from profstream.producers.ingest.model import (
     I64,
-    IngestError,
     Profile,
     kind_from_name,
     relative_base_ns,
     set_steps,
     type_from_name,
 )
+from profstream.producers.ingest.trace_events import (
+    EventColumns,
+    decode_trace,
+    is_plain,
+    read_bytes,
+    scan_events,
+)
 from profstream.schema.batch import COMPUTE, HOST, MEMCPY, MEMSET
-
-EXPECTED = "a Chrome trace JSON file (an object with traceEvents, or an array of trace events)"
 
 _STEP = re.compile(r"^(?:ProfilerStep#|Iteration[ _]?|[Ss]tep[ _#]?)(\d+)$")
 _SKIP = -2  # a derived or bookkeeping event, not an op
@@ -66,89 +67,6 @@ _TRACKS: tuple[tuple[re.Pattern, int], ...] = (
 _COMM_TRACK = -3
 
 
-class EventArgs(msgspec.Struct, gc=False):
-    """The args ingest reads: a metadata event's name, a [memory] event's totals."""
-
-    name: Any = None
-    allocated: Any = msgspec.field(default=None, name="Total Allocated")
-    reserved: Any = msgspec.field(default=None, name="Total Reserved")
-
-
-class TraceEvent(msgspec.Struct, gc=False):
-    """The fields of a trace event that ingest reads; the rest are skipped while parsing."""
-
-    ph: str = ""
-    name: str = ""
-    cat: str | None = None
-    pid: int | str = 0
-    tid: int | str = 0
-    ts: float | str = 0.0
-    dur: float | str = 0.0
-    args: EventArgs | None = None
-
-
-class _Trace(msgspec.Struct, gc=False):
-    traceEvents: list[TraceEvent]
-    baseTimeNanoseconds: int | None = None
-    host_name: str | None = None
-    distributedInfo: Any = None
-
-
-_TRACE = msgspec.json.Decoder(_Trace | list[TraceEvent])
-
-
-def read_trace(path: Path) -> tuple[list[TraceEvent], dict[str, Any]]:
-    """The events and header fields of a plain or gzip trace file; IngestError naming the
-    file when it is not one. Typed decoding (no dict per event) is the fast path; a trace
-    with odd field types goes through a tolerant generic parse."""
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise IngestError(f"{path}: cannot read ({e.strerror}): expected {EXPECTED}") from None
-    if raw[:2] == b"\x1f\x8b":
-        try:
-            raw = gzip.decompress(raw)
-        except (OSError, EOFError, zlib.error) as e:
-            raise IngestError(f"{path}: truncated or corrupt gzip ({e}): expected {EXPECTED}") from None
-    if raw.lstrip()[:1] not in (b"{", b"["):
-        raise IngestError(f"{path}: not JSON: expected {EXPECTED}")
-    try:
-        trace = _TRACE.decode(raw)
-    except msgspec.ValidationError:
-        return _tolerant(path, raw)
-    except msgspec.DecodeError as e:
-        raise IngestError(f"{path}: truncated or invalid JSON ({e}): expected {EXPECTED}") from None
-    if isinstance(trace, list):
-        return trace, {}
-    return trace.traceEvents, {"baseTimeNanoseconds": trace.baseTimeNanoseconds, "host_name": trace.host_name,
-                               "distributedInfo": trace.distributedInfo}
-
-
-def _tolerant(path: Path, raw: bytes) -> tuple[list[TraceEvent], dict[str, Any]]:
-    data = msgspec.json.decode(raw)
-    meta: dict = {}
-    if isinstance(data, dict):
-        meta, data = data, data.get("traceEvents")
-    if not isinstance(data, list):
-        raise IngestError(f"{path}: no trace events: expected {EXPECTED}")
-    events = []
-    for e in data:
-        if not isinstance(e, dict):
-            raise IngestError(f"{path}: a trace event is not an object: expected {EXPECTED}")
-        pid, tid = e.get("pid", 0), e.get("tid", 0)
-        events.append(TraceEvent(str(e.get("ph", "")), str(e.get("name", "")), str(e.get("cat") or ""),
-                                 pid if isinstance(pid, (int, str)) else str(pid),
-                                 tid if isinstance(tid, (int, str)) else str(tid),
-                                 e.get("ts", 0), e.get("dur", 0), _tolerant_args(e.get("args"))))
-    return events, meta
-
-
-def _tolerant_args(args) -> EventArgs | None:
-    if not isinstance(args, dict):
-        return None
-    return EventArgs(args.get("name"), args.get("Total Allocated"), args.get("Total Reserved"))
-
-
 def _us_to_ns(ts_us: np.ndarray) -> np.ndarray:
     """Microseconds (float) to integer ns, whole microseconds kept exact."""
     whole = np.floor(ts_us)
@@ -160,15 +78,6 @@ def _codes(values: list) -> tuple[np.ndarray, dict]:
     table: dict = {}
     setdefault = table.setdefault
     return np.fromiter([setdefault(v, len(table)) for v in values], np.int32, len(values)), table
-
-
-def _floats(events: list[TraceEvent], field: str) -> np.ndarray:
-    values = [getattr(e, field) for e in events] if field not in ("ts", "dur") else \
-        ([e.ts for e in events] if field == "ts" else [e.dur for e in events])
-    try:
-        return np.fromiter(values, np.float64, len(values))
-    except (TypeError, ValueError):  # numbers as strings (msprof)
-        return np.array(values, np.float64)
 
 
 def _track_codes(pids: list, tids: list) -> tuple[np.ndarray, dict]:
@@ -184,11 +93,20 @@ def _track_codes(pids: list, tids: list) -> tuple[np.ndarray, dict]:
     return lookup[pair], {(pid_list[c // width], tid_list[c % width]): i for i, c in enumerate(uniques.tolist())}
 
 
-def parse_chrome(path: Path, base_ns: int | None = None) -> Profile:
-    """Read a Chrome trace JSON file into a ``Profile``."""
+def parse_chrome(path: Path, base_ns: int | None = None, workers: int | None = None) -> Profile:
+    """Read a Chrome trace JSON file into a ``Profile``. A large file is parsed in
+    ``workers`` processes (default: ``chunks.default_workers()``; 1: this process only),
+    with the same result."""
     with _gc_paused():
-        events, meta = read_trace(path)
-        return _profile(path, events, meta, base_ns)
+        raw = None if is_plain(path) else read_bytes(path)  # plain: each worker reads its chunk
+        parsed = columns_in_chunks(path, raw, workers)
+        if parsed is None:  # small, one worker, or not cut cleanly: in this process
+            raw = read_bytes(path) if raw is None else raw
+            events, meta = decode_trace(path, raw)
+            del raw
+            parsed = scan_events(path, events), meta
+            del events  # freed now rather than after the numpy work below
+        return _profile(path, *parsed, base_ns)
 
 
 @contextmanager
@@ -203,49 +121,20 @@ def _gc_paused():
             gc.enable()
 
 
-def _profile(path: Path, events: list[TraceEvent], meta: dict, base_ns: int | None) -> Profile:
-    # one pass over the events: a hashed key each; phase, name, category and track are
-    # coded from the distinct keys, so per-event work stays in C and numpy. setdefault in
-    # the comprehension: building a list of a million tuples first costs 1.6x as much
-    key_ix: dict = {}
-    setdefault = key_ix.setdefault
-    all_code = np.fromiter([setdefault((e.ph, e.name, e.cat, e.pid, e.tid), len(key_ix)) for e in events],
-                           np.int32, len(events))
-    keys = list(key_ix)
-    is_complete = np.array([k[0] == "X" for k in keys] or [False], bool)[all_code]
-    complete = np.flatnonzero(is_complete)
-    other = [events[i] for i in np.flatnonzero(~is_complete).tolist()]
-    n = len(complete)
-    key_code = all_code[complete]
-    try:
-        ts_us = _floats(events, "ts")[complete]
-        dur_us = _floats(events, "dur")[complete]
-    except (TypeError, ValueError):
-        raise IngestError(f"{path}: an event's ts or dur is not a number: expected {EXPECTED}") from None
-
+def _profile(path: Path, cols: EventColumns, meta: dict, base_ns: int | None) -> Profile:
+    keys, key_code, ts_us, dur_us = cols.keys, cols.key_code, cols.ts_us, cols.dur_us
+    n = len(key_code)
     key_name, name_ix = _codes([k[1] for k in keys])
     key_cat, cat_ix = _codes([k[2] or "" for k in keys])
     key_track, track_ix = _track_codes([k[3] for k in keys], [k[4] for k in keys])
     name_code, cat_code, track_code = key_name[key_code], key_cat[key_code], key_track[key_code]
 
     process_names, thread_names = {}, {}
-    mem_ts, mem_alloc, mem_resv = [], [], []
-    begin_end = 0
-    for e in other:
-        ph, nm, args = e.ph, e.name, e.args
-        if ph in ("B", "E"):
-            begin_end += 1
-        if args is None:
-            continue
-        if ph == "M":
-            if nm == "process_name":
-                process_names[e.pid] = str(args.name)
-            elif nm == "thread_name":
-                thread_names[(e.pid, e.tid)] = str(args.name)
-        elif ph == "i" and nm == "[memory]" and isinstance(args.allocated, int):
-            mem_ts.append(e.ts)
-            mem_alloc.append(args.allocated)
-            mem_resv.append(args.reserved if isinstance(args.reserved, int) else -1)
+    for what, pid, tid, name in cols.metadata:  # in file order: the last one of a track wins
+        if what == "process_name":
+            process_names[pid] = name
+        else:
+            thread_names[(pid, tid)] = name
 
     # kind per category, per track and per name (each decided once per distinct value)
     has_device = any(c.lower() in _DEVICE_CATEGORIES for c in cat_ix)
@@ -309,14 +198,14 @@ def _profile(path: Path, events: list[TraceEvent], meta: dict, base_ns: int | No
         set_steps(profile, [0], [first], [last + 1])
         profile.notes.append("no step events (ProfilerStep#N, Iteration N, Step N): the whole trace is step 0")
 
-    if begin_end:
-        profile.notes.append(f"{begin_end} begin/end (B/E) events not read: complete (X) events become ops")
-    if mem_ts:
-        mts = _us_to_ns(np.array(mem_ts, np.float64)) + base
+    if cols.begin_end:
+        profile.notes.append(f"{cols.begin_end} begin/end (B/E) events not read: complete (X) events become ops")
+    if len(cols.mem_ts_us):
+        mts = _us_to_ns(cols.mem_ts_us) + base
         order = np.argsort(mts, kind="stable")
         profile.mem_ts_ns = mts[order]
-        profile.mem_allocated = np.array(mem_alloc, I64)[order]
-        profile.mem_reserved = np.array(mem_resv, I64)[order]
+        profile.mem_allocated = cols.mem_allocated[order]
+        profile.mem_reserved = cols.mem_reserved[order]
     profile.host = meta.get("host_name") if isinstance(meta.get("host_name"), str) else None
     dist = meta.get("distributedInfo")
     if isinstance(dist, dict) and isinstance(dist.get("rank"), int):
