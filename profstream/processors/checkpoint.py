@@ -188,7 +188,7 @@ class TransactionalLoop:
             self._abort(e)
 
     def _step(self) -> None:
-        msgs = self._consumer.consume(num_messages=self._max_poll_records, timeout=self.poll_s)
+        msgs = self._poll()
         now = time.monotonic()
         if now - self._lag_at >= 1.0:  # metrics read self.lag from other threads
             self.lag = self._consumer_lag()
@@ -213,6 +213,18 @@ class TransactionalLoop:
             self._send(outputs)
         if self._txn_started is not None and self._commit_due(now, consumed):
             self._commit()
+
+    def _poll(self) -> list:
+        """What the consumer has now, up to max_poll_records; when it has nothing, wait up
+        to poll_ms for the first message only. (``consume(n, timeout)`` alone would wait the
+        whole timeout for n messages whenever fewer are there: every live step ~50 ms late.)"""
+        consume, n = self._consumer.consume, self._max_poll_records
+        msgs = consume(n, 0)
+        if not msgs:
+            msgs = consume(1, self.poll_s)
+            if msgs:
+                msgs += consume(n - 1, 0)
+        return msgs
 
     def _consumer_lag(self) -> int:
         total = 0
