@@ -300,9 +300,19 @@ def test_a_failing_hook_never_reaches_the_training_loop(caplog):
         assert torch.equal(p, q)
 
 
+@pytest.fixture(params=["training_thread", "worker"])
+def conversion_thread(request, monkeypatch):
+    """Where captured steps become ops: the training thread (CPU-only runs) or a worker
+    thread (device runs; CI has no device, so the CPU loop stands in)."""
+    if request.param == "worker":
+        from profstream.producers.torch_capture import OpCapture
+
+        monkeypatch.setattr(OpCapture, "converts_on_worker", staticmethod(lambda run_has_device: True))
+    return request.param
+
+
 class FailingOpsMonitor(FailingMonitor):
-    """A Monitor stand-in that takes marks but fails when the captured ops arrive (on
-    the capture's worker thread)."""
+    """A Monitor stand-in that takes marks but fails when the captured ops arrive."""
 
     _enabled = True
     _closed = False
@@ -320,12 +330,13 @@ class FailingOpsMonitor(FailingMonitor):
         pass
 
 
-def test_a_failing_op_capture_switches_profiling_off_and_stops_the_profiler(caplog):
+def test_a_failing_op_capture_switches_profiling_off_and_stops_the_profiler(caplog, conversion_thread):
     import profstream.torch as pst
 
     model, optimizer, loader = make(8)
     with caplog.at_level(logging.ERROR, logger="profstream.torch"):
         handle = pst.instrument(model, optimizer, loader, monitor=FailingOpsMonitor())
+        assert (handle.capture.worker is None) == (conversion_thread == "training_thread")
         train(model, optimizer, loader)  # raises nothing
         handle.capture.drain(10)
         train(model, optimizer, loader)  # the hooks notice and stop the profiler
@@ -383,16 +394,17 @@ def test_instrument_gives_each_step_its_phases_and_the_layers_ops(kafka_bootstra
         assert s["compute_ns"] > 0 and s["memory"]["allocated"] > 0  # process RSS on a CPU run
 
 
-def test_only_the_steps_of_the_window_carry_ops(kafka_bootstrap, topics):
+def test_only_the_steps_of_the_window_carry_ops(kafka_bootstrap, topics, conversion_thread):
     import profstream.torch as pst
 
     steps = 10
     model, optimizer, loader = make(steps)
-    options = _options(kafka_bootstrap, topics, "torch-window")
+    run_id = f"torch-window-{conversion_thread}"
+    options = _options(kafka_bootstrap, topics, run_id)
     with RunningProcessor(kafka_bootstrap, topics):
         with pst.instrument(model, optimizer, loader, start_step=2, stop_step=8, every_n_steps=3, **options):
             train(model, optimizer, loader)
-        got = step_records(kafka_bootstrap, topics.steps, "torch-window", steps)
+        got = step_records(kafka_bootstrap, topics.steps, run_id, steps)
     _assert_phases_tile_each_step(got, steps)
     assert sorted(s["step"] for s in got if s["op_count"]) == [2, 5, 8]
 

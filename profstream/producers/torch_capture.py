@@ -1,11 +1,17 @@
 """Op capture for the torch producer: torch.profiler on the Monitor's step window.
 
 The profiler records each step of the window (start_step, stop_step, every_n_steps) as
-its own trace: the training thread only starts and stops it at step boundaries and hands
-the finished trace to a worker thread, which turns its events into op columns
-(``torch_ops``), sends them with ``Monitor.ops`` and then moves the watermark
-(``complete_through``) past the step. Steps outside the window move the watermark in the
-same queue, so it never passes a step whose ops are still being converted.
+its own trace, started and stopped by the training thread at step boundaries. A finished
+trace is turned into op columns (``torch_ops``), sent with ``Monitor.ops``, and then the
+watermark (``complete_through``) moves past the step; steps outside the window move it
+in the same order, so it never passes a step whose ops are still being converted.
+
+Where the conversion runs: on a CPU-only run, on the training thread at the step boundary
+(the event-tree walk, about 1 ms a step). A worker thread there would hold the GIL that
+the training thread needs between its ops (the training thread waits for about all of the
+worker's time) and take CPU from the intra-op threads, so it cost more than converting in
+place (docs/benchmarks.md section 12). On a device run a worker thread converts the
+larger trace while the training thread waits for the device.
 """
 
 from __future__ import annotations
@@ -56,7 +62,7 @@ class OpCapture:
         self.monitor = monitor
         self.window = window
         self.run_has_device = run_has_device
-        self.on_error = on_error  # called once, on the worker thread, with the exception
+        self.on_error = on_error  # called with the exception: on the worker, or out of the profiler's callback
         self.failed = False
         self.steps_captured = 0
         self.ops_sent = 0
@@ -67,11 +73,19 @@ class OpCapture:
         self._saving_fp_ns: int | None = None
         self._threads = HostThreads()
         self._offset_ns: int | None = None
+        self._error: Exception | None = None  # of a conversion on the training thread, not reported yet
         self._work: queue.SimpleQueue = queue.SimpleQueue()
         self._idle = threading.Event()
         self._idle.set()
-        self.worker = threading.Thread(target=self._convert_loop, name="profstream-torch-ops", daemon=True)
-        self.worker.start()
+        self.worker: threading.Thread | None = None  # None: the training thread converts
+        if self.converts_on_worker(run_has_device):
+            self.worker = threading.Thread(target=self._convert_loop, name="profstream-torch-ops", daemon=True)
+            self.worker.start()
+
+    @staticmethod
+    def converts_on_worker(run_has_device: bool) -> bool:
+        """Device runs convert on a worker thread, CPU-only runs on the training thread."""
+        return run_has_device
 
     # -- training thread --------------------------------------------------------------
 
@@ -94,6 +108,7 @@ class OpCapture:
         if ended is not None and ended != self._saving:
             self._put((ended, None, None))  # not captured: the watermark may pass it
         self._saving = None
+        self._report_error()
 
     @property
     def running(self) -> bool:
@@ -108,6 +123,7 @@ class OpCapture:
                 prof.stop()
             finally:
                 self._recording = None
+            self._report_error()
 
     def drain(self, timeout: float) -> bool:
         """Wait until every handed-over step has been converted and sent."""
@@ -120,9 +136,10 @@ class OpCapture:
 
     def close(self, timeout: float = 10.0) -> None:
         self.stop()
-        self.drain(timeout)
-        self._work.put(_STOP)
-        self.worker.join(timeout)
+        if self.worker is not None:
+            self.drain(timeout)
+            self._work.put(_STOP)
+            self.worker.join(timeout)
 
     def _start_profiler(self) -> None:
         import warnings
@@ -158,27 +175,45 @@ class OpCapture:
             self.steps_captured += 1
 
     def _put(self, item: tuple) -> None:
-        self._idle.clear()
-        self._work.put(item)
+        if self.worker is None:
+            self._convert(*item)
+        else:
+            self._idle.clear()
+            self._work.put(item)
 
-    # -- worker thread ----------------------------------------------------------------
+    def _report_error(self) -> None:
+        """Report a failed conversion of the training thread, once out of the profiler's
+        callback (the error handler stops the profiler)."""
+        error, self._error = self._error, None
+        if error is not None:
+            self.on_error(error)
+
+    # -- the conversion (training thread, or the worker on device runs) ------------------
 
     def _convert_loop(self) -> None:
         while True:
             item = self._work.get()
             if item is _STOP:
                 return
-            step, results, fp_ns = item
             try:
-                if results is not None and not self.failed:
-                    self._send_ops(step, results, fp_ns)
-                self.monitor.complete_through(step)
-            except Exception as e:  # internal error: capture switches off, training goes on
-                self.failed = True
-                self.on_error(e)
+                self._convert(*item)
             finally:
                 if self._work.empty():
                     self._idle.set()
+
+    def _convert(self, step: int, results: Any, fp_ns: int | None) -> None:
+        """Send the ops of a recorded step (``results`` None: not captured) and move the
+        watermark past it."""
+        try:
+            if results is not None and not self.failed:
+                self._send_ops(step, results, fp_ns)
+            self.monitor.complete_through(step)
+        except Exception as e:  # internal error: capture switches off, training goes on
+            self.failed = True
+            if self.worker is None:
+                self._error = self._error or e
+            else:
+                self.on_error(e)
 
     def _send_ops(self, step: int, results: Any, fp_ns: int | None) -> None:
         cols = None if self.run_has_device else self._tree_columns(results, fp_ns)
