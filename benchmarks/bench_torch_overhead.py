@@ -26,16 +26,24 @@ Targets: <= 1 % and <= 3 %. The process CPU time per step (all threads: the Moni
 sender and the Kafka client included) is reported beside the wall time: on a machine with
 no idle core every CPU cycle of a background thread lengthens the step.
 
+``--places``: instead, where the conversion of a captured step can run and what the
+training thread pays for each place (no broker; see ``conversion_places``).
+
 Prints one JSON object on stdout; progress goes to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
 import os
+import queue
 import statistics
+import sys
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from _common import broker_bootstrap, drop_topics, emit, envelope, note, summary, unique_prefix
@@ -58,8 +66,10 @@ def make_loop(steps: int, batch: int, hidden: int) -> tuple[Any, Any, Any]:
     return model, torch.optim.SGD(model.parameters(), lr=1e-3), loader
 
 
-def run_steps(model: Any, optimizer: Any, loader: Any, profiler: Any = None) -> list[float]:
-    """Train one epoch; the wall time of each step in seconds, the first SKIP left out."""
+def run_steps(model: Any, optimizer: Any, loader: Any, profiler: Any = None,
+              clock: Callable[[], Any] = time.perf_counter) -> list[Any]:
+    """Train one epoch; per step the difference of ``clock()`` read at its end and at the
+    previous step's end (tuples: field by field), the first SKIP left out."""
     import torch
 
     ends = []
@@ -69,7 +79,9 @@ def run_steps(model: Any, optimizer: Any, loader: Any, profiler: Any = None) -> 
         optimizer.step()
         if profiler is not None:
             profiler.step()
-        ends.append(time.perf_counter())
+        ends.append(clock())
+    if ends and isinstance(ends[0], tuple):
+        return [tuple(q - p for p, q in zip(a, b)) for a, b in zip(ends, ends[1:])][SKIP - 1:]
     return [b - a for a, b in zip(ends, ends[1:])][SKIP - 1:]
 
 
@@ -151,6 +163,126 @@ def monitor_cpu_ms_per_step(options: dict[str, Any], steps: int = 100, step_s: f
         monitor.close(timeout=30)
 
 
+PLACES = ("none", "training_thread", "worker", "worker_pure_python", "worker_gil_free", "worker_switch_100us")
+
+
+class _Worker:
+    """A thread that runs ``work`` on each trace handed to it, timing its CPU; the trace
+    is then freed on this thread, as a converting worker would."""
+
+    def __init__(self, work: Callable[[Any], Any]) -> None:
+        self.work, self.cpu_s, self.items = work, 0.0, 0
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._loop, daemon=True).start()
+
+    def _loop(self) -> None:
+        while (item := self.queue.get()) is not None:
+            c0 = time.thread_time()
+            self.work(item)
+            self.cpu_s += time.thread_time() - c0
+            self.items += 1
+            del item
+
+
+def _training_clock() -> tuple[float, float, float]:
+    """Wall time, the calling thread's CPU time and its wait on the run queue, in seconds."""
+    with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
+        run_delay_ns = int(f.read().split()[1])
+    return time.perf_counter(), time.thread_time(), run_delay_ns / 1e9
+
+
+def conversion_places(loop: tuple[Any, Any, Any], rounds: int) -> dict[str, Any]:
+    """Where the conversion of a captured step can run, and what the training thread pays.
+
+    The loop runs under torch.profiler (every step its own cycle); each step's trace is
+    left alone (``none``), converted in the profiler's callback on the training thread
+    (``training_thread``: what a CPU-only run does), converted on a worker thread
+    (``worker``), or the worker spends as much CPU in pure Python (``worker_pure_python``:
+    holds the GIL) or hashing (``worker_gil_free``: the GIL released); and the worker
+    under ``sys.setswitchinterval(1e-4)`` (``worker_switch_100us``; 5 ms is the default).
+    The conversion is ``tree_op_columns``. Per training step, means: wall, the training
+    thread's CPU, its wait for a core (run queue, /proc/self/task/TID/schedstat) and the
+    rest, blocked: neither running nor runnable, waiting for the GIL."""
+    from torch.profiler import ProfilerAction, ProfilerActivity, profile
+
+    from profstream.producers.torch_ops import HostThreads, tree_op_columns
+
+    def convert(results: Any) -> None:
+        tree_op_columns(results.experimental_event_tree(), 0, HostThreads(), None)
+
+    burn_s = [0.0]  # CPU of one conversion on the worker, measured in the warm-up
+
+    def pure_python(_results: Any) -> None:
+        end = time.thread_time() + burn_s[0]
+        while time.thread_time() < end:
+            pass
+
+    buffer = bytes(1 << 16)
+
+    def gil_free(_results: Any) -> None:
+        end = time.thread_time() + burn_s[0]
+        while time.thread_time() < end:
+            hashlib.sha256(buffer).digest()  # releases the GIL (inputs over 2 KiB)
+
+    workers = {"worker": _Worker(convert), "worker_switch_100us": _Worker(convert),
+               "worker_pure_python": _Worker(pure_python), "worker_gil_free": _Worker(gil_free)}
+    training_cpu = [0.0, 0]
+
+    def in_place(results: Any) -> None:
+        c0 = time.thread_time()
+        convert(results)
+        training_cpu[0] += time.thread_time() - c0
+        training_cpu[1] += 1
+
+    def block(place: str) -> list[tuple[float, float, float]]:
+        if place == "none":
+            on_trace_ready: Callable[[Any], Any] = lambda _prof: None  # noqa: E731
+        elif place == "training_thread":
+            on_trace_ready = lambda prof: in_place(prof.profiler.kineto_results)  # noqa: E731
+        else:
+            worker = workers[place]
+            on_trace_ready = lambda prof: worker.queue.put(prof.profiler.kineto_results)  # noqa: E731
+        interval = sys.getswitchinterval()
+        if place == "worker_switch_100us":
+            sys.setswitchinterval(1e-4)
+        prof = profile(activities=[ProfilerActivity.CPU], schedule=lambda _step: ProfilerAction.RECORD_AND_SAVE,
+                       on_trace_ready=on_trace_ready)
+        prof.start()
+        try:
+            return run_steps(*loop, prof, clock=_training_clock)
+        finally:
+            prof.stop()
+            sys.setswitchinterval(interval)
+
+    for place in PLACES:  # warm-up; the worker's conversion CPU sets the burn of the two controls
+        block(place)
+        if place == "worker":
+            burn_s[0] = workers["worker"].cpu_s / max(workers["worker"].items, 1)
+    for w in workers.values():
+        w.cpu_s, w.items = 0.0, 0
+    training_cpu[:] = [0.0, 0]
+    steps: dict[str, list[tuple[float, float, float]]] = {p: [] for p in PLACES}
+    for i in range(rounds):
+        k = i % len(PLACES)
+        for place in PLACES[k:] + PLACES[:k]:
+            steps[place] += block(place)
+    out: dict[str, Any] = {}
+    for place in PLACES:
+        wall, cpu, run_queue = (statistics.fmean(col) * 1e3 for col in zip(*steps[place]))
+        worker = workers.get(place)
+        out[place] = {"steps": len(steps[place]), "mean_wall_ms": wall, "training_cpu_ms": cpu,
+                      "run_queue_ms": run_queue, "blocked_ms": wall - cpu - run_queue,
+                      "median_wall_ms": statistics.median(s[0] for s in steps[place]) * 1e3,
+                      "conversion_cpu_ms": (worker.cpu_s / max(worker.items, 1) * 1e3 if worker is not None
+                                            else training_cpu[0] / max(training_cpu[1], 1) * 1e3
+                                            if place == "training_thread" else 0.0)}
+    for place in PLACES:
+        out[place]["wall_over_none_ms"] = out[place]["mean_wall_ms"] - out["none"]["mean_wall_ms"]
+    for w in workers.values():
+        w.queue.put(None)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bootstrap", default=os.environ.get("PROFSTREAM_TEST_BOOTSTRAP"),
@@ -163,6 +295,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: steadier on a shared box)")
     parser.add_argument("--batch-interval-ms", type=float, default=None,
                         help="Monitor batch_interval_ms (default: the Monitor's default)")
+    parser.add_argument("--places", action="store_true",
+                        help="measure where the conversion can run instead (no broker); --repeats x 4 rounds")
     args = parser.parse_args()
 
     import torch
@@ -170,6 +304,11 @@ def main() -> None:
     from profstream.producers.monitor import Monitor
 
     torch.set_num_threads(args.threads)
+    if args.places:
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # read when kineto starts: no lines per cycle
+        emit(envelope("torch_conversion_places", args,
+                      {"places": conversion_places(make_loop(args.block, args.batch, args.hidden), args.repeats * 4)}))
+        return
     bootstrap = broker_bootstrap(args.bootstrap)
     prefix = unique_prefix()
     options = {"bootstrap": bootstrap, "topic_prefix": prefix, "host_sample_interval_s": 0,
