@@ -212,9 +212,12 @@ def tree_op_columns(roots: Sequence[Any], offset_ns: int = 0, threads: HostThrea
     began, so the outermost ops are those reached through annotations alone: only they
     and the annotations are read, never the ops nested in them (172 of 484 events a step
     of the overhead benchmark; reading a tree node also costs less than reading a
-    ``_KinetoEvent``). Same ops, in the same order, as ``to_op_columns`` of ``events()``;
-    None when a node is not a torch op or the tree cannot be read (the caller converts
-    ``events()`` instead)."""
+    ``_KinetoEvent``). Same ops, in the same order, as ``to_op_columns`` of ``events()``,
+    but where torch's tree nests what the time rule does not: an op that starts at the
+    very nanosecond its predecessor ends, and an autograd op with nothing open on its own
+    thread, which torch hangs under the op open on its forward thread (backward run from
+    another thread). None when a node is not a torch op or the tree cannot be read (the
+    caller converts ``events()`` instead)."""
     try:
         from torch._C._profiler import RecordScope, _ExtraFields_TorchOp
     except ImportError:
