@@ -9,6 +9,8 @@ import dataclasses
 import gzip
 import json
 import logging
+import os
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -125,3 +127,17 @@ def test_a_second_traceevents_key_and_a_truncated_file_give_what_one_process_giv
     assert not parsed_in_chunks(cut)
     with pytest.raises(IngestError, match="truncated"):
         load_profile(cut, workers=WORKERS)
+
+
+def test_a_worker_that_dies_sends_the_file_to_one_process(tmp_path, monkeypatch, caplog):
+    path = tmp_path / "trace.json"
+    _torch_trace(path, steps=9)
+
+    def killed(text, chunk):  # as the OOM killer, or a SIGBUS from a file cut short under its mapping
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    monkeypatch.setattr(chunks, "_decode", killed)
+    with caplog.at_level(logging.INFO, logger="profstream.ingest"):
+        assert not parsed_in_chunks(path)
+    assert "exited with code -9" in caplog.text
+    assert both(path).steps == 4

@@ -17,6 +17,7 @@ events of the same array.
 from __future__ import annotations
 
 import logging
+import mmap
 import multiprocessing
 import os
 import re
@@ -98,35 +99,55 @@ def columns_in_chunks(path: Path, raw: bytes | None, workers: int | None) -> tup
 
 
 class _Text:
-    """The JSON text of a trace: the bytes of a decompressed file, or a plain file read a
-    piece at a time (so that no process holds all of it)."""
+    """The JSON text of a trace: the bytes of a decompressed file, or a plain file that each
+    worker maps (so that no process reads or holds all of it)."""
 
     def __init__(self, path: Path, raw: bytes | None):
         self.path, self.raw = path, raw
+        self._map: mmap.mmap | None = None
         try:
             self.size = len(raw) if raw is not None else path.stat().st_size
         except OSError:  # the one-process path says why
             self.size = 0
 
-    def read(self, start: int, end: int | None, before: bytes = b"", after: bytes = b"") -> bytes | bytearray:
-        """Bytes ``start`` to ``end`` (None: to the end), between ``before`` and ``after``."""
+    def read(self, start: int, end: int) -> bytes:
+        """A copy of bytes ``start`` to ``end``."""
+        if self.raw is not None:
+            return self.raw[start:end]
+        with self.path.open("rb") as f:
+            f.seek(start)
+            return f.read(end - start)
+
+    def span(self, start: int, end: int | None, before: bytes = b"", after: bytes = b"") -> bytes | memoryview:
+        """Bytes ``start`` to ``end`` (None: to the end) between ``before`` and ``after``, to
+        decode. From a file, ``before`` and ``after`` are written over the bytes around the
+        span in a private mapping (copy on write: neither the file nor another process sees
+        it), so the span itself is not copied; the bytes overwritten are not this chunk's."""
         if self.raw is not None:
             return b"".join((before, memoryview(self.raw)[start:end], after))
-        with self.path.open("rb") as f:
-            n = (os.fstat(f.fileno()).st_size if end is None else min(end, self.size)) - start
-            buf = bytearray(len(before) + n + len(after))
-            buf[:len(before)] = before
-            f.seek(start)
-            if f.readinto(memoryview(buf)[len(before):len(before) + n]) != n:
-                raise ValueError("the file changed while it was read")
-            buf[len(before) + n:] = after
-            return buf
+        text = self._mapping()
+        end = len(text) if end is None else end
+        first, last = start - len(before), end + len(after)
+        if first < 0 or last > len(text):
+            raise ValueError("the file changed since it was cut")
+        text[first:start] = before
+        text[end:last] = after
+        return memoryview(text)[first:last]
+
+    def find(self, sub: bytes, start: int) -> int:
+        return (self.raw if self.raw is not None else self._mapping()).find(sub, start)
+
+    def _mapping(self) -> mmap.mmap:
+        if self._map is None:
+            with self.path.open("rb") as f:
+                self._map = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        return self._map
 
 
 def _cut(text: _Text, parts: int) -> list[_Chunk] | None:
     """``parts`` chunks of about equal size, each cut between two events (if the cut is
     right: the workers find out)."""
-    head = text.read(0, _WINDOW)
+    head = text.read(0, min(_WINDOW, text.size))
     first_key = head.find(_OBJECT_KEY)
     array = _ARRAY_START.match(head)
     if array is not None:
@@ -139,7 +160,7 @@ def _cut(text: _Text, parts: int) -> list[_Chunk] | None:
     chunks, start = [], first
     for k in range(1, parts):
         at = first + k * (text.size - first) // parts
-        between = _BETWEEN_EVENTS.search(text.read(at, at + _WINDOW))
+        between = _BETWEEN_EVENTS.search(text.read(at, min(at + _WINDOW, text.size)))
         if between is None or at + between.start() <= start:  # an event longer than the window
             continue
         chunks.append(_Chunk(start, at + between.start() + 1, header_end if not chunks else 0, in_object))
@@ -199,16 +220,14 @@ def _worker(send, path: Path, text: _Text, chunk: _Chunk) -> None:
 def _decode(text: _Text, chunk: _Chunk) -> tuple[list[TraceEvent], dict[str, Any]]:
     fields: dict[str, Any] = {}
     if chunk.header_end:  # the header fields before the array
-        fields = _fields(_PART.decode(text.read(0, chunk.header_end, after=b"]}")))
+        fields = _fields(_PART.decode(text.read(0, chunk.header_end) + b"]}"))
     if chunk.end is not None:
-        return _EVENTS.decode(text.read(chunk.start, chunk.end, b"[", b"]")), fields
+        return _EVENTS.decode(text.span(chunk.start, chunk.end, b"[", b"]")), fields
     if not chunk.in_object:  # the rest of the file's array
-        return _EVENTS.decode(text.read(chunk.start, None, b"[")), fields
-    opening = b'{"traceEvents":['
-    rest = text.read(chunk.start, None, opening)  # events, then the fields after the array
-    if rest.find(_OBJECT_KEY, len(opening)) >= 0:  # a second traceEvents, or one in an event's args
+        return _EVENTS.decode(text.span(chunk.start, None, b"[")), fields
+    if text.find(_OBJECT_KEY, chunk.start) >= 0:  # a second traceEvents, or one in an event's args
         raise ValueError("traceEvents again after the cut")
-    part = _PART.decode(rest)
+    part = _PART.decode(text.span(chunk.start, None, b'{"traceEvents":['))  # events, then the fields after
     return part.traceEvents, _fields(part)
 
 
