@@ -123,11 +123,9 @@ def _gc_paused():
 
 def _profile(path: Path, cols: EventColumns, meta: dict, base_ns: int | None) -> Profile:
     keys, key_code, ts_us, dur_us = cols.keys, cols.key_code, cols.ts_us, cols.dur_us
-    n = len(key_code)
     key_name, name_ix = _codes([k[1] for k in keys])
     key_cat, cat_ix = _codes([k[2] or "" for k in keys])
     key_track, track_ix = _track_codes([k[3] for k in keys], [k[4] for k in keys])
-    name_code, cat_code, track_code = key_name[key_code], key_cat[key_code], key_track[key_code]
 
     process_names, thread_names = {}, {}
     for what, pid, tid, name in cols.metadata:  # in file order: the last one of a track wins
@@ -145,11 +143,12 @@ def _profile(path: Path, cols: EventColumns, meta: dict, base_ns: int | None) ->
     name_kind = np.array([kind_from_name(nm) for nm in name_list] or [0], np.int8)
     step_of_name = [_STEP.match(nm) for nm in name_list]
 
+    # then per key (name, category and track together), so that each event costs one lookup:
     # a derived track is left out; else the category decides, else the track, else the name
-    by_track = track_kind[track_code].astype(np.int16) if n else np.empty(0, np.int16)
-    kind = cat_kind[cat_code].astype(np.int16) if n else by_track
+    by_track = track_kind[key_track].astype(np.int16)
+    kind = cat_kind[key_cat].astype(np.int16)
     kind = np.where(by_track == _SKIP, _SKIP, np.where(kind == _UNKNOWN, by_track, kind))
-    by_name = name_kind[name_code] if n else kind
+    by_name = name_kind[key_name]
     comm_track = kind == _COMM_TRACK
     kind = np.where(comm_track, np.where(by_name >= 0, by_name, 1), kind)  # 1: COMMUNICATION
     named = (by_name >= 0) & ((kind == COMPUTE) | (kind == _UNKNOWN))
@@ -157,36 +156,37 @@ def _profile(path: Path, cols: EventColumns, meta: dict, base_ns: int | None) ->
 
     # steps: step-named events that are not the GPU-side copies of the annotation
     gpu_annotation = cat_ix.get("gpu_user_annotation", -1)
-    is_step_name = np.array([m is not None for m in step_of_name] or [False], bool)[name_code] if n else \
-        np.empty(0, bool)
-    is_step = is_step_name & (cat_code != gpu_annotation)
-    keep = (kind != _SKIP) & ~is_step_name & (dur_us >= 0)
+    is_step_name = np.array([m is not None for m in step_of_name] or [False], bool)[key_name]
+    is_step = is_step_name & (key_cat != gpu_annotation)
+    kept_key = (kind != _SKIP) & ~is_step_name
+    unknown_key = kept_key & (kind == _UNKNOWN)
+    kind = np.where(kind == _UNKNOWN, HOST, kind).astype(np.uint8)
 
     starts_ns = _us_to_ns(ts_us)
     durs_ns = np.rint(dur_us * 1000).astype(I64)
     base, clock = _clock(path, meta, starts_ns, durs_ns, base_ns)
 
     profile = Profile(source=_flavour(meta, cat_ix, process_names), path=path, clock=clock)
-    unknown = keep & (kind == _UNKNOWN)
-    if unknown.any():
-        counts = np.bincount(cat_code[unknown], minlength=len(cat_ix))
+    sel = np.flatnonzero(kept_key[key_code] & (dur_us >= 0))
+    op_key = key_code[sel]
+    if unknown_key.any():
+        per_key = np.bincount(op_key, minlength=len(keys)) * unknown_key
+        counts = np.bincount(key_cat, weights=per_key, minlength=len(cat_ix)).astype(I64)
         cat_list = list(cat_ix)
         for code in np.flatnonzero(counts):
             profile.unknown_categories[cat_list[code] or "(none)"] += int(counts[code])
-    kind = np.where(kind == _UNKNOWN, HOST, kind)
 
-    sel = np.flatnonzero(keep)
     profile.name_table = np.array(name_list, dtype=object)
     profile.type_table = np.array([type_from_name(nm) for nm in name_list], dtype=object)
-    profile.op_name = name_code[sel]
-    profile.op_type = name_code[sel]  # type_table is indexed by name code
-    profile.op_kind = kind[sel].astype(np.uint8)
-    profile.op_stream = track_code[sel]
+    profile.op_name = key_name[op_key]
+    profile.op_type = profile.op_name  # type_table is indexed by name code
+    profile.op_kind = kind[op_key]
+    profile.op_stream = key_track[op_key]
     profile.op_start_ns = starts_ns[sel] + base
     profile.op_dur_ns = durs_ns[sel]
 
-    steps_at = np.flatnonzero(is_step)
-    numbers = [int(step_of_name[name_code[i]].group(1)) for i in steps_at]
+    steps_at = np.flatnonzero(is_step[key_code])
+    numbers = [int(step_of_name[key_name[key_code[i]]].group(1)) for i in steps_at]
     seen: dict[int, int] = {}
     for i, s in zip(steps_at, numbers):  # a step number twice (several threads): the first one
         seen.setdefault(s, i)
