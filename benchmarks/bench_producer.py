@@ -113,7 +113,6 @@ def one_repeat(bootstrap: str, prefix: str, variant: str, args: argparse.Namespa
         flushed = monitor.flush(args.flush_timeout)
         elapsed = time.perf_counter() - t0
         s1 = monitor.stats()
-        compression = _compression_rate(monitor)
     finally:
         monitor.close(timeout=30.0)
     final = monitor.stats()
@@ -135,21 +134,8 @@ def one_repeat(bootstrap: str, prefix: str, variant: str, args: argparse.Namespa
         "message_mb_per_s": delta("bytes_sent") / elapsed / 1e6,
         "mean_ops_per_batch": out["ops_offered"] / acked if acked else None,
         "mean_message_bytes": delta("bytes_sent") / delta("batches_sent") if delta("batches_sent") else None,
-        "kafka_compression_rate_avg": compression,
-        "compressed_mb_per_s_estimate": delta("bytes_sent") * compression / elapsed / 1e6 if compression else None,
         "batches_acked_total": final["batches_acked"],
     }
-
-
-def _compression_rate(monitor: Monitor) -> float | None:
-    """kafka-python's compression-rate-avg (compressed / uncompressed), if it reports one."""
-    producer = getattr(monitor._sender, "_producer", None)
-    if producer is None:
-        return None
-    for group in producer.metrics().values():
-        if "compression-rate-avg" in group:
-            return group["compression-rate-avg"]
-    return None
 
 
 def raw_messages(bootstrap: str, prefix: str) -> int:
