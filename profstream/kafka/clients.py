@@ -102,7 +102,7 @@ class NativeProducer:
 
     kafka-python spends ~2.3 ms of CPU per message in Python threads of the training
     process; librdkafka does the same work in C threads for ~0.35 ms (docs/benchmarks.md
-    section 12). Delivery reports (``on_done(error_or_None)``) and client errors
+    section 3). Delivery reports (``on_done(error_or_None)``) and client errors
     (``on_error``) are served by :meth:`poll`, :meth:`flush` and :meth:`close`, on the
     calling thread: the Sender's. Same settings as :func:`make_producer`.
     """
