@@ -80,19 +80,6 @@ def _codes(values: list) -> tuple[np.ndarray, dict]:
     return np.fromiter([setdefault(v, len(table)) for v in values], np.int32, len(values)), table
 
 
-def _track_codes(pids: list, tids: list) -> tuple[np.ndarray, dict]:
-    """Codes of (pid, tid) pairs, from the codes of each (no tuple per event)."""
-    pid_code, pid_ix = _codes(pids)
-    tid_code, tid_ix = _codes(tids)
-    pid_list, tid_list, width = list(pid_ix), list(tid_ix), len(tid_ix)
-    pair = pid_code.astype(I64) * width + tid_code
-    uniques, first = np.unique(pair, return_index=True)
-    uniques = uniques[np.argsort(first)]  # order of first appearance
-    lookup = np.empty(len(pid_ix) * width, np.int32)
-    lookup[uniques] = np.arange(len(uniques), dtype=np.int32)
-    return lookup[pair], {(pid_list[c // width], tid_list[c % width]): i for i, c in enumerate(uniques.tolist())}
-
-
 def parse_chrome(path: Path, base_ns: int | None = None, workers: int | None = None) -> Profile:
     """Read a Chrome trace JSON file into a ``Profile``. A large file is parsed in
     ``workers`` processes (default: ``chunks.default_workers()``; 1: this process only),
@@ -125,7 +112,7 @@ def _profile(path: Path, cols: EventColumns, meta: dict, base_ns: int | None) ->
     keys, key_code, ts_us, dur_us = cols.keys, cols.key_code, cols.ts_us, cols.dur_us
     key_name, name_ix = _codes([k[1] for k in keys])
     key_cat, cat_ix = _codes([k[2] or "" for k in keys])
-    key_track, track_ix = _track_codes([k[3] for k in keys], [k[4] for k in keys])
+    key_track, track_ix = _codes([(k[3], k[4]) for k in keys])  # (pid, tid)
 
     process_names, thread_names = {}, {}
     for what, pid, tid, name in cols.metadata:  # in file order: the last one of a track wins

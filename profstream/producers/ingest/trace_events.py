@@ -120,9 +120,7 @@ def is_plain(path: Path) -> bool:
         return True
 
 
-def _floats(events: list[TraceEvent], field: str) -> np.ndarray:
-    values = [getattr(e, field) for e in events] if field not in ("ts", "dur") else \
-        ([e.ts for e in events] if field == "ts" else [e.dur for e in events])
+def _floats(values: list) -> np.ndarray:
     try:
         return np.fromiter(values, np.float64, len(values))
     except (TypeError, ValueError):  # numbers as strings (msprof)
@@ -158,8 +156,8 @@ def scan_events(path: Path, events: list[TraceEvent]) -> EventColumns:
     is_complete = np.array([k[0] == "X" for k in keys] or [False], bool)[all_code]
     complete = np.flatnonzero(is_complete)
     try:
-        ts_us = _floats(events, "ts")[complete]
-        dur_us = _floats(events, "dur")[complete]
+        ts_us = _floats([e.ts for e in events])[complete]
+        dur_us = _floats([e.dur for e in events])[complete]
     except (TypeError, ValueError):
         raise IngestError(f"{path}: an event's ts or dur is not a number: expected {EXPECTED}") from None
 
