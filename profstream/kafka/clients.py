@@ -208,6 +208,20 @@ def consumer_lag(consumer: KafkaConsumer) -> int:
     return total
 
 
+def native_consumer_lag(consumer: confluent_kafka.Consumer) -> int:
+    """:func:`consumer_lag` of a librdkafka consumer: messages behind the end of its
+    assigned partitions, from the end offsets its last fetches reported."""
+    total = 0
+    for tp in consumer.position(consumer.assignment()):
+        try:
+            _low, high = consumer.get_watermark_offsets(tp, cached=True)
+        except confluent_kafka.KafkaException:
+            continue
+        if high >= 0 and tp.offset >= 0:
+            total += max(0, high - tp.offset)
+    return total
+
+
 def read_topic(bootstrap: str, topic: str, want, count: int, timeout: float,
                decode=None) -> list:
     """Read ``topic`` from the start (read_committed, no group) until ``count`` values

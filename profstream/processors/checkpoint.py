@@ -30,7 +30,11 @@ from typing import NamedTuple, Protocol
 import confluent_kafka
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
-from profstream.kafka.clients import make_native_consumer, make_transactional_producer
+from profstream.kafka.clients import (
+    make_native_consumer,
+    make_transactional_producer,
+    native_consumer_lag,
+)
 
 log = logging.getLogger("profstream.processor")
 
@@ -108,11 +112,11 @@ class TransactionalLoop:
         self.aborts = 0
         self.lag = 0  # input messages not consumed yet; updated on the loop's thread
         self._lag_at = 0.0
-        self._assigned: list[int] = []
+        self._assigned: set[int] = set()
 
     def assignment(self) -> list[int]:
         """The input partitions this loop owns now (as of its last poll)."""
-        return list(self._assigned)
+        return sorted(self._assigned)
 
     # -- rebalance (called by librdkafka inside consume(), on the loop's thread) ------
 
@@ -126,12 +130,12 @@ class TransactionalLoop:
         self.stage.drop_partitions(parts)
         for p in parts:
             self._positions.pop(p, None)
-        self._assigned = [p for p in self._assigned if p not in parts]
+        self._assigned -= parts
 
     def _on_assign(self, _consumer, assigned: list[TopicPartition]) -> None:
         parts = [tp.partition for tp in assigned]
         self._restore(parts)
-        self._assigned = sorted(set(self._assigned) | set(parts))
+        self._assigned.update(parts)
 
     def _restore(self, partitions: Iterable[int]) -> None:
         """Read the changelog partitions to their end (read_committed) into the stage."""
@@ -191,7 +195,7 @@ class TransactionalLoop:
         msgs = self._poll()
         now = time.monotonic()
         if now - self._lag_at >= 1.0:  # metrics read self.lag from other threads
-            self.lag = self._consumer_lag()
+            self.lag = native_consumer_lag(self._consumer)
             self._lag_at = now
         consumed = 0
         for msg in msgs:
@@ -200,7 +204,7 @@ class TransactionalLoop:
                 if err.code() != KafkaError._PARTITION_EOF:
                     log.warning("profstream processor: consumer error (%s); librdkafka retries", err.str())
                 continue
-            if msg.partition() not in self._positions and msg.partition() not in self._assigned:
+            if msg.partition() not in self._assigned:
                 continue  # revoked within this consume() call
             self._begin()
             rec = Record(msg.topic(), msg.partition(), msg.offset(), msg.key(), msg.value())
@@ -225,18 +229,6 @@ class TransactionalLoop:
             if msgs:
                 msgs += consume(n - 1, 0)
         return msgs
-
-    def _consumer_lag(self) -> int:
-        total = 0
-        topic = self.stage.input_topic
-        for tp in self._consumer.position([TopicPartition(topic, p) for p in self._assigned]):
-            try:
-                _low, high = self._consumer.get_watermark_offsets(tp, cached=True)
-            except KafkaException:
-                continue
-            if high >= 0 and tp.offset >= 0:
-                total += max(0, high - tp.offset)
-        return total
 
     def _commit_due(self, now: float, consumed: int) -> bool:
         """Commit when the input is drained, when the interval is up, or, once outputs wait

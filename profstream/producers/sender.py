@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from collections import deque
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import confluent_kafka
@@ -396,11 +397,7 @@ class Sender(threading.Thread):
         while self._pending:
             value, n_ops = self._pending[0]
             size = len(value)
-            sent_at = time.monotonic_ns()
-
-            def done(error: Exception | None, size=size, n_ops=n_ops, sent_at=sent_at) -> None:
-                self._on_delivery(error, size, n_ops, sent_at)
-
+            done = partial(self._on_delivery, size=size, n_ops=n_ops, sent_at=time.monotonic_ns())
             try:
                 producer.send(topic, value, self.m.key, done)
             except BufferError:  # librdkafka's queue is full (a long outage): keep it, retry later
