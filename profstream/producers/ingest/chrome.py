@@ -13,9 +13,7 @@ MindSpore's merged/pure/free tracks) are left out: the processors compute those.
 
 from __future__ import annotations
 
-import gc
 import re
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +30,7 @@ from profstream.producers.ingest.model import (
 from profstream.producers.ingest.trace_events import (
     EventColumns,
     decode_trace,
+    gc_paused,
     is_plain,
     read_bytes,
     scan_events,
@@ -84,7 +83,7 @@ def parse_chrome(path: Path, base_ns: int | None = None, workers: int | None = N
     """Read a Chrome trace JSON file into a ``Profile``. A large file is parsed in
     ``workers`` processes (default: ``chunks.default_workers()``; 1: this process only),
     with the same result."""
-    with _gc_paused():
+    with gc_paused():
         raw = None if is_plain(path) else read_bytes(path)  # plain: each worker reads its chunk
         parsed = columns_in_chunks(path, raw, workers)
         if parsed is None:  # small, one worker, or not cut cleanly: in this process
@@ -94,18 +93,6 @@ def parse_chrome(path: Path, base_ns: int | None = None, workers: int | None = N
             parsed = scan_events(path, events), meta
             del events  # freed now rather than after the numpy work below
         return _profile(path, *parsed, base_ns)
-
-
-@contextmanager
-def _gc_paused():
-    """Millions of new objects would run the cyclic GC over and over for nothing."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _profile(path: Path, cols: EventColumns, meta: dict, base_ns: int | None) -> Profile:

@@ -34,6 +34,7 @@ from profstream.producers.ingest.trace_events import (
     EventColumns,
     TraceEvent,
     TraceFile,
+    gc_paused,
     merge_columns,
     scan_events,
 )
@@ -177,13 +178,17 @@ def _run(path: Path, text: _Text, chunks: list[_Chunk]) -> list[tuple[EventColum
     ctx = multiprocessing.get_context("fork")
     procs, conns = [], []
     try:
-        for chunk in chunks:
-            receive, send = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_worker, args=(send, path, text, chunk), daemon=True)
-            proc.start()
-            send.close()
-            procs.append(proc)
-            conns.append(receive)
+        # The GC off across the forks, whoever calls: a child that collected right after
+        # the fork (threading's after-fork hook allocates) crashed in a test process whose
+        # other threads had been busy (a segfault, once in three full test runs).
+        with gc_paused():
+            for chunk in chunks:
+                receive, send = ctx.Pipe(duplex=False)
+                proc = ctx.Process(target=_worker, args=(send, path, text, chunk), daemon=True)
+                proc.start()
+                send.close()
+                procs.append(proc)
+                conns.append(receive)
         results = []
         for i, conn in enumerate(conns):
             try:

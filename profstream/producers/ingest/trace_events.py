@@ -7,8 +7,10 @@ several processes and merges them.
 
 from __future__ import annotations
 
+import gc
 import gzip
 import zlib
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +54,20 @@ class TraceFile(msgspec.Struct, gc=False):
 
 
 _TRACE = msgspec.json.Decoder(TraceFile | list[TraceEvent])
+
+
+@contextmanager
+def gc_paused():
+    """The cyclic GC off: millions of new objects would run it over and over for nothing,
+    and a process forked meanwhile (``chunks``) must not collect in the child what other
+    threads of the parent were changing at the fork."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def read_bytes(path: Path) -> bytes:
