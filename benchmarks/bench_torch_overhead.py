@@ -13,7 +13,9 @@ thread. Four variants:
   cycle (the schedule op capture uses) with an on_trace_ready that does nothing: the
   profiler's own cost;
 - ``instrumented_capture``: ``instrument()`` with op capture on every step: the profiler,
-  plus turning its events into ops and sending them.
+  plus turning its events into ops and sending them. The compiled event-tree walk is
+  built (or found built) before anything is measured, as in any run after the first
+  (``--no-compiled-walk``: the Python walk).
 
 The variants run interleaved in blocks of ``--block`` steps (one epoch of the loader),
 in a rotating order, so that a busy moment of a shared machine hits them alike; the
@@ -104,7 +106,8 @@ def run_block(variant: str, loop: tuple[Any, Any, Any], monitors: dict[str, Any]
     capture = variant == "instrumented_capture"
     if variant == "hooks_only":
         variant = "disabled"
-    handle = pst.instrument(model, optimizer, loader, monitor=monitors[variant], capture_ops=capture)
+    handle = pst.instrument(model, optimizer, loader, monitor=monitors[variant], capture_ops=capture,
+                            compiled_walk=stats.get("compiled_walk_option", True))
     try:
         return run_steps(model, optimizer, loader)
     finally:
@@ -112,6 +115,7 @@ def run_block(variant: str, loop: tuple[Any, Any, Any], monitors: dict[str, Any]
         if handle.capture is not None:
             stats["ops_sent"] = stats.get("ops_sent", 0) + handle.capture.ops_sent
             stats["steps_captured"] = stats.get("steps_captured", 0) + handle.capture.steps_captured
+            stats["steps_compiled"] = stats.get("steps_compiled", 0) + handle.capture.steps_compiled
         if handle.error is not None:
             stats.setdefault("errors", []).append(repr(handle.error))
 
@@ -163,7 +167,7 @@ def monitor_cpu_ms_per_step(options: dict[str, Any], steps: int = 100, step_s: f
         monitor.close(timeout=30)
 
 
-PLACES = ("none", "training_thread", "worker", "worker_pure_python", "worker_gil_free", "worker_switch_100us")
+PLACES = ("none", "training_thread", "training_thread_compiled", "worker", "worker_pure_python", "worker_gil_free", "worker_switch_100us")
 
 
 class _Worker:
@@ -196,16 +200,27 @@ def conversion_places(loop: tuple[Any, Any, Any], rounds: int) -> dict[str, Any]
 
     The loop runs under torch.profiler (every step its own cycle); each step's trace is
     left alone (``none``), converted in the profiler's callback on the training thread
-    (``training_thread``: what a CPU-only run does), converted on a worker thread
+    (``training_thread``: the Python walk; ``training_thread_compiled``: the compiled
+    walk, what a CPU-only run does once it is built), converted on a worker thread
     (``worker``), or the worker spends as much CPU in pure Python (``worker_pure_python``:
     holds the GIL) or hashing (``worker_gil_free``: the GIL released); and the worker
     under ``sys.setswitchinterval(1e-4)`` (``worker_switch_100us``; 5 ms is the default).
-    The conversion is ``tree_op_columns``. Per training step, means: wall, the training
+    The conversion elsewhere is ``tree_op_columns``. Per training step, means: wall, the training
     thread's CPU, its wait for a core (run queue, /proc/self/task/TID/schedstat) and the
     rest, blocked: neither running nor runnable, waiting for the GIL."""
     from torch.profiler import ProfilerAction, ProfilerActivity, profile
 
-    from profstream.producers.torch_ops import HostThreads, tree_op_columns
+    from profstream.producers import torch_native
+    from profstream.producers.torch_ops import (
+        HostThreads,
+        NodeNames,
+        native_op_columns,
+        tree_op_columns,
+    )
+
+    torch_native.start()
+    if not torch_native.wait(900) or torch_native.walker() is None:
+        raise SystemExit(f"the compiled walk is unavailable: {torch_native.status()[1]}")
 
     def convert(results: Any) -> None:
         tree_op_columns(results.experimental_event_tree(), 0, HostThreads(), None)
@@ -226,19 +241,26 @@ def conversion_places(loop: tuple[Any, Any, Any], rounds: int) -> dict[str, Any]
 
     workers = {"worker": _Worker(convert), "worker_switch_100us": _Worker(convert),
                "worker_pure_python": _Worker(pure_python), "worker_gil_free": _Worker(gil_free)}
-    training_cpu = [0.0, 0]
+    names = NodeNames()
 
-    def in_place(results: Any) -> None:
+    def compiled(results: Any) -> None:
+        native_op_columns(torch_native.walker(), results, 0, HostThreads(), None, names)
+
+    training_cpu = {"training_thread": [0.0, 0], "training_thread_compiled": [0.0, 0]}
+
+    def in_place(place: str, work: Callable[[Any], Any], results: Any) -> None:
         c0 = time.thread_time()
-        convert(results)
-        training_cpu[0] += time.thread_time() - c0
-        training_cpu[1] += 1
+        work(results)
+        training_cpu[place][0] += time.thread_time() - c0
+        training_cpu[place][1] += 1
 
     def block(place: str) -> list[tuple[float, float, float]]:
         if place == "none":
             on_trace_ready: Callable[[Any], Any] = lambda _prof: None  # noqa: E731
         elif place == "training_thread":
-            on_trace_ready = lambda prof: in_place(prof.profiler.kineto_results)  # noqa: E731
+            on_trace_ready = lambda prof: in_place(place, convert, prof.profiler.kineto_results)  # noqa: E731
+        elif place == "training_thread_compiled":
+            on_trace_ready = lambda prof: in_place(place, compiled, prof.profiler.kineto_results)  # noqa: E731
         else:
             worker = workers[place]
             on_trace_ready = lambda prof: worker.queue.put(prof.profiler.kineto_results)  # noqa: E731
@@ -260,7 +282,8 @@ def conversion_places(loop: tuple[Any, Any, Any], rounds: int) -> dict[str, Any]
             burn_s[0] = workers["worker"].cpu_s / max(workers["worker"].items, 1)
     for w in workers.values():
         w.cpu_s, w.items = 0.0, 0
-    training_cpu[:] = [0.0, 0]
+    for totals in training_cpu.values():
+        totals[:] = [0.0, 0]
     steps: dict[str, list[tuple[float, float, float]]] = {p: [] for p in PLACES}
     for i in range(rounds):
         k = i % len(PLACES)
@@ -274,8 +297,8 @@ def conversion_places(loop: tuple[Any, Any, Any], rounds: int) -> dict[str, Any]
                       "run_queue_ms": run_queue, "blocked_ms": wall - cpu - run_queue,
                       "median_wall_ms": statistics.median(s[0] for s in steps[place]) * 1e3,
                       "conversion_cpu_ms": (worker.cpu_s / max(worker.items, 1) * 1e3 if worker is not None
-                                            else training_cpu[0] / max(training_cpu[1], 1) * 1e3
-                                            if place == "training_thread" else 0.0)}
+                                            else training_cpu[place][0] / max(training_cpu[place][1], 1) * 1e3
+                                            if place in training_cpu else 0.0)}
     for place in PLACES:
         out[place]["wall_over_none_ms"] = out[place]["mean_wall_ms"] - out["none"]["mean_wall_ms"]
     for w in workers.values():
@@ -295,20 +318,26 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: steadier on a shared box)")
     parser.add_argument("--batch-interval-ms", type=float, default=None,
                         help="Monitor batch_interval_ms (default: the Monitor's default)")
+    parser.add_argument("--no-compiled-walk", dest="compiled_walk", action="store_false",
+                        help="op capture reads traces with the Python walk only")
     parser.add_argument("--places", action="store_true",
                         help="measure where the conversion can run instead (no broker); --repeats x 4 rounds")
     args = parser.parse_args()
 
     import torch
 
+    from profstream.producers import torch_native
     from profstream.producers.monitor import Monitor
 
     torch.set_num_threads(args.threads)
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # read when kineto starts: no lines per cycle, any variant
     if args.places:
-        os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # read when kineto starts: no lines per cycle
         emit(envelope("torch_conversion_places", args,
                       {"places": conversion_places(make_loop(args.block, args.batch, args.hidden), args.repeats * 4)}))
         return
+    if args.compiled_walk:  # built (or found built) before measuring, as in a run after the first
+        torch_native.start()
+        torch_native.wait(900)
     bootstrap = broker_bootstrap(args.bootstrap)
     prefix = unique_prefix()
     options = {"bootstrap": bootstrap, "topic_prefix": prefix, "host_sample_interval_s": 0,
@@ -320,10 +349,10 @@ def main() -> None:
     rounds = math.ceil(args.steps / (args.block - SKIP))
     per_repeat: dict[str, list[float]] = {v: [] for v in VARIANTS}
     cpu_per_repeat: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    stats: dict[str, Any] = {}
+    stats: dict[str, Any] = {"compiled_walk_option": args.compiled_walk}
     try:
         for variant in VARIANTS:  # warm-up: allocator, kineto's first start, the broker connection
-            run_block(variant, loop, monitors, {})
+            run_block(variant, loop, monitors, {"compiled_walk_option": args.compiled_walk})
         for r in range(args.repeats):
             times: dict[str, list[float]] = {v: [] for v in VARIANTS}
             cpu = dict.fromkeys(VARIANTS, 0.0)
@@ -339,6 +368,7 @@ def main() -> None:
             note(f"repeat {r}: " + ", ".join(f"{v} {per_repeat[v][-1] * 1e3:.2f} ms ({len(times[v])} steps)"
                                              for v in VARIANTS))
         stats["dropped_ops"] = sum(m.stats()["dropped_ops"] for m in monitors.values())
+        stats["compiled_walk"] = "/".join(filter(None, torch_native.status()))
         context = {"hook_cost_us_per_step": hook_cost_us(),
                    "monitor_alone_cpu_ms_per_20ms_step": monitor_cpu_ms_per_step(options)}
     finally:

@@ -185,14 +185,12 @@ def _rows(cols):
                     cols.dur_ns.tolist()))
 
 
-def test_the_event_tree_gives_the_same_ops_as_every_event():
-    """A CPU-only capture reads its ops off the profiler's event tree (annotations and
-    outermost ops only): exactly the ops, kinds, streams and times that converting every
-    event gives, with nested and empty annotations, a collective's and a second thread."""
+def rich_capture():
+    """A real CPU capture with nested and empty annotations, a collective's annotation,
+    data loading, forward, backward, and (where torch can) a second thread's ops; and
+    whether the second thread was recorded."""
     from torch._C._profiler import _ExperimentalConfig
     from torch.profiler import ProfilerActivity, profile, record_function
-
-    from profstream.producers.torch_ops import HostThreads, table_from_kineto, tree_op_columns
 
     model, optimizer, loader = make(4)
     a = torch.randn(64, 64)
@@ -216,16 +214,25 @@ def test_the_event_tree_gives_the_same_ops_as_every_event():
             with record_function("gloo:all_reduce"):
                 torch.ones(4).add_(1)
         side.join()
-    results = prof.profiler.kineto_results
+    return prof.profiler.kineto_results, bool(config)
+
+
+def test_the_event_tree_gives_the_same_ops_as_every_event():
+    """A CPU-only capture reads its ops off the profiler's event tree (annotations and
+    outermost ops only): exactly the ops, kinds, streams and times that converting every
+    event gives, with nested and empty annotations, a collective's and a second thread."""
+    from profstream.producers.torch_ops import HostThreads, table_from_kineto, tree_op_columns
+
+    results, two_threads = rich_capture()
     table = table_from_kineto(results.events(), run_has_device=False)
     data_until = int(np.median(table.start_ns)) + 1_000  # some ops before, some after
     by_events = to_op_columns(table, False, 1_000, HostThreads(), data_until)
     by_tree = tree_op_columns(results.experimental_event_tree(), 1_000, HostThreads(), data_until)
     assert _rows(by_tree) == _rows(by_events)
     names = set(by_tree.names)
-    assert {"aten::linear", "gloo:all_reduce"} <= names and ("aten::mm" in names) == bool(config)
+    assert {"aten::linear", "gloo:all_reduce"} <= names and ("aten::mm" in names) == two_threads
     assert not names & {"aten::addmm", "outer", "inner", "empty"}  # nested ops, annotations
-    assert set(by_tree.streams.tolist()) == ({0, 1} if config else {0})
+    assert set(by_tree.streams.tolist()) == ({0, 1} if two_threads else {0})
     assert {DATA, COMPUTE, COMMUNICATION} <= set(by_tree.kinds.tolist())
 
 

@@ -157,7 +157,8 @@ def instrument_from_environment() -> Any:
         resolve(MONITOR_OPTIONS)  # a bad PROFSTREAM_* value is reported now, not at step 0
         torch_opts = resolve(TORCH_OPTIONS, environ={k: v for k, v in os.environ.items()
                                                      if k != "PROFSTREAM_OPTIONS"})
-        handle = TorchInstrumentation(None, {}, torch_opts["capture_ops"], mark_steps=True, lazy=True)
+        handle = TorchInstrumentation(None, {}, torch_opts["capture_ops"], mark_steps=True, lazy=True,
+                                      compiled_walk=torch_opts["compiled_walk"])
         handle.attach(None, None, None)
         close_at_exit(handle)
         _handle = handle

@@ -40,6 +40,8 @@ _time_ns = time.time_ns
 TORCH_OPTIONS: tuple[Option, ...] = (
     Option("capture_ops", "bool", True,
            "capture ops with torch.profiler on the steps of start_step / stop_step / every_n_steps"),
+    Option("compiled_walk", "bool", True,
+           "read captured CPU-only traces with the compiled walk (built in the background at first use)"),
 )
 QUEUE_NAME = "dataloader"
 
@@ -51,7 +53,8 @@ def instrument(model: Any = None, optimizer: Any = None, loader: Any = None, mon
     ``model``, ``optimizer``, ``loader``: the outermost module, the optimizer and the
     DataLoader to hook; each one left out is hooked globally (every module, every
     optimizer, every DataLoader). ``monitor``: the Monitor to feed, else one is made from
-    ``options`` (Monitor options, see profstream.config, plus ``capture_ops``).
+    ``options`` (Monitor options, see profstream.config, plus ``capture_ops`` and
+    ``compiled_walk``).
     ``mark_steps=False``: the loop marks its steps itself with ``monitor.step()``.
     """
     import torch
@@ -69,7 +72,8 @@ def instrument(model: Any = None, optimizer: Any = None, loader: Any = None, mon
     if monitor is not None and monitor_opts:
         raise ConfigError(f"options {', '.join(sorted(monitor_opts))} configure a new Monitor: "
                           "give them to Monitor(...) or leave out monitor=")
-    inst = TorchInstrumentation(monitor, monitor_opts, torch_opts["capture_ops"], mark_steps)
+    inst = TorchInstrumentation(monitor, monitor_opts, torch_opts["capture_ops"], mark_steps,
+                                compiled_walk=torch_opts["compiled_walk"])
     inst.attach(model, optimizer, loader)
     close_at_exit(inst)
     return inst
@@ -102,12 +106,13 @@ class TorchInstrumentation:
     """The hooks of one ``instrument()`` call and the step state they share."""
 
     def __init__(self, monitor: Any, monitor_options: dict, capture_ops: bool, mark_steps: bool,
-                 lazy: bool = False) -> None:
+                 lazy: bool = False, compiled_walk: bool = True) -> None:
         import torch
 
         self._torch = torch
         self.cuda = torch.cuda.is_available()
         self.capture_ops = capture_ops
+        self.compiled_walk = compiled_walk
         self.mark_steps = mark_steps
         self.active = True
         self.error: BaseException | None = None
@@ -153,7 +158,7 @@ class TorchInstrumentation:
             o = monitor.options
             window = OpWindow(o["start_step"], o["stop_step"], o["every_n_steps"])
             _hand_op_window_to_producer(monitor)
-            self.capture = OpCapture(monitor, window, self.cuda, self._fail)
+            self.capture = OpCapture(monitor, window, self.cuda, self._fail, self.compiled_walk)
         if not self.cuda:
             self._rss = RssReader()
 

@@ -7,10 +7,11 @@ watermark (``complete_through``) moves past the step; steps outside the window m
 in the same order, so it never passes a step whose ops are still being converted.
 
 Where the conversion runs: on a CPU-only run, on the training thread at the step boundary
-(the event-tree walk, about 1 ms a step). A worker thread there would hold the GIL that
-the training thread needs between its ops (the training thread waits for about all of the
-worker's time) and take CPU from the intra-op threads, so it cost more than converting in
-place (docs/benchmarks.md section 12). On a device run a worker thread converts the
+(the event-tree walk: ~0.1 ms a step compiled, ``torch_native``, built in the background
+at first use; about 1 ms in Python until then or where it cannot be built). A worker
+thread there would hold the GIL that the training thread needs between its ops (the
+training thread waits for about all of the worker's time) and take CPU from the intra-op
+threads, so it cost more than converting in place (docs/benchmarks.md section 12). On a device run a worker thread converts the
 larger trace while the training thread waits for the device.
 """
 
@@ -23,10 +24,15 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
+
+from profstream.producers import torch_native
 from profstream.producers.torch_ops import (
     HostThreads,
+    NodeNames,
     OpColumns,
     clock_offset_ns,
+    native_op_columns,
     table_from_kineto,
     to_op_columns,
     tree_op_columns,
@@ -58,13 +64,15 @@ class OpWindow:
 class OpCapture:
     """Drives one torch.profiler through the window and feeds its ops to a Monitor."""
 
-    def __init__(self, monitor: Any, window: OpWindow, run_has_device: bool, on_error: Any) -> None:
+    def __init__(self, monitor: Any, window: OpWindow, run_has_device: bool, on_error: Any,
+                 compiled_walk: bool = True) -> None:
         self.monitor = monitor
         self.window = window
         self.run_has_device = run_has_device
         self.on_error = on_error  # called with the exception: on the worker, or out of the profiler's callback
         self.failed = False
         self.steps_captured = 0
+        self.steps_compiled = 0  # of them, read by the compiled walk
         self.ops_sent = 0
         self._profiler: Any = None
         self._upcoming: int | None = None  # the step the profiler's schedule is asked about
@@ -72,6 +80,13 @@ class OpCapture:
         self._saving: int | None = None  # the step whose trace is handed over next
         self._saving_fp_ns: int | None = None
         self._threads = HostThreads()
+        self._node_names = NodeNames()
+        # CPU-only runs read the event tree: compiled once it is built and has read a
+        # trace as the Python walk does.
+        self.compiled_walk = compiled_walk and not run_has_device
+        self._compiled_checked = False
+        if self.compiled_walk:
+            torch_native.start()
         self._offset_ns: int | None = None
         self._error: Exception | None = None  # of a conversion on the training thread, not reported yet
         self._work: queue.SimpleQueue = queue.SimpleQueue()
@@ -230,15 +245,43 @@ class OpCapture:
 
     def _tree_columns(self, results: Any, fp_ns: int | None) -> OpColumns | None:
         """The ops of a CPU-only step from the profiler's event tree: the outermost ops
-        and annotations only are read, at about half the cost of every event (torch_ops)."""
+        and annotations only are read, at about half the cost of every event (torch_ops);
+        by the compiled walk once it has read a trace exactly as the Python walk does."""
+        walk = torch_native.walker() if self.compiled_walk else None
+        if walk is not None and self._compiled_checked:
+            cols = native_op_columns(walk, results, self._offset_ns or 0, self._threads, fp_ns, self._node_names)
+            if cols is not None:
+                self.steps_compiled += 1
+                return cols
         tree = getattr(results, "experimental_event_tree", None)
         roots = tree() if tree is not None else None
         if not roots:
             return None
-        return tree_op_columns(roots, self._offset(roots[0].start_time_ns), self._threads, fp_ns)
+        cols = tree_op_columns(roots, self._offset(roots[0].start_time_ns), self._threads, fp_ns, self._node_names)
+        if walk is not None and cols is not None and not self._compiled_checked:
+            self._check_compiled(walk, results, cols, fp_ns)
+        return cols
+
+    def _check_compiled(self, walk: Any, results: Any, expected: OpColumns, fp_ns: int | None) -> None:
+        """Trust the compiled walk once it reads a trace as the Python walk did."""
+        try:
+            got = native_op_columns(walk, results, self._offset_ns or 0, self._threads, fp_ns, self._node_names)
+        except Exception as e:  # a build that does not fit this torch
+            torch_native.disable(f"it failed on a trace: {e!r}")
+            return
+        if got is not None and _same_ops(got, expected):
+            self._compiled_checked = True
+        else:
+            torch_native.disable("it read a trace differently from the Python walk")
 
     def _offset(self, profiler_ns: int) -> int:
         """Profiler clock -> epoch, worked out at the first capture."""
         if self._offset_ns is None:
             self._offset_ns = clock_offset_ns(profiler_ns)
         return self._offset_ns
+
+
+def _same_ops(a: OpColumns, b: OpColumns) -> bool:
+    return (a.names == b.names and a.op_types == b.op_types and all(
+        np.array_equal(x, y) for x, y in ((a.kinds, b.kinds), (a.streams, b.streams), (a.start_ns, b.start_ns),
+                                           (a.dur_ns, b.dur_ns))))

@@ -203,8 +203,68 @@ def to_op_columns(table: EventTable | Sequence[RawEvent], run_has_device: bool, 
                        run_has_device, offset_ns, threads, data_until_ns)
 
 
+class NodeNames:
+    """What the tree readings learn of an event name, kept from step to step: whether its
+    nodes are read through (annotations), and its kind and op type. Reading whether a
+    node is an annotation (``extra_fields.scope``) costs three times what the rest of the
+    node does, so the Python walk reads it once per name: a name is taken to be an
+    annotation or an op throughout the run. Bounded: names that change every step
+    (``ProfilerStep#N``) are forgotten with the rest when it is full."""
+
+    LIMIT = 4096
+
+    def __init__(self) -> None:
+        self._info: dict[str, tuple[bool, int, str] | None] = {}
+        self._last: tuple[list[str], np.ndarray, list[str]] = ([], np.zeros(0, np.uint8), [])
+
+    def get(self, name: str, node: Any) -> tuple[bool, int, str] | None:
+        """(read through, kind, op type) of a tree node's name; None when the node is not
+        a torch op (memory, Python calls...: the tree reading gives up)."""
+        try:
+            return self._info[name]
+        except KeyError:
+            pass
+        try:
+            from torch._C._profiler import RecordScope, _ExtraFields_TorchOp
+        except ImportError:  # a torch that names them otherwise: the caller reads events()
+            return None
+        fields = node.extra_fields
+        if type(fields) is not _ExtraFields_TorchOp:
+            return self._remember(name, None)
+        return self._remember(name, self._op_info(name, fields.scope == RecordScope.USER_SCOPE))
+
+    def op(self, name: str) -> tuple[bool, int, str]:
+        """The entry of a name the compiled walk found to be an op."""
+        info = self._info.get(name)
+        return info if info is not None else self._remember(name, self._op_info(name, False))
+
+    def kinds_and_types(self, op_names: list[str]) -> tuple[np.ndarray, list[str]]:
+        """Kinds and op types of the ops the compiled walk found; a step with the ops of
+        the step before (the usual case) reuses its columns."""
+        names, kinds, types = self._last
+        if op_names != names:
+            infos = [self.op(n) for n in op_names]
+            kinds, types = np.array([i[1] for i in infos], np.uint8), [i[2] for i in infos]
+            self._last = (op_names, kinds, types)
+        return kinds.copy(), types
+
+    @staticmethod
+    def through(name: str) -> bool:
+        """An annotation of this name is read through: it is no op (a collective's is)."""
+        return not _COMM_RE.search(name)
+
+    def _op_info(self, name: str, annotation: bool) -> tuple[bool, int, str]:
+        return annotation and self.through(name), op_kind(name, False, "cpu_op", False), op_type(name)
+
+    def _remember(self, name: str, info: Any) -> Any:
+        if len(self._info) >= self.LIMIT:
+            self._info.clear()
+        self._info[name] = info
+        return info
+
+
 def tree_op_columns(roots: Sequence[Any], offset_ns: int = 0, threads: HostThreads | None = None,
-                    data_until_ns: int | None = None) -> OpColumns | None:
+                    data_until_ns: int | None = None, names: NodeNames | None = None) -> OpColumns | None:
     """``to_op_columns`` of a CPU-only capture, read from the profiler's event tree
     (``kineto_results.experimental_event_tree()``) rather than from every event.
 
@@ -212,42 +272,81 @@ def tree_op_columns(roots: Sequence[Any], offset_ns: int = 0, threads: HostThrea
     began, so the outermost ops are those reached through annotations alone: only they
     and the annotations are read, never the ops nested in them (172 of 484 events a step
     of the overhead benchmark; reading a tree node also costs less than reading a
-    ``_KinetoEvent``). Same ops, in the same order, as ``to_op_columns`` of ``events()``,
-    but where torch's tree nests what the time rule does not: an op that starts at the
-    very nanosecond its predecessor ends, and an autograd op with nothing open on its own
-    thread, which torch hangs under the op open on its forward thread (backward run from
-    another thread). None when a node is not a torch op or the tree cannot be read (the
-    caller converts ``events()`` instead)."""
-    try:
-        from torch._C._profiler import RecordScope, _ExtraFields_TorchOp
-    except ImportError:
-        return None
-    user_scope = RecordScope.USER_SCOPE
-    names: list[str] = []
+    ``_KinetoEvent``). ``names`` carries what is known of each name from the steps
+    before (pass the same one every step). Same ops, in the same order, as
+    ``to_op_columns`` of ``events()``, but where torch's tree nests what the time rule
+    does not: an op that starts at the very nanosecond its predecessor ends, and an
+    autograd op with nothing open on its own thread, which torch hangs under the op open
+    on its forward thread (backward run from another thread). None when a node is not a
+    torch op (the caller converts ``events()`` instead). ``native_op_columns`` is the
+    same walk, compiled."""
+    names = names or NodeNames()
+    op_names: list[str] = []
+    infos: list[tuple[bool, int, str]] = []
     start: list[int] = []
     dur: list[int] = []
     thread: list[int] = []
     stack = list(reversed(roots))
     while stack:
         node = stack.pop()
-        fields = node.extra_fields
-        if type(fields) is not _ExtraFields_TorchOp:
+        name = node.name
+        info = names.get(name, node)
+        if info is None:
             return None
-        name, d = node.name, node.duration_time_ns
-        # Annotations (but a collective's, as in outermost_cpu_ops) are no ops, nor is an
-        # op that never ended (events() leaves it out): the ops under them may be.
-        if d < 0 or (fields.scope == user_scope and not _COMM_RE.search(name)):
+        d = node.duration_time_ns
+        # An annotation is read through, as is an op that never ended (events() leaves it
+        # out): the ops under them may be ops.
+        if d < 0 or info[0]:
             stack.extend(reversed(node.children))
             continue
-        names.append(name)
+        op_names.append(name)
+        infos.append(info)
         start.append(node.start_time_ns)
         dur.append(d)
         thread.append(node.start_tid)
-    order = np.argsort(np.array(start, np.int64), kind="stable")  # events() is in start order
-    names = [names[i] for i in order.tolist()]
-    return _op_columns(names, np.zeros(len(names), bool), ["cpu_op"] * len(names),
-                       np.array(start, np.int64)[order], np.array(dur, np.int64)[order],
-                       np.array(thread, np.int64)[order], False, offset_ns, threads, data_until_ns)
+    return _outermost_columns(op_names, np.array([i[1] for i in infos], np.uint8), [i[2] for i in infos],
+                              np.array(start, np.int64), np.array(dur, np.int64), np.array(thread, np.int64),
+                              offset_ns, threads, data_until_ns)
+
+
+def native_op_columns(walk: Callable[[Any, Callable[[str], bool]], Any], results: Any, offset_ns: int = 0,
+                      threads: HostThreads | None = None, data_until_ns: int | None = None,
+                      names: NodeNames | None = None) -> OpColumns | None:
+    """``tree_op_columns`` of a capture (``kineto_results``) by the compiled walk
+    (``torch_native.walker()``)."""
+    names = names or NodeNames()
+    walked = walk(results, names.through)
+    if walked is None:
+        return None
+    op_names, start, dur, thread = walked
+    kinds, types = names.kinds_and_types(op_names)
+    return _outermost_columns(op_names, kinds, types, np.frombuffer(start, np.int64), np.frombuffer(dur, np.int64),
+                              np.frombuffer(thread, np.int64), offset_ns, threads, data_until_ns)
+
+
+def _outermost_columns(op_names: list[str], kinds: np.ndarray, types: list[str], starts: np.ndarray,
+                       durs: np.ndarray, tids: np.ndarray, offset_ns: int, threads: HostThreads | None,
+                       data_until_ns: int | None) -> OpColumns:
+    """OpColumns of the outermost ops of a tree walk, in start order (as events() is);
+    ``kinds`` is changed in place."""
+    threads = threads or HostThreads()
+    starts = starts + offset_ns
+    if len(starts) > 1 and (np.diff(starts) < 0).any():
+        order = np.argsort(starts, kind="stable")
+        starts, durs, kinds, tids = starts[order], durs[order], kinds[order], tids[order]
+        at = order.tolist()
+        op_names, types = [op_names[i] for i in at], [types[i] for i in at]
+    if len(tids) and (tids == tids[0]).all():  # one thread (the usual CPU run)
+        streams = np.full(len(tids), threads.stream(int(tids[0]), False), np.int32)
+    else:  # streams in order of the threads' first op, as HostThreads numbers them
+        uniq, first, codes = np.unique(tids, return_index=True, return_inverse=True)
+        by_first = np.argsort(first)
+        stream_of = np.empty(len(uniq), np.int32)
+        stream_of[by_first] = [threads.stream(t, False) for t in uniq[by_first].tolist()]
+        streams = stream_of[codes.reshape(-1)]
+    if data_until_ns is not None:
+        kinds[starts + durs <= data_until_ns] = DATA
+    return OpColumns(list(op_names), types, kinds, streams, starts, durs.copy())
 
 
 def _op_columns(names: list[str], on_device: np.ndarray, activities: list[str], start: np.ndarray, dur: np.ndarray,
