@@ -512,6 +512,31 @@ def test_profstream_run_passes_options_and_keeps_an_existing_sitecustomize(tmp_p
     assert seen["capture"] == "false"
 
 
+def test_a_helper_of_a_profiled_process_is_not_profiled_but_keeps_its_own_sitecustomize(tmp_path):
+    """What the compiled walk's build child gets: the start-up hook off its path."""
+    import json
+    import os
+
+    own = tmp_path / "own"
+    own.mkdir()
+    (own / "sitecustomize.py").write_text("import builtins\nbuiltins.OWN_SITECUSTOMIZE_RAN = True\n")
+    report = ("import builtins, json, sys; print(json.dumps({'own': getattr(builtins, 'OWN_SITECUSTOMIZE_RAN', False), "
+              "'hooked': any(type(f).__name__ == '_TorchImportHook' for f in sys.meta_path)}))")
+    child = textwrap.dedent(f"""
+        import os, subprocess, sys
+        from profstream.producers.launch import without_profiling
+        print(subprocess.run([sys.executable, "-c", {report!r}], env=os.environ, capture_output=True, text=True).stdout)
+        print(subprocess.run([sys.executable, "-c", {report!r}], env=without_profiling(os.environ),
+                             capture_output=True, text=True).stdout)
+    """)
+    proc = _profstream_run("--bootstrap", "127.0.0.1:1", "--", sys.executable, "-c", child,
+                           env={**os.environ, "PYTHONPATH": str(own)}, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    profiled, helper = (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{"))
+    assert profiled == {"own": True, "hooked": True}
+    assert helper == {"own": True, "hooked": False}
+
+
 def test_profstream_run_bad_input_gets_one_line_errors():
     proc = _profstream_run("--every-n-steps", "0", "--", sys.executable, "-c", "pass")
     assert proc.returncode == 2

@@ -89,6 +89,27 @@ def child_environment(options: Mapping[str, Any], torch_options: Mapping[str, An
     return env
 
 
+def without_profiling(environ: Mapping[str, str]) -> dict[str, str]:
+    """An environment for a helper process of a profiled one (a compiler, a tool): the
+    start-up hook taken off PYTHONPATH, so that it is not profiled itself."""
+    env = dict(environ)
+    env.pop(CHILD_MARK, None)
+    kept = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and not _is_hook_dir(p)]
+    if kept:
+        env["PYTHONPATH"] = os.pathsep.join(kept)
+    else:
+        env.pop("PYTHONPATH", None)
+    return env
+
+
+def _is_hook_dir(path: str) -> bool:
+    try:
+        with open(os.path.join(path, "sitecustomize.py")) as f:
+            return f.readline().startswith(SITECUSTOMIZE.splitlines()[0])
+    except OSError:
+        return False
+
+
 def run_profiled(command: Sequence[str], options: Mapping[str, Any] | None = None,
                  torch_options: Mapping[str, Any] | None = None) -> int:
     """Run ``command`` with profiling switched on; returns its exit code (128 + n when

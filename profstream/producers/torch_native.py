@@ -30,6 +30,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from profstream.producers.launch import without_profiling
+
 log = logging.getLogger("profstream.torch")
 
 SOURCE = Path(__file__).with_name("torch_tree.cpp")
@@ -94,7 +96,7 @@ def compile_module(args: dict[str, Any], timeout: float = BUILD_TIMEOUT_S, nice:
     command = [sys.executable, "-c", _CHILD, json.dumps(args)]
     if nice:
         command = ["nice", "-n", str(nice), *command]
-    env = {**os.environ, "MAX_JOBS": os.environ.get("MAX_JOBS", "1")}
+    env = {**without_profiling(os.environ), "MAX_JOBS": os.environ.get("MAX_JOBS", "1")}  # not a profiled process
     try:
         proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env,
                               stdin=subprocess.DEVNULL)
