@@ -31,6 +31,7 @@ from profstream.schema.batch import (
     NO_VALUE,
     U8,
     EventBatch,
+    dictionary_codes,
     empty_section,
     encode_batch,
 )
@@ -48,9 +49,8 @@ def _drain(buf: deque, limit: int | None = None) -> list:
 
 
 def _dictionary(values) -> tuple[list[str], np.ndarray]:
-    index: dict = {}
-    codes = [index.setdefault(v, len(index)) for v in values]
-    return [str(v) for v in index], np.array(codes, dtype=I32)
+    codes, table = dictionary_codes(values)
+    return [str(v) for v in table], codes
 
 
 def rows_chunk(rows: list[tuple]) -> OpChunk:

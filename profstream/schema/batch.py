@@ -43,6 +43,14 @@ SECTIONS = {
 }
 
 
+def dictionary_codes(values: Sequence) -> tuple[np.ndarray, dict]:
+    """Dictionary encoding of a column: each value's code (int32, codes given in order of
+    first appearance) and {value: code}, whose keys in order are the dictionary."""
+    table: dict = {}
+    setdefault = table.setdefault
+    return np.fromiter([setdefault(v, len(table)) for v in values], I32, len(values)), table
+
+
 def empty_section(section: str) -> dict[str, np.ndarray]:
     return {col: np.empty(0, dtype) for col, dtype in SECTIONS[section]}
 

@@ -35,7 +35,7 @@ from profstream.producers.ingest.trace_events import (
     read_bytes,
     scan_events,
 )
-from profstream.schema.batch import COMPUTE, HOST, MEMCPY, MEMSET
+from profstream.schema.batch import COMPUTE, HOST, MEMCPY, MEMSET, dictionary_codes
 
 _STEP = re.compile(r"^(?:ProfilerStep#|Iteration[ _]?|[Ss]tep[ _#]?)(\d+)$")
 _SKIP = -2  # a derived or bookkeeping event, not an op
@@ -72,13 +72,6 @@ def _us_to_ns(ts_us: np.ndarray) -> np.ndarray:
     return whole.astype(I64) * 1000 + np.rint((ts_us - whole) * 1000).astype(I64)
 
 
-def _codes(values: list) -> tuple[np.ndarray, dict]:
-    """Codes of values (in order of first appearance) and {value: code}."""
-    table: dict = {}
-    setdefault = table.setdefault
-    return np.fromiter([setdefault(v, len(table)) for v in values], np.int32, len(values)), table
-
-
 def parse_chrome(path: Path, base_ns: int | None = None, workers: int | None = None) -> Profile:
     """Read a Chrome trace JSON file into a ``Profile``. A large file is parsed in
     ``workers`` processes (default: ``chunks.default_workers()``; 1: this process only),
@@ -97,9 +90,9 @@ def parse_chrome(path: Path, base_ns: int | None = None, workers: int | None = N
 
 def _profile(path: Path, cols: EventColumns, meta: dict, base_ns: int | None) -> Profile:
     keys, key_code, ts_us, dur_us = cols.keys, cols.key_code, cols.ts_us, cols.dur_us
-    key_name, name_ix = _codes([k[1] for k in keys])
-    key_cat, cat_ix = _codes([k[2] or "" for k in keys])
-    key_track, track_ix = _codes([(k[3], k[4]) for k in keys])  # (pid, tid)
+    key_name, name_ix = dictionary_codes([k[1] for k in keys])
+    key_cat, cat_ix = dictionary_codes([k[2] or "" for k in keys])
+    key_track, track_ix = dictionary_codes([(k[3], k[4]) for k in keys])  # (pid, tid)
 
     process_names, thread_names = {}, {}
     for what, pid, tid, name in cols.metadata:  # in file order: the last one of a track wins
