@@ -139,8 +139,8 @@ def test_a_compiled_walk_that_reads_differently_is_dropped_for_the_python_walk(w
     assert torch_native.status() == ("failed", "it read a trace differently from the Python walk")
     assert capture.steps_compiled == 0 and len(ops_of) == capture.steps_captured >= 6
     assert [r.getMessage() for r in caplog.records] == [
-        "profstream: op capture reads the profiler's trace in Python (about 1 ms a captured step more): the "
-        "compiled reader is unavailable: it read a trace differently from the Python walk"]
+        "profstream: op capture reads the profiler's trace in Python (about 0.5 ms more per captured step): the "
+        "compiled walk is unavailable: it read a trace differently from the Python walk"]
 
 
 def test_a_process_after_the_first_loads_the_built_walk_without_a_compiler(walk, monkeypatch):

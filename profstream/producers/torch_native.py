@@ -1,7 +1,7 @@
 """The compiled event-tree walk of op capture (``torch_tree.cpp``): built once, used when there.
 
 Reading a captured step's outermost ops through torch's Python bindings costs ~5 calls a
-tree node, about 1 ms a step in a training loop (docs/benchmarks.md section 12); the same
+tree node, 0.7-1 ms a step in a training loop (docs/benchmarks.md section 12); the same
 walk in C++ is one call, ~0.05 ms. It is compiled with ``torch.utils.cpp_extension``
 against the installed torch's own headers (a C++ compiler, the Python headers and ninja
 are needed; ~25 s of one core), in a child process at low priority that the first
@@ -173,8 +173,8 @@ def disable(reason: str) -> None:
         _native.module, _native.status, _native.reason = None, "failed", reason
     _native.ready.set()
     if first:
-        log.warning("profstream: op capture reads the profiler's trace in Python (about 1 ms a captured step "
-                    "more): the compiled reader is unavailable: %s", reason)
+        log.warning("profstream: op capture reads the profiler's trace in Python (about 0.5 ms more per captured "
+                    "step): the compiled walk is unavailable: %s", reason)
 
 
 def status() -> tuple[str, str]:
