@@ -11,8 +11,9 @@ Where the conversion runs: on a CPU-only run, on the training thread at the step
 at first use; 0.7-1 ms in Python until then or where it cannot be built). A worker
 thread there would hold the GIL that the training thread needs between its ops (the
 training thread waits for about all of the worker's time) and take CPU from the intra-op
-threads, so it cost more than converting in place (docs/benchmarks.md section 12). On a device run a worker thread converts the
-larger trace while the training thread waits for the device.
+threads, so it cost more than converting in place (docs/benchmarks.md section 12). On a
+device run a worker thread converts the larger trace while the training thread waits for
+the device.
 """
 
 from __future__ import annotations

@@ -199,8 +199,16 @@ def to_op_columns(table: EventTable | Sequence[RawEvent], run_has_device: bool, 
     names = [table.name(i) for i in keep.tolist()]
     on_device = table.on_device[keep]
     activities = [table.activity(i) if d else "cpu_op" for i, d in zip(keep.tolist(), on_device.tolist())]
-    return _op_columns(names, on_device, activities, table.start_ns[keep], table.dur_ns[keep], table.thread[keep],
-                       run_has_device, offset_ns, threads, data_until_ns)
+    threads = threads or HostThreads()
+    start = table.start_ns[keep] + offset_ns
+    dur = table.dur_ns[keep]
+    kinds = np.array([op_kind(nm, d, a, run_has_device) for nm, d, a in zip(names, on_device.tolist(), activities)],
+                     np.uint8)
+    if data_until_ns is not None:
+        kinds[~on_device & (start + dur <= data_until_ns)] = DATA
+    streams = np.array([t if d else threads.stream(t, run_has_device)
+                        for t, d in zip(table.thread[keep].tolist(), on_device.tolist())], np.int32)
+    return OpColumns(names, [op_type(nm) for nm in names], kinds, streams, start, dur)
 
 
 class NodeNames:
@@ -336,32 +344,13 @@ def _outermost_columns(op_names: list[str], kinds: np.ndarray, types: list[str],
         starts, durs, kinds, tids = starts[order], durs[order], kinds[order], tids[order]
         at = order.tolist()
         op_names, types = [op_names[i] for i in at], [types[i] for i in at]
-    if len(tids) and (tids == tids[0]).all():  # one thread (the usual CPU run)
+    if len(tids) and (tids == tids[0]).all():  # one thread (the usual CPU run): one lookup
         streams = np.full(len(tids), threads.stream(int(tids[0]), False), np.int32)
-    else:  # streams in order of the threads' first op, as HostThreads numbers them
-        uniq, first, codes = np.unique(tids, return_index=True, return_inverse=True)
-        by_first = np.argsort(first)
-        stream_of = np.empty(len(uniq), np.int32)
-        stream_of[by_first] = [threads.stream(t, False) for t in uniq[by_first].tolist()]
-        streams = stream_of[codes.reshape(-1)]
+    else:
+        streams = np.array([threads.stream(t, False) for t in tids.tolist()], np.int32)
     if data_until_ns is not None:
         kinds[starts + durs <= data_until_ns] = DATA
     return OpColumns(list(op_names), types, kinds, streams, starts, durs.copy())
-
-
-def _op_columns(names: list[str], on_device: np.ndarray, activities: list[str], start: np.ndarray, dur: np.ndarray,
-                thread: np.ndarray, run_has_device: bool, offset_ns: int, threads: HostThreads | None,
-                data_until_ns: int | None) -> OpColumns:
-    """OpColumns of the ops kept: kinds, types and streams from names and threads."""
-    threads = threads or HostThreads()
-    start = start + offset_ns
-    kinds = np.array([op_kind(nm, d, a, run_has_device) for nm, d, a in zip(names, on_device.tolist(), activities)],
-                     np.uint8)
-    if data_until_ns is not None:
-        kinds[~on_device & (start + dur <= data_until_ns)] = DATA
-    streams = np.array([t if d else threads.stream(t, run_has_device)
-                        for t, d in zip(thread.tolist(), on_device.tolist())], np.int32)
-    return OpColumns(names, [op_type(nm) for nm in names], kinds, streams, start, dur)
 
 
 def _prev_max_end(end: np.ndarray, new_thread: np.ndarray) -> np.ndarray:
