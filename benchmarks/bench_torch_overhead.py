@@ -87,7 +87,8 @@ def run_steps(model: Any, optimizer: Any, loader: Any, profiler: Any = None,
     return [b - a for a, b in zip(ends, ends[1:])][SKIP - 1:]
 
 
-def run_block(variant: str, loop: tuple[Any, Any, Any], monitors: dict[str, Any], stats: dict) -> list[float]:
+def run_block(variant: str, loop: tuple[Any, Any, Any], monitors: dict[str, Any], stats: dict,
+              compiled_walk: bool = True) -> list[float]:
     import profstream.torch as pst
 
     model, optimizer, loader = loop
@@ -107,7 +108,7 @@ def run_block(variant: str, loop: tuple[Any, Any, Any], monitors: dict[str, Any]
     if variant == "hooks_only":
         variant = "disabled"
     handle = pst.instrument(model, optimizer, loader, monitor=monitors[variant], capture_ops=capture,
-                            compiled_walk=stats.get("compiled_walk_option", True))
+                            compiled_walk=compiled_walk)
     try:
         return run_steps(model, optimizer, loader)
     finally:
@@ -167,7 +168,8 @@ def monitor_cpu_ms_per_step(options: dict[str, Any], steps: int = 100, step_s: f
         monitor.close(timeout=30)
 
 
-PLACES = ("none", "training_thread", "training_thread_compiled", "worker", "worker_pure_python", "worker_gil_free", "worker_switch_100us")
+PLACES = ("none", "training_thread", "training_thread_compiled", "worker", "worker_pure_python", "worker_gil_free",
+          "worker_switch_100us")
 
 
 class _Worker:
@@ -205,8 +207,8 @@ def conversion_places(loop: tuple[Any, Any, Any], rounds: int) -> dict[str, Any]
     (``worker``), or the worker spends as much CPU in pure Python (``worker_pure_python``:
     holds the GIL) or hashing (``worker_gil_free``: the GIL released); and the worker
     under ``sys.setswitchinterval(1e-4)`` (``worker_switch_100us``; 5 ms is the default).
-    The conversion elsewhere is ``tree_op_columns``. Per training step, means: wall, the training
-    thread's CPU, its wait for a core (run queue, /proc/self/task/TID/schedstat) and the
+    The conversion elsewhere is ``tree_op_columns``. Per training step, means: wall, the
+    training thread's CPU, its wait for a core (run queue, /proc/self/task/TID/schedstat) and the
     rest, blocked: neither running nor runnable, waiting for the GIL."""
     from torch.profiler import ProfilerAction, ProfilerActivity, profile
 
@@ -222,8 +224,10 @@ def conversion_places(loop: tuple[Any, Any, Any], rounds: int) -> dict[str, Any]
     if not torch_native.wait(900) or torch_native.walker() is None:
         raise SystemExit(f"the compiled walk is unavailable: {torch_native.status()[1]}")
 
+    names = NodeNames()  # kept from step to step, as OpCapture keeps it
+
     def convert(results: Any) -> None:
-        tree_op_columns(results.experimental_event_tree(), 0, HostThreads(), None)
+        tree_op_columns(results.experimental_event_tree(), 0, HostThreads(), None, names)
 
     burn_s = [0.0]  # CPU of one conversion on the worker, measured in the warm-up
 
@@ -241,8 +245,6 @@ def conversion_places(loop: tuple[Any, Any, Any], rounds: int) -> dict[str, Any]
 
     workers = {"worker": _Worker(convert), "worker_switch_100us": _Worker(convert),
                "worker_pure_python": _Worker(pure_python), "worker_gil_free": _Worker(gil_free)}
-    names = NodeNames()
-
     def compiled(results: Any) -> None:
         native_op_columns(torch_native.walker(), results, 0, HostThreads(), None, names)
 
@@ -349,10 +351,10 @@ def main() -> None:
     rounds = math.ceil(args.steps / (args.block - SKIP))
     per_repeat: dict[str, list[float]] = {v: [] for v in VARIANTS}
     cpu_per_repeat: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    stats: dict[str, Any] = {"compiled_walk_option": args.compiled_walk}
+    stats: dict[str, Any] = {}
     try:
         for variant in VARIANTS:  # warm-up: allocator, kineto's first start, the broker connection
-            run_block(variant, loop, monitors, {"compiled_walk_option": args.compiled_walk})
+            run_block(variant, loop, monitors, {}, args.compiled_walk)
         for r in range(args.repeats):
             times: dict[str, list[float]] = {v: [] for v in VARIANTS}
             cpu = dict.fromkeys(VARIANTS, 0.0)
@@ -360,7 +362,7 @@ def main() -> None:
                 k = i % len(VARIANTS)
                 for variant in VARIANTS[k:] + VARIANTS[:k]:
                     c0 = time.process_time()
-                    times[variant] += run_block(variant, loop, monitors, stats)
+                    times[variant] += run_block(variant, loop, monitors, stats, args.compiled_walk)
                     cpu[variant] += time.process_time() - c0
             for v in VARIANTS:
                 per_repeat[v].append(statistics.median(times[v]))
