@@ -19,7 +19,7 @@ from profstream.producers.torch_ops import (  # noqa: E402
     tree_op_columns,
 )
 from profstream.schema.batch import COMMUNICATION, COMPUTE, DATA  # noqa: E402
-from tests.test_torch import _rows, make, rich_capture, train  # noqa: E402
+from tests.test_torch import FailingOpsMonitor, _rows, make, rich_capture, train  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -56,50 +56,16 @@ def test_the_compiled_walk_leaves_a_tree_with_other_events_to_the_event_conversi
     assert native_op_columns(walk, prof.profiler.kineto_results) is None
 
 
-class OpsMonitor:
-    """A Monitor stand-in (no Kafka) that keeps the ops it is given, step by step."""
-
-    options = {"start_step": None, "stop_step": None, "every_n_steps": None}
-    _enabled = True
-    _closed = False
+class OpsMonitor(FailingOpsMonitor):
+    """A Monitor stand-in (no Kafka) that keeps, step by step, the ops it is given
+    instead of failing on them."""
 
     def __init__(self):
-        self.current_step = -1
+        super().__init__()
         self.ops_of: dict[int, list[str]] = {}
-
-    def begin_step(self, step=None, ts_ns=None):
-        self.current_step += 1
-        return self.current_step
-
-    def end_step(self, ts_ns=None):
-        pass
-
-    def mark_fp_start(self, ts_ns=None):
-        pass
-
-    def mark_bp_end(self, ts_ns=None):
-        pass
-
-    def defer_ops(self):
-        pass
-
-    def queue_size(self, *a, **k):
-        pass
-
-    def memory(self, *a, **k):
-        pass
 
     def ops(self, names, start_ns, dur_ns, kinds=0, op_types=None, streams=0, step=None):
         self.ops_of[step] = list(names)
-
-    def complete_through(self, step):
-        pass
-
-    def flush(self, timeout=None):
-        return True
-
-    def close(self, timeout=None):
-        pass
 
 
 def _capture(compiled_walk: bool, steps: int = 8):
