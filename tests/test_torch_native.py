@@ -46,6 +46,21 @@ def test_the_compiled_walk_reads_a_trace_as_the_python_walk_does(walk):
     assert {DATA, COMPUTE, COMMUNICATION} <= set(by_compiled.kinds.tolist())
 
 
+def test_the_compiled_walk_hands_back_the_step_befores_names_only_when_they_are_the_same(walk):
+    results, _ = rich_capture()
+    through = NodeNames.through
+    found = walk(results, through, 0, None, [])[0]
+    assert walk(results, through, 0, None, found)[0] is found  # the same ops: that list, no new strings
+    changed = list(found)
+    changed[len(changed) // 2] += "x"  # a step before that differs in one name, by one character
+    again = walk(results, through, 0, None, changed)[0]
+    assert again is not changed and again == found
+    assert walk(results, through, 0, None, found[:-1])[0] == found  # one op fewer
+    names = NodeNames()  # and what capture sends is the same either way
+    first = native_op_columns(walk, results, 0, HostThreads(), None, names)
+    assert _rows(native_op_columns(walk, results, 0, HostThreads(), None, names)) == _rows(first)
+
+
 def test_the_compiled_walk_leaves_a_tree_with_other_events_to_the_event_conversion(walk):
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -92,10 +107,9 @@ def test_capture_reads_with_the_compiled_walk_after_one_checked_trace(walk):
 
 
 def test_a_compiled_walk_that_reads_differently_is_dropped_for_the_python_walk(walk, monkeypatch, caplog):
-    def off_by_one(results, through):
-        walked = walk(results, through)
-        names, start, dur, tid = walked
-        return names, start, (np.frombuffer(dur, np.int64) + 1).tobytes(), tid
+    def off_by_one(*args):
+        names, start, dur, tid, *flags = walk(*args)
+        return names, start, (np.frombuffer(dur, np.int64) + 1).tobytes(), tid, *flags
 
     state = torch_native._Native()  # this test's own: the real one stays usable
     state.status, state.module = "ready", type("Broken", (), {"outermost_ops": staticmethod(off_by_one)})

@@ -161,7 +161,8 @@ def _build_and_load() -> None:
 
 
 def walker() -> Any:
-    """``outermost_ops(result, through)`` of the compiled module, or None until it is there."""
+    """``outermost_ops(result, through, offset_ns, data_until_ns, previous)`` of the
+    compiled module (``torch_ops.native_op_columns`` calls it), or None until it is there."""
     module = _native.module
     return module.outermost_ops if module is not None else None
 

@@ -246,11 +246,17 @@ class NodeNames:
         info = self._info.get(name)
         return info if info is not None else self._remember(name, self._op_info(name, False))
 
+    @property
+    def last_names(self) -> list[str]:
+        """The op names of the step before (the compiled walk hands this very list back
+        when a step has the same ops)."""
+        return self._last[0]
+
     def kinds_and_types(self, op_names: list[str]) -> tuple[np.ndarray, list[str]]:
         """Kinds and op types of the ops the compiled walk found; a step with the ops of
         the step before (the usual case) reuses its columns."""
         names, kinds, types = self._last
-        if op_names != names:
+        if op_names is not names and op_names != names:
             infos = [self.op(n) for n in op_names]
             kinds, types = np.array([i[1] for i in infos], np.uint8), [i[2] for i in infos]
             self._last = (op_names, kinds, types)
@@ -312,45 +318,54 @@ def tree_op_columns(roots: Sequence[Any], offset_ns: int = 0, threads: HostThrea
         start.append(node.start_time_ns)
         dur.append(d)
         thread.append(node.start_tid)
-    return _outermost_columns(op_names, np.array([i[1] for i in infos], np.uint8), [i[2] for i in infos],
-                              np.array(start, np.int64), np.array(dur, np.int64), np.array(thread, np.int64),
-                              offset_ns, threads, data_until_ns)
+    starts = np.array(start, np.int64) + offset_ns
+    durs = np.array(dur, np.int64)
+    tids = np.array(thread, np.int64)
+    return _outermost_columns(
+        op_names, np.array([i[1] for i in infos], np.uint8), [i[2] for i in infos], starts, durs, tids, threads,
+        in_order=not (len(starts) > 1 and (np.diff(starts) < 0).any()),
+        one_thread=not len(tids) or bool((tids == tids[0]).all()),
+        data=None if data_until_ns is None else starts + durs <= data_until_ns)
 
 
-def native_op_columns(walk: Callable[[Any, Callable[[str], bool]], Any], results: Any, offset_ns: int = 0,
-                      threads: HostThreads | None = None, data_until_ns: int | None = None,
-                      names: NodeNames | None = None) -> OpColumns | None:
+def native_op_columns(walk: Callable[..., Any], results: Any, offset_ns: int = 0, threads: HostThreads | None = None,
+                      data_until_ns: int | None = None, names: NodeNames | None = None) -> OpColumns | None:
     """``tree_op_columns`` of a capture (``kineto_results``) by the compiled walk
-    (``torch_native.walker()``)."""
+    (``torch_native.walker()``), which also does the per-op arithmetic: see torch_tree.cpp."""
     names = names or NodeNames()
-    walked = walk(results, names.through)
+    walked = walk(results, names.through, offset_ns, data_until_ns, names.last_names)
     if walked is None:
         return None
-    op_names, start, dur, thread = walked
+    op_names, start, dur, thread, in_order, one_thread, data = walked
     kinds, types = names.kinds_and_types(op_names)
     return _outermost_columns(op_names, kinds, types, np.frombuffer(start, np.int64), np.frombuffer(dur, np.int64),
-                              np.frombuffer(thread, np.int64), offset_ns, threads, data_until_ns)
+                              np.frombuffer(thread, np.int64), threads, in_order, one_thread,
+                              None if data is None else np.frombuffer(data, np.bool_))
 
 
 def _outermost_columns(op_names: list[str], kinds: np.ndarray, types: list[str], starts: np.ndarray,
-                       durs: np.ndarray, tids: np.ndarray, offset_ns: int, threads: HostThreads | None,
-                       data_until_ns: int | None) -> OpColumns:
-    """OpColumns of the outermost ops of a tree walk, in start order (as events() is);
-    ``kinds`` is changed in place."""
+                       durs: np.ndarray, tids: np.ndarray, threads: HostThreads | None, in_order: bool,
+                       one_thread: bool, data: np.ndarray | None) -> OpColumns:
+    """OpColumns of the outermost ops of a tree walk (``starts`` on the epoch clock), in
+    start order as events() is; ``in_order``: ``starts`` is already, ``one_thread``: one
+    tid throughout; ``data``: the ops that end before the step's forward, or None.
+    ``kinds`` is changed in place; the other arrays may be read-only."""
     threads = threads or HostThreads()
-    starts = starts + offset_ns
-    if len(starts) > 1 and (np.diff(starts) < 0).any():
+    if not in_order:
         order = np.argsort(starts, kind="stable")
         starts, durs, kinds, tids = starts[order], durs[order], kinds[order], tids[order]
+        data = None if data is None else data[order]
         at = order.tolist()
         op_names, types = [op_names[i] for i in at], [types[i] for i in at]
-    if len(tids) and (tids == tids[0]).all():  # one thread (the usual CPU run): one lookup
+    if not len(tids):
+        streams = np.zeros(0, np.int32)
+    elif one_thread:  # the usual CPU run: one lookup
         streams = np.full(len(tids), threads.stream(int(tids[0]), False), np.int32)
     else:
         streams = np.array([threads.stream(t, False) for t in tids.tolist()], np.int32)
-    if data_until_ns is not None:
-        kinds[starts + durs <= data_until_ns] = DATA
-    return OpColumns(list(op_names), types, kinds, streams, starts, durs.copy())
+    if data is not None:
+        kinds[data] = DATA
+    return OpColumns(op_names, types, kinds, streams, starts, durs)
 
 
 def _prev_max_end(end: np.ndarray, new_thread: np.ndarray) -> np.ndarray:
