@@ -76,6 +76,19 @@ def test_empty_batch_and_absent_watermark_round_trip():
     assert back.event_count == 0
 
 
+def test_a_section_whose_columns_differ_in_length_is_refused_even_when_its_first_is_empty():
+    batch = EventBatch(run_id="r", rank=0)
+    batch.memory = {**batch.memory, "allocated": np.array([1], np.int64)}  # ts_ns, the first column, is empty
+    with pytest.raises(ValueError, match="memory.allocated has 1 values, expected 0"):
+        encode_batch(batch)
+
+
+def test_empty_columns_of_any_kind_encode_alike():
+    as_lists = EventBatch(run_id="r", rank=0, ops={col: [] for col, _ in SECTIONS["ops"]})
+    fresh = EventBatch(run_id="r", rank=0, ops={col: np.zeros(0, dtype) for col, dtype in SECTIONS["ops"]})
+    assert encode_batch(as_lists) == encode_batch(fresh) == encode_batch(EventBatch(run_id="r", rank=0))
+
+
 def test_message_is_avro_single_object_encoding():
     data = encode_batch(random_batch(0, 10))
     assert data[:2] == b"\xc3\x01"
