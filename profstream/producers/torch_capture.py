@@ -7,8 +7,8 @@ watermark (``complete_through``) moves past the step; steps outside the window m
 in the same order, so it never passes a step whose ops are still being converted.
 
 Where the conversion runs: on a CPU-only run, on the training thread at the step boundary
-(the event-tree walk: ~0.1 ms a step compiled, ``torch_native``, built in the background
-at first use; 0.7-1 ms in Python until then or where it cannot be built). A worker
+(the event-tree walk: ~0.2 ms a step compiled, columns included, ``torch_native``, built in
+the background at first use; 0.7-1 ms in Python until then or where it cannot be built). A worker
 thread there would hold the GIL that the training thread needs between its ops (the
 training thread waits for about all of the worker's time) and take CPU from the intra-op
 threads, so it cost more than converting in place (docs/benchmarks.md section 12). On a
