@@ -29,6 +29,7 @@ from profstream.schema.batch import (
     I64,
     KIND_CODES,
     NO_VALUE,
+    SECTIONS,
     U8,
     EventBatch,
     dictionary_codes,
@@ -134,16 +135,9 @@ def _valid_op(row: tuple) -> bool:
         return False
 
 
-def sample_columns(rows: list[tuple], names: tuple[tuple[str, Any], ...]) -> dict[str, np.ndarray]:
-    if not rows:
-        return {c: np.empty(0, d) for c, d in names}
-    cols = zip(*rows)
-    return {c: np.array(v, dtype=d) for (c, d), v in zip(names, cols)}
-
-
-_MARK_COLS = (("step", I64), ("start_ns", I64), ("end_ns", I64), ("fp_start_ns", I64), ("bp_end_ns", I64))
-_MEMORY_COLS = (("ts_ns", I64), ("step", I64), ("allocated", I64), ("reserved", I64), ("peak", I64))
-_QUEUE_COLS = (("ts_ns", I64), ("step", I64), ("size", I64), ("capacity", I64))
+def sample_columns(rows: list[tuple], columns: tuple[tuple[str, Any], ...]) -> dict[str, np.ndarray]:
+    """Sample tuples (at least one) as the columns of a batch section (``SECTIONS``)."""
+    return {c: np.array(v, dtype=d) for (c, d), v in zip(columns, zip(*rows))}
 
 
 class Sender(threading.Thread):
@@ -321,16 +315,16 @@ class Sender(threading.Thread):
         batch.complete_through_step = self._sent_watermark if more_ops else watermark
         batch.dropped_ops = dropped_ops
         batch.dropped_samples = dropped_samples
-        batch.steps = sample_columns(marks, _MARK_COLS)
-        batch.memory = sample_columns(memory, _MEMORY_COLS)
+        # A section with no samples keeps the batch's empty one.
+        if marks:
+            batch.steps = sample_columns(marks, SECTIONS["steps"])
+        if memory:
+            batch.memory = sample_columns(memory, SECTIONS["memory"])
         if queues:
             batch.queue_names, qidx = _dictionary([q[0] for q in queues])
-            batch.queues = {"name_idx": qidx, **sample_columns([q[1:] for q in queues], _QUEUE_COLS)}
+            batch.queues = {"name_idx": qidx, **sample_columns([q[1:] for q in queues], SECTIONS["queues"][1:])}
         if host:
-            batch.host_samples = sample_columns(host, (
-                ("ts_ns", I64), ("cpu_user", np.float64), ("cpu_system", np.float64),
-                ("cpu_idle", np.float64), ("cpu_iowait", np.float64), ("process_cpu", np.float64),
-                ("rss_bytes", I64)))
+            batch.host_samples = sample_columns(host, SECTIONS["host_samples"])
         try:
             value = encode_batch(batch)
         except (ValueError, TypeError, OverflowError) as e:  # bad sample values from user code

@@ -57,9 +57,9 @@ def _read_only_empty(dtype: np.dtype) -> np.ndarray:
     return arr
 
 
-# Zero-length columns are shared, read-only as decoded columns are: a batch has five
-# sections, and a Monitor builds a batch every 50 ms, mostly of step marks and memory
-# samples, where 20-odd fresh empty arrays were a third of the sender's work.
+# Zero-length columns are shared, read-only as decoded columns are: a Monitor builds a
+# batch every 50 ms, mostly of step marks and memory samples, so most of its five
+# sections are empty (with _EMPTY_PACKED: encode_batch of such a batch 58 -> 45 us warm).
 _EMPTY_COLUMNS = {dtype: _read_only_empty(dtype) for dtype in (I32, I64, U8, F64)}
 
 
