@@ -200,6 +200,9 @@ def process(
     rolling_steps: Annotated[int, typer.Option(min=1, help="steps in the rolling window")] = 100,
     metrics_port: Annotated[int, typer.Option(min=0, max=65535, help="serve health metrics here (0: off)")] = 9465,
     raw_partitions: Annotated[int, typer.Option(min=1, help="partitions of a raw topic created here")] = 12,
+    max_outage_s: Annotated[float, typer.Option(min=1.0, help="exit (status 2, one line on stderr) when Kafka "
+                                                              "has not come back after this long, for a "
+                                                              "supervisor to restart the processor")] = 300.0,
 ) -> None:
     """Run a stream processor: raw events in; StepMetrics, RunStepMetrics and alerts out, exactly once."""
     from profstream.kafka.topics import Topics, ensure_topics, validate_prefix
@@ -219,7 +222,7 @@ def process(
     processor = Processor(boot, topics, group_id=group_id, instance_id=instance_id, grace_s=grace_s,
                           idle_timeout_s=idle_timeout_s, run_grace_s=run_grace_s,
                           figure_options=FigureOptions(top_k, stall_ratio, stall_steps, rolling_steps),
-                          commit_interval_ms=commit_interval_ms, stages=stages)
+                          commit_interval_ms=commit_interval_ms, stages=stages, max_outage_s=max_outage_s)
     if metrics_port:
         try:
             processor.health.serve(metrics_port)
@@ -814,12 +817,12 @@ def _print_summary(cfg, result) -> None:
 
 def main() -> None:
     from profstream.kafka.launcher import StackError
-    from profstream.processors.checkpoint import FencedError
+    from profstream.processors.checkpoint import FencedError, ProcessorUnavailable
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         app()
-    except (StackError, ConfigError, FencedError) as e:
+    except (StackError, ConfigError, FencedError, ProcessorUnavailable) as e:
         err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except KeyboardInterrupt:

@@ -13,6 +13,8 @@ from typing import Any
 import confluent_kafka
 from kafka import KafkaConsumer, KafkaProducer
 
+from profstream.kafka.limits import MAX_MESSAGE_BYTES
+
 # kafka-python logs every failed reconnect at ERROR; a training job with a broker down
 # would get a line every few seconds. profstream reports outages itself, once. Users who
 # set the "kafka" logger's level themselves keep theirs.
@@ -20,16 +22,13 @@ _kafka_log = logging.getLogger("kafka")
 if _kafka_log.level == logging.NOTSET:
     _kafka_log.setLevel(logging.CRITICAL)
 
-# The largest message the broker takes by default is ~1 MB; a producer batch of many
-# of our messages goes in one request.
-MAX_REQUEST_BYTES = 1024 * 1024
 
 _PRODUCER_DEFAULTS: dict[str, Any] = {
     "acks": "all",
     "enable_idempotence": True,
     "linger_ms": 5,
-    "batch_size": MAX_REQUEST_BYTES,
-    "max_request_size": MAX_REQUEST_BYTES,
+    "batch_size": MAX_MESSAGE_BYTES,
+    "max_request_size": MAX_MESSAGE_BYTES,
     "request_timeout_ms": 15000,
     "delivery_timeout_ms": 60000,
     "max_block_ms": 5000,
@@ -72,7 +71,9 @@ def make_producer(bootstrap: str, compression: str | None = "lz4", **overrides: 
 def _native_common(bootstrap: str) -> dict[str, Any]:
     return {
         "bootstrap.servers": bootstrap,
-        "reconnect.backoff.max.ms": _PRODUCER_DEFAULTS["reconnect_backoff_max_ms"],
+        # A broker back from a restart is found within a second: the Monitor's flush and
+        # the processors' recovery wait on that (docs/exactly-once.md, "Faults").
+        "reconnect.backoff.max.ms": 1000,
         "socket.nagle.disable": True,
         "statistics.interval.ms": 0,
         # librdkafka's own log lines go to the "kafka" logger (quiet unless the user
@@ -89,8 +90,8 @@ def _native_producer_config(bootstrap: str, compression: str | None) -> dict[str
         "enable.idempotence": True,
         "acks": "all",
         "linger.ms": _PRODUCER_DEFAULTS["linger_ms"],
-        "batch.size": MAX_REQUEST_BYTES,
-        "message.max.bytes": MAX_REQUEST_BYTES,
+        "batch.size": MAX_MESSAGE_BYTES,
+        "message.max.bytes": MAX_MESSAGE_BYTES,
         "compression.type": _compression(compression) or "none",
         "partitioner": "murmur2_random",
         "request.timeout.ms": _PRODUCER_DEFAULTS["request_timeout_ms"],
@@ -110,9 +111,12 @@ class NativeProducer:
     def __init__(self, bootstrap: str, compression: str | None = "lz4", bootstrap_timeout_ms: int = 5000,
                  on_error: Callable[[Exception], None] | None = None) -> None:
         self._on_error = on_error
+        # No delivery timeout: a batch waits in librdkafka for the broker to come back however
+        # long it is away (retried in order, never duplicated: idempotence), bounded in memory by
+        # the Monitor's in-flight share. It fails only when purged at close, and is counted then.
         self._producer = confluent_kafka.Producer(dict(
             _native_producer_config(bootstrap, compression),
-            **{"message.timeout.ms": _PRODUCER_DEFAULTS["delivery_timeout_ms"], "error_cb": self._error}))
+            **{"message.timeout.ms": 0, "error_cb": self._error}))
         try:  # like kafka-python's constructor: fail now when no broker answers
             self._producer.list_topics(timeout=bootstrap_timeout_ms / 1000)
         except confluent_kafka.KafkaException as e:
@@ -157,13 +161,15 @@ def make_native_producer(bootstrap: str, compression: str | None = "lz4", **kw: 
 
 
 def make_transactional_producer(bootstrap: str, transactional_id: str, compression: str | None = "lz4",
-                                transaction_timeout_ms: int = 30000) -> confluent_kafka.Producer:
+                                transaction_timeout_ms: int = 30000, **overrides: Any) -> confluent_kafka.Producer:
     """A librdkafka producer for the processors' exactly-once loop (idempotent, acks=all,
-    murmur2 partitioning like :func:`make_producer`); the caller runs init_transactions."""
-    return confluent_kafka.Producer(dict(
-        _native_producer_config(bootstrap, compression),
-        **{"transactional.id": transactional_id, "transaction.timeout.ms": transaction_timeout_ms,
-           "message.timeout.ms": transaction_timeout_ms}))
+    murmur2 partitioning like :func:`make_producer`); the caller runs init_transactions.
+    ``overrides`` are librdkafka property names."""
+    config = dict(_native_producer_config(bootstrap, compression),
+                  **{"transactional.id": transactional_id, "transaction.timeout.ms": transaction_timeout_ms,
+                     "message.timeout.ms": transaction_timeout_ms})
+    config.update(overrides)
+    return confluent_kafka.Producer(config)
 
 
 def make_native_consumer(bootstrap: str, group_id: str, **overrides: Any) -> confluent_kafka.Consumer:
@@ -205,20 +211,6 @@ def consumer_lag(consumer: KafkaConsumer) -> int:
         high = consumer.highwater(tp)
         if high is not None:
             total += max(0, high - consumer.position(tp))
-    return total
-
-
-def native_consumer_lag(consumer: confluent_kafka.Consumer) -> int:
-    """:func:`consumer_lag` of a librdkafka consumer: messages behind the end of its
-    assigned partitions, from the end offsets its last fetches reported."""
-    total = 0
-    for tp in consumer.position(consumer.assignment()):
-        try:
-            _low, high = consumer.get_watermark_offsets(tp, cached=True)
-        except confluent_kafka.KafkaException:
-            continue
-        if high >= 0 and tp.offset >= 0:
-            total += max(0, high - tp.offset)
     return total
 
 

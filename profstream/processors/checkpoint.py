@@ -23,23 +23,24 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 import confluent_kafka
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
-from profstream.kafka.clients import (
-    make_native_consumer,
-    make_transactional_producer,
-    native_consumer_lag,
-)
+from profstream.kafka.clients import make_native_consumer, make_transactional_producer
+from profstream.kafka.deadline import CallTimeout, DeadlineCaller
 
 log = logging.getLogger("profstream.processor")
 
-_FENCED = {KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH}
-_TIMEOUT_S = 30.0  # for a transaction call, a group metadata or committed-offsets request
+# Another client with our transactional id or group.instance.id took over.
+_FENCED = {KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.FENCED_INSTANCE_ID}
+CALL_TIMEOUT_S = 10.0  # a transactional call, a committed-offsets request, a changelog read without progress
+MAX_OUTAGE_S = 300.0  # Kafka unreachable this long: give up, exit, let a supervisor restart us
+FENCE_AFTER_FAULT_S = 600.0  # a fence this soon after a fault may be the fault's doing: recover once
+_SAY_EVERY_S = 60.0  # the same trouble is logged at most once a minute
 
 
 class Record(NamedTuple):
@@ -62,6 +63,7 @@ class Output:
 
 
 class Stage(Protocol):
+    name: str  # in health metrics: steps, run
     input_topic: str
     state_topic: str
 
@@ -77,83 +79,186 @@ class FencedError(RuntimeError):
     """Another processor with the same instance id took over."""
 
 
+class ProcessorUnavailable(RuntimeError):
+    """Kafka did not come back within the loop's outage limit: exit and be restarted."""
+
+
+class _ConsumerFailure(KafkaException):
+    """A fatal error of the consumer (a fenced static member, say): it must be replaced."""
+
+
+def _kafka_error(e: BaseException) -> KafkaError | None:
+    if isinstance(e, KafkaException) and e.args and isinstance(e.args[0], KafkaError):
+        return e.args[0]
+    return None
+
+
+def _describe(e: BaseException) -> str:
+    err = _kafka_error(e)
+    return err.str() if err is not None else str(e)
+
+
+def _dispose(client) -> None:
+    """Close a replaced client on a thread of its own: its close may wait on a broker."""
+
+    def close(c=client) -> None:
+        try:
+            if isinstance(c, confluent_kafka.Consumer):
+                c.close()
+            else:
+                c.purge()
+                c.flush(0)
+        except (KafkaException, RuntimeError):
+            pass  # a fenced or closed client: nothing left to release but its memory
+
+    threading.Thread(target=close, name="profstream-dispose", daemon=True).start()
+
+
 class TransactionalLoop:
+    """Runs one Stage exactly once (see the module docstring).
+
+    Faults: a failed transaction is aborted and the stage rebuilt from the last commit. A
+    client with a fatal error, or one whose call outlived ``call_timeout_s`` (librdkafka
+    has calls that ignore their own timeout after a broker restart), is replaced. While
+    Kafka does not answer the loop retries with a backoff and says so once a minute; after
+    ``max_outage_s`` it raises ProcessorUnavailable so that a supervisor restarts the
+    process. Nothing here waits without a deadline.
+    """
+
     def __init__(self, bootstrap: str, stage: Stage, group_id: str, instance_id: str,
                  commit_interval_ms: float = 100.0, poll_ms: int = 50, compression: str = "lz4",
-                 on_commit=None, max_poll_records: int = 500) -> None:
+                 on_commit: Callable[[int], None] | None = None, max_poll_records: int = 500,
+                 on_abort: Callable[[], None] | None = None, call_timeout_s: float = CALL_TIMEOUT_S,
+                 max_outage_s: float = MAX_OUTAGE_S) -> None:
         self.bootstrap = bootstrap
         self.stage = stage
+        self.group_id = group_id
         self.commit_interval = commit_interval_ms / 1000.0
         self.poll_s = poll_ms / 1000.0
-        self.on_commit = on_commit  # called after each commit with the number of outputs
+        self.on_commit = on_commit  # after each commit, with the number of outputs
+        self.on_abort = on_abort  # when an open transaction's work is thrown away
+        self.call_timeout = call_timeout_s
+        self.max_outage = max_outage_s
         self.transactional_id = f"{group_id}-{instance_id}"
+        self._compression = compression
         self._max_poll_records = max_poll_records
-        self._producer = make_transactional_producer(bootstrap, self.transactional_id, compression)
+        self._call = DeadlineCaller(f"profstream-{self.transactional_id}")
+        self._stop = threading.Event()
         try:
-            self._producer.init_transactions(_TIMEOUT_S)
-        except KafkaException as e:
+            self._producer = self._new_producer()
+        except (KafkaException, CallTimeout) as e:
             raise RuntimeError(f"processor {self.transactional_id}: Kafka at {bootstrap} did not start a "
-                               f"transaction ({e.args[0].str()}): check --bootstrap") from None
-        # Heartbeats every 0.5 s: a member learns of a rebalance (a processor joining or
-        # leaving) at its next heartbeat, and the whole group waits for the slowest.
-        self._consumer = make_native_consumer(bootstrap, group_id, **{"group.instance.id": self.transactional_id,
-                                                                      "heartbeat.interval.ms": 500})
-        topic = self._consumer.list_topics(stage.input_topic, timeout=_TIMEOUT_S).topics.get(stage.input_topic)
+                               f"transaction ({_describe(e)}): check --bootstrap") from None
+        self._consumer = self._new_consumer()
+        topic = self._consumer.list_topics(stage.input_topic, timeout=self.call_timeout).topics.get(stage.input_topic)
         if topic is None or topic.error is not None or not topic.partitions:
             self._consumer.close()
             raise RuntimeError(f"input topic {stage.input_topic} does not exist: create it first "
                                "(`profstream process` does)")
-        self._consumer.subscribe([stage.input_topic], on_assign=self._on_assign, on_revoke=self._on_revoke,
-                                 on_lost=self._on_revoke)
+        self._subscribe()
         self._positions: dict[int, int] = {}  # input partition -> next offset to consume
+        self._assigned: set[int] = set()
         self._txn_started: float | None = None
         self._txn_outputs = 0
+        self._failure: BaseException | None = None  # raised in a rebalance callback, handled after consume()
+        self._fault_at = -1e18  # monotonic time of the last fault
+        self._fence_taken_at = -1e18  # of the last fence recovered from rather than obeyed
+        self._said_at: dict[str, float] = {}
         self.transactions = 0
         self.aborts = 0
-        self.lag = 0  # input messages not consumed yet; updated on the loop's thread
-        self._lag_at = 0.0
-        self._assigned: set[int] = set()
+        self.recoveries = 0  # faults recovered from (clients replaced or state rebuilt)
+        self.last_commit_s: float | None = None  # wall clock of the last commit
+        self.last_poll_s = time.time()  # wall clock of the last poll of Kafka
 
     def assignment(self) -> list[int]:
         """The input partitions this loop owns now (as of its last poll)."""
         return sorted(self._assigned)
 
+    def positions(self) -> dict[int, int]:
+        """Next input offset to consume, per partition consumed from since it was assigned
+        (a copy: read from other threads)."""
+        return dict(self._positions)
+
+    # -- clients ----------------------------------------------------------------------
+
+    def _client_error(self, err: KafkaError) -> None:
+        """librdkafka's client-wide errors (every broker down, say), served on this thread."""
+        self._fault_at = time.monotonic()
+        if err.code() == KafkaError._ALL_BROKERS_DOWN:
+            self._say("brokers", f"no broker of {self.bootstrap} answers ({err.str()}); librdkafka retries")
+
+    def _new_producer(self) -> confluent_kafka.Producer:
+        producer = make_transactional_producer(self.bootstrap, self.transactional_id, self._compression,
+                                               error_cb=self._client_error)
+        self._call("init_transactions", self.call_timeout, producer.init_transactions, self.call_timeout)
+        return producer
+
+    def _new_consumer(self) -> confluent_kafka.Consumer:
+        # Heartbeats every 0.5 s: a member learns of a rebalance (a processor joining or
+        # leaving) at its next heartbeat, and the whole group waits for the slowest.
+        return make_native_consumer(self.bootstrap, self.group_id, **{
+            "group.instance.id": self.transactional_id, "heartbeat.interval.ms": 500, "error_cb": self._client_error})
+
+    def _subscribe(self) -> None:
+        # A replaced consumer may still call back while it closes: only the current one counts.
+        def assigned(consumer, parts: list[TopicPartition]) -> None:
+            if consumer is self._consumer:
+                self._on_assign(parts)
+
+        def revoked(consumer, parts: list[TopicPartition]) -> None:
+            if consumer is self._consumer:
+                self._on_revoke(parts)
+
+        self._consumer.subscribe([self.stage.input_topic], on_assign=assigned, on_revoke=revoked,
+                                 on_lost=revoked)
+
     # -- rebalance (called by librdkafka inside consume(), on the loop's thread) ------
 
-    def _on_revoke(self, _consumer, revoked: list[TopicPartition]) -> None:
-        if self._txn_started is not None:
+    def _on_revoke(self, revoked: list[TopicPartition]) -> None:
+        if self._txn_started is not None and self._failure is None:
             try:
                 self._commit()
-            except KafkaException as e:  # the next owner re-reads from the last commit
-                self._abort_open(e)
+            except (KafkaException, CallTimeout) as e:  # the next owner re-reads from the last commit
+                self._failure = e
         parts = {tp.partition for tp in revoked}
         self.stage.drop_partitions(parts)
         for p in parts:
             self._positions.pop(p, None)
         self._assigned -= parts
 
-    def _on_assign(self, _consumer, assigned: list[TopicPartition]) -> None:
+    def _on_assign(self, assigned: list[TopicPartition]) -> None:
         parts = [tp.partition for tp in assigned]
-        self._restore(parts)
         self._assigned.update(parts)
+        if self._failure is None:
+            try:
+                self._restore(parts)
+            except (KafkaException, CallTimeout) as e:  # rebuilt with the rest after consume()
+                self._failure = e
 
     def _restore(self, partitions: Iterable[int]) -> None:
-        """Read the changelog partitions to their end (read_committed) into the stage."""
+        """Read the changelog partitions to their end (read_committed) into the stage.
+        CallTimeout when a read makes no progress for ``call_timeout`` s."""
         topic = self.stage.state_topic
         reader = make_native_consumer(self.bootstrap, f"{self.transactional_id}-restore",
                                       **{"enable.partition.eof": True})
         try:
             left = set()
             for p in partitions:
-                low, high = reader.get_watermark_offsets(TopicPartition(topic, p), timeout=_TIMEOUT_S)
+                low, high = reader.get_watermark_offsets(TopicPartition(topic, p), timeout=self.call_timeout)
                 if high > low:
                     left.add(p)
             if not left:
                 return
             reader.assign([TopicPartition(topic, p, confluent_kafka.OFFSET_BEGINNING) for p in sorted(left)])
             now = time.monotonic()
+            progress = now
             while left:
-                for msg in reader.consume(num_messages=1000, timeout=0.5):
+                msgs = reader.consume(num_messages=1000, timeout=0.5)
+                if msgs:
+                    progress = time.monotonic()
+                elif time.monotonic() - progress > self.call_timeout:
+                    raise CallTimeout(f"reading changelog {topic} made no progress for {self.call_timeout:g} s")
+                for msg in msgs:
                     err = msg.error()
                     if err is None:
                         self.stage.restore(msg.partition(), msg.key(), msg.value(), now)
@@ -162,47 +267,49 @@ class TransactionalLoop:
                     else:
                         raise KafkaException(err)
         finally:
-            reader.close()
+            _dispose(reader)
 
     # -- loop -------------------------------------------------------------------------
 
     def run(self, stop: threading.Event) -> None:
+        self._stop = stop
         try:
             while not stop.is_set():
                 self.step()
             if self._txn_started is not None:
-                self._guarded(self._commit)
+                try:
+                    self._commit()
+                except (KafkaException, CallTimeout) as e:  # close() aborts; the next owner re-reads
+                    log.warning("profstream processor %s: last commit failed (%s)", self.transactional_id,
+                                _describe(e))
         finally:
             self.close()
 
     def step(self) -> None:
         self._guarded(self._step)
 
-    def _guarded(self, work) -> None:
+    def _guarded(self, work: Callable[[], None]) -> None:
         try:
             work()
-        except KafkaException as e:
-            err = e.args[0]
-            if err.code() in _FENCED:
-                raise FencedError(f"processor {self.transactional_id} was fenced by a newer one with the same "
-                                  f"instance id: run each processor with its own --instance-id ({err.str()})") from None
-            if err.fatal():
-                raise RuntimeError(f"processor {self.transactional_id}: fatal Kafka error ({err.str()}); "
-                                   "restart it: its state is rebuilt from the last commit") from None
-            self._abort(e)
+        except (KafkaException, CallTimeout) as e:
+            self._recover(e)
 
     def _step(self) -> None:
         msgs = self._poll()
+        if self._failure is not None:  # from a rebalance callback: msgs may predate the rebuild
+            failure, self._failure = self._failure, None
+            raise failure
         now = time.monotonic()
-        if now - self._lag_at >= 1.0:  # metrics read self.lag from other threads
-            self.lag = native_consumer_lag(self._consumer)
-            self._lag_at = now
+        self.last_poll_s = time.time()
         consumed = 0
         for msg in msgs:
             err = msg.error()
             if err is not None:
+                if err.fatal() or err.code() == KafkaError._FATAL:
+                    raise _ConsumerFailure(err)
                 if err.code() != KafkaError._PARTITION_EOF:
-                    log.warning("profstream processor: consumer error (%s); librdkafka retries", err.str())
+                    self._fault_at = now
+                    self._say("consumer", f"consumer error ({err.str()}); librdkafka retries")
                 continue
             if msg.partition() not in self._assigned:
                 continue  # revoked within this consume() call
@@ -248,6 +355,7 @@ class TransactionalLoop:
     def _send(self, outputs: list[Output]) -> None:
         produce = self._producer.produce
         for out in outputs:
+            full_since = None
             while True:
                 try:
                     if out.partition is None:
@@ -256,6 +364,10 @@ class TransactionalLoop:
                         produce(out.topic, out.value, out.key, out.partition, headers=out.headers)
                     break
                 except BufferError:  # librdkafka's queue is full: let it send, then go on
+                    now = time.monotonic()
+                    full_since = full_since or now
+                    if now - full_since > self.call_timeout:
+                        raise CallTimeout(f"librdkafka's send queue stayed full for {self.call_timeout:g} s") from None
                     self._producer.poll(0.05)
         self._txn_outputs += len(outputs)
 
@@ -263,43 +375,128 @@ class TransactionalLoop:
         self._send(self.stage.changed_state())
         topic = self.stage.input_topic
         offsets = [TopicPartition(topic, p, self.stage.commit_offset(p, pos)) for p, pos in self._positions.items()]
+        producer, timeout = self._producer, self.call_timeout
         if offsets:
-            self._producer.send_offsets_to_transaction(offsets, self._consumer.consumer_group_metadata(), _TIMEOUT_S)
-        self._producer.commit_transaction(_TIMEOUT_S)
+            self._call("send_offsets_to_transaction", timeout, producer.send_offsets_to_transaction, offsets,
+                       self._consumer.consumer_group_metadata(), timeout)
+        self._call("commit_transaction", timeout, producer.commit_transaction, timeout)
         self._txn_started = None
         self.transactions += 1
+        self.last_commit_s = time.time()
         if self.on_commit is not None:
             self.on_commit(self._txn_outputs)
 
-    def _abort_open(self, error: Exception) -> None:
-        log.warning("profstream processor: transaction aborted (%s); rebuilding state from the checkpoint", error)
-        self.aborts += 1
-        if self._txn_started is not None:
-            try:
-                self._producer.abort_transaction(_TIMEOUT_S)
-            except KafkaException as e:
-                log.warning("profstream processor: abort failed too (%s)", e)
-        self._txn_started = None
+    # -- faults -----------------------------------------------------------------------
 
-    def _abort(self, error: Exception) -> None:
-        """Abort, then rebuild the stage from the changelog and the committed offsets."""
-        self._abort_open(error)
+    def _say(self, what: str, message: str) -> None:
+        """Log ``message`` unless the same kind of trouble was logged in the last minute."""
+        now = time.monotonic()
+        if now - self._said_at.get(what, -1e18) >= _SAY_EVERY_S:
+            self._said_at[what] = now
+            log.warning("profstream processor %s: %s", self.transactional_id, message)
+
+    def _check_fence(self, e: BaseException) -> None:
+        """A fence in steady state means another processor has our instance id: obey it.
+        Soon after a fault it may be the fault's doing (a transaction the coordinator timed
+        out, a static member the restarted coordinator replaced): recover, once."""
+        err = _kafka_error(e)
+        if err is None or err.code() not in _FENCED:
+            return
+        now = time.monotonic()
+        if now - self._fault_at > FENCE_AFTER_FAULT_S or now - self._fence_taken_at < FENCE_AFTER_FAULT_S:
+            raise FencedError(f"processor {self.transactional_id} was fenced by a newer one with the same "
+                              f"instance id: run each processor with its own --instance-id ({err.str()})")
+        self._fence_taken_at = now
+
+    def _recover(self, cause: BaseException) -> None:
+        """Abort the open transaction (or replace the clients), then rebuild the stage from
+        the changelog and the committed offsets; retry until Kafka answers or the outage
+        limit is reached."""
+        self._check_fence(cause)
+        started = self._fault_at = time.monotonic()
+        self.aborts += 1
+        if self.on_abort is not None:
+            self.on_abort()
+        err = _kafka_error(cause)
+        replace_consumer = isinstance(cause, _ConsumerFailure)
+        replace_producer = isinstance(cause, CallTimeout) or (
+            not replace_consumer and err is not None and (err.fatal() or err.code() in _FENCED))
+        self._say("abort", f"transaction aborted ({_describe(cause)}); rebuilding state from the last commit")
+        backoff = 0.5
+        while True:
+            try:
+                if self._txn_started is not None and not replace_producer:
+                    try:
+                        self._call("abort_transaction", self.call_timeout, self._producer.abort_transaction,
+                                   self.call_timeout)
+                    except (KafkaException, CallTimeout):
+                        replace_producer = True  # init_transactions of a new one aborts it
+                self._txn_started = None
+                if replace_producer:
+                    _dispose(self._producer)
+                    self._producer = self._new_producer()
+                    replace_producer = False
+                if replace_consumer:
+                    self._replace_consumer()
+                    replace_consumer = False
+                self._rebuild()
+                break
+            except (KafkaException, CallTimeout) as e:
+                self._check_fence(e)
+                err = _kafka_error(e)
+                if isinstance(e, CallTimeout) or (err is not None and err.fatal()):
+                    replace_producer = True
+                out_s = time.monotonic() - started
+                if out_s > self.max_outage:
+                    raise ProcessorUnavailable(
+                        f"processor {self.transactional_id}: Kafka at {self.bootstrap} has not recovered for "
+                        f"{out_s:.0f} s ({_describe(e)}); exiting so that a supervisor restarts it") from None
+                self._say("outage", f"Kafka at {self.bootstrap} does not answer ({_describe(e)}); retrying, "
+                                    f"giving up after {self.max_outage:g} s")
+                if self._stop.wait(backoff):
+                    return
+                backoff = min(backoff * 2, 5.0)
+        self.recoveries += 1
+        log.warning("profstream processor %s: resumed from the last commit %.1f s after the fault",
+                    self.transactional_id, time.monotonic() - started)
+        self._said_at.clear()
+
+    def _replace_consumer(self) -> None:
+        """A new consumer with the same static membership; the group hands it the same
+        partitions, whose state on_assign restores."""
         parts = self.assignment()
         self.stage.drop_partitions(parts)
         self._positions.clear()
+        self._assigned.clear()
+        _dispose(self._consumer)
+        self._consumer = self._new_consumer()
+        self._subscribe()
+
+    def _rebuild(self) -> None:
+        """Rebuild the stage from the changelog and the committed offsets."""
+        parts = self.assignment()
+        self.stage.drop_partitions(parts)
+        self._positions.clear()
+        if not parts:
+            return
         self._restore(parts)
         topic = self.stage.input_topic
-        committed = self._consumer.committed([TopicPartition(topic, p) for p in parts], timeout=_TIMEOUT_S)
+        committed = self._call("committed", self.call_timeout, self._consumer.committed,
+                               [TopicPartition(topic, p) for p in parts], self.call_timeout)
         for tp in committed:
             offset = tp.offset if tp.offset >= 0 else confluent_kafka.OFFSET_BEGINNING
             self._consumer.seek(TopicPartition(topic, tp.partition, offset))
 
     def close(self) -> None:
+        """Abort what is open and close both clients, each within a deadline."""
+        producer, timeout = self._producer, min(self.call_timeout, 5.0)
         try:
             if self._txn_started is not None:
-                self._producer.abort_transaction(5.0)
-        except KafkaException:
-            pass
+                self._call("abort_transaction", timeout, producer.abort_transaction, timeout)
+            self._call("flush", timeout, producer.flush, timeout)
+            self._call("close", timeout, self._consumer.close)
+        except (KafkaException, CallTimeout, RuntimeError) as e:
+            log.warning("profstream processor %s: closing its Kafka clients failed (%s)",
+                        self.transactional_id, _describe(e))
         finally:
-            self._producer.flush(5.0)
-            self._consumer.close()
+            self._call.close()
