@@ -39,7 +39,7 @@ from _common import broker_bootstrap, drop_topics, emit, envelope, note, summary
 
 from profstream.kafka.clients import make_producer
 from profstream.kafka.topics import Topics, ensure_topics
-from profstream.processors.health import ProcessorHealth
+from profstream.processors.health import ProcessorHealth, StageCounts
 from profstream.processors.runtime import Processor, StepStage
 from profstream.producers.monitor import Monitor
 from profstream.producers.sender import Sender
@@ -134,7 +134,7 @@ def as_records(topic: str, messages: list[tuple[bytes, bytes]], partitions: int 
 
 def fold_all(records: list[Record], topics: Topics) -> dict[str, Any]:
     """fold + ready over every record, as one processor thread would; returns times and outputs."""
-    stage = StepStage(topics, 3, ProcessorHealth())
+    stage = StepStage(topics, 3, StageCounts(keep_step_ends=False))
     fold, ready, pc = stage.fold, stage.ready, time.perf_counter
     steps_topic = topics.steps
     outputs = []

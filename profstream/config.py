@@ -22,12 +22,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from profstream.schema.names import NAME_RULE, is_valid_name
+
 
 class ConfigError(ValueError):
     """A bad option value; the message is one line that says what to fix."""
 
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:=+@-]{0,127}$")
 
 
 def check_name(value: str, what: str = "name") -> str:
@@ -35,11 +36,8 @@ def check_name(value: str, what: str = "name") -> str:
     name, a Kafka key and a metric label: 1-128 characters of letters, digits and
     ``. _ : = + @ -``, starting with a letter or digit (so no path separators, no ``..``,
     no control characters)."""
-    if not isinstance(value, str) or not _NAME_RE.match(value):
-        raise ConfigError(
-            f"invalid {what} {value!r}: use 1-128 letters, digits or . _ : = + @ - "
-            "(starting with a letter or digit; no '/', spaces or control characters)"
-        )
+    if not is_valid_name(value):
+        raise ConfigError(f"invalid {what} {value!r}: use {NAME_RULE}")
     return value
 
 
@@ -146,16 +144,16 @@ MONITOR_OPTIONS: tuple[Option, ...] = (
            lambda v: all(re.fullmatch(r"[\w.\-\[\]:]+:\d{1,5}", p.strip()) for p in v.split(",")),
            "host:port[,host:port]"),
     Option("run_id", "str", _default_run_id, "run identifier, shared by all ranks of one run",
-           lambda v: bool(_NAME_RE.match(v)), "1-128 letters, digits or . _ : = + @ - (no '/')"),
+           is_valid_name, "1-128 letters, digits or . _ : = + @ - (no '/')"),
     Option("rank", "int", _default_rank, "rank of this process (default: $RANK, $RANK_ID or 0)",
            _non_negative, "an integer >= 0"),
     Option("world_size", "int", _default_world_size,
            "ranks in the run, so processors know when a step is complete across ranks "
            "(default: $WORLD_SIZE, $RANK_SIZE or unknown)", _positive, "an integer >= 1", optional=True),
     Option("host", "str", _default_host, "host name reported with every batch",
-           lambda v: bool(_NAME_RE.match(v)), "1-128 letters, digits or . _ : = + @ -"),
+           is_valid_name, "1-128 letters, digits or . _ : = + @ -"),
     Option("device", "str", "cpu", "device of this rank, e.g. cuda:0, npu:3, cpu",
-           lambda v: bool(_NAME_RE.match(v)), "a device name such as cuda:0"),
+           is_valid_name, "a device name such as cuda:0"),
     Option("topic_prefix", "str", "profstream", "prefix of the topic names (<prefix>.raw ...)",
            lambda v: bool(re.fullmatch(r"[A-Za-z0-9._-]{1,100}", v)), "1-100 letters, digits or . _ -"),
     Option("batch_max_ops", "int", 8192, "most op events in one batch message",

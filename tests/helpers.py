@@ -69,3 +69,16 @@ def render_in_chromium(page) -> tuple[str, list[str]]:
                            "--v=0", "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout, [line for line in done.stderr.splitlines() if ":CONSOLE" in line]
+
+
+def health_of_a_processor(step_stage=None):
+    """A ProcessorHealth bound to a stand-in of a running processor (one steps loop that
+    has committed), for tests of what the health endpoint exposes."""
+    from types import SimpleNamespace
+
+    from profstream.processors.health import ProcessorHealth
+
+    health = ProcessorHealth()
+    loop = SimpleNamespace(stage=SimpleNamespace(name="steps"), last_commit_s=1.0, last_poll_s=2.0, recoveries=0)
+    health.bind(SimpleNamespace(lag=lambda: 0, kafka_reachable=True, loops=[loop], step_stage=step_stage))
+    return health

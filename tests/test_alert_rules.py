@@ -72,11 +72,10 @@ def test_alert_rule_unit_tests_pass_and_cover_every_alert():
 def _exported_series() -> set[str]:
     """Every series name the exporter and the processor can expose."""
     from profstream.kafka.topics import Topics
-    from profstream.processors.health import ProcessorHealth
     from profstream.sinks.prometheus import ExporterState
+    from tests.helpers import health_of_a_processor
 
-    health = ProcessorHealth()
-    health.bind(SimpleNamespace(lag=lambda: 0, step_stage=None))  # a bound processor adds its lag
+    health = health_of_a_processor()  # a bound processor adds its lag and loop health
     families = list(text_string_to_metric_families(ExporterState(Topics("t")).exposition().decode()))
     names = set()
     for collector in (SimpleNamespace(collect=lambda: families), health):

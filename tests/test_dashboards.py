@@ -19,9 +19,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from profstream.kafka.topics import Topics
-from profstream.processors.health import ProcessorHealth
 from profstream.schema.codec import encode
 from profstream.sinks.prometheus import ExporterState
+from tests.helpers import health_of_a_processor
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARDS = ROOT / "dashboards"
@@ -76,10 +76,9 @@ def _exported() -> dict[str, set[str]]:
     exporter.handle([Rec(topics.steps, 0, 0, now_ns // 10**6, encode("StepMetrics", step)),
                      Rec(topics.run, 0, 0, now_ns // 10**6, encode("RunStepMetrics", run)),
                      Rec(topics.alerts, 0, 0, now_ns // 10**6, encode("Alert", alert))])
-    health = ProcessorHealth()
     stage = SimpleNamespace(open_runs=1, open_events=0,
                             ranks={("r", 0): SimpleNamespace(buffer_fill_ratio=0.1, send_latency_s=0.01)})
-    health.bind(SimpleNamespace(lag=lambda: 0, step_stage=stage))
+    health = health_of_a_processor(stage)
     health_registry = CollectorRegistry(auto_describe=False)
     health_registry.register(health)
     names: dict[str, set[str]] = {}

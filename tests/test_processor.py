@@ -13,7 +13,7 @@ import pytest
 from kafka import KafkaConsumer
 
 from profstream.kafka.clients import make_producer, read_topic
-from profstream.processors.health import ProcessorHealth
+from profstream.processors.health import StageCounts
 from profstream.processors.runtime import Processor, StepStage
 from profstream.producers.simulate import SimConfig, expected, run_simulation
 from profstream.schema.codec import decode
@@ -151,7 +151,7 @@ def _uninterrupted(bootstrap, topics, run_id, n_batches) -> dict:
     consumer = KafkaConsumer(bootstrap_servers=bootstrap, auto_offset_reset="earliest",
                              isolation_level="read_committed", consumer_timeout_ms=3000)
     consumer.subscribe([topics.raw])
-    stage = StepStage(topics, 3, ProcessorHealth())
+    stage = StepStage(topics, 3, StageCounts(keep_step_ends=False))
     out = []
     for rec in consumer:
         out += stage.fold(_Rec(rec.topic, rec.partition, rec.offset, rec.key, rec.value), 0.0)

@@ -25,7 +25,7 @@ from profstream.processors.figures import FigureOptions
 from profstream.producers.simulate import SimConfig, expected, plan_run, run_simulation
 from profstream.schema.codec import encode
 from profstream.sinks.prometheus import STEP_BUCKETS, ExporterState, start_exporter
-from tests.helpers import wait_until
+from tests.helpers import health_of_a_processor, wait_until
 from tests.test_alert_rules import prometheus_tool
 from tests.test_processor import RunningProcessor
 
@@ -229,12 +229,10 @@ def test_a_busy_port_is_a_one_line_error_naming_it(kafka_bootstrap, topics):
 
 
 def test_every_metric_of_the_exporter_and_the_processor_is_documented():
-    from profstream.processors.health import ProcessorHealth
 
     doc = (ROOT / "docs" / "metrics.md").read_text()
     documented = set(re.findall(r"^\| `(profstream_\w+)`", doc, re.M))
-    health = ProcessorHealth()
-    health.bind(SimpleNamespace(lag=lambda: 0, step_stage=SimpleNamespace(open_runs=0, open_events=0, ranks={})))
+    health = health_of_a_processor(SimpleNamespace(open_runs=0, open_events=0, ranks={}))
     families = [*text_string_to_metric_families(ExporterState(Topics("docs")).exposition().decode()),
                 *health.collect()]
     exported = {family.name + ("_total" if family.type == "counter" else "") for family in families}

@@ -32,6 +32,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from profstream.kafka.limits import TOPIC_MAX_MESSAGE_BYTES
+
 KAFKA_VERSION = "3.9.1"
 """Kafka release fetched by ``pom.xml`` (property ``kafka.version``); kept equal by a test."""
 
@@ -655,8 +657,9 @@ log.retention.hours=24
 log.retention.bytes=536870912
 log.retention.check.interval.ms=60000
 log.cleaner.dedupe.buffer.size=16777216
-message.max.bytes=8388608
-replica.fetch.max.bytes=8388608
+# profstream.kafka.limits: what profstream's topics take
+message.max.bytes={TOPIC_MAX_MESSAGE_BYTES}
+replica.fetch.max.bytes={TOPIC_MAX_MESSAGE_BYTES}
 """
 
 

@@ -6,12 +6,16 @@ import re
 import time
 from dataclasses import dataclass
 
+from profstream.kafka.limits import TOPIC_MAX_MESSAGE_BYTES
+
 BASE_TOPICS = ("raw", "steps", "run", "alerts", "dlq", "state", "run-state")
 # Changelogs of the processors' checkpoints (docs/exactly-once.md): compacted, and
 # partitioned like the topic whose state they hold (state like raw, run-state like steps).
 COMPACTED = {"state": "raw", "run-state": "steps"}
 _COMPACT_CONFIGS = {"cleanup.policy": "compact", "segment.ms": "60000", "min.cleanable.dirty.ratio": "0.1",
                     "delete.retention.ms": "60000"}
+# Every topic takes what profstream's clients send (profstream.kafka.limits).
+_SIZE_CONFIGS = {"max.message.bytes": str(TOPIC_MAX_MESSAGE_BYTES)}
 DEFAULT_PREFIX = "profstream"
 MAX_PREFIX_LEN = 100
 
@@ -99,7 +103,8 @@ def ensure_topics(
     """Create the topics of ``topics`` that do not exist yet (replication factor 1).
 
     ``raw`` and its changelog ``state`` get ``raw_partitions`` partitions, the others
-    ``partitions``; the changelogs are compacted. Existing topics
+    ``partitions``; the changelogs are compacted; every topic takes messages up to
+    ``TOPIC_MAX_MESSAGE_BYTES``. Existing topics
     are left alone (even with another partition count); a concurrent creation of the same
     topic is fine. Waits until every topic has a leader for each partition. Returns the
     names this call created.
@@ -119,7 +124,8 @@ def ensure_topics(
 
     counts = {base: (raw_partitions if COMPACTED.get(base, base) == "raw" else partitions) for base in BASE_TOPICS}
     wanted = {topics._name(base): counts[base] for base in BASE_TOPICS}
-    configs = {topics._name(base): _COMPACT_CONFIGS for base in COMPACTED}
+    configs = {topics._name(base): dict(_SIZE_CONFIGS, **(_COMPACT_CONFIGS if base in COMPACTED else {}))
+               for base in BASE_TOPICS}
     created: list[str] = []
     try:
         with _admin(bootstrap, max(1.0, deadline - time.monotonic())) as admin:
@@ -127,7 +133,7 @@ def ensure_topics(
             missing = {n: p for n, p in wanted.items() if n not in existing}
             if missing:
                 result = admin.create_topics(
-                    {n: {"num_partitions": p, "replication_factor": 1, "configs": configs.get(n, {})}
+                    {n: {"num_partitions": p, "replication_factor": 1, "configs": configs[n]}
                      for n, p in missing.items()},
                     timeout_ms=min(remaining_ms(), 30000),
                     raise_errors=False,

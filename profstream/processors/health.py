@@ -7,12 +7,17 @@ minus the step's end mark (the producer's clock: on other hosts it includes cloc
 
 from __future__ import annotations
 
+import threading
 import time
+from bisect import bisect_left
 from collections import Counter, deque
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from profstream.metrics_server import serve_metrics
+from profstream.schema.codec import DecodeError
 
 if TYPE_CHECKING:
     from profstream.processors.runtime import Processor
@@ -37,8 +42,29 @@ def _producer_health(stage):
     return fill, latency
 
 
-class ProcessorHealth:
-    def __init__(self, keep_freshness: int = 100_000) -> None:
+def _loop_health(loops):
+    """Per stage: when its loop last committed and last polled Kafka, and its recoveries.
+    A loop stuck in a call stops moving both timestamps (ProcessorStalled)."""
+    commit = GaugeMetricFamily("profstream_processor_last_commit_timestamp_seconds",
+                               "wall clock of the stage's last committed transaction", labels=["stage"])
+    poll = GaugeMetricFamily("profstream_processor_last_poll_timestamp_seconds",
+                             "wall clock of the stage's last poll of its input", labels=["stage"])
+    recoveries = CounterMetricFamily("profstream_processor_recoveries",
+                                     "faults the stage recovered from (transaction aborted, clients replaced)",
+                                     labels=["stage"])
+    for loop in loops:
+        stage = [loop.stage.name]
+        if loop.last_commit_s is not None:
+            commit.add_metric(stage, loop.last_commit_s)
+        poll.add_metric(stage, loop.last_poll_s)
+        recoveries.add_metric(stage, loop.recoveries)
+    return commit, poll, recoveries
+
+
+class _Counters:
+    """The counters of a stage's open transaction, and of the processor's totals."""
+
+    def _zero(self) -> None:
         self.batches = 0
         self.events: Counter = Counter()  # by family: ops, memory, queues, steps
         self.decode_errors: Counter = Counter()  # by reason
@@ -49,33 +75,62 @@ class ProcessorHealth:
         self.run_steps = 0
         self.runs_closed = 0
         self.alerts = 0
+
+
+_TOTALS = ("batches", "late_events", "lost_batches", "producer_dropped", "steps_closed", "run_steps",
+           "runs_closed", "alerts")
+
+
+class StageCounts(_Counters):
+    """What a stage counted in its open transaction. The processor adds it to its health
+    totals when the transaction commits and throws it away when it aborts (the input is
+    then read again), so that every counter counts what was committed, once."""
+
+    def __init__(self, keep_step_ends: bool = True) -> None:
+        self._keep_step_ends = keep_step_ends
+        self.clear()
+
+    def clear(self) -> None:
+        self._zero()
+        self.step_ends_ns: list[int] = []  # end marks of the closed steps, for freshness
+
+    def step_closed(self, record: dict) -> None:
+        self.steps_closed += 1
+        if self._keep_step_ends:
+            self.step_ends_ns.append(record["end_ns"])
+
+
+class ProcessorHealth(_Counters):
+    """Committed totals of a processor's stages, and their Prometheus collector."""
+
+    def __init__(self, keep_freshness: int = 100_000) -> None:
+        self._zero()
         self.transactions = 0
-        self._uncommitted_end_ns: list[int] = []
         self.freshness_s: deque[float] = deque(maxlen=keep_freshness)
         self._fresh_buckets = [0] * (len(FRESHNESS_BUCKETS) + 1)
         self._fresh_sum = 0.0
+        self._lock = threading.Lock()  # two stages' loops commit from two threads
         self._processor: Processor | None = None
 
     def bind(self, processor: Processor) -> None:
         self._processor = processor
 
-    def step_closed(self, record: dict) -> None:
-        self.steps_closed += 1
-        self._uncommitted_end_ns.append(record["end_ns"])
-
-    def committed(self, _outputs: int) -> None:
-        """Called by the step stage's loop after each committed transaction."""
-        self.transactions += 1
-        if not self._uncommitted_end_ns:
-            return
+    def commit(self, counts: StageCounts, transaction: bool = False) -> None:
+        """Add what ``counts`` holds (a stage's committed transaction) to the totals; the
+        step ends it holds become freshness samples. ``transaction``: count the commit."""
         now = time.time_ns()
-        for end_ns in self._uncommitted_end_ns:
-            f = max(0.0, (now - end_ns) / 1e9)
-            self.freshness_s.append(f)
-            self._fresh_sum += f
-            i = next((i for i, b in enumerate(FRESHNESS_BUCKETS) if f <= b), len(FRESHNESS_BUCKETS))
-            self._fresh_buckets[i] += 1
-        self._uncommitted_end_ns.clear()
+        with self._lock:
+            for name in _TOTALS:
+                setattr(self, name, getattr(self, name) + getattr(counts, name))
+            self.events.update(counts.events)
+            self.decode_errors.update(counts.decode_errors)
+            self.transactions += transaction
+            for end_ns in counts.step_ends_ns:
+                f = max(0.0, (now - end_ns) / 1e9)
+                self.freshness_s.append(f)
+                self._fresh_sum += f
+                self._fresh_buckets[bisect_left(FRESHNESS_BUCKETS, f)] += 1
+        counts.clear()
 
     # -- Prometheus -------------------------------------------------------------------
 
@@ -87,7 +142,7 @@ class ProcessorHealth:
         yield events
         errors = CounterMetricFamily(p + "decode_errors", "raw messages sent to the dead-letter topic, by reason",
                                      labels=["reason"])
-        for reason in ("not_avro", "truncated", "unknown_fingerprint", "malformed", "wrong_type"):
+        for reason in DecodeError.REASONS:
             errors.add_metric([reason], self.decode_errors[reason])
         yield errors
         for name, doc, value in (
@@ -103,8 +158,11 @@ class ProcessorHealth:
             yield CounterMetricFamily(p + name, doc, value=value)
         proc = self._processor
         if proc is not None:
-            yield GaugeMetricFamily(p + "consumer_lag_messages", "raw messages not yet consumed",
-                                    value=proc.lag())
+            yield GaugeMetricFamily(p + "consumer_lag_messages", "raw messages not yet consumed, from the "
+                                    "broker's end offsets of now", value=proc.lag())
+            yield GaugeMetricFamily(p + "kafka_reachable", "1 when the broker answered the last lag probe",
+                                    value=int(proc.kafka_reachable))
+            yield from _loop_health(proc.loops)
             stage = proc.step_stage
             if stage is not None:
                 yield GaugeMetricFamily(p + "open_runs", "runs with state in this processor", value=stage.open_runs)
@@ -125,5 +183,5 @@ class ProcessorHealth:
         """Serve these metrics on http://addr:port/metrics (a registry of their own)."""
         registry = CollectorRegistry(auto_describe=False)
         registry.register(self)
-        start_http_server(port, addr=addr, registry=registry)
+        serve_metrics(addr, port, lambda: generate_latest(registry), "profstream processor")
         return registry

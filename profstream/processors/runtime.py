@@ -21,16 +21,36 @@ import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from profstream.kafka.limits import DEAD_LETTER_ROOM_BYTES, MAX_MESSAGE_BYTES
 from profstream.kafka.topics import Topics
 from profstream.processors.assembler import RankAssembler
-from profstream.processors.checkpoint import Output, TransactionalLoop
+from profstream.processors.checkpoint import MAX_OUTAGE_S, Output, TransactionalLoop
 from profstream.processors.figures import FigureOptions, RankFigures
-from profstream.processors.health import ProcessorHealth
+from profstream.processors.health import ProcessorHealth, StageCounts
+from profstream.processors.lag import LagProbe
 from profstream.processors.ranks import rank_figures
 from profstream.schema.batch import decode_batch
 from profstream.schema.codec import DecodeError, decode, encode
 
 log = logging.getLogger("profstream.processor")
+
+
+def dead_letter(topic: str, rec, error: DecodeError) -> Output:
+    """The dead-letter copy of an input message, with its reason, detail and origin. A
+    message too large to forward whole (a foreign producer's, on a topic that takes more
+    than profstream's clients send) is forwarded truncated, with its original size."""
+    headers = [("reason", error.reason.encode()), ("detail", str(error)[:500].encode()),
+               ("origin", f"{rec.topic}/{rec.partition}/{rec.offset}".encode())]
+    value = rec.value if isinstance(rec.value, bytes) else b""
+    key = rec.key
+    if key is not None and len(key) > DEAD_LETTER_ROOM_BYTES // 2:  # the key and headers fit in the room
+        headers.append(("key_truncated_from", str(len(key)).encode()))
+        key = key[:DEAD_LETTER_ROOM_BYTES // 2]
+    room = MAX_MESSAGE_BYTES - DEAD_LETTER_ROOM_BYTES
+    if len(value) > room:
+        headers.append(("truncated_from", str(len(value)).encode()))
+        value = value[:room]
+    return Output(topic, key, value, None, headers)
 
 
 def run_partition(run_id: str, partitions: int) -> int:
@@ -49,14 +69,16 @@ class _Rank:
 class StepStage:
     """raw -> StepMetrics / Alert / dead letters, with a RankCheckpoint per (run, rank)."""
 
-    def __init__(self, topics: Topics, steps_partitions: int, health: ProcessorHealth,
+    name = "steps"
+
+    def __init__(self, topics: Topics, steps_partitions: int, counts: StageCounts,
                  grace_s: float = 2.0, idle_timeout_s: float = 60.0,
                  figure_options: FigureOptions | None = None) -> None:
         self.topics = topics
         self.input_topic = topics.raw
         self.state_topic = topics.state
         self.steps_partitions = steps_partitions
-        self.health = health
+        self.counts = counts
         self.grace_s = grace_s
         self.idle_timeout_s = idle_timeout_s
         self.figure_options = figure_options or FigureOptions()
@@ -102,11 +124,8 @@ class StepStage:
         try:
             batch = decode_batch(rec.value)
         except DecodeError as e:
-            self.health.decode_errors[e.reason] += 1
-            headers = [("reason", e.reason.encode()), ("detail", str(e)[:500].encode()),
-                       ("origin", f"{rec.topic}/{rec.partition}/{rec.offset}".encode())]
-            value = rec.value if isinstance(rec.value, bytes) else b""
-            return [Output(self.topics.dlq, rec.key, value, None, headers)]
+            self.counts.decode_errors[e.reason] += 1
+            return [dead_letter(self.topics.dlq, rec, e)]
         ident = (batch.run_id, batch.rank)
         rank = self.ranks.get(ident)
         if rank is None:
@@ -116,7 +135,7 @@ class StepStage:
         before = (asm.late_events, asm.lost_batches, asm.dropped_ops)
         if asm.add(batch, now, rec.offset):
             self._changed.add(ident)
-            h = self.health
+            h = self.counts
             h.batches += 1
             for section in ("ops", "memory", "queues", "steps"):
                 h.events[section] += batch.n(section)
@@ -138,7 +157,7 @@ class StepStage:
                 del self.ranks[ident]
                 self._changed.discard(ident)
                 out.append(Output(self.state_topic, f"{ident[0]}/{ident[1]}".encode(), None, asm.partition))
-                self.health.runs_closed += 1
+                self.counts.runs_closed += 1
             elif closed:
                 self._changed.add(ident)
             for ev, reason in closed:
@@ -150,9 +169,9 @@ class StepStage:
         key = f"{ev.run_id}/{ev.rank}".encode()
         part = run_partition(ev.run_id, self.steps_partitions)
         out = [Output(self.topics.steps, key, encode("StepMetrics", record), part)]
-        self.health.step_closed(record)
+        self.counts.step_closed(record)
         if transition is not None:
-            self.health.alerts += 1
+            self.counts.alerts += 1
             opts = self.figure_options
             firing = transition == "firing"
             alert = {
@@ -194,12 +213,14 @@ class RunStage:
     (the producers' world_size, else every rank seen in the run so far), or ``grace_s``
     after its first report; steps are emitted in order."""
 
-    def __init__(self, topics: Topics, health: ProcessorHealth, grace_s: float = 10.0,
+    name = "run"
+
+    def __init__(self, topics: Topics, counts: StageCounts, grace_s: float = 10.0,
                  idle_timeout_s: float = 60.0) -> None:
         self.topics = topics
         self.input_topic = topics.steps
         self.state_topic = topics.run_state
-        self.health = health
+        self.counts = counts
         self.grace_s = grace_s
         self.idle_timeout_s = idle_timeout_s
         self.runs: dict[str, _RunState] = {}
@@ -237,7 +258,7 @@ class RunStage:
         try:
             m = decode("StepMetrics", rec.value)
         except DecodeError as e:
-            self.health.decode_errors[e.reason] += 1
+            self.counts.decode_errors[e.reason] += 1
             return []
         run = self.runs.get(m["run_id"])
         if run is None:
@@ -280,7 +301,7 @@ class RunStage:
         figures = rank_figures(step_times)
         record = {"run_id": run_id, "step": step, **figures,
                   "step_times_ns": {str(r): t for r, t in sorted(step_times.items())}}
-        self.health.run_steps += 1
+        self.counts.run_steps += 1
         return Output(self.topics.run, run_id.encode(), encode("RunStepMetrics", record), None)
 
 
@@ -293,23 +314,31 @@ class Processor:
                  instance_id: str = "0", grace_s: float = 2.0, idle_timeout_s: float = 60.0,
                  run_grace_s: float = 10.0, figure_options: FigureOptions | None = None,
                  commit_interval_ms: float = 100.0, stages: str = "all", compression: str = "lz4",
-                 health: ProcessorHealth | None = None) -> None:
+                 health: ProcessorHealth | None = None, max_outage_s: float = MAX_OUTAGE_S) -> None:
         if stages not in ("all", "steps", "run"):
             raise ValueError("stages must be all, steps or run")
         self.health = health or ProcessorHealth()
         self.loops: list[TransactionalLoop] = []
         self.step_stage: StepStage | None = None
         self.run_stage: RunStage | None = None
+        # Each stage counts into its own StageCounts, added to the health totals when its
+        # loop commits and thrown away when it aborts.
         if stages in ("all", "steps"):
-            self.step_stage = StepStage(topics, _partition_count(bootstrap, topics.steps), self.health,
+            counts = StageCounts()
+            self.step_stage = StepStage(topics, _partition_count(bootstrap, topics.steps), counts,
                                         grace_s, idle_timeout_s, figure_options)
-            self.loops.append(TransactionalLoop(bootstrap, self.step_stage, group_id, instance_id,
-                                                commit_interval_ms, compression=compression,
-                                                on_commit=self.health.committed))
+            self.loops.append(TransactionalLoop(
+                bootstrap, self.step_stage, group_id, instance_id, commit_interval_ms, compression=compression,
+                on_commit=lambda _n, c=counts: self.health.commit(c, transaction=True), on_abort=counts.clear,
+                max_outage_s=max_outage_s))
         if stages in ("all", "run"):
-            self.run_stage = RunStage(topics, self.health, run_grace_s, idle_timeout_s)
-            self.loops.append(TransactionalLoop(bootstrap, self.run_stage, f"{group_id}-run", instance_id,
-                                                commit_interval_ms, compression=compression))
+            counts = StageCounts(keep_step_ends=False)
+            self.run_stage = RunStage(topics, counts, run_grace_s, idle_timeout_s)
+            self.loops.append(TransactionalLoop(
+                bootstrap, self.run_stage, f"{group_id}-run", instance_id, commit_interval_ms,
+                compression=compression, on_commit=lambda _n, c=counts: self.health.commit(c),
+                on_abort=counts.clear, max_outage_s=max_outage_s))
+        self._lag = LagProbe(bootstrap, group_id, topics.raw) if self.step_stage is not None else None
         self.health.bind(self)
         self._stop = threading.Event()
 
@@ -341,8 +370,17 @@ class Processor:
         self._stop.set()
 
     def lag(self) -> int:
-        """Raw messages not consumed yet (as of the step stage's last check, at most 1 s old)."""
-        return sum(loop.lag for loop in self.loops[:1])
+        """Raw messages the step stage has not consumed yet, from the broker's end offsets
+        (asked at most once a second); 0 without a step stage."""
+        if self._lag is None:
+            return 0
+        loop = self.loops[0]
+        return self._lag.measure(loop.assignment(), loop.positions())
+
+    @property
+    def kafka_reachable(self) -> bool:
+        """Whether the broker answered the last lag probe."""
+        return self._lag is None or self._lag.reachable
 
 
 def _partition_count(bootstrap: str, topic: str) -> int:

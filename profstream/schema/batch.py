@@ -14,6 +14,7 @@ import numpy as np
 
 from profstream.schema.codec import DecodeError, decode, encode
 from profstream.schema.codec import names_blob as _names_blob
+from profstream.schema.names import NAME_RULE, is_valid_name
 
 # Op kinds (the u8 ``kind`` column).
 COMPUTE, COMMUNICATION, MEMCPY, HOST, DATA, MEMSET = range(6)
@@ -204,4 +205,9 @@ def decode_batch(data: bytes) -> EventBatch:
     q = batch.queues["name_idx"]
     if len(q) and (q.min() < 0 or q.max() >= len(batch.queue_names)):
         raise DecodeError("malformed", "queue name index outside its dictionary")
+    for what in ("run_id", "host", "device"):  # host and device may be unknown (empty)
+        value = getattr(batch, what)
+        if not is_valid_name(value) and (what == "run_id" or value):
+            raise DecodeError("invalid_name", f"{what} {value[:80]!r}{'...' if len(value) > 80 else ''}: "
+                                              f"expected {NAME_RULE}")
     return batch

@@ -49,7 +49,7 @@ def crc64_avro(data: bytes) -> int:
 class DecodeError(ValueError):
     """A message that is not a decodable profstream record; ``reason`` says why."""
 
-    REASONS = ("not_avro", "truncated", "unknown_fingerprint", "malformed", "wrong_type")
+    REASONS = ("not_avro", "truncated", "unknown_fingerprint", "malformed", "wrong_type", "invalid_name")
 
     def __init__(self, reason: str, detail: str = "") -> None:
         assert reason in self.REASONS, reason

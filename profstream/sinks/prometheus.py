@@ -12,24 +12,21 @@ and a rank or run whose newest record is older than ``ttl_s`` is dropped with it
 from __future__ import annotations
 
 import bisect
-import gzip
 import itertools
 import logging
-import socket
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, ThreadingWSGIServer
 from prometheus_client.utils import floatToGoString
 
 from profstream.kafka.topics import Topics
+from profstream.metrics_server import serve_metrics
 from profstream.schema.codec import DecodeError, decode
 
 log = logging.getLogger("profstream.sink.prometheus")
@@ -379,34 +376,6 @@ def read_alerts(bootstrap: str, topic: str, timeout: float = 10.0) -> list[dict]
     return alerts
 
 
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:  # no line per scrape
-        pass
-
-
-def _http_server(addr: str, port: int, state: ExporterState) -> WSGIServer:
-    """Serve ``state.exposition()`` on http://addr:port/metrics from a daemon thread."""
-
-    def app(environ: dict, start_response: Callable) -> list[bytes]:
-        if environ.get("PATH_INFO", "/") not in ("/", "/metrics"):
-            start_response("404 Not Found", [("Content-Type", "text/plain")])
-            return [b"the profstream exporter serves /metrics\n"]
-        body = state.exposition()
-        headers = [("Content-Type", CONTENT_TYPE_PLAIN_0_0_4)]
-        if "gzip" in environ.get("HTTP_ACCEPT_ENCODING", ""):
-            body = gzip.compress(body, compresslevel=1)  # 25x smaller in ~1 ms
-            headers.append(("Content-Encoding", "gzip"))
-        start_response("200 OK", headers)
-        return [body]
-
-    class Server(ThreadingWSGIServer):
-        address_family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-
-    server = make_server(addr, port, app, Server, handler_class=_QuietHandler)
-    threading.Thread(target=server.serve_forever, name="profstream-prometheus-http", daemon=True).start()
-    return server
-
-
 class PrometheusExporter:
     """``ExporterState`` fed by a ``SinkLoop`` and served over HTTP: ``serve()``, then
     ``run()`` (blocking) until ``stop()``."""
@@ -429,7 +398,7 @@ class PrometheusExporter:
         from profstream.sinks.runner import SinkLoop
 
         try:
-            self._server = _http_server(self.addr, self.port, self.state)
+            self._server = serve_metrics(self.addr, self.port, self.state.exposition, "profstream exporter")
         except OSError as e:
             raise ExporterError(f"cannot serve metrics on {self.addr}:{self.port} ({e.strerror or e}): "
                                 "choose another --port") from None

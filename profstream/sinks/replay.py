@@ -31,7 +31,7 @@ from typing import Any
 from profstream.config import check_name
 from profstream.kafka.topics import Topics
 from profstream.processors.figures import FigureOptions
-from profstream.processors.health import ProcessorHealth
+from profstream.processors.health import StageCounts
 from profstream.processors.runtime import RunStage, StepStage
 from profstream.schema.batch import SECTIONS, EventBatch, decode_batch, encode_batch
 from profstream.schema.codec import DecodeError, decode
@@ -360,13 +360,6 @@ def _ensure_topic(bootstrap: str, topic: str) -> None:
 
 # -- offline ---------------------------------------------------------------------------------
 
-class _OfflineHealth(ProcessorHealth):
-    """Counts without keeping each step's end time (nothing commits offline)."""
-
-    def step_closed(self, record: dict) -> None:
-        self.steps_closed += 1
-
-
 @dataclass(frozen=True)
 class OfflineOptions:
     """The processors' options (the same names and defaults as `profstream process`)."""
@@ -387,13 +380,13 @@ def _step_outputs(files: list[ArchiveFile], options: OfflineOptions, on_loss, ta
     topic = files[0].topic if files else "offline.raw"
     topics = Topics(topic[: -len(".raw")] if topic.endswith(".raw") else topic)
     kinds = {topics.steps: _STEP, topics.alerts: _ALERT, topics.dlq: _DLQ}
-    health = _OfflineHealth()
+    counts = StageCounts(keep_step_ends=False)  # nothing commits offline: counted as folded
     stages: dict[int, list] = {}  # partition -> [StepStage, clock]
     seq = itertools.count()
     for now, p, rec in merged(files, on_loss, tally):
         entry = stages.get(p)
         if entry is None:
-            entry = stages[p] = [StepStage(topics, 1, health, options.grace_s, options.idle_timeout_s,
+            entry = stages[p] = [StepStage(topics, 1, counts, options.grace_s, options.idle_timeout_s,
                                            options.figures), now]
         stage = entry[0]
         out = []
@@ -409,7 +402,7 @@ def _step_outputs(files: list[ArchiveFile], options: OfflineOptions, on_loss, ta
         out += stage.fold(_Rec(topic, p, rec["offset"], key, value), now)
         out += stage.ready(now)
         tally.messages += 1
-        tally.events = health.events["ops"]
+        tally.events = counts.events["ops"]
         for o in out:
             kind = kinds.get(o.topic)
             if kind is not None:
@@ -441,7 +434,7 @@ def replay_offline(files: list[ArchiveFile], options: OfflineOptions | None = No
     tally = Tally("offline", len(files), sum(f.path.stat().st_size for f in files))
     reporter = _Reporter(tally, progress)
     topics = Topics("offline")
-    run_stage = RunStage(topics, _OfflineHealth(), options.run_grace_s, options.idle_timeout_s)
+    run_stage = RunStage(topics, StageCounts(keep_step_ends=False), options.run_grace_s, options.idle_timeout_s)
     wanted = (lambda step: True) if steps is None else (lambda step: steps[0] <= step <= steps[1])
     partitions = sorted({f.partition for f in files})
     workers = max(1, min(workers, len(partitions)))

@@ -1,0 +1,125 @@
+"""Processor faults that need no broker restart (those are in tests/faults/): aborted
+transactions, messages too large to forward whole, names a Monitor would refuse."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+
+import confluent_kafka
+from confluent_kafka import KafkaError, KafkaException
+from kafka import KafkaConsumer
+
+from profstream.kafka.deadline import CallTimeout
+from profstream.kafka.limits import DEAD_LETTER_ROOM_BYTES, MAX_MESSAGE_BYTES
+from profstream.processors.runtime import Processor
+from profstream.producers.simulate import SimConfig, expected, run_simulation
+from profstream.schema.batch import EventBatch, encode_batch
+from tests.helpers import step_records
+from tests.test_processor import RunningProcessor
+
+
+def _dead_letters(bootstrap: str, topic: str, count: int, timeout: float = 30.0) -> list:
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, auto_offset_reset="earliest",
+                             isolation_level="read_committed", consumer_timeout_ms=int(timeout * 1000),
+                             max_partition_fetch_bytes=4 * MAX_MESSAGE_BYTES)
+    consumer.subscribe([topic])
+    out = []
+    for rec in consumer:
+        out.append(rec)
+        if len(out) == count:
+            break
+    consumer.close()
+    return out
+
+
+def _produce(bootstrap: str, topic: str, messages: list[tuple[bytes, bytes]], max_bytes: int = MAX_MESSAGE_BYTES):
+    producer = confluent_kafka.Producer({"bootstrap.servers": bootstrap, "message.max.bytes": max_bytes})
+    for key, value in messages:
+        producer.produce(topic, value, key)
+    assert producer.flush(30) == 0
+
+
+def test_aborted_transactions_count_nothing_twice_and_lose_nothing(kafka_bootstrap, topics):
+    """Counters count what was committed: a transaction thrown away (here by faults injected
+    into the loop, as a broker restart would) takes its counts with it, and the re-read
+    input counts once more when it commits."""
+    cfg = SimConfig(run_id="aborts", ranks=2, steps=60, ops_per_step=50, seed=7)
+    run_simulation(cfg, {"bootstrap": kafka_bootstrap, "topic_prefix": topics.prefix, "batch_interval_ms": 5})
+    garbage = [(b"aborts/0", b"not avro %d" % i) for i in range(8)]
+    _produce(kafka_bootstrap, topics.raw, garbage)
+    total = cfg.ranks * cfg.steps
+
+    processor = Processor(kafka_bootstrap, topics, group_id=f"g-{topics.prefix}", grace_s=0.5, stages="steps")
+    loop, counts, health = processor.loops[0], processor.step_stage.counts, processor.health
+    faults = [CallTimeout("injected: a call that never returns"),
+              KafkaException(KafkaError(KafkaError._TIMED_OUT, "injected: a transaction that timed out"))]
+    injected = thrown_away = 0
+    deadline = time.monotonic() + 90
+    try:
+        while health.steps_closed < total and time.monotonic() < deadline:
+            loop.step()
+            # every few polls with work open, a fault: abort (or replace the producer) and rebuild
+            if loop._txn_started is not None and counts.steps_closed and injected < 6:
+                thrown_away += counts.steps_closed
+
+                def fault(f=faults[injected % 2]):
+                    raise f
+
+                loop._guarded(fault)
+                injected += 1
+        for _ in range(20):  # let a late duplicate show itself
+            loop.step()
+    finally:
+        loop.close()
+    assert injected == 6 and thrown_away > 0, "no transaction with counted steps was aborted"
+    assert loop.recoveries == 6 and loop.aborts == 6
+    steps = step_records(kafka_bootstrap, topics.steps, "aborts", total + 1, timeout=5)
+    assert Counter((s["rank"], s["step"]) for s in steps) == Counter(expected(cfg).keys())
+    assert health.steps_closed == total
+    assert health.decode_errors == Counter({"not_avro": 8})
+    assert health.events["ops"] == cfg.ranks * cfg.steps * cfg.ops_per_step
+    assert health.events["steps"] == total
+    assert len(health.freshness_s) == total
+
+
+def test_a_message_too_large_to_forward_whole_goes_to_the_dead_letter_topic_truncated(kafka_bootstrap, topics):
+    # within what the raw topic takes (profstream.kafka.limits), beyond what fits a dead letter
+    big = os.urandom(MAX_MESSAGE_BYTES + 10_000)
+    cfg = SimConfig(run_id="after-big", ranks=1, steps=30, ops_per_step=40, seed=3)
+    with RunningProcessor(kafka_bootstrap, topics) as processor:
+        _produce(kafka_bootstrap, topics.raw, [(b"foreign/0", big)], max_bytes=2 * MAX_MESSAGE_BYTES)
+        run_simulation(cfg, {"bootstrap": kafka_bootstrap, "topic_prefix": topics.prefix})
+        steps = step_records(kafka_bootstrap, topics.steps, "after-big", cfg.steps)
+        [dead] = _dead_letters(kafka_bootstrap, topics.dlq, 1)
+        aborts = processor.loops[0].aborts
+    assert sorted(s["step"] for s in steps) == list(range(cfg.steps))
+    assert aborts == 0, "the large message made the processor abort"
+    headers = {k: v.decode() for k, v in dead.headers}
+    assert headers["reason"] == "not_avro"
+    assert headers["truncated_from"] == str(len(big))
+    assert headers["origin"].startswith(f"{topics.raw}/")
+    assert dead.value == big[:MAX_MESSAGE_BYTES - DEAD_LETTER_ROOM_BYTES]
+    assert dead.key == b"foreign/0"
+
+
+def test_names_a_monitor_would_refuse_go_to_the_dead_letter_topic(kafka_bootstrap, topics):
+    bad = {"x" * 300: "run_id", "nul\x00run": "run_id", "../../etc": "run_id"}
+    messages = [(b"bad/0", encode_batch(EventBatch(run_id=name, rank=0))) for name in bad]
+    messages.append((b"bad/0", encode_batch(EventBatch(run_id="fine", rank=0, host="a/b"))))
+    cfg = SimConfig(run_id="named", ranks=1, steps=10, ops_per_step=20, seed=1)
+    with RunningProcessor(kafka_bootstrap, topics) as processor:
+        _produce(kafka_bootstrap, topics.raw, messages)
+        run_simulation(cfg, {"bootstrap": kafka_bootstrap, "topic_prefix": topics.prefix})
+        steps = step_records(kafka_bootstrap, topics.steps, "named", cfg.steps)
+        dead = _dead_letters(kafka_bootstrap, topics.dlq, len(messages))
+        health = processor.health
+        deadline = time.monotonic() + 10
+        while health.decode_errors["invalid_name"] < len(messages) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert len(steps) == cfg.steps
+    assert [dict(d.headers)["reason"] for d in dead] == [b"invalid_name"] * len(messages)
+    details = [dict(d.headers)["detail"].decode() for d in dead]
+    assert any("host 'a/b'" in d for d in details) and any("run_id '../../etc'" in d for d in details)
+    assert health.decode_errors["invalid_name"] == len(messages)
