@@ -193,3 +193,30 @@ def test_per_call_and_bulk_ops_share_one_buffer_bound():
     assert stats["buffered_ops"] == limit
     assert stats["dropped_ops"] == 1000
     mon.close(timeout=0.5)
+
+
+def test_a_batch_over_the_message_limit_is_split_and_nothing_is_lost(kafka_bootstrap, topics):
+    """Long, distinct op names make a batch of 8192 ops encode to megabytes: the Sender
+    splits it under Kafka's message limit instead of losing it (or, as it once did,
+    retrying it forever while the buffer filled up)."""
+    from profstream.kafka.clients import read_topic
+    from profstream.kafka.limits import MAX_MESSAGE_BYTES
+    from profstream.schema.batch import decode_batch
+
+    mon = Monitor(run_id="long-names", bootstrap=kafka_bootstrap, topic_prefix=topics.prefix,
+                  host_sample_interval_s=0)
+    n = 6000
+    names = [f"kernel_{i:05d}_" + "t" * 400 for i in range(n)]  # ~2.5 MB of names
+    with mon.step(0):
+        mon.ops(names, np.arange(n, dtype=np.int64) * 10, np.full(n, 5, dtype=np.int64))
+    assert mon.flush(timeout=60)
+    stats = mon.stats()
+    mon.close()
+    assert stats["dropped_ops"] == 0 and stats["dropped_samples"] == 0
+    values = read_topic(kafka_bootstrap, topics.raw, lambda v: True, stats["seq"], 30)
+    assert len(values) == stats["seq"] >= 3
+    assert max(len(v) for v in values) <= MAX_MESSAGE_BYTES
+    batches = [decode_batch(v) for v in values]
+    got = [b.op_names[i] for b in batches for i in b.ops["name_idx"]]
+    assert sorted(got) == names  # every op once
+    assert batches[-1].complete_through_step == 0  # the watermark came with the last part

@@ -313,6 +313,9 @@ class Monitor:
                "buffered_samples": len(self._marks) + len(self._memory) + len(self._queues)}
         if self._sender is not None:
             out.update(self._sender.stats())
+            # dropped: by the full buffer, and what never reached Kafka (purged at close, refused)
+            out["dropped_ops"] += out["undelivered_ops"]
+            out["dropped_samples"] += out["undelivered_samples"]
         return out
 
 

@@ -22,6 +22,7 @@ import numpy as np
 import psutil
 
 from profstream.kafka.clients import make_native_producer
+from profstream.kafka.limits import MAX_MESSAGE_BYTES
 from profstream.producers.monitor import OpChunk
 from profstream.schema.batch import (
     HOST,
@@ -156,7 +157,7 @@ class Sender(threading.Thread):
         self._sent_watermark: int | None = None
         self._reported_dropped_ops = 0
         self._reported_dropped_samples = 0
-        self._pending: deque[tuple[bytes, int]] = deque()  # built, not yet handed to Kafka
+        self._pending: deque[tuple[bytes, int, int]] = deque()  # (value, ops, samples) built, not yet handed to Kafka
         self._host_rows: list[tuple] = []
         self._next_host_sample = 0.0
         self._process = psutil.Process()
@@ -174,7 +175,14 @@ class Sender(threading.Thread):
         self._stopping = threading.Event()
         self._flush_requested = 0
         self._flush_done = 0
+        self._flush_deadline = 0.0
+        self._flush_ok = False
         self._flush_cv = threading.Condition()
+        # events that will never reach Kafka: purged at close, refused, left in the buffer
+        self.undelivered_ops = 0
+        self.undelivered_samples = 0
+        self._lost_said_at = -1e18
+        self._ops_limit = 1 << 30  # lowered when a batch encodes over the message limit
         self._down_since: float | None = None
         self._warned_down = False
         self._next_connect = 0.0
@@ -186,21 +194,13 @@ class Sender(threading.Thread):
         wake = self.m._wake
         while True:
             stopping = self._stopping.is_set()
-            with self._flush_cv:
-                flush_target = self._flush_requested
             cycle_started = time.monotonic()
             try:
                 self._cycle()
             except Exception:  # a bug here must not end profiling silently
                 log.exception("profstream sender: unexpected error; continuing")
-            if flush_target > self._flush_done and self._producer is not None:
-                if self._buffered():
-                    wake.wait(0.001)  # drained only part (in-flight cap): go again soon
-                    continue
-                self._producer.flush(self._interval * 4 + 1)
-                with self._flush_cv:
-                    self._flush_done = flush_target
-                    self._flush_cv.notify_all()
+            if self._serve_flush():  # a flush waits for more: go again soon
+                continue
             if stopping:
                 self._close_producer()
                 return
@@ -213,13 +213,59 @@ class Sender(threading.Thread):
                 if rest > 0:
                     self._stopping.wait(rest)
 
+    def _serve_flush(self) -> bool:
+        """Settle the flush that waits, if any: once everything buffered is acknowledged,
+        or at its deadline. True while it stays open (the broker may come back meanwhile)."""
+        with self._flush_cv:
+            target, deadline = self._flush_requested, self._flush_deadline
+        if target <= self._flush_done:
+            return False
+        left = deadline - time.monotonic()
+        delivered = not self._buffered() and self._inflight() == 0
+        if left > 0 and not delivered:
+            if self._producer is None:  # reconnect within a second of the broker's return
+                self._next_connect = min(self._next_connect, time.monotonic() + 1.0)
+                time.sleep(min(0.05, left))
+            elif self._buffered():  # more to build and send than the in-flight share: go on
+                self._producer.poll()
+                time.sleep(min(0.005, left))
+            else:
+                self._producer.flush(min(0.1, left))  # returns as soon as all is acknowledged
+            return True
+        with self._flush_cv:
+            self._flush_ok = delivered
+            self._flush_done = target
+            self._flush_cv.notify_all()
+        return False
+
     def _close_producer(self) -> None:
+        """Close the producer; whatever it still held (purged) or was never sent counts as
+        undelivered: the Monitor's stats and the caller's report say so."""
         if self._producer is not None:
             try:
-                self._producer.close(timeout=1.0 if self._warned_down else 5.0)
+                self._producer.close(timeout=0.5)
             except Exception as e:
                 log.warning("profstream: closing the Kafka producer failed: %s", e)
             self._producer = None
+        m = self.m
+        ops = sum(n for _v, n, _s in self._pending) + m.buffered_ops
+        samples = sum(s for _v, _n, s in self._pending) + len(m._marks) + len(m._memory) + len(m._queues)
+        if ops or samples:
+            self._pending.clear()
+            self._undelivered(ops, samples, "the Monitor closed before Kafka took them")
+        if self.undelivered_ops or self.undelivered_samples:
+            log.warning("profstream: %d ops and %d samples of %s rank %d never reached Kafka at %s: they are "
+                        "counted as dropped", self.undelivered_ops, self.undelivered_samples, m.run_id, m.rank,
+                        m.options["bootstrap"])
+
+    def _undelivered(self, ops: int, samples: int, why: str) -> None:
+        """Count events that will never reach Kafka (the next batch header carries them)."""
+        self.undelivered_ops += ops
+        self.undelivered_samples += samples
+        now = time.monotonic()
+        if now - self._lost_said_at >= 60.0:
+            self._lost_said_at = now
+            log.warning("profstream: %d ops and %d samples lost (%s); counted as dropped", ops, samples, why)
 
     def _buffered(self) -> bool:
         m = self.m
@@ -279,7 +325,7 @@ class Sender(threading.Thread):
     def _mark_up(self) -> None:
         if self._warned_down:
             log.warning("profstream: Kafka at %s reachable again; %d ops dropped so far",
-                        self.m.options["bootstrap"], self.m.dropped_ops)
+                        self.m.options["bootstrap"], self.m.dropped_ops + self.undelivered_ops)
         self._down_since = None
         self._warned_down = False
 
@@ -294,9 +340,11 @@ class Sender(threading.Thread):
         queues = _drain(m._queues)
         host = self._host_rows
         self._host_rows = []
-        ops = self._take_ops(m._batch_max_ops)
+        ops = self._take_ops(min(m._batch_max_ops, self._ops_limit))
         more_ops = m.buffered_ops > 0
-        total_dropped_ops, total_dropped_samples = m.dropped_ops, m.dropped_samples
+        # what never reached Kafka is reported downstream with what the buffer dropped
+        total_dropped_ops = m.dropped_ops + self.undelivered_ops
+        total_dropped_samples = m.dropped_samples + self.undelivered_samples
         dropped_ops = total_dropped_ops - self._reported_dropped_ops
         dropped_samples = total_dropped_samples - self._reported_dropped_samples
         if not (marks or memory or queues or host or ops or dropped_ops or dropped_samples) and (
@@ -333,12 +381,46 @@ class Sender(threading.Thread):
             batch.steps, batch.memory, batch.queues = (empty_section(s) for s in ("steps", "memory", "queues"))
             batch.queue_names = []
             value = encode_batch(batch)
+        while len(value) > MAX_MESSAGE_BYTES:
+            value = self._shrink(batch, len(value))
         self._reported_dropped_ops = total_dropped_ops
         self._reported_dropped_samples = total_dropped_samples
         self._sent_watermark = batch.complete_through_step
         self._seq += 1
-        self._pending.append((value, batch.n("ops")))
+        self._pending.append((value, batch.n("ops"), len(marks) + len(memory) + len(queues)))
         return True
+
+    def _shrink(self, batch: EventBatch, size: int) -> bytes:
+        """A batch over Kafka's message limit (long op names, say): give its second half of
+        ops back to the buffer and send the first; later batches take as few ops. A batch
+        that cannot shrink (one op, or samples alone) is dropped and counted."""
+        ops, n = batch.ops, batch.n("ops")
+        if n > 1:
+            keep = n // 2
+            names, types = batch.op_names, batch.op_types
+            rest = OpChunk(n - keep, [names[i] for i in ops["name_idx"][keep:]],
+                           [types[i] for i in ops["type_idx"][keep:]],
+                           *(ops[c][keep:].copy() for c in ("kind", "stream", "step", "start_ns", "dur_ns")))
+            m = self.m
+            m._op_chunks.appendleft(rest)
+            m._chunk_ops_out -= n - keep
+            m.update_tuple_limit()
+            head = {c: a[:keep] for c, a in ops.items()}
+            batch.op_names, head["name_idx"] = _dictionary([names[i] for i in head["name_idx"]])
+            batch.op_types, head["type_idx"] = _dictionary([types[i] for i in head["type_idx"]])
+            batch.ops = head
+            batch.complete_through_step = self._sent_watermark  # the rest is buffered again
+            if keep < self._ops_limit:
+                self._ops_limit = keep
+                log.warning("profstream: a batch of %d ops encoded to %d bytes, over Kafka's %d byte limit; "
+                            "sending at most %d ops a batch from now on", n, size, MAX_MESSAGE_BYTES, keep)
+        else:
+            samples = batch.n("steps") + batch.n("memory") + batch.n("queues")
+            self._undelivered(n, samples, f"a batch of {size} bytes is over Kafka's message limit")  # the next batch reports it
+            for section in ("ops", "steps", "memory", "queues"):
+                setattr(batch, section, empty_section(section))
+            batch.op_names, batch.op_types, batch.queue_names = [], [], []
+        return encode_batch(batch)
 
     def _take_ops(self, limit: int) -> list[OpChunk]:
         """Up to ``limit`` buffered ops, op() tuples first, then ops() chunks (split if needed)."""
@@ -389,13 +471,21 @@ class Sender(threading.Thread):
         producer = self._producer
         topic = self.m.topics.raw
         while self._pending:
-            value, n_ops = self._pending[0]
+            value, n_ops, n_samples = self._pending[0]
             size = len(value)
-            done = partial(self._on_delivery, size=size, n_ops=n_ops, sent_at=time.monotonic_ns())
+            done = partial(self._on_delivery, size=size, n_ops=n_ops, n_samples=n_samples,
+                           sent_at=time.monotonic_ns())
             try:
                 producer.send(topic, value, self.m.key, done)
             except BufferError:  # librdkafka's queue is full (a long outage): keep it, retry later
                 return
+            except confluent_kafka.KafkaException as e:
+                if e.args[0].code() != confluent_kafka.KafkaError.MSG_SIZE_TOO_LARGE:
+                    self._mark_down(time.monotonic(), e)  # keep the batch, report the outage once
+                    return
+                self._pending.popleft()  # never sendable (the size check failed us): count it
+                self._undelivered(n_ops, n_samples, f"a batch of {size} bytes is over the message limit")
+                continue
             except Exception as e:  # anything else: keep the batch, report the outage once
                 self._mark_down(time.monotonic(), e)
                 return
@@ -405,7 +495,7 @@ class Sender(threading.Thread):
             self.batches_sent += 1
             self.bytes_sent += size
 
-    def _on_delivery(self, error: Exception | None, size: int, n_ops: int, sent_at: int) -> None:
+    def _on_delivery(self, error: Exception | None, size: int, n_ops: int, n_samples: int, sent_at: int) -> None:
         with self._lock:
             self._inflight_bytes -= size
             if error is None:
@@ -416,8 +506,8 @@ class Sender(threading.Thread):
         if error is None:
             if self._down_since is not None:
                 self._mark_up()
-        else:
-            log.warning("profstream: a batch of %d ops was lost after retries (%s)", n_ops, error)
+        else:  # purged at close, or refused by the broker (a topic's own smaller limit, say)
+            self._undelivered(n_ops, n_samples, str(error))
 
     def _on_client_error(self, error: Exception) -> None:
         """librdkafka's client-wide errors: every broker down is an outage (reported once);
@@ -444,10 +534,13 @@ class Sender(threading.Thread):
     # -- control (called from other threads) ------------------------------------------
 
     def flush(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s until everything buffered is acknowledged, the broker's
+        return from an outage included; True if it was."""
         deadline = time.monotonic() + timeout
         with self._flush_cv:
             self._flush_requested += 1
             target = self._flush_requested
+            self._flush_deadline = max(self._flush_deadline, deadline)
         self.m._wake.set()
         with self._flush_cv:
             while self._flush_done < target:
@@ -455,21 +548,23 @@ class Sender(threading.Thread):
                 if left <= 0 or not self.is_alive():
                     return False
                 self._flush_cv.wait(left)
-        return self._inflight() == 0
+            return self._flush_ok
 
     def stop(self, timeout: float) -> bool:
-        """Flush within ``timeout`` (1 s at most during a known outage), then end the thread;
-        the thread closes its producer itself, so a stuck connect never holds the caller."""
-        ok = self.flush(min(timeout, 1.0) if self._warned_down else timeout)
+        """Flush within ``timeout``, then end the thread; the thread closes its producer
+        itself (what is left then is counted as undelivered), so a stuck connect never
+        holds the caller for long."""
+        ok = self.flush(timeout)
         self._stopping.set()
         self.m._wake.set()
-        self.join(timeout=max(0.1, timeout))
+        self.join(timeout=5.0)
         return ok and not self._pending
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return {"batches_sent": self.batches_sent, "bytes_sent": self.bytes_sent,
                     "batches_acked": self._acked_batches, "batches_failed": self._failed_batches,
+                    "undelivered_ops": self.undelivered_ops, "undelivered_samples": self.undelivered_samples,
                     "inflight_bytes": self._inflight_bytes, "send_latency_ns": self._last_latency_ns,
                     "pending_batches": len(self._pending), "connected": self._producer is not None,
                     "seq": self._seq}

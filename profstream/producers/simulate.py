@@ -307,8 +307,8 @@ def run_simulation(cfg: SimConfig, monitor_options: dict | None = None, progress
                 plans = []
     finally:
         flushed = all([m.flush(timeout=30) for m in monitors])
-        stats = [m.stats() for m in monitors]
         for m in monitors:
             m.close(timeout=5)
+        stats = [m.stats() for m in monitors]  # after close: what it could not deliver is counted
     return SimResult(steps, ops, time.monotonic() - wall0, flushed,
                      sum(s["dropped_ops"] for s in stats), stats)
