@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install jars demo test test-mindspore test-fast lint bench stack-up stack-down clean dashboards
+.PHONY: install jars demo test test-faults test-mindspore test-fast lint bench stack-up stack-down clean dashboards
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "profstream needs Python 3.11+: install it or run make PYTHON=python3.11")'
@@ -32,7 +32,12 @@ $(TORCH_STAMP): $(STAMP)
 
 test: jars $(TORCH_STAMP)
 	$(BIN)/ruff check profstream tests $(wildcard benchmarks)
-	$(BIN)/python -m pytest -m "not mindspore" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not mindspore and not faults" $(PYTEST_ARGS)
+
+# The fault suite: a broker of its own stopped, killed and restarted under a streaming run,
+# processors killed, the Monitor flushed and closed across outages (tests/faults, ~5 min).
+test-faults: jars
+	$(BIN)/python -m pytest -m faults tests/faults $(PYTEST_ARGS)
 
 # The MindSpore callback against a real MindSpore (CPU wheel, ~800 MB), in a virtual
 # environment of its own so that the main one keeps its torch and numpy: docs/mindspore.md.

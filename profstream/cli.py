@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import faulthandler
 import logging
+import signal
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -820,6 +822,8 @@ def main() -> None:
     from profstream.processors.checkpoint import FencedError, ProcessorUnavailable
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # `kill -USR1 <pid>` prints every thread's stack to stderr: what a stuck process is doing
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         app()
     except (StackError, ConfigError, FencedError, ProcessorUnavailable) as e:

@@ -605,6 +605,21 @@ def _port_free(port: int) -> bool:
     return True
 
 
+# A broker that was killed leaves its connections half-closed until the clients notice:
+# its ports can take a few seconds to bind again. Waiting for them keeps the address the
+# clients know and the data of the storage (new ports mean new, empty storage).
+PORT_RELEASE_S = 15.0
+
+
+def _ports_released(ports: tuple[int, int], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not all(_port_free(p) for p in ports):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
 def _configured_ports(props: Path) -> tuple[int, int] | None:
     try:
         text = props.read_text()
@@ -826,7 +841,7 @@ def _start(java: str, libs: Path, state_dir: Path, deadline: float, timeout: flo
     # Keep the ports the storage was formatted with when they are still free; otherwise
     # take new ones and start from empty storage (a dev broker; data is disposable).
     old = _configured_ports(props)
-    if old and old[0] != old[1] and all(_port_free(p) for p in old):
+    if old and old[0] != old[1] and _ports_released(old, min(PORT_RELEASE_S, deadline - time.monotonic())):
         port, cport = old
     else:
         port, cport = _free_port(), _free_port()

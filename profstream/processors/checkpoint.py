@@ -144,6 +144,8 @@ class TransactionalLoop:
         self._max_poll_records = max_poll_records
         self._call = DeadlineCaller(f"profstream-{self.transactional_id}")
         self._stop = threading.Event()
+        self._producer_generation = 0
+        self._producer_lost_brokers = False  # every broker went away since it was made
         try:
             self._producer = self._new_producer()
         except (KafkaException, CallTimeout) as e:
@@ -187,10 +189,30 @@ class TransactionalLoop:
         if err.code() == KafkaError._ALL_BROKERS_DOWN:
             self._say("brokers", f"no broker of {self.bootstrap} answers ({err.str()}); librdkafka retries")
 
-    def _new_producer(self) -> confluent_kafka.Producer:
-        producer = make_transactional_producer(self.bootstrap, self.transactional_id, self._compression,
-                                               error_cb=self._client_error)
+    def _producer_error(self, err: KafkaError, generation: int) -> None:
+        self._client_error(err)
+        if err.code() == KafkaError._ALL_BROKERS_DOWN and generation == self._producer_generation:
+            # Its coordinators went with the brokers: its next send_offsets_to_transaction may
+            # wait for them for good. Replaced before that commit instead of after a deadline.
+            self._producer_lost_brokers = True
+
+    def _make_producer(self) -> confluent_kafka.Producer:
+        """A transactional producer, not initialised yet."""
+        self._producer_generation += 1
+        generation = self._producer_generation
+        return make_transactional_producer(
+            self.bootstrap, self.transactional_id, self._compression,
+            error_cb=lambda err: self._producer_error(err, generation))  # a replaced one's errors are moot
+
+    def _init(self, producer: confluent_kafka.Producer) -> None:
+        """init_transactions: fences every older producer of our transactional id and aborts
+        what it left open."""
         self._call("init_transactions", self.call_timeout, producer.init_transactions, self.call_timeout)
+        self._producer_lost_brokers = False
+
+    def _new_producer(self) -> confluent_kafka.Producer:
+        producer = self._make_producer()
+        self._init(producer)
         return producer
 
     def _new_consumer(self) -> confluent_kafka.Consumer:
@@ -295,6 +317,7 @@ class TransactionalLoop:
             self._recover(e)
 
     def _step(self) -> None:
+        self._producer.poll(0)  # its error callbacks (every broker down: see _producer_error)
         msgs = self._poll()
         if self._failure is not None:  # from a rebalance callback: msgs may predate the rebuild
             failure, self._failure = self._failure, None
@@ -372,6 +395,8 @@ class TransactionalLoop:
         self._txn_outputs += len(outputs)
 
     def _commit(self) -> None:
+        if self._producer_lost_brokers:
+            raise CallTimeout("the producer lost every broker; replaced before it commits")
         self._send(self.stage.changed_state())
         topic = self.stage.input_topic
         offsets = [TopicPartition(topic, p, self.stage.commit_offset(p, pos)) for p, pos in self._positions.items()]
@@ -422,6 +447,7 @@ class TransactionalLoop:
         replace_producer = isinstance(cause, CallTimeout) or (
             not replace_consumer and err is not None and (err.fatal() or err.code() in _FENCED))
         self._say("abort", f"transaction aborted ({_describe(cause)}); rebuilding state from the last commit")
+        fresh = None  # the replacement producer, until its init_transactions succeeds
         backoff = 0.5
         while True:
             try:
@@ -433,8 +459,20 @@ class TransactionalLoop:
                         replace_producer = True  # init_transactions of a new one aborts it
                 self._txn_started = None
                 if replace_producer:
-                    _dispose(self._producer)
-                    self._producer = self._new_producer()
+                    if fresh is None:
+                        _dispose(self._producer)
+                        fresh = self._make_producer()
+                    try:
+                        self._init(fresh)
+                    except (KafkaException, CallTimeout) as e:
+                        err = _kafka_error(e)
+                        # "retry call to resume": the same producer, or its init, still running in
+                        # librdkafka, would fence the next one's
+                        if isinstance(e, CallTimeout) or err is None or err.fatal() or not err.retriable():
+                            _dispose(fresh)
+                            fresh = None
+                        raise
+                    self._producer, fresh = fresh, None
                     replace_producer = False
                 if replace_consumer:
                     self._replace_consumer()
@@ -443,9 +481,6 @@ class TransactionalLoop:
                 break
             except (KafkaException, CallTimeout) as e:
                 self._check_fence(e)
-                err = _kafka_error(e)
-                if isinstance(e, CallTimeout) or (err is not None and err.fatal()):
-                    replace_producer = True
                 out_s = time.monotonic() - started
                 if out_s > self.max_outage:
                     raise ProcessorUnavailable(

@@ -235,6 +235,8 @@ class Sender(threading.Thread):
         with self._flush_cv:
             self._flush_ok = delivered
             self._flush_done = target
+            if self._flush_requested == target:  # the next flush brings its own deadline
+                self._flush_deadline = 0.0
             self._flush_cv.notify_all()
         return False
 
@@ -263,7 +265,7 @@ class Sender(threading.Thread):
         self.undelivered_ops += ops
         self.undelivered_samples += samples
         now = time.monotonic()
-        if now - self._lost_said_at >= 60.0:
+        if now - self._lost_said_at >= 60.0 and not self._stopping.is_set():  # at close: one summary
             self._lost_said_at = now
             log.warning("profstream: %d ops and %d samples lost (%s); counted as dropped", ops, samples, why)
 

@@ -1,0 +1,232 @@
+"""A broker that stops, dies or stays away while a run streams: nothing lost, nothing
+counted twice, every loss counted, and the processor back on its own within seconds."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections import Counter
+
+import pytest
+from kafka import KafkaConsumer, TopicPartition
+
+from profstream import Monitor
+from profstream.kafka.clients import make_producer
+from profstream.producers.simulate import SimConfig, run_simulation
+from profstream.schema.codec import decode
+from tests.faults.conftest import Broker, ProcessorProcess
+from tests.helpers import raw_batches, wait_until
+from tests.test_processor import _uninterrupted
+
+
+class Tail(threading.Thread):
+    """Every record of a topic (read_committed, from the start) with the moment it was
+    seen: an independent reader of what the processors committed."""
+
+    def __init__(self, bootstrap: str, topic: str, record: str) -> None:
+        super().__init__(daemon=True)
+        self.bootstrap, self.topic, self.record = bootstrap, topic, record
+        self.seen: list[tuple[float, dict]] = []
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        consumer = KafkaConsumer(bootstrap_servers=self.bootstrap, isolation_level="read_committed",
+                                 enable_auto_commit=False, reconnect_backoff_max_ms=1000)
+        tps = [TopicPartition(self.topic, p) for p in sorted(consumer.partitions_for_topic(self.topic))]
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)
+        while not self.halt.is_set():
+            for batch in consumer.poll(timeout_ms=100).values():
+                now = time.monotonic()
+                self.seen.extend((now, decode(self.record, r.value)) for r in batch)
+        consumer.close()
+
+
+# Each fault returns once Kafka answers again; True when the processor was restarted (its
+# counters then start from zero: a new process counts what it committed itself).
+
+def _broker_stop(broker: Broker, processor: ProcessorProcess) -> bool:
+    broker.stop()
+    _outage(15.0)
+    broker.start()
+    return False
+
+
+def _broker_kill(broker: Broker, processor: ProcessorProcess) -> bool:
+    broker.kill()
+    broker.start()
+    return False
+
+
+def _both_killed(broker: Broker, processor: ProcessorProcess) -> bool:
+    broker.kill()
+    processor.kill()
+    broker.start()
+    processor.start()
+    return True
+
+
+def _missing(tail: Tail, cfg: SimConfig) -> set[tuple[int, int]]:
+    return {(r, s) for r in range(cfg.ranks) for s in range(cfg.steps)} - {(m["rank"], m["step"]) for _, m in tail.seen}
+
+
+def _outage(seconds: float) -> None:
+    """The length of an outage is the fault itself, not a wait for a condition."""
+    time.sleep(seconds)
+
+
+@pytest.mark.parametrize("fault", [_broker_stop, _broker_kill, _both_killed],
+                         ids=["broker-down-15s", "broker-kill-9", "broker-and-processor-kill-9"])
+def test_a_run_through_a_broker_fault_commits_every_step_once_with_clean_values(broker, fault_topics, tmp_path,
+                                                                                 fault):
+    topics = fault_topics
+    cfg = SimConfig(run_id="fault", ranks=2, steps=300, ops_per_step=100, step_time_ms=100, seed=11,
+                    rate="realtime")
+    total = cfg.ranks * cfg.steps
+    processor = ProcessorProcess(broker.bootstrap, topics, tmp_path / "processor.log").start()
+    steps_tail = Tail(broker.bootstrap, topics.steps, "StepMetrics")
+    run_tail = Tail(broker.bootstrap, topics.run, "RunStepMetrics")
+    steps_tail.start()
+    run_tail.start()
+    garbage = make_producer(broker.bootstrap)
+    for i in range(4):
+        garbage.send(topics.raw, key=b"fault/0", value=b"before %d" % i)
+    garbage.flush()
+    sim: dict = {}
+    run = threading.Thread(target=lambda: sim.update(result=run_simulation(
+        cfg, {"bootstrap": broker.bootstrap, "topic_prefix": topics.prefix})))
+    run.start()
+    try:
+        wait_until(lambda: len(steps_tail.seen) >= 60, 60, "60 steps committed before the fault")
+        restarted = fault(broker, processor)
+        up_at, up_wall_ns = time.monotonic(), time.time_ns()
+        run.join(180)
+        assert not run.is_alive(), "the simulated run did not end"
+        for i in range(4):
+            garbage.send(topics.raw, key=b"fault/1", value=b"after %d" % i)
+        garbage.close()
+        deadline = time.monotonic() + 120
+        while (missing := _missing(steps_tail, cfg)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if missing:
+            processor.proc.send_signal(signal.SIGUSR1)  # its threads' stacks, into its log
+            time.sleep(1)
+        assert not missing, (f"{len(missing)} steps never committed, e.g. {sorted(missing)[:10]}; "
+                             f"processor: {processor.metrics()}\n{processor.output()[-6000:]}")
+        if not restarted:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and not (
+                    (processor.metrics() or {}).get("profstream_steps_closed_total", 0) >= total
+                    and (processor.metrics() or {}).get("profstream_run_steps_total", 0) >= cfg.steps):
+                time.sleep(0.2)
+        metrics = processor.metrics()
+        wait_until(lambda: processor.metrics()["profstream_consumer_lag_messages"] == 0, 30, "lag 0")
+    finally:
+        processor.stop()
+        steps_tail.halt.set()
+        run_tail.halt.set()
+        steps_tail.join(10)
+        run_tail.join(10)
+    result = sim["result"]
+    assert result.flushed and result.dropped_ops == 0, result.stats
+    seen = Counter((s["rank"], s["step"]) for _, s in steps_tail.seen)
+    assert len(seen) == total and max(seen.values()) == 1, "steps missing or committed twice"
+    reference = _uninterrupted(broker.bootstrap, topics, "fault", sum(s["seq"] for s in result.stats))
+    for _, s in steps_tail.seen:
+        ref = reference[(s["rank"], s["step"])]
+        assert {f: s[f] for f in s if f != "closed_ns"} == {f: ref[f] for f in ref if f != "closed_ns"}
+    run_steps = Counter(r["step"] for _, r in run_tail.seen)
+    assert sorted(run_steps) == list(range(cfg.steps)) and max(run_steps.values()) == 1
+    # back to fresh figures: the first step that ended after the broker came back
+    fresh = min(t for t, s in steps_tail.seen if s["end_ns"] >= up_wall_ns)
+    print(f"\n{fault.__name__}: fresh figures {fresh - up_at:.1f} s after the broker answered again")
+    assert fresh - up_at < 30, "the processor did not come back within 30 s of the broker"
+    if restarted:
+        return
+    # counted once, what was committed
+    assert metrics["profstream_steps_closed_total"] == total, (metrics, processor.output()[-3000:])
+    assert metrics["profstream_run_steps_total"] == cfg.steps
+    assert metrics["profstream_events_total{family=steps}"] == total
+    assert metrics["profstream_events_total{family=ops}"] == total * cfg.ops_per_step
+    assert metrics["profstream_decode_errors_total{reason=not_avro}"] == 8
+    assert metrics["profstream_producer_dropped_total"] == 0 and metrics["profstream_lost_batches_total"] == 0
+    assert metrics["profstream_processor_recoveries_total{stage=steps}"] >= 1
+
+
+def test_monitor_flush_waits_for_the_broker_to_come_back_and_delivers_everything(broker, fault_topics):
+    topics = fault_topics
+    mon = Monitor(run_id="flush-outage", bootstrap=broker.bootstrap, topic_prefix=topics.prefix,
+                  host_sample_interval_s=0)
+    with mon.step(0):
+        mon.op("warmup", 1, 1)
+    assert mon.flush(timeout=30)
+    broker.stop()
+    for s in range(1, 21):
+        with mon.step(s):
+            for i in range(50):
+                mon.op(f"k{i % 5}", s * 1_000_000 + i, 10)
+    restart = broker.start_in(3.0)
+    started = time.monotonic()
+    try:
+        assert mon.flush(timeout=90), mon.stats()
+        took = time.monotonic() - started
+    finally:
+        restart.join(120)
+    stats = mon.stats()
+    mon.close()
+    assert took < 60, f"flush took {took:.1f} s"
+    assert stats["dropped_ops"] == 0 and stats["dropped_samples"] == 0
+    batches = raw_batches(broker.bootstrap, topics.raw, "flush-outage", stats["seq"])
+    assert [b.seq for b in batches] == list(range(stats["seq"]))
+    assert sum(b.n("ops") for b in batches) == 1 + 20 * 50
+    assert sorted(int(s) for b in batches for s in b.steps["step"]) == list(range(21))
+
+
+def test_monitor_closed_during_an_outage_counts_exactly_what_it_could_not_deliver(broker, fault_topics):
+    topics = fault_topics
+    mon = Monitor(run_id="close-outage", bootstrap=broker.bootstrap, topic_prefix=topics.prefix,
+                  host_sample_interval_s=0)
+    with mon.step(0):
+        mon.op("warmup", 1, 1)
+    assert mon.flush(timeout=30)
+    broker.stop()
+    recorded_ops = 1
+    for s in range(1, 31):
+        with mon.step(s):
+            mon.memory(1000 * s)
+            for i in range(40):
+                mon.op(f"k{i % 5}", s * 1_000_000 + i, 10)
+                recorded_ops += 1
+    started = time.monotonic()
+    assert mon.close(timeout=3.0) is False  # not delivered, and says so
+    assert time.monotonic() - started < 15
+    stats = mon.stats()
+    broker.start()
+    delivered = raw_batches(broker.bootstrap, topics.raw, "close-outage", stats["seq"], timeout=10)
+    delivered_ops = sum(b.n("ops") for b in delivered)
+    delivered_samples = sum(b.n("steps") + b.n("memory") for b in delivered)
+    assert stats["dropped_ops"] > 0
+    assert delivered_ops + stats["dropped_ops"] == recorded_ops
+    assert delivered_samples + stats["dropped_samples"] == 31 + 30  # step marks and memory samples
+
+
+def test_a_processor_that_cannot_get_kafka_back_exits_with_one_line(broker, fault_topics, tmp_path):
+    topics = fault_topics
+    processor = ProcessorProcess(broker.bootstrap, topics, tmp_path / "processor.log", "--max-outage-s", "5").start()
+    cfg = SimConfig(run_id="gone", ranks=1, steps=400, ops_per_step=20, step_time_ms=50, seed=5, rate="realtime")
+    run = threading.Thread(target=run_simulation, args=(cfg, {"bootstrap": broker.bootstrap,
+                                                              "topic_prefix": topics.prefix}), daemon=True)
+    run.start()
+    try:
+        wait_until(lambda: (processor.metrics() or {}).get("profstream_steps_closed_total", 0) >= 20, 60,
+                   "steps committed")
+        broker.stop()
+        wait_until(lambda: processor.proc.poll() is not None, 120, f"the processor to give up ({processor.log})")
+    finally:
+        processor.stop()
+        broker.start()
+        run.join(60)
+    assert processor.proc.returncode == 2
+    last = processor.output().strip().splitlines()[-1]
+    assert "has not recovered" in last and "supervisor restarts it" in last, last
