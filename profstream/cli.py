@@ -664,8 +664,8 @@ def ingest(
     topic_prefix: PrefixOpt = "profstream",
 ) -> None:
     """Send an existing profile to Kafka as raw events, as a live producer would (docs/ingest.md)."""
-    from profstream.producers.ingest import IngestError
-    from profstream.producers.ingest import ingest as ingest_profile
+    from profstream.integrations.ingest import IngestError
+    from profstream.integrations.ingest import ingest as ingest_profile
 
     check_name(run_id, "run id")
     boot = _bootstrap(bootstrap)
@@ -704,7 +704,7 @@ def run(
                                                      help="op capture with torch.profiler (default: on)")] = None,
 ) -> None:
     """Profile a PyTorch training script without changing it: profstream run -- python train.py ARGS (docs/torch.md)."""
-    from profstream.producers.launch import run_profiled
+    from profstream.integrations.launch import run_profiled
 
     options = {"bootstrap": _bootstrap(bootstrap), "run_id": run_id, "topic_prefix": topic_prefix,
                "start_step": start_step, "stop_step": stop_step, "every_n_steps": every_n_steps}

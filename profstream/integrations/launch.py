@@ -44,7 +44,7 @@ def _profstream_chain():
 
 def _profstream_start():
     try:
-        from profstream.producers.launch import install_import_hook
+        from profstream.integrations.launch import install_import_hook
     except Exception as e:
         print(f"profstream: cannot import profstream in {_sys.executable} ({e}); this process runs "
               "without profiling (install profstream[torch] in its environment)", file=_sys.stderr)
@@ -70,7 +70,7 @@ def child_environment(options: Mapping[str, Any], torch_options: Mapping[str, An
     PROFSTREAM_OPTIONS, one run id for every process of the run, the start-up hook first
     on PYTHONPATH. A bad option raises ConfigError before anything starts."""
     from profstream.config import MONITOR_OPTIONS, _default_run_id, _env_options, resolve
-    from profstream.producers.torch import TORCH_OPTIONS
+    from profstream.integrations.torch import TORCH_OPTIONS
 
     env = dict(os.environ if environ is None else environ)
     given = {k: v for k, v in options.items() if v is not None}
@@ -173,7 +173,7 @@ def instrument_from_environment() -> Any:
         return _handle
     try:
         from profstream.config import MONITOR_OPTIONS, resolve
-        from profstream.producers.torch import TORCH_OPTIONS, TorchInstrumentation, close_at_exit
+        from profstream.integrations.torch import TORCH_OPTIONS, TorchInstrumentation, close_at_exit
 
         resolve(MONITOR_OPTIONS)  # a bad PROFSTREAM_* value is reported now, not at step 0
         torch_opts = resolve(TORCH_OPTIONS, environ={k: v for k, v in os.environ.items()
