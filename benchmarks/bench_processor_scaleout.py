@@ -40,8 +40,8 @@ from kafka import KafkaAdminClient, TopicPartition
 
 from profstream.kafka.clients import make_consumer
 from profstream.kafka.topics import Topics, ensure_topics
-from profstream.producers.simulate import SimConfig
 from profstream.schema.batch import decode_batch, encode_batch
+from profstream.simulate import SimConfig
 
 TARGET_RATIO = 1.6
 PARTITIONS = 12

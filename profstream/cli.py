@@ -119,7 +119,7 @@ def stack_down_cmd(dir: DirOpt = None) -> None:
 
 def _sim_config(run_id, ranks, steps, ops_per_step, step_time_ms, comm_share, seed, stall, straggler,
                 straggler_factor, leak_bytes_per_step, rate):
-    from profstream.producers.simulate import SimConfig
+    from profstream.simulate import SimConfig
 
     check_name(run_id, "run id")
     try:
@@ -157,7 +157,7 @@ def simulate(
     topic_prefix: PrefixOpt = "profstream",
 ) -> None:
     """Simulate a training run through the real Monitor (deterministic for a seed)."""
-    from profstream.producers.simulate import run_simulation
+    from profstream.simulate import run_simulation
 
     cfg = _sim_config(run_id, ranks, steps, ops_per_step, step_time_ms, comm_share, seed, stall, straggler,
                       straggler_factor, leak_bytes_per_step, rate)

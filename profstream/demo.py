@@ -12,8 +12,8 @@ from profstream.kafka.clients import read_topic
 from profstream.kafka.topics import Topics, ensure_topics
 from profstream.processors.health import ProcessorHealth
 from profstream.processors.runtime import Processor
-from profstream.producers.simulate import SimConfig, SimResult, expected, run_simulation
 from profstream.schema.codec import decode
+from profstream.simulate import SimConfig, SimResult, expected, run_simulation
 
 
 @dataclass

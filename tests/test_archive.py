@@ -18,8 +18,8 @@ from typer.testing import CliRunner
 
 from profstream.cli import app
 from profstream.kafka.clients import make_consumer, make_producer
-from profstream.producers.simulate import SimConfig, run_simulation
 from profstream.schema.batch import COMPUTE, EventBatch, encode_batch
+from profstream.simulate import SimConfig, run_simulation
 from profstream.sinks.archive import (
     UNKNOWN_RUN,
     ArchiveSink,

@@ -12,7 +12,7 @@ import yaml
 
 from profstream.demo import run_demo
 from profstream.processors.runtime import Processor
-from profstream.producers.simulate import SimConfig, expected, run_simulation
+from profstream.simulate import SimConfig, expected, run_simulation
 from tests.helpers import raw_batches, render_in_chromium, step_records, topic_size
 
 

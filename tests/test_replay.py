@@ -17,8 +17,8 @@ import tests.test_processor as live
 from profstream.cli import app
 from profstream.kafka.clients import read_topic
 from profstream.kafka.topics import Topics, delete_topics, ensure_topics
-from profstream.producers.simulate import SimConfig, plan_run, run_simulation
 from profstream.schema.batch import EventBatch, decode_batch
+from profstream.simulate import SimConfig, plan_run, run_simulation
 from profstream.sinks.archive import finished_files, iter_file, run_archive
 from profstream.sinks.export import export_parquet
 from profstream.sinks.replay import Pacer, StepRange, archive_files, replay_offline, republish

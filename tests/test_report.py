@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from profstream.cli import app
 from profstream.kafka.topics import Topics, delete_topics, ensure_topics
-from profstream.producers.simulate import SimConfig, expected, run_simulation
+from profstream.simulate import SimConfig, expected, run_simulation
 from profstream.sinks.archive import finished_files, iter_file, run_archive
 from tests.helpers import chromium, render_in_chromium, topic_size, wait_until
 

@@ -21,14 +21,6 @@ from profstream.kafka.clients import make_consumer
 from profstream.processors.assembler import RankAssembler
 from profstream.processors.model import StepEvents
 from profstream.processors.utilization import utilization
-from profstream.producers.simulate import (
-    QUEUE_CAPACITY,
-    QUEUE_NAME,
-    SimConfig,
-    expected,
-    plan_run,
-    run_simulation,
-)
 from profstream.schema.batch import (
     COMMUNICATION,
     COMPUTE,
@@ -38,6 +30,14 @@ from profstream.schema.batch import (
     EventBatch,
     decode_batch,
     encode_batch,
+)
+from profstream.simulate import (
+    QUEUE_CAPACITY,
+    QUEUE_NAME,
+    SimConfig,
+    expected,
+    plan_run,
+    run_simulation,
 )
 from profstream.sinks.runner import SinkLoop
 from profstream.sinks.timeline import (
