@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from profstream.kafka.topics import Topics
+from profstream.offline.report import gather, write_report
 from profstream.processors.health import ProcessorHealth
 from profstream.sinks.archive import ArchiveProgress, run_archive
 from profstream.sinks.prometheus import ExporterError, PrometheusExporter
-from profstream.sinks.report import gather, write_report
 from profstream.sinks.runner import SinkLoop
 from profstream.sinks.timeline import TimelineSink
 

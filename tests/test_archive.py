@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 
 from profstream.cli import app
 from profstream.kafka.clients import make_consumer, make_producer
+from profstream.offline.replay import records
 from profstream.schema.batch import COMPUTE, EventBatch, encode_batch
 from profstream.simulate import SimConfig, run_simulation
 from profstream.sinks.archive import (
@@ -27,7 +28,6 @@ from profstream.sinks.archive import (
     iter_file,
     run_archive,
 )
-from profstream.sinks.replay import records
 from tests.helpers import wait_until
 
 Msg = namedtuple("Msg", "topic partition offset timestamp key value headers")

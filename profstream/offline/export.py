@@ -214,7 +214,7 @@ def export_parquet(archive: Path, out_dir: Path, run: str | None = None, steps: 
 
     ``source`` of the step metrics: "steps" (the archived steps topic), "raw" (computed
     offline by the processors from the archived raw topic), or "auto" (steps if archived)."""
-    from profstream.sinks import replay
+    from profstream.offline import replay
 
     if source not in ("auto", "steps", "raw"):
         raise ValueError(f"source {source!r}: expected auto, steps or raw")

@@ -22,15 +22,15 @@ from pathlib import Path
 import numpy as np
 
 from profstream.config import check_name
-from profstream.sinks import charts
-from profstream.sinks.archive import ArchiveError, Loss
-from profstream.sinks.replay import (
+from profstream.offline import charts
+from profstream.offline.replay import (
     OfflineOptions,
     Tally,
     archive_files,
     default_workers,
     replay_offline,
 )
+from profstream.sinks.archive import ArchiveError, Loss
 
 MAX_RANK_PANELS = 8  # per-rank stacked phase charts; the rest are in the tables
 

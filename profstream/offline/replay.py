@@ -576,7 +576,7 @@ def default_workers() -> int:
 def replay_offline_to(files: list[ArchiveFile], out_dir: Path, fmt: str = "jsonl", **kw: Any) -> ReplayResult:
     """``replay_offline`` writing ``steps``, ``run_steps`` and ``alerts`` files (``.jsonl`` or
     ``.parquet``) into ``out_dir``."""
-    from profstream.sinks.export import RecordWriter
+    from profstream.offline.export import RecordWriter
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
