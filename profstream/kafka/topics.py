@@ -106,7 +106,7 @@ def ensure_topics(
     """
     from kafka.errors import KafkaError, KafkaTimeoutError
 
-    from profstream.kafka.launcher import StackError, wait_for_broker
+    from profstream.stack.broker import StackError, wait_for_broker
 
     validate_prefix(topics.prefix)
     if raw_partitions < 1 or partitions < 1:

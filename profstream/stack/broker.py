@@ -231,7 +231,7 @@ def _mvn_fetch(mvn: str, out_dir: Path) -> None:
     # package (which may be read-only) and `target/` never lands in the source tree.
     work = out_dir / ".mvn-work"
     work.mkdir()
-    pom_res = importlib.resources.files("profstream.kafka") / "pom.xml"
+    pom_res = importlib.resources.files("profstream.stack") / "pom.xml"
     pom = work / "pom.xml"
     pom.write_bytes(pom_res.read_bytes())
     cmd = [
