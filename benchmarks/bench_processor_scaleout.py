@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     bootstrap = broker_bootstrap(args.bootstrap)
-    from profstream.stack.broker import stack_up
+    from profstream.stack import stack_up
 
     broker_pid = stack_up().pid if not args.bootstrap else -1
     simulated = min(8, args.ranks)

@@ -55,7 +55,7 @@ def _bootstrap(given: str | None) -> str:
     from profstream.config import _env_options
 
     if given is None and "PROFSTREAM_BOOTSTRAP" not in os.environ and "bootstrap" not in _env_options(os.environ):
-        from profstream.stack.broker import stack_status
+        from profstream.stack import stack_status
 
         broker = stack_status()
         if broker is not None:
@@ -89,7 +89,7 @@ PrefixOpt = Annotated[str, typer.Option(help="topic name prefix (<prefix>.raw, <
 def stack_up_cmd(dir: DirOpt = None,
                  timeout: Annotated[float, typer.Option(help="seconds to wait for the broker")] = 120.0) -> None:
     """Start the local broker (or reuse the one running) and print its bootstrap address."""
-    from profstream.stack.broker import stack_up
+    from profstream.stack import stack_up
 
     broker = stack_up(dir, timeout=timeout)
     out.print(broker.bootstrap, highlight=False)
@@ -98,7 +98,7 @@ def stack_up_cmd(dir: DirOpt = None,
 @stack_app.command("status")
 def stack_status_cmd(dir: DirOpt = None) -> None:
     """Print the local broker's address and pid; exit 1 when none is running."""
-    from profstream.stack.broker import stack_status
+    from profstream.stack import stack_status
 
     broker = stack_status(dir)
     if broker is None:
@@ -110,7 +110,7 @@ def stack_status_cmd(dir: DirOpt = None) -> None:
 @stack_app.command("down")
 def stack_down_cmd(dir: DirOpt = None) -> None:
     """Stop the local broker."""
-    from profstream.stack.broker import stack_down
+    from profstream.stack import stack_down
 
     out.print("stopped" if stack_down(dir) else "not running")
 
@@ -174,7 +174,7 @@ def simulate(
 
 
 def _require_broker(bootstrap: str, timeout: float = 15.0) -> None:
-    from profstream.stack.broker import wait_for_broker
+    from profstream.stack import wait_for_broker
 
     wait_for_broker(bootstrap, timeout)
 
@@ -743,10 +743,10 @@ def demo(
     from profstream.demo_outputs import DemoOutputs
     from profstream.kafka.topics import ensure_topics
     from profstream.processors.health import ProcessorHealth
-    from profstream.stack.broker import stack_up
+    from profstream.stack import stack_up
 
     if bootstrap is None:
-        from profstream.stack.broker import stack_status
+        from profstream.stack import stack_status
 
         if stack_status() is None:
             err.print("starting the local Kafka broker (the first run fetches its jars with Maven)...")
@@ -814,7 +814,7 @@ def _print_summary(cfg, result) -> None:
 
 def main() -> None:
     from profstream.processors.checkpoint import FencedError
-    from profstream.stack.broker import StackError
+    from profstream.stack import StackError
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:

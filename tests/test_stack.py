@@ -19,7 +19,7 @@ import pytest
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 
 from profstream.kafka.topics import Topics, ensure_topics
-from profstream.stack.broker import (
+from profstream.stack import (
     KAFKA_VERSION,
     StackError,
     default_state_dir,
