@@ -524,7 +524,7 @@ def test_a_helper_of_a_profiled_process_is_not_profiled_but_keeps_its_own_sitecu
               "'hooked': any(type(f).__name__ == '_TorchImportHook' for f in sys.meta_path)}))")
     child = textwrap.dedent(f"""
         import os, subprocess, sys
-        from profstream.integrations.launch import without_profiling
+        from profstream.integrations.startup_hook import without_profiling
         print(subprocess.run([sys.executable, "-c", {report!r}], env=os.environ, capture_output=True, text=True).stdout)
         print(subprocess.run([sys.executable, "-c", {report!r}], env=without_profiling(os.environ),
                              capture_output=True, text=True).stdout)

@@ -30,7 +30,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from profstream.integrations.launch import without_profiling
+from profstream.integrations.startup_hook import without_profiling
 
 log = logging.getLogger("profstream.torch")
 
