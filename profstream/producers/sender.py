@@ -1,8 +1,7 @@
 """The Monitor's background thread: buffer -> columnar EventBatch -> Kafka.
 
-Order matters for the watermark: the sender reads the watermark first, then drains step
-marks, samples and ops. Every event recorded before the watermark moved is then in the
-drained lists, so a batch never claims a step complete while its ops are still buffered.
+The Sender drains the Monitor's ``EventBuffer`` (``buffer.py``, which also keeps the
+watermark's order) and reads nothing else of the Monitor but the public ``Source``.
 
 Seq numbers are given when a batch is built; a batch the broker cannot take yet is kept
 and sent again (same seq), so a gap in seq always means a lost batch.
@@ -15,14 +14,15 @@ import threading
 import time
 from collections import deque
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import confluent_kafka
 import numpy as np
 import psutil
 
 from profstream.kafka.clients import make_native_producer
-from profstream.producers.monitor import OpChunk
+from profstream.kafka.topics import Topics
+from profstream.producers.buffer import EventBuffer, OpChunk, rows_chunk
 from profstream.schema.batch import (
     HOST,
     I32,
@@ -37,27 +37,25 @@ from profstream.schema.batch import (
     encode_batch,
 )
 
-if TYPE_CHECKING:
-    from profstream.producers.monitor import Monitor
-
 log = logging.getLogger("profstream.monitor")
 
 
-def _drain(buf: deque, limit: int | None = None) -> list:
-    n = len(buf) if limit is None else min(limit, len(buf))
-    pop = buf.popleft
-    return [pop() for _ in range(n)]
+class Source(Protocol):
+    """What the Sender reads of the Monitor it sends for."""
+
+    options: dict[str, Any]
+    run_id: str
+    rank: int
+    producer_id: str
+    key: bytes
+    topics: Topics
+    buffer: EventBuffer
+    inflight_limit_bytes: int
 
 
 def _dictionary(values) -> tuple[list[str], np.ndarray]:
     codes, table = dictionary_codes(values)
     return [str(v) for v in table], codes
-
-
-def rows_chunk(rows: list[tuple]) -> OpChunk:
-    """op() tuples (name, op_type, kind, stream, step, start_ns, dur_ns) as one chunk."""
-    names, types, kinds, streams, steps, starts, durs = zip(*rows)
-    return OpChunk(len(rows), names, types, kinds, streams, steps, starts, durs)
 
 
 def chunk_rows(chunk: OpChunk) -> list[tuple]:
@@ -67,11 +65,6 @@ def chunk_rows(chunk: OpChunk) -> list[tuple]:
            for c in (chunk.names, chunk.op_types, chunk.kinds, chunk.streams, chunk.step, chunk.start_ns,
                      chunk.dur_ns)]
     return list(zip(*col))
-
-
-def _slice(chunk: OpChunk, lo: int, hi: int) -> OpChunk:
-    cut = [c[lo:hi] if isinstance(c, (list, tuple, np.ndarray)) else c for c in chunk[1:]]
-    return OpChunk(hi - lo, *cut)
 
 
 def _numbers(value, n: int, dtype) -> np.ndarray:
@@ -143,9 +136,10 @@ def sample_columns(rows: list[tuple], columns: tuple[tuple[str, Any], ...]) -> d
 class Sender(threading.Thread):
     """Builds and sends the batches of one Monitor."""
 
-    def __init__(self, monitor: Monitor, producer_factory=make_native_producer) -> None:
+    def __init__(self, monitor: Source, producer_factory=make_native_producer) -> None:
         super().__init__(name=f"profstream-sender-{monitor.run_id}-{monitor.rank}", daemon=True)
         self.m = monitor
+        self.buffer = monitor.buffer
         opts = monitor.options
         self._producer_factory = producer_factory
         self._interval = opts["batch_interval_ms"] / 1000.0
@@ -183,7 +177,7 @@ class Sender(threading.Thread):
     # -- thread -----------------------------------------------------------------------
 
     def run(self) -> None:
-        wake = self.m._wake
+        wake = self.buffer.wake
         while True:
             stopping = self._stopping.is_set()
             with self._flush_cv:
@@ -222,8 +216,7 @@ class Sender(threading.Thread):
             self._producer = None
 
     def _buffered(self) -> bool:
-        m = self.m
-        return bool(self._pending or m._ops or m._op_chunks or m._marks or m._memory or m._queues)
+        return bool(self._pending) or not self.buffer.empty
 
     def _cycle(self) -> None:
         now = time.monotonic()
@@ -279,7 +272,7 @@ class Sender(threading.Thread):
     def _mark_up(self) -> None:
         if self._warned_down:
             log.warning("profstream: Kafka at %s reachable again; %d ops dropped so far",
-                        self.m.options["bootstrap"], self.m.dropped_ops)
+                        self.m.options["bootstrap"], self.buffer.dropped_ops)
         self._down_since = None
         self._warned_down = False
 
@@ -287,16 +280,11 @@ class Sender(threading.Thread):
 
     def _build(self) -> bool:
         """Drain one batch from the buffers into self._pending. False if nothing to send."""
-        m = self.m
-        watermark = m._watermark  # read first: see the module docstring
-        marks = _drain(m._marks)
-        memory = _drain(m._memory)
-        queues = _drain(m._queues)
+        m, buf = self.m, self.buffer
+        watermark, marks, memory, queues, ops, more_ops, total_dropped_ops, total_dropped_samples = buf.drain(
+            buf.batch_max_ops)
         host = self._host_rows
         self._host_rows = []
-        ops = self._take_ops(m._batch_max_ops)
-        more_ops = m.buffered_ops > 0
-        total_dropped_ops, total_dropped_samples = m.dropped_ops, m.dropped_samples
         dropped_ops = total_dropped_ops - self._reported_dropped_ops
         dropped_samples = total_dropped_samples - self._reported_dropped_samples
         if not (marks or memory or queues or host or ops or dropped_ops or dropped_samples) and (
@@ -307,7 +295,7 @@ class Sender(threading.Thread):
             run_id=m.run_id, rank=m.rank, world_size=m.options["world_size"], host=m.options["host"],
             device=m.options["device"],
             producer_id=m.producer_id, seq=self._seq, sent_ns=time.time_ns(),
-            buffer_fill_ratio=m.buffer_fill_ratio, send_latency_ns=self._last_latency_ns,
+            buffer_fill_ratio=buf.fill_ratio, send_latency_ns=self._last_latency_ns,
         )
         if ops:
             dropped_ops += self._fill_ops(batch, ops)
@@ -339,29 +327,6 @@ class Sender(threading.Thread):
         self._seq += 1
         self._pending.append((value, batch.n("ops")))
         return True
-
-    def _take_ops(self, limit: int) -> list[OpChunk]:
-        """Up to ``limit`` buffered ops, op() tuples first, then ops() chunks (split if needed)."""
-        m = self.m
-        rows = _drain(m._ops, limit)
-        taken = [rows_chunk(rows)] if rows else []
-        room = limit - len(rows)
-        chunks = m._op_chunks
-        while room > 0 and chunks:
-            head = chunks[0]
-            if head.n <= room:
-                chunks.popleft()
-                taken.append(head)
-                room -= head.n
-                m._chunk_ops_out += head.n
-            else:
-                taken.append(_slice(head, 0, room))
-                chunks[0] = _slice(head, room, head.n)
-                m._chunk_ops_out += room
-                room = 0
-        if len(taken) > bool(rows):
-            m.update_tuple_limit()
-        return taken
 
     def _fill_ops(self, batch: EventBatch, ops: list[OpChunk]) -> int:
         """Put ops into the batch; returns how many were invalid and dropped."""
@@ -448,7 +413,7 @@ class Sender(threading.Thread):
         with self._flush_cv:
             self._flush_requested += 1
             target = self._flush_requested
-        self.m._wake.set()
+        self.buffer.wake.set()
         with self._flush_cv:
             while self._flush_done < target:
                 left = deadline - time.monotonic()
@@ -462,7 +427,7 @@ class Sender(threading.Thread):
         the thread closes its producer itself, so a stuck connect never holds the caller."""
         ok = self.flush(min(timeout, 1.0) if self._warned_down else timeout)
         self._stopping.set()
-        self.m._wake.set()
+        self.buffer.wake.set()
         self.join(timeout=max(0.1, timeout))
         return ok and not self._pending
 
