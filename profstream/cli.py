@@ -520,16 +520,15 @@ def replay(
     rolling_steps: Annotated[int, typer.Option(min=1, help="--offline: as for `profstream process`")] = 100,
 ) -> None:
     """Republish an archived run (keys kept, in partition order), or run the processors on it offline."""
+    from profstream.offline.archive import ArchiveError, archive_files
     from profstream.offline.replay import (
         OfflineOptions,
-        archive_files,
         default_workers,
         parse_speed,
         replay_offline_to,
         republish,
     )
     from profstream.processors.figures import FigureOptions
-    from profstream.sinks.archive import ArchiveError
 
     step_range = _parse_range(steps, "--steps")
     try:
@@ -585,8 +584,8 @@ def export_parquet_cmd(
     progress: ProgressOpt = None,
 ) -> None:
     """A run's step metrics and op table as Parquet files for pandas."""
+    from profstream.offline.archive import ArchiveError
     from profstream.offline.export import export_parquet
-    from profstream.sinks.archive import ArchiveError
 
     parts = tuple(w.strip() for w in what.split(",") if w.strip())
     if not parts or set(parts) - {"steps", "ops"}:
@@ -618,9 +617,8 @@ def report(
     progress: ProgressOpt = None,
 ) -> None:
     """A self-contained HTML post-mortem of an archived run (no network needed to view it)."""
-    from profstream.offline.replay import archive_files
+    from profstream.offline.archive import ArchiveError, archive_files
     from profstream.offline.report import ReportError, gather, write_report
-    from profstream.sinks.archive import ArchiveError
 
     bar, show = _work_progress("report", progress)
     try:

@@ -22,7 +22,7 @@ import os
 import queue
 import threading
 import time
-from collections import defaultdict, namedtuple
+from collections import namedtuple
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -30,130 +30,15 @@ from typing import Any
 
 from profstream.config import check_name
 from profstream.kafka.topics import Topics
+from profstream.offline.archive import ArchiveError, ArchiveFile, Loss, Reporter, Tally, merged
+from profstream.offline.record_files import RecordWriter
 from profstream.processors.figures import FigureOptions
 from profstream.processors.health import ProcessorHealth
 from profstream.processors.runtime import RunStage, StepStage
 from profstream.schema.batch import SECTIONS, EventBatch, decode_batch, encode_batch
 from profstream.schema.codec import DecodeError, decode
-from profstream.sinks.archive import ArchiveError, ArchiveFile, Loss, finished_files, iter_file
 
 _Rec = namedtuple("_Rec", "topic partition offset key value")
-
-
-# -- progress --------------------------------------------------------------------------------
-
-@dataclass
-class Tally:
-    """What a long job has done so far, for a progress display."""
-
-    what: str
-    files_total: int
-    bytes_total: int  # archive file bytes to read
-    files_done: int = 0
-    bytes_done: int = 0
-    messages: int = 0
-    events: int = 0  # op events
-    steps: int = 0  # StepMetrics out
-    started: float = field(default_factory=time.monotonic)
-
-    @property
-    def elapsed_s(self) -> float:
-        return time.monotonic() - self.started
-
-
-class _Reporter:
-    """Calls ``progress(tally)`` at most every 0.2 s (checked every 32 ticks)."""
-
-    def __init__(self, tally: Tally, progress: Callable[[Tally], None] | None) -> None:
-        self.tally, self.progress = tally, progress
-        self._n = 0
-        self._at = 0.0
-
-    def tick(self, force: bool = False) -> None:
-        if self.progress is None:
-            return
-        self._n += 1
-        if force or self._n % 32 == 0:
-            now = time.monotonic()
-            if force or now - self._at >= 0.2:
-                self._at = now
-                self.progress(self.tally)
-
-
-# -- choosing and reading files --------------------------------------------------------------
-
-def select_files(files: list[ArchiveFile], kind: str, topic: str | None, run: str | None, archive: Path,
-                 required: bool = True) -> list[ArchiveFile]:
-    """The files of the archived ``<prefix>.<kind>`` topic (``topic``: its full name, needed
-    when the archive holds several prefixes) and of ``run`` (None: every run)."""
-    topics = sorted({f.topic for f in files if (f.topic == topic if topic else f.topic.endswith("." + kind))})
-    if not topics:
-        if not required:
-            return []
-        raise ArchiveError(f"no archive of {'topic ' + topic if topic else 'a ' + kind + ' topic'} under "
-                           f"{archive}: point at the directory given to `profstream sink archive`")
-    if len(topics) > 1:
-        raise ArchiveError(f"{archive} holds several {kind} topics ({', '.join(topics)}): choose one with --topic")
-    chosen = [f for f in files if f.topic == topics[0]]
-    if run is not None:
-        runs = sorted({f.run_id for f in chosen})
-        chosen = [f for f in chosen if f.run_id == run]
-        if not chosen and required:
-            raise ArchiveError(f"run {run} is not in the archive of {topics[0]} under {archive}; runs there: "
-                               f"{', '.join(runs[:20])}{' ...' if len(runs) > 20 else ''}")
-    return chosen
-
-
-def _file_records(f: ArchiveFile, on_loss: Callable[[Loss], None], tally: Tally) -> Iterator[dict]:
-    for rec, loss in iter_file(f):
-        if loss is not None:
-            on_loss(loss)
-        else:
-            yield rec
-    tally.files_done += 1
-    tally.bytes_done += f.path.stat().st_size
-
-
-def _partition_records(files: list[ArchiveFile], on_loss, tally: Tally) -> Iterator[dict]:
-    """One partition's messages in offset order: each run's files in turn, runs merged."""
-    by_run: dict[str, list[ArchiveFile]] = defaultdict(list)
-    for f in sorted(files):
-        by_run[f.run_id].append(f)
-    streams = [itertools.chain.from_iterable(_file_records(f, on_loss, tally) for f in fs)
-               for fs in by_run.values()]
-    last = -1
-    for rec in heapq.merge(*streams, key=lambda r: r["offset"]):
-        if rec["offset"] > last:  # files that overlap (two sinks on one topic) hold a message twice
-            last = rec["offset"]
-            yield rec
-
-
-def _clocked(partition: int, records: Iterator[dict]) -> Iterator[tuple[float, int, dict]]:
-    now = -math.inf
-    for rec in records:
-        now = max(now, rec["timestamp"] / 1000.0)
-        yield now, partition, rec
-
-
-def merged(files: list[ArchiveFile], on_loss: Callable[[Loss], None], tally: Tally) -> Iterator[tuple[float, int, dict]]:
-    """(clock, partition, record) of every archived message of ``files`` in replay order."""
-    parts: dict[int, list[ArchiveFile]] = defaultdict(list)
-    for f in files:
-        parts[f.partition].append(f)
-    streams = [_clocked(p, _partition_records(fs, on_loss, tally)) for p, fs in sorted(parts.items())]
-    return heapq.merge(*streams, key=lambda t: (t[0], t[1]))
-
-
-def records(files: list[ArchiveFile], on_loss: Callable[[Loss], None], tally: Tally | None = None,
-            progress: Callable[[Tally], None] | None = None) -> Iterator[dict]:
-    """Every archived record of ``files`` in replay order (see the module docstring)."""
-    tally = tally or Tally("read", len(files), sum(f.path.stat().st_size for f in files))
-    reporter = _Reporter(tally, progress)
-    for _now, _p, rec in merged(files, on_loss, tally):
-        tally.messages += 1
-        reporter.tick()
-        yield rec
-    reporter.tick(force=True)
 
 
 # -- changing messages on the way: --rewrite-run, --steps --------------------------------------
@@ -297,7 +182,7 @@ def republish(files: list[ArchiveFile], bootstrap: str, to_topic: str, speed: fl
     stop = stop or threading.Event()
     result = ReplayResult()
     tally = Tally("replay", len(files), sum(f.path.stat().st_size for f in files))
-    reporter = _Reporter(tally, progress)
+    reporter = Reporter(tally, progress)
     change = _transform(rewrite_run, StepRange(*steps) if steps else None, result)
     pacer = Pacer(speed, sleep=stop.wait)
     failures: list[BaseException] = []
@@ -439,7 +324,7 @@ def replay_offline(files: list[ArchiveFile], options: OfflineOptions | None = No
         check_name(rewrite_run, "run id")
     change = _transform(rewrite_run, None, result) if rewrite_run else None
     tally = Tally("offline", len(files), sum(f.path.stat().st_size for f in files))
-    reporter = _Reporter(tally, progress)
+    reporter = Reporter(tally, progress)
     topics = Topics("offline")
     run_stage = RunStage(topics, _OfflineHealth(), options.run_grace_s, options.idle_timeout_s)
     wanted = (lambda step: True) if steps is None else (lambda step: steps[0] <= step <= steps[1])
@@ -576,8 +461,6 @@ def default_workers() -> int:
 def replay_offline_to(files: list[ArchiveFile], out_dir: Path, fmt: str = "jsonl", **kw: Any) -> ReplayResult:
     """``replay_offline`` writing ``steps``, ``run_steps`` and ``alerts`` files (``.jsonl`` or
     ``.parquet``) into ``out_dir``."""
-    from profstream.offline.export import RecordWriter
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     ext = "jsonl" if fmt == "jsonl" else "parquet"
@@ -591,12 +474,3 @@ def replay_offline_to(files: list[ArchiveFile], out_dir: Path, fmt: str = "jsonl
             w.close()
     result.outputs = [w.path for w in writers.values()]
     return result
-
-
-def archive_files(archive: Path | str, kind: str = "raw", topic: str | None = None,
-                  run: str | None = None) -> list[ArchiveFile]:
-    """The finished files of the archived ``kind`` topic (and ``run``) under ``archive``."""
-    archive = Path(archive)
-    if not archive.exists():
-        raise ArchiveError(f"{archive} does not exist: give the directory written by `profstream sink archive`")
-    return select_files(finished_files(archive), kind, topic, run, archive)

@@ -23,14 +23,8 @@ import numpy as np
 
 from profstream.config import check_name
 from profstream.offline import charts
-from profstream.offline.replay import (
-    OfflineOptions,
-    Tally,
-    archive_files,
-    default_workers,
-    replay_offline,
-)
-from profstream.sinks.archive import ArchiveError, Loss
+from profstream.offline.archive import ArchiveError, Loss, Tally, archive_files
+from profstream.offline.replay import OfflineOptions, default_workers, replay_offline
 
 MAX_RANK_PANELS = 8  # per-rank stacked phase charts; the rest are in the tables
 
