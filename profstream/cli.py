@@ -522,13 +522,13 @@ def replay(
     """Republish an archived run (keys kept, in partition order), or run the processors on it offline."""
     from profstream.offline.archive import ArchiveError, archive_files
     from profstream.offline.replay import (
-        OfflineOptions,
         default_workers,
         parse_speed,
         replay_offline_to,
         republish,
     )
     from profstream.processors.figures import FigureOptions
+    from profstream.processors.stream import StreamOptions
 
     step_range = _parse_range(steps, "--steps")
     try:
@@ -547,7 +547,7 @@ def replay(
         if output is None:
             _fail("--offline writes its results to a directory: give --output DIR")
         with bar:
-            options = OfflineOptions(grace_s, run_grace_s, idle_timeout_s,
+            options = StreamOptions(grace_s, run_grace_s, idle_timeout_s,
                                      FigureOptions(top_k, stall_ratio, stall_steps, rolling_steps))
             result = replay_offline_to(files, output, format, options=options, steps=step_range,
                                        rewrite_run=rewrite_run, workers=workers or default_workers(), progress=show)

@@ -1,12 +1,11 @@
 """Replay an archive: republish a run to a topic, or run the processors on it offline.
 
-Order: each partition's messages in offset order (a partition's runs merged by offset);
-partitions interleaved by their clock, the highest Kafka timestamp seen so far in the
-partition. The offline processors use that clock as ``now`` and keep one ``StepStage``
-per partition (a rank's state lives in its partition), so what they compute depends on
-each partition's own messages only: the same with one worker process or several, and the
-same as the live processors wherever the figures do not depend on wall-clock timing
-(steps closed by the producers' watermarks).
+Messages go in the archive's replay order (``offline.archive``: each partition in offset
+order, partitions interleaved by their clock). Offline, the processors' public entry
+point (``processors.stream``) computes the figures, with that clock as ``now``: what they
+compute depends on each partition's own messages only, the same with one worker process
+or several, and the same as the live processors wherever the figures do not depend on
+wall-clock timing (steps closed by the producers' watermarks).
 
 A damaged archive file costs only its damaged blocks: each is reported as a ``Loss``
 (file, topic, partition, offsets) and the replay goes on.
@@ -15,14 +14,12 @@ A damaged archive file costs only its damaged blocks: each is reported as a ``Lo
 from __future__ import annotations
 
 import heapq
-import itertools
 import math
 import multiprocessing
 import os
 import queue
 import threading
 import time
-from collections import namedtuple
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -32,14 +29,17 @@ from profstream.config import check_name
 from profstream.kafka.topics import Topics
 from profstream.offline.archive import ArchiveError, ArchiveFile, Loss, Reporter, Tally, merged
 from profstream.offline.record_files import RecordWriter
-from profstream.processors.figures import FigureOptions
-from profstream.processors.health import ProcessorHealth
-from profstream.processors.runtime import RunStage, StepStage
+from profstream.processors.stream import (
+    ALERTS,
+    DEAD_LETTERS,
+    Figure,
+    RawMessage,
+    RunFigures,
+    StepFigures,
+    StreamOptions,
+)
 from profstream.schema.batch import SECTIONS, EventBatch, decode_batch, encode_batch
 from profstream.schema.codec import DecodeError, decode
-
-_Rec = namedtuple("_Rec", "topic partition offset key value")
-
 
 # -- changing messages on the way: --rewrite-run, --steps --------------------------------------
 
@@ -245,79 +245,33 @@ def _ensure_topic(bootstrap: str, topic: str) -> None:
 
 # -- offline ---------------------------------------------------------------------------------
 
-class _OfflineHealth(ProcessorHealth):
-    """Counts without keeping each step's end time (nothing commits offline)."""
-
-    def step_closed(self, record: dict) -> None:
-        self.steps_closed += 1
-
-
-@dataclass(frozen=True)
-class OfflineOptions:
-    """The processors' options (the same names and defaults as `profstream process`)."""
-
-    grace_s: float = 2.0
-    run_grace_s: float = 10.0
-    idle_timeout_s: float = 60.0
-    figures: FigureOptions = field(default_factory=FigureOptions)
-
-
-# One step-stage output, in the order the run stage must see it: (clock, partition, seq, kind, value)
-_STEP, _ALERT, _DLQ = 0, 1, 2
-
-
-def _step_outputs(files: list[ArchiveFile], options: OfflineOptions, on_loss, tally: Tally,
-                  change=None) -> Iterator[tuple[float, int, int, int, bytes]]:
-    """Run one StepStage per partition over ``files``; yield its outputs in (clock, partition) order."""
-    topic = files[0].topic if files else "offline.raw"
-    topics = Topics(topic[: -len(".raw")] if topic.endswith(".raw") else topic)
-    kinds = {topics.steps: _STEP, topics.alerts: _ALERT, topics.dlq: _DLQ}
-    health = _OfflineHealth()
-    stages: dict[int, list] = {}  # partition -> [StepStage, clock]
-    seq = itertools.count()
+def _step_figures(files: list[ArchiveFile], options: StreamOptions, on_loss, tally: Tally,
+                  change=None) -> Iterator[Figure]:
+    """The processors' step figures of ``files``, in ``Figure`` order."""
+    steps = StepFigures(options, files[0].topic if files else "offline.raw")
     for now, p, rec in merged(files, on_loss, tally):
-        entry = stages.get(p)
-        if entry is None:
-            entry = stages[p] = [StepStage(topics, 1, health, options.grace_s, options.idle_timeout_s,
-                                           options.figures), now]
-        stage = entry[0]
-        out = []
-        if now > entry[1]:  # steps whose grace ran out before this message came
-            entry[1] = now
-            out = stage.ready(now)
         key, value = rec["key"], rec["value"]
         if change is not None:
             changed = change(key, value)
             if changed is None:
                 continue
             key, value = changed
-        out += stage.fold(_Rec(topic, p, rec["offset"], key, value), now)
-        out += stage.ready(now)
+        yield from steps.feed(RawMessage(now, p, rec["offset"], key, value))
         tally.messages += 1
-        tally.events = health.events["ops"]
-        for o in out:
-            kind = kinds.get(o.topic)
-            if kind is not None:
-                yield now, p, next(seq), kind, o.value
-    for p, (stage, now) in sorted(stages.items()):
-        final = now + options.idle_timeout_s + options.grace_s + 1.0
-        for _ in range(2):  # close by grace, then the idle ranks
-            for o in stage.ready(final):
-                kind = kinds.get(o.topic)
-                if kind is not None:
-                    yield math.inf, p, next(seq), kind, o.value
+        tally.events = steps.events
+    yield from steps.finish()
 
 
-def replay_offline(files: list[ArchiveFile], options: OfflineOptions | None = None,
+def replay_offline(files: list[ArchiveFile], options: StreamOptions | None = None,
                    steps: tuple[int, int] | None = None, workers: int = 1, rewrite_run: str | None = None,
                    on_step: Callable[[dict], None] | None = None, on_run_step: Callable[[dict], None] | None = None,
                    on_alert: Callable[[dict], None] | None = None, progress: Callable[[Tally], None] | None = None,
                    on_loss: Callable[[Loss], None] | None = None) -> ReplayResult:
-    """Run the processors (StepStage per partition, then RunStage) over archived raw ``files``
-    without a broker; hand each StepMetrics / RunStepMetrics / Alert of steps A..B
-    (``steps``; None: all) to the callbacks. ``workers`` > 1 runs the step stages of
-    disjoint partition sets in that many processes: the figures are the same."""
-    options = options or OfflineOptions()
+    """Run the processors (``processors.stream``) over archived raw ``files`` without a
+    broker; hand each StepMetrics / RunStepMetrics / Alert of steps A..B (``steps``; None:
+    all) to the callbacks. ``workers`` > 1 computes the step figures of disjoint partition
+    sets in that many processes: the figures are the same."""
+    options = options or StreamOptions()
     result = ReplayResult()
     lost = _collect(result, on_loss)
     if rewrite_run is not None:
@@ -325,54 +279,43 @@ def replay_offline(files: list[ArchiveFile], options: OfflineOptions | None = No
     change = _transform(rewrite_run, None, result) if rewrite_run else None
     tally = Tally("offline", len(files), sum(f.path.stat().st_size for f in files))
     reporter = Reporter(tally, progress)
-    topics = Topics("offline")
-    run_stage = RunStage(topics, _OfflineHealth(), options.run_grace_s, options.idle_timeout_s)
+    run = RunFigures(options)
     wanted = (lambda step: True) if steps is None else (lambda step: steps[0] <= step <= steps[1])
     partitions = sorted({f.partition for f in files})
     workers = max(1, min(workers, len(partitions)))
     if workers == 1:
-        outputs = _step_outputs(files, options, lost, tally, change)
+        outputs = _step_figures(files, options, lost, tally, change)
     else:
-        outputs = _parallel_outputs(files, partitions, workers, options, lost, tally, rewrite_run)
-    offset = itertools.count()
-    now = -math.inf
-    for now_out, _p, _seq, kind, value in outputs:
+        outputs = _parallel_figures(files, partitions, workers, options, lost, tally, rewrite_run)
+    for figure in outputs:
         reporter.tick()
-        if kind == _DLQ:
+        if figure.kind == DEAD_LETTERS:
             result.undecodable += 1
             continue
-        if kind == _ALERT:
-            alert = decode("Alert", value)
+        if figure.kind == ALERTS:
+            alert = decode("Alert", figure.value)
             if wanted(alert["step"]):
                 result.alerts += 1
                 if on_alert is not None:
                     on_alert(alert)
             continue
-        if now_out != math.inf:
-            now = now_out
-        else:
-            now = now if now != -math.inf else 0.0
-        m = decode("StepMetrics", value)
+        m = decode("StepMetrics", figure.value)
         if wanted(m["step"]):
             result.steps += 1
             tally.steps += 1
             if on_step is not None:
                 on_step(m)
-        run_stage.fold(_Rec(topics.steps, 0, next(offset), None, value), now)
-        _run_outputs(run_stage.ready(now), wanted, result, on_run_step)
-    final = (now if now != -math.inf else 0.0) + options.run_grace_s + options.idle_timeout_s + options.grace_s + 1.0
-    _run_outputs(run_stage.ready(final), wanted, result, on_run_step)
+        _run_figures(run.feed(figure), wanted, result, on_run_step)
+    _run_figures(run.finish(), wanted, result, on_run_step)
     reporter.tick(force=True)
     result.messages, result.events = tally.messages, tally.events
     result.elapsed_s = tally.elapsed_s
     return result
 
 
-def _run_outputs(outputs, wanted, result: ReplayResult, on_run_step) -> None:
-    for o in outputs:
-        if o.value is None or not o.topic.endswith(".run"):
-            continue
-        r = decode("RunStepMetrics", o.value)
+def _run_figures(figures: list[Figure], wanted, result: ReplayResult, on_run_step) -> None:
+    for f in figures:
+        r = decode("RunStepMetrics", f.value)
         if wanted(r["step"]):
             result.run_steps += 1
             if on_run_step is not None:
@@ -398,7 +341,7 @@ def _worker(files, options, rewrite_run, queue) -> None:
 
     try:
         change = _transform(rewrite_run, None, ReplayResult()) if rewrite_run else None
-        for item in _step_outputs(files, options, losses.append, tally, change):
+        for item in _step_figures(files, options, losses.append, tally, change):
             chunk.append(item)
             if len(chunk) >= _CHUNK or time.monotonic() - last >= 0.2:
                 queue.put(("out", chunk, losses, delta()))
@@ -409,7 +352,7 @@ def _worker(files, options, rewrite_run, queue) -> None:
         queue.put(("error", f"{type(e).__name__}: {e}", None, None))
 
 
-def _parallel_outputs(files, partitions, workers, options, lost, tally: Tally, rewrite_run):
+def _parallel_figures(files, partitions, workers, options, lost, tally: Tally, rewrite_run):
     ctx = multiprocessing.get_context("fork")
     shares = [partitions[i::workers] for i in range(workers)]
     queues, procs = [], []
