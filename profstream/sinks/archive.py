@@ -38,7 +38,6 @@ import numpy as np
 from fastavro import parse_schema, schemaless_reader
 from fastavro.schema import to_parsing_canonical_form
 from fastavro.write import Writer
-from kafka.errors import CommitFailedError, RebalanceInProgressError
 
 from profstream.config import ConfigError, check_name
 from profstream.offline.archive import ArchiveError, ArchiveFile, finished_files, iter_file
@@ -379,6 +378,10 @@ class ArchiveSink:
             out[(topic, part)] = min(out[(topic, part)], f.first_offset)
         return out
 
+    def tick(self) -> None:
+        """Before each poll (SinkLoop): finish files by age even when no message comes."""
+        self.rotate_due()
+
     def rotate_due(self) -> int:
         """Finish the files open for max_age_s or longer; returns how many."""
         now = self.clock()
@@ -433,22 +436,6 @@ def _lock(root: Path) -> int:
 
 # -- running it --------------------------------------------------------------------------
 
-class _ArchiveLoop(SinkLoop):
-    """SinkLoop that also finishes files by age when no message comes, and that survives an
-    offset commit refused during a rebalance (the next poll commits again; until then the
-    broker would re-deliver what the start-up scan skips)."""
-
-    def poll_once(self) -> int:
-        self.sink.rotate_due()
-        return super().poll_once()
-
-    def _commit(self) -> None:
-        try:
-            super()._commit()
-        except (RebalanceInProgressError, CommitFailedError) as e:
-            log.info("offset commit deferred to the next poll: %s", e)
-
-
 @dataclass
 class ArchiveProgress:
     messages: int
@@ -468,7 +455,7 @@ def run_archive(bootstrap: str, topics: Iterable[str], out_dir: Path | str, stop
     partitions back at once."""
     sink = ArchiveSink(out_dir, **sink_options)
     try:
-        loop = _ArchiveLoop(bootstrap, list(topics), group_id, sink,
+        loop = SinkLoop(bootstrap, list(topics), group_id, sink,
                             group_instance_id=f"{group_id}-{instance_id}")
     except BaseException:
         sink.abandon()

@@ -454,32 +454,9 @@ class PrometheusExporter:
 
     def run(self) -> None:
         """Consume until ``stop()``; commits what was handled and closes the consumer."""
-        from kafka.errors import CommitFailedError, RebalanceInProgressError
-
-        loop = self._loop
-        if loop is None:
+        if self._loop is None:
             raise RuntimeError("call serve() first")
-        done = threading.Event()
-        done.set()
-        postponed = (CommitFailedError, RebalanceInProgressError)
-        try:
-            while not self._stop.is_set():
-                try:
-                    loop.poll_once()
-                except postponed as e:  # the group is rebalancing: committed after a later poll
-                    log.info("offset commit postponed: %s", type(e).__name__)
-            deadline = time.monotonic() + 10.0
-            while time.monotonic() < deadline:  # one poll that commits without error, then stop
-                try:
-                    loop.poll_once()
-                    break
-                except postponed:
-                    continue
-        finally:
-            try:
-                loop.run(done)  # with the event set, run() only commits and closes the consumer
-            except postponed as e:
-                log.warning("last offset commit failed (%s): a restart re-reads a few records", type(e).__name__)
+        self._loop.run(self._stop)
 
     def stop(self) -> None:
         self._stop.set()
