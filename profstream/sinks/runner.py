@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from kafka import TopicPartition
@@ -120,3 +120,20 @@ class SinkLoop:
                 log.warning("last offset commit failed (the group is rebalancing): a restart re-reads a few records")
         finally:
             self._consumer.close()
+
+
+def run_sink(bootstrap: str, topics: Sequence[str], group_id: str, sink: Sink, stop: threading.Event,
+             ready: Callable[[], None] | None = None, **consumer_options: Any) -> None:
+    """Feed ``sink`` from ``topics`` until ``stop`` is set, calling ``ready()`` once the
+    consumer is subscribed. A missing topic raises RuntimeError (one line) after closing
+    the sink."""
+    try:
+        loop = SinkLoop(bootstrap, topics, group_id, sink, **consumer_options)
+    except RuntimeError:
+        close = getattr(sink, "close", None)
+        if close is not None:
+            close()
+        raise
+    if ready is not None:
+        ready()
+    loop.run(stop)
