@@ -134,15 +134,3 @@ def work_progress(what: str, enabled: bool | None, unit: str = "MB"):
 
     return progress, show
 
-
-ArchiveArg = Annotated[Path, typer.Argument(help="archive directory written by `profstream sink archive`")]
-ProgressOpt = Annotated[bool | None, typer.Option("--progress/--no-progress",
-                                                  help="show progress (default: when stderr is a terminal)")]
-
-
-def report_losses(losses) -> None:
-    for loss in losses:
-        err.print(f"[yellow]warning:[/yellow] {loss}", highlight=False, soft_wrap=True)
-    if losses:
-        err.print(f"[red]{len(losses)} damaged stretch(es) of the archive skipped[/red]", highlight=False)
-        raise typer.Exit(1)

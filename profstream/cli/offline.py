@@ -8,9 +8,7 @@ from typing import Annotated
 import typer
 
 from profstream.cli.common import (
-    ArchiveArg,
     BootstrapOpt,
-    ProgressOpt,
     app,
     connect,
     err,
@@ -23,6 +21,10 @@ from profstream.cli.common import (
 from profstream.config import check_name
 
 app.add_typer(export_app, name="export")
+
+ArchiveArg = Annotated[Path, typer.Argument(help="archive directory written by `profstream sink archive`")]
+ProgressOpt = Annotated[bool | None, typer.Option("--progress/--no-progress",
+                                                  help="show progress (default: when stderr is a terminal)")]
 
 
 def report_losses(losses) -> None:
