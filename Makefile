@@ -19,7 +19,7 @@ install: $(STAMP)
 
 # Kafka jars into the user cache (or from $$KAFKA_HOME); needs Java 17+ and Maven.
 jars: install
-	@$(BIN)/python -c 'from profstream.kafka.launcher import find_java, kafka_libs; find_java(); print("kafka jars:", kafka_libs())'
+	@$(BIN)/python -c 'from profstream.stack import find_java, kafka_libs; find_java(); print("kafka jars:", kafka_libs())'
 
 demo: jars
 	$(BIN)/profstream demo $(DEMO_ARGS)

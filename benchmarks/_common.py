@@ -98,7 +98,7 @@ def note(msg: str) -> None:
 
 def broker_bootstrap(bootstrap: str | None) -> str:
     """``bootstrap`` if given (checked to answer), else the local broker of `profstream stack up`."""
-    from profstream.kafka.launcher import stack_up, wait_for_broker
+    from profstream.stack import stack_up, wait_for_broker
 
     if bootstrap:
         wait_for_broker(bootstrap, timeout=30.0)

@@ -37,11 +37,12 @@ from _common import broker_bootstrap, drop_topics, emit, envelope, note, summary
 from bench_processor_throughput import fold_all, monitor_messages, prefill, verify
 
 from profstream.kafka.topics import Topics, ensure_topics
-from profstream.producers.simulate import SimConfig
+from profstream.offline.archive import finished_files
+from profstream.offline.archive import records as archive_records
+from profstream.offline.replay import replay_offline
 from profstream.schema.codec import encode
-from profstream.sinks.archive import ArchiveSink, finished_files, run_archive
-from profstream.sinks.replay import records as archive_records
-from profstream.sinks.replay import replay_offline
+from profstream.simulate import SimConfig
+from profstream.sinks.archive import ArchiveSink, run_archive
 
 TARGET_MB_S = 50.0
 TARGET_OPS_PER_S = 1_000_000

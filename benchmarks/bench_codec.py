@@ -32,7 +32,8 @@ import numpy as np
 from _common import emit, envelope, note, summary
 from fastavro import parse_schema, schemaless_reader, schemaless_writer
 
-from profstream.producers.sender import op_columns, rows_chunk
+from profstream.producers.buffer import rows_chunk
+from profstream.producers.sender import op_columns
 from profstream.schema.batch import I32, I64, NO_VALUE, U8, EventBatch, decode_batch, encode_batch
 
 TARGET_OPS_PER_S = 2_000_000

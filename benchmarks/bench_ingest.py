@@ -31,8 +31,8 @@ from pathlib import Path
 import msgspec
 from _common import broker_bootstrap, drop_topics, emit, envelope, note, summary, unique_prefix
 
-from profstream.producers.ingest import ingest, load_profile
-from profstream.producers.ingest.chunks import default_workers
+from profstream.integrations.ingest import ingest, load_profile
+from profstream.integrations.ingest.chunks import default_workers
 
 TARGET_EVENTS_PER_S = 1_000_000
 BASE_NS = 1_790_000_000_000_000_000

@@ -40,8 +40,8 @@ from kafka import KafkaAdminClient, TopicPartition
 
 from profstream.kafka.clients import make_consumer
 from profstream.kafka.topics import Topics, ensure_topics
-from profstream.producers.simulate import SimConfig
 from profstream.schema.batch import decode_batch, encode_batch
+from profstream.simulate import SimConfig
 
 TARGET_RATIO = 1.6
 PARTITIONS = 12
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     bootstrap = broker_bootstrap(args.bootstrap)
-    from profstream.kafka.launcher import stack_up
+    from profstream.stack import stack_up
 
     broker_pid = stack_up().pid if not args.bootstrap else -1
     simulated = min(8, args.ranks)

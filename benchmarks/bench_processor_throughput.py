@@ -43,9 +43,9 @@ from profstream.processors.health import ProcessorHealth, StageCounts
 from profstream.processors.runtime import Processor, StepStage
 from profstream.producers.monitor import Monitor
 from profstream.producers.sender import Sender
-from profstream.producers.simulate import PHASES, SimConfig, plan_run, record_phase
 from profstream.schema.batch import decode_batch, encode_batch
 from profstream.schema.codec import decode
+from profstream.simulate import PHASES, SimConfig, plan_run, record_phase
 
 TARGET_OPS_PER_S = 2_000_000
 ORIGIN_NS = 1_790_000_000_000_000_000  # fixed virtual clock: the same bytes on every run

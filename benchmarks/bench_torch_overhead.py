@@ -212,8 +212,8 @@ def conversion_places(loop: tuple[Any, Any, Any], rounds: int) -> dict[str, Any]
     rest, blocked: neither running nor runnable, waiting for the GIL."""
     from torch.profiler import ProfilerAction, ProfilerActivity, profile
 
-    from profstream.producers import torch_native
-    from profstream.producers.torch_ops import (
+    from profstream.integrations import torch_native
+    from profstream.integrations.torch_ops import (
         HostThreads,
         NodeNames,
         native_op_columns,
@@ -328,7 +328,7 @@ def main() -> None:
 
     import torch
 
-    from profstream.producers import torch_native
+    from profstream.integrations import torch_native
     from profstream.producers.monitor import Monitor
 
     torch.set_num_threads(args.threads)

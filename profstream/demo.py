@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -12,8 +13,8 @@ from profstream.kafka.clients import read_topic
 from profstream.kafka.topics import Topics, ensure_topics
 from profstream.processors.health import ProcessorHealth
 from profstream.processors.runtime import Processor
-from profstream.producers.simulate import SimConfig, SimResult, expected, run_simulation
 from profstream.schema.codec import decode
+from profstream.simulate import SimConfig, SimResult, expected, run_simulation
 
 
 @dataclass
@@ -48,6 +49,18 @@ class DemoResult:
                     r["step_time_ns"] == self.truth[(rank, r["step"])]["step_time_ns"] for r in recs),
             })
         return rows
+
+
+def demo_bootstrap(bootstrap: str | None, starting: Callable[[], None] | None = None) -> str:
+    """``bootstrap`` when given, else the local broker of `profstream stack up`, started when
+    none runs (``starting()`` is called first: a first start fetches the Kafka jars)."""
+    from profstream.stack import stack_status, stack_up
+
+    if bootstrap is not None:
+        return bootstrap
+    if stack_status() is None and starting is not None:
+        starting()
+    return stack_up().bootstrap
 
 
 def run_demo(bootstrap: str, cfg: SimConfig, topics: Topics | None = None,

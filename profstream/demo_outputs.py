@@ -20,11 +20,11 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from profstream.kafka.topics import Topics
+from profstream.kafka.topics import Topics, ensure_topics
+from profstream.offline.report import gather, write_report
 from profstream.processors.health import ProcessorHealth
 from profstream.sinks.archive import ArchiveProgress, run_archive
 from profstream.sinks.prometheus import ExporterError, PrometheusExporter
-from profstream.sinks.report import gather, write_report
 from profstream.sinks.runner import SinkLoop
 from profstream.sinks.timeline import TimelineSink
 
@@ -75,6 +75,7 @@ class DemoOutputs:
     # -- start --------------------------------------------------------------------------
 
     def start(self) -> DemoPaths:
+        ensure_topics(self.bootstrap, self.topics)
         self.paths.out.mkdir(parents=True, exist_ok=True)
         health_port = _port(HEALTH_PORT)
         self._health.serve(health_port, addr="127.0.0.1")

@@ -6,6 +6,6 @@
 See docs/mindspore.md. Importing ``profstream`` itself never needs MindSpore.
 """
 
-from profstream.producers.mindspore import DEVICE_QUEUE, ProfstreamCallback
+from profstream.integrations.mindspore import DEVICE_QUEUE, ProfstreamCallback
 
 __all__ = ["DEVICE_QUEUE", "ProfstreamCallback"]

@@ -3,6 +3,6 @@
 See docs/torch.md. Needs the ``torch`` extra (``pip install profstream[torch]``).
 """
 
-from profstream.producers.torch import TORCH_OPTIONS, TorchInstrumentation, instrument
+from profstream.integrations.torch import TORCH_OPTIONS, TorchInstrumentation, instrument
 
 __all__ = ["TORCH_OPTIONS", "TorchInstrumentation", "instrument"]

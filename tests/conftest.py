@@ -16,8 +16,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from profstream.kafka.launcher import stack_down, stack_up, wait_for_broker
 from profstream.kafka.topics import Topics, delete_topics, ensure_topics
+from profstream.stack import stack_down, stack_up, wait_for_broker
 
 BOOTSTRAP_ENV = "PROFSTREAM_TEST_BOOTSTRAP"
 

@@ -18,16 +18,10 @@ from typer.testing import CliRunner
 
 from profstream.cli import app
 from profstream.kafka.clients import make_consumer, make_producer
-from profstream.producers.simulate import SimConfig, run_simulation
+from profstream.offline.archive import finished_files, iter_file, records
 from profstream.schema.batch import COMPUTE, EventBatch, encode_batch
-from profstream.sinks.archive import (
-    UNKNOWN_RUN,
-    ArchiveSink,
-    finished_files,
-    iter_file,
-    run_archive,
-)
-from profstream.sinks.replay import records
+from profstream.simulate import SimConfig, run_simulation
+from profstream.sinks.archive import UNKNOWN_RUN, ArchiveSink, run_archive
 from tests.helpers import wait_until
 
 Msg = namedtuple("Msg", "topic partition offset timestamp key value headers")

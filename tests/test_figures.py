@@ -22,8 +22,8 @@ from profstream.processors.rolling import RollingWindow
 from profstream.processors.stalls import StallDetector, is_starved
 from profstream.processors.steptrace import step_trace
 from profstream.processors.utilization import utilization
-from profstream.producers.simulate import QUEUE_NAME, SimConfig, StepPlan, plan_run
 from profstream.schema.batch import COMMUNICATION, COMPUTE, NO_VALUE
+from profstream.simulate import QUEUE_NAME, SimConfig, StepPlan, plan_run
 
 ORIGIN_NS = 1_700_000_000_000_000_000
 

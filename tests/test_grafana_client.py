@@ -454,7 +454,7 @@ def test_a_run_that_goes_silent_and_comes_back_is_marked_ended_then_resumed(sink
 # -- with the real broker and processor ---------------------------------------------------------
 
 def test_profstream_sink_grafana_annotates_a_stalled_simulated_run_end_to_end(kafka_bootstrap, topics, tmp_path):
-    from profstream.producers.simulate import SimConfig, run_simulation
+    from profstream.simulate import SimConfig, run_simulation
     from tests.test_processor import RunningProcessor
 
     cfg = SimConfig(run_id="annotated", ranks=2, steps=50, ops_per_step=40, stall=(20, 34), seed=5)

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from profstream.integrations.ingest import IngestError, ingest, load_profile
 from profstream.processors.figures import FigureOptions
-from profstream.producers.ingest import IngestError, ingest, load_profile
 from tests.helpers import step_records
 from tests.test_processor import RunningProcessor
 
@@ -245,8 +245,8 @@ def test_a_relative_trace_with_odd_fields_and_no_steps_is_one_step_ending_at_the
 def test_many_memory_samples_in_a_step_keep_its_peak_and_last_value():
     import numpy as np
 
-    from profstream.producers.ingest.model import Profile
-    from profstream.producers.ingest.replay import _MEMORY_PER_STEP, _memory_picks
+    from profstream.integrations.ingest.model import Profile
+    from profstream.integrations.ingest.replay import _MEMORY_PER_STEP, _memory_picks
 
     rng = np.random.default_rng(1)
     profile = Profile(source="test", path=Path("x"))

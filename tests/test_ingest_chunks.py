@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from profstream.producers.ingest import IngestError, chunks, load_profile
-from profstream.producers.ingest.trace_events import read_bytes
+from profstream.integrations.ingest import IngestError, chunks, load_profile
+from profstream.integrations.ingest.trace_events import read_bytes
 from profstream.schema.batch import COMMUNICATION, COMPUTE, HOST, MEMCPY
 from tests.test_ingest import BASE_NS, _meta, _timeline, _torch_trace, _x
 

@@ -184,7 +184,7 @@ def test_bulk_ops_are_copied_split_across_batches_and_covered_by_the_watermark(k
 
 def test_per_call_and_bulk_ops_share_one_buffer_bound():
     mon = Monitor(run_id="bound", bootstrap=UNREACHABLE, buffer_bytes="1MiB", host_sample_interval_s=0)
-    limit = mon._max_ops
+    limit = mon.buffer.max_ops
     with mon.step(0):
         mon.ops(["a"] * limit, list(range(limit)), [1] * limit)  # the buffer is full of bulk ops
         for i in range(1000):

@@ -12,7 +12,7 @@ import yaml
 
 from profstream.demo import run_demo
 from profstream.processors.runtime import Processor
-from profstream.producers.simulate import SimConfig, expected, run_simulation
+from profstream.simulate import SimConfig, expected, run_simulation
 from tests.helpers import raw_batches, render_in_chromium, step_records, topic_size
 
 
@@ -90,7 +90,7 @@ def test_demo_command_leaves_an_archive_timelines_and_a_report_and_prints_where(
     from typer.testing import CliRunner
 
     from profstream.cli import app
-    from profstream.sinks.archive import finished_files, iter_file
+    from profstream.offline.archive import finished_files, iter_file
 
     out = tmp_path / "demo"
     result = CliRunner().invoke(app, ["demo", "--bootstrap", kafka_bootstrap, "--topic-prefix", topics.prefix,

@@ -15,8 +15,8 @@ from kafka import KafkaConsumer
 from profstream.kafka.clients import make_producer, read_topic
 from profstream.processors.health import StageCounts
 from profstream.processors.runtime import Processor, StepStage
-from profstream.producers.simulate import SimConfig, expected, run_simulation
 from profstream.schema.codec import decode
+from profstream.simulate import SimConfig, expected, run_simulation
 from tests.helpers import step_records, wait_until
 
 

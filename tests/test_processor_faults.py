@@ -14,8 +14,8 @@ from kafka import KafkaConsumer
 from profstream.kafka.deadline import CallTimeout
 from profstream.kafka.limits import DEAD_LETTER_ROOM_BYTES, MAX_MESSAGE_BYTES
 from profstream.processors.runtime import Processor
-from profstream.producers.simulate import SimConfig, expected, run_simulation
 from profstream.schema.batch import EventBatch, encode_batch
+from profstream.simulate import SimConfig, expected, run_simulation
 from tests.helpers import step_records
 from tests.test_processor import RunningProcessor
 

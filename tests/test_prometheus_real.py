@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from profstream.producers.simulate import SimConfig, expected, run_simulation
+from profstream.simulate import SimConfig, expected, run_simulation
 from profstream.sinks.prometheus import start_exporter
 from tests.helpers import wait_until
 from tests.test_alert_rules import PROMETHEUS_DIR, prometheus_tool

@@ -22,8 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from profstream.kafka.clients import make_producer
 from profstream.kafka.topics import Topics
 from profstream.processors.figures import FigureOptions
-from profstream.producers.simulate import SimConfig, expected, plan_run, run_simulation
 from profstream.schema.codec import encode
+from profstream.simulate import SimConfig, expected, plan_run, run_simulation
 from profstream.sinks.prometheus import STEP_BUCKETS, ExporterState, start_exporter
 from tests.helpers import health_of_a_processor, wait_until
 from tests.test_alert_rules import prometheus_tool

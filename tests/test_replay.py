@@ -17,11 +17,12 @@ import tests.test_processor as live
 from profstream.cli import app
 from profstream.kafka.clients import read_topic
 from profstream.kafka.topics import Topics, delete_topics, ensure_topics
-from profstream.producers.simulate import SimConfig, plan_run, run_simulation
+from profstream.offline.archive import archive_files, finished_files, iter_file
+from profstream.offline.export import export_parquet
+from profstream.offline.replay import Pacer, StepRange, replay_offline, republish
 from profstream.schema.batch import EventBatch, decode_batch
-from profstream.sinks.archive import finished_files, iter_file, run_archive
-from profstream.sinks.export import export_parquet
-from profstream.sinks.replay import Pacer, StepRange, archive_files, replay_offline, republish
+from profstream.simulate import SimConfig, plan_run, run_simulation
+from profstream.sinks.archive import run_archive
 from tests.helpers import step_records, topic_size, wait_until
 
 CFG = SimConfig(run_id="recorded", ranks=3, steps=30, ops_per_step=60, seed=11, straggler_rank=1)

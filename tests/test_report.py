@@ -15,8 +15,9 @@ from typer.testing import CliRunner
 
 from profstream.cli import app
 from profstream.kafka.topics import Topics, delete_topics, ensure_topics
-from profstream.producers.simulate import SimConfig, expected, run_simulation
-from profstream.sinks.archive import finished_files, iter_file, run_archive
+from profstream.offline.archive import finished_files, iter_file
+from profstream.simulate import SimConfig, expected, run_simulation
+from profstream.sinks.archive import run_archive
 from tests.helpers import chromium, render_in_chromium, topic_size, wait_until
 
 CFG = SimConfig(run_id="postmortem", ranks=3, steps=40, ops_per_step=60, seed=21, stall=(10, 19),

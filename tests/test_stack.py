@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 
-from profstream.kafka.launcher import (
+from profstream.kafka.topics import Topics, ensure_topics
+from profstream.stack import (
     KAFKA_VERSION,
     StackError,
     default_state_dir,
@@ -29,7 +30,6 @@ from profstream.kafka.launcher import (
     stack_up,
     wait_for_broker,
 )
-from profstream.kafka.topics import Topics, ensure_topics
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -68,7 +68,7 @@ def _one_line(exc: BaseException) -> str:
 
 def test_kafka_version_matches_pom() -> None:
     ns = {"m": "http://maven.apache.org/POM/4.0.0"}
-    for pom in (files("profstream.kafka") / "pom.xml", REPO / "deploy" / "kafka" / "pom.xml"):
+    for pom in (files("profstream.stack") / "pom.xml", REPO / "deploy" / "kafka" / "pom.xml"):
         root = ET.fromstring(pom.read_bytes())
         assert root.findtext("m:properties/m:kafka.version", namespaces=ns) == KAFKA_VERSION
 

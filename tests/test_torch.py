@@ -18,14 +18,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from profstream.kafka.clients import read_topic
-from profstream.producers.torch_ops import (
+from profstream.integrations.torch_ops import (
     HOST_STREAM_BASE,
     RawEvent,
     clock_offset_ns,
     op_kind,
     to_op_columns,
 )
+from profstream.kafka.clients import read_topic
 from profstream.schema.batch import COMMUNICATION, COMPUTE, DATA, HOST, MEMCPY, MEMSET
 from profstream.schema.codec import decode
 from tests.helpers import step_records
@@ -167,7 +167,7 @@ def test_clock_offset_keeps_epoch_timestamps_and_moves_monotonic_ones():
 def test_profiled_ops_land_on_the_host_epoch_clock():
     from torch.profiler import ProfilerActivity, profile
 
-    from profstream.producers.torch_ops import table_from_kineto
+    from profstream.integrations.torch_ops import table_from_kineto
 
     a, b = torch.randn(256, 256), torch.randn(256, 256)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -221,7 +221,7 @@ def test_the_event_tree_gives_the_same_ops_as_every_event():
     """A CPU-only capture reads its ops off the profiler's event tree (annotations and
     outermost ops only): exactly the ops, kinds, streams and times that converting every
     event gives, with nested and empty annotations, a collective's and a second thread."""
-    from profstream.producers.torch_ops import HostThreads, table_from_kineto, tree_op_columns
+    from profstream.integrations.torch_ops import HostThreads, table_from_kineto, tree_op_columns
 
     results, two_threads = rich_capture()
     table = table_from_kineto(results.events(), run_has_device=False)
@@ -239,7 +239,7 @@ def test_the_event_tree_gives_the_same_ops_as_every_event():
 def test_a_tree_with_other_events_than_torch_ops_is_left_to_the_event_conversion():
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from profstream.producers.torch_ops import tree_op_columns
+    from profstream.integrations.torch_ops import tree_op_columns
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with record_function("block"):
@@ -312,7 +312,7 @@ def conversion_thread(request, monkeypatch):
     """Where captured steps become ops: the training thread (CPU-only runs) or a worker
     thread (device runs; CI has no device, so the CPU loop stands in)."""
     if request.param == "worker":
-        from profstream.producers.torch_capture import OpCapture
+        from profstream.integrations.torch_capture import OpCapture
 
         monkeypatch.setattr(OpCapture, "converts_on_worker", staticmethod(lambda run_has_device: True))
     return request.param
@@ -524,7 +524,7 @@ def test_a_helper_of_a_profiled_process_is_not_profiled_but_keeps_its_own_sitecu
               "'hooked': any(type(f).__name__ == '_TorchImportHook' for f in sys.meta_path)}))")
     child = textwrap.dedent(f"""
         import os, subprocess, sys
-        from profstream.producers.launch import without_profiling
+        from profstream.integrations.startup_hook import without_profiling
         print(subprocess.run([sys.executable, "-c", {report!r}], env=os.environ, capture_output=True, text=True).stdout)
         print(subprocess.run([sys.executable, "-c", {report!r}], env=without_profiling(os.environ),
                              capture_output=True, text=True).stdout)

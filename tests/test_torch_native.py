@@ -11,8 +11,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from profstream.producers import torch_native  # noqa: E402
-from profstream.producers.torch_ops import (  # noqa: E402
+from profstream.integrations import torch_native  # noqa: E402
+from profstream.integrations.torch_ops import (  # noqa: E402
     HostThreads,
     NodeNames,
     native_op_columns,

@@ -111,7 +111,8 @@ def ensure_topics(
     """
     from kafka.errors import KafkaError, KafkaTimeoutError
 
-    from profstream.kafka.launcher import StackError, wait_for_broker
+    from profstream.stack.errors import StackError
+    from profstream.stack.probe import wait_for_broker
 
     validate_prefix(topics.prefix)
     if raw_partitions < 1 or partitions < 1:

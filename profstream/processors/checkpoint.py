@@ -516,8 +516,14 @@ class TransactionalLoop:
             return
         self._restore(parts)
         topic = self.stage.input_topic
-        committed = self._call("committed", self.call_timeout, self._consumer.committed,
-                               [TopicPartition(topic, p) for p in parts], self.call_timeout)
+        # Asked with a client of its own, which looks the group coordinator up afresh: after
+        # a broker restart the consumer's own committed() timed out again and again.
+        reader = make_native_consumer(self.bootstrap, self.group_id)
+        try:
+            committed = self._call("committed", self.call_timeout, reader.committed,
+                                   [TopicPartition(topic, p) for p in parts], self.call_timeout)
+        finally:
+            _dispose(reader)
         for tp in committed:
             offset = tp.offset if tp.offset >= 0 else confluent_kafka.OFFSET_BEGINNING
             self._consumer.seek(TopicPartition(topic, tp.partition, offset))

@@ -11,7 +11,7 @@ import threading
 import time
 from bisect import bisect_left
 from collections import Counter, deque
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -19,10 +19,19 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from profstream.metrics_server import serve_metrics
 from profstream.schema.codec import DecodeError
 
-if TYPE_CHECKING:
-    from profstream.processors.runtime import Processor
+# Step freshness in seconds, here and in the exporter (sinks/prometheus.py): fine below the
+# 100 ms and 200 ms targets, coarse up to the PipelineLagging alert's 5 s and beyond.
+FRESHNESS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.25, 0.5, 1.0, 2.0, 2.5, 5.0, 10.0, 30.0)
 
-FRESHNESS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+
+class Watched(Protocol):
+    """What the health metrics read of the processor they are bound to (runtime.Processor)."""
+
+    step_stage: Any
+    loops: list  # checkpoint.TransactionalLoop: stage.name, last_commit_s, last_poll_s, recoveries
+    kafka_reachable: bool
+
+    def lag(self) -> int: ...
 
 
 def _producer_health(stage):
@@ -110,9 +119,9 @@ class ProcessorHealth(_Counters):
         self._fresh_buckets = [0] * (len(FRESHNESS_BUCKETS) + 1)
         self._fresh_sum = 0.0
         self._lock = threading.Lock()  # two stages' loops commit from two threads
-        self._processor: Processor | None = None
+        self._processor: Watched | None = None
 
-    def bind(self, processor: Processor) -> None:
+    def bind(self, processor: Watched) -> None:
         self._processor = processor
 
     def commit(self, counts: StageCounts, transaction: bool = False) -> None:

@@ -43,6 +43,7 @@ class LagProbe:
                 self.reachable = True
             except (confluent_kafka.KafkaException, RuntimeError):
                 self.reachable = False
+                self._drop_client()  # the next probe looks the coordinator up afresh
             return self.lag
 
     def _measure(self, partitions: list[int], positions: dict[int, int]) -> int:
@@ -63,8 +64,11 @@ class LagProbe:
             total += max(0, high - (at if at >= 0 else low))
         return total
 
+    def _drop_client(self) -> None:
+        if self._client is not None:
+            client, self._client = self._client, None
+            threading.Thread(target=client.close, name="profstream-lag-close", daemon=True).start()
+
     def close(self) -> None:
         with self._lock:
-            if self._client is not None:
-                self._client.close()
-                self._client = None
+            self._drop_client()

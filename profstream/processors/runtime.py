@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from profstream.processors.figures import FigureOptions, RankFigures
 from profstream.processors.health import ProcessorHealth, StageCounts
 from profstream.processors.lag import LagProbe
 from profstream.processors.ranks import rank_figures
+from profstream.processors.stalls import stall_alert
 from profstream.schema.batch import decode_batch
 from profstream.schema.codec import DecodeError, decode, encode
 
@@ -172,18 +172,8 @@ class StepStage:
         self.counts.step_closed(record)
         if transition is not None:
             self.counts.alerts += 1
-            opts = self.figure_options
-            firing = transition == "firing"
-            alert = {
-                "name": "DataQueueStall", "state": transition, "run_id": ev.run_id, "rank": ev.rank,
-                "step": ev.step, "ts_ns": time.time_ns(),
-                "summary": (f"run {ev.run_id} rank {ev.rank}: data queue starved for {opts.stall_steps} "
-                            f"consecutive steps (since step {rank.figures.stall.since_step})" if firing else
-                            f"run {ev.run_id} rank {ev.rank}: data queue healthy for {opts.stall_steps} steps"),
-                "evidence": {"data_wait_ns": float(record["data_wait_ns"]),
-                             "step_time_ns": float(record["step_time_ns"]),
-                             "starved_steps_total": float(rank.figures.starved_steps)},
-            }
+            alert = stall_alert(record, transition, self.figure_options.stall_steps, rank.figures.stall.since_step,
+                                rank.figures.starved_steps)
             out.append(Output(self.topics.alerts, ev.run_id.encode(), encode("Alert", alert), None))
         return out
 

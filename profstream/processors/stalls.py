@@ -1,4 +1,5 @@
-"""Data-queue stalls: is a step starved, and the DataQueueStall alert state per rank.
+"""Data-queue stalls: is a step starved, the DataQueueStall alert state per rank, and its
+Alert records.
 
 A step is starved when the device-side data queue was empty at S, or when its data
 wait is at least ``stall_ratio`` of the step time. DataQueueStall fires on the K-th
@@ -7,9 +8,11 @@ consecutive starved step and resolves after K consecutive healthy steps.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
+STALL_ALERT = "DataQueueStall"
 STALL_RATIO = 0.3
 STALL_STEPS = 5
 
@@ -84,3 +87,29 @@ class StallDetector:
         detector._streak_start = state["streak_start"]
         detector.since_step = state["since_step"]
         return detector
+
+
+def stall_alert(step_metrics: Mapping[str, Any], transition: str, stall_steps: int, since_step: int | None,
+                starved_steps: int) -> dict:
+    """The Alert record of a DataQueueStall ``transition`` ("firing" or "resolved") at the
+    step whose StepMetrics record is ``step_metrics``."""
+    m = step_metrics
+    run_id, rank = m["run_id"], m["rank"]
+    firing = transition == FIRING
+    return {
+        "name": STALL_ALERT, "state": transition, "run_id": run_id, "rank": rank,
+        "step": m["step"], "ts_ns": time.time_ns(),
+        "summary": (f"run {run_id} rank {rank}: data queue starved for {stall_steps} "
+                    f"consecutive steps (since step {since_step})" if firing else
+                    f"run {run_id} rank {rank}: data queue healthy for {stall_steps} steps"),
+        "evidence": {"data_wait_ns": float(m["data_wait_ns"]),
+                     "step_time_ns": float(m["step_time_ns"]),
+                     "starved_steps_total": float(starved_steps)},
+    }
+
+
+def stall_state(alert: Mapping[str, Any]) -> tuple[str, int, bool] | None:
+    """(run id, rank, firing) of a DataQueueStall Alert record; None for any other alert."""
+    if alert["name"] != STALL_ALERT or alert["rank"] is None:
+        return None
+    return alert["run_id"], alert["rank"], alert["state"] == FIRING

@@ -1,8 +1,7 @@
 """The Monitor's background thread: buffer -> columnar EventBatch -> Kafka.
 
-Order matters for the watermark: the sender reads the watermark first, then drains step
-marks, samples and ops. Every event recorded before the watermark moved is then in the
-drained lists, so a batch never claims a step complete while its ops are still buffered.
+The Sender drains the Monitor's ``EventBuffer`` (``buffer.py``, which also keeps the
+watermark's order) and reads nothing else of the Monitor but the public ``Source``.
 
 Seq numbers are given when a batch is built; a batch the broker cannot take yet is kept
 and sent again (same seq), so a gap in seq always means a lost batch.
@@ -15,7 +14,7 @@ import threading
 import time
 from collections import deque
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import confluent_kafka
 import numpy as np
@@ -23,7 +22,8 @@ import psutil
 
 from profstream.kafka.clients import make_native_producer
 from profstream.kafka.limits import MAX_MESSAGE_BYTES
-from profstream.producers.monitor import OpChunk
+from profstream.kafka.topics import Topics
+from profstream.producers.buffer import EventBuffer, OpChunk, rows_chunk
 from profstream.schema.batch import (
     HOST,
     I32,
@@ -38,27 +38,25 @@ from profstream.schema.batch import (
     encode_batch,
 )
 
-if TYPE_CHECKING:
-    from profstream.producers.monitor import Monitor
-
 log = logging.getLogger("profstream.monitor")
 
 
-def _drain(buf: deque, limit: int | None = None) -> list:
-    n = len(buf) if limit is None else min(limit, len(buf))
-    pop = buf.popleft
-    return [pop() for _ in range(n)]
+class Source(Protocol):
+    """What the Sender reads of the Monitor it sends for."""
+
+    options: dict[str, Any]
+    run_id: str
+    rank: int
+    producer_id: str
+    key: bytes
+    topics: Topics
+    buffer: EventBuffer
+    inflight_limit_bytes: int
 
 
 def _dictionary(values) -> tuple[list[str], np.ndarray]:
     codes, table = dictionary_codes(values)
     return [str(v) for v in table], codes
-
-
-def rows_chunk(rows: list[tuple]) -> OpChunk:
-    """op() tuples (name, op_type, kind, stream, step, start_ns, dur_ns) as one chunk."""
-    names, types, kinds, streams, steps, starts, durs = zip(*rows)
-    return OpChunk(len(rows), names, types, kinds, streams, steps, starts, durs)
 
 
 def chunk_rows(chunk: OpChunk) -> list[tuple]:
@@ -68,11 +66,6 @@ def chunk_rows(chunk: OpChunk) -> list[tuple]:
            for c in (chunk.names, chunk.op_types, chunk.kinds, chunk.streams, chunk.step, chunk.start_ns,
                      chunk.dur_ns)]
     return list(zip(*col))
-
-
-def _slice(chunk: OpChunk, lo: int, hi: int) -> OpChunk:
-    cut = [c[lo:hi] if isinstance(c, (list, tuple, np.ndarray)) else c for c in chunk[1:]]
-    return OpChunk(hi - lo, *cut)
 
 
 def _numbers(value, n: int, dtype) -> np.ndarray:
@@ -144,9 +137,10 @@ def sample_columns(rows: list[tuple], columns: tuple[tuple[str, Any], ...]) -> d
 class Sender(threading.Thread):
     """Builds and sends the batches of one Monitor."""
 
-    def __init__(self, monitor: Monitor, producer_factory=make_native_producer) -> None:
+    def __init__(self, monitor: Source, producer_factory=make_native_producer) -> None:
         super().__init__(name=f"profstream-sender-{monitor.run_id}-{monitor.rank}", daemon=True)
         self.m = monitor
+        self.buffer = monitor.buffer
         opts = monitor.options
         self._producer_factory = producer_factory
         self._interval = opts["batch_interval_ms"] / 1000.0
@@ -191,7 +185,7 @@ class Sender(threading.Thread):
     # -- thread -----------------------------------------------------------------------
 
     def run(self) -> None:
-        wake = self.m._wake
+        wake = self.buffer.wake
         while True:
             stopping = self._stopping.is_set()
             cycle_started = time.monotonic()
@@ -249,16 +243,16 @@ class Sender(threading.Thread):
             except Exception as e:
                 log.warning("profstream: closing the Kafka producer failed: %s", e)
             self._producer = None
-        m = self.m
-        ops = sum(n for _v, n, _s in self._pending) + m.buffered_ops
-        samples = sum(s for _v, _n, s in self._pending) + len(m._marks) + len(m._memory) + len(m._queues)
+        buf = self.buffer
+        ops = sum(n for _v, n, _s in self._pending) + buf.buffered_ops
+        samples = sum(s for _v, _n, s in self._pending) + buf.buffered_samples
         if ops or samples:
             self._pending.clear()
             self._undelivered(ops, samples, "the Monitor closed before Kafka took them")
         if self.undelivered_ops or self.undelivered_samples:
             log.warning("profstream: %d ops and %d samples of %s rank %d never reached Kafka at %s: they are "
-                        "counted as dropped", self.undelivered_ops, self.undelivered_samples, m.run_id, m.rank,
-                        m.options["bootstrap"])
+                        "counted as dropped", self.undelivered_ops, self.undelivered_samples, self.m.run_id,
+                        self.m.rank, self.m.options["bootstrap"])
 
     def _undelivered(self, ops: int, samples: int, why: str) -> None:
         """Count events that will never reach Kafka (the next batch header carries them)."""
@@ -270,8 +264,7 @@ class Sender(threading.Thread):
             log.warning("profstream: %d ops and %d samples lost (%s); counted as dropped", ops, samples, why)
 
     def _buffered(self) -> bool:
-        m = self.m
-        return bool(self._pending or m._ops or m._op_chunks or m._marks or m._memory or m._queues)
+        return bool(self._pending) or not self.buffer.empty
 
     def _cycle(self) -> None:
         now = time.monotonic()
@@ -327,7 +320,7 @@ class Sender(threading.Thread):
     def _mark_up(self) -> None:
         if self._warned_down:
             log.warning("profstream: Kafka at %s reachable again; %d ops dropped so far",
-                        self.m.options["bootstrap"], self.m.dropped_ops + self.undelivered_ops)
+                        self.m.options["bootstrap"], self.buffer.dropped_ops + self.undelivered_ops)
         self._down_since = None
         self._warned_down = False
 
@@ -335,18 +328,14 @@ class Sender(threading.Thread):
 
     def _build(self) -> bool:
         """Drain one batch from the buffers into self._pending. False if nothing to send."""
-        m = self.m
-        watermark = m._watermark  # read first: see the module docstring
-        marks = _drain(m._marks)
-        memory = _drain(m._memory)
-        queues = _drain(m._queues)
+        m, buf = self.m, self.buffer
+        watermark, marks, memory, queues, ops, more_ops, dropped_ops, dropped_samples = buf.drain(
+            min(buf.batch_max_ops, self._ops_limit))
+        # what never reached Kafka is reported downstream with what the buffer dropped
+        total_dropped_ops = dropped_ops + self.undelivered_ops
+        total_dropped_samples = dropped_samples + self.undelivered_samples
         host = self._host_rows
         self._host_rows = []
-        ops = self._take_ops(min(m._batch_max_ops, self._ops_limit))
-        more_ops = m.buffered_ops > 0
-        # what never reached Kafka is reported downstream with what the buffer dropped
-        total_dropped_ops = m.dropped_ops + self.undelivered_ops
-        total_dropped_samples = m.dropped_samples + self.undelivered_samples
         dropped_ops = total_dropped_ops - self._reported_dropped_ops
         dropped_samples = total_dropped_samples - self._reported_dropped_samples
         if not (marks or memory or queues or host or ops or dropped_ops or dropped_samples) and (
@@ -357,7 +346,7 @@ class Sender(threading.Thread):
             run_id=m.run_id, rank=m.rank, world_size=m.options["world_size"], host=m.options["host"],
             device=m.options["device"],
             producer_id=m.producer_id, seq=self._seq, sent_ns=time.time_ns(),
-            buffer_fill_ratio=m.buffer_fill_ratio, send_latency_ns=self._last_latency_ns,
+            buffer_fill_ratio=buf.fill_ratio, send_latency_ns=self._last_latency_ns,
         )
         if ops:
             dropped_ops += self._fill_ops(batch, ops)
@@ -400,13 +389,9 @@ class Sender(threading.Thread):
         if n > 1:
             keep = n // 2
             names, types = batch.op_names, batch.op_types
-            rest = OpChunk(n - keep, [names[i] for i in ops["name_idx"][keep:]],
-                           [types[i] for i in ops["type_idx"][keep:]],
-                           *(ops[c][keep:].copy() for c in ("kind", "stream", "step", "start_ns", "dur_ns")))
-            m = self.m
-            m._op_chunks.appendleft(rest)
-            m._chunk_ops_out -= n - keep
-            m.update_tuple_limit()
+            self.buffer.give_back(OpChunk(
+                n - keep, [names[i] for i in ops["name_idx"][keep:]], [types[i] for i in ops["type_idx"][keep:]],
+                *(ops[c][keep:].copy() for c in ("kind", "stream", "step", "start_ns", "dur_ns"))))
             head = {c: a[:keep] for c, a in ops.items()}
             batch.op_names, head["name_idx"] = _dictionary([names[i] for i in head["name_idx"]])
             batch.op_types, head["type_idx"] = _dictionary([types[i] for i in head["type_idx"]])
@@ -423,29 +408,6 @@ class Sender(threading.Thread):
                 setattr(batch, section, empty_section(section))
             batch.op_names, batch.op_types, batch.queue_names = [], [], []
         return encode_batch(batch)
-
-    def _take_ops(self, limit: int) -> list[OpChunk]:
-        """Up to ``limit`` buffered ops, op() tuples first, then ops() chunks (split if needed)."""
-        m = self.m
-        rows = _drain(m._ops, limit)
-        taken = [rows_chunk(rows)] if rows else []
-        room = limit - len(rows)
-        chunks = m._op_chunks
-        while room > 0 and chunks:
-            head = chunks[0]
-            if head.n <= room:
-                chunks.popleft()
-                taken.append(head)
-                room -= head.n
-                m._chunk_ops_out += head.n
-            else:
-                taken.append(_slice(head, 0, room))
-                chunks[0] = _slice(head, room, head.n)
-                m._chunk_ops_out += room
-                room = 0
-        if len(taken) > bool(rows):
-            m.update_tuple_limit()
-        return taken
 
     def _fill_ops(self, batch: EventBatch, ops: list[OpChunk]) -> int:
         """Put ops into the batch; returns how many were invalid and dropped."""
@@ -543,7 +505,7 @@ class Sender(threading.Thread):
             self._flush_requested += 1
             target = self._flush_requested
             self._flush_deadline = max(self._flush_deadline, deadline)
-        self.m._wake.set()
+        self.buffer.wake.set()
         with self._flush_cv:
             while self._flush_done < target:
                 left = deadline - time.monotonic()
@@ -558,7 +520,7 @@ class Sender(threading.Thread):
         holds the caller for long."""
         ok = self.flush(timeout)
         self._stopping.set()
-        self.m._wake.set()
+        self.buffer.wake.set()
         self.join(timeout=5.0)
         return ok and not self._pending
 

@@ -29,18 +29,18 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from fastavro import parse_schema, reader, schemaless_reader
+from fastavro import parse_schema, schemaless_reader
 from fastavro.schema import to_parsing_canonical_form
 from fastavro.write import Writer
-from kafka.errors import CommitFailedError, RebalanceInProgressError
 
 from profstream.config import ConfigError, check_name
+from profstream.offline.archive import ArchiveError, ArchiveFile, finished_files, iter_file
 from profstream.schema.codec import HEADER_LEN, MAGIC, SCHEMAS, DecodeError, decode_any
 from profstream.sinks.runner import SinkLoop
 
@@ -72,12 +72,7 @@ DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 DEFAULT_MAX_AGE_S = 300.0
 BLOCK_BYTES = 1024 * 1024  # uncompressed bytes per Avro block
 
-_FILE_RE = re.compile(r"(\d+)-(\d+)\.avro")
 _TOPIC_RE = re.compile(r"[A-Za-z0-9._-]+")
-
-
-class ArchiveError(Exception):
-    """A problem with an archive directory the user can fix; the message says what to do."""
 
 
 # -- layout ------------------------------------------------------------------------------
@@ -97,38 +92,6 @@ def _topic_dir(topic: str) -> str:
     if not _TOPIC_RE.fullmatch(topic) or topic in (".", ".."):
         raise ValueError(f"topic name {topic!r} cannot be a directory name")
     return topic
-
-
-@dataclass(frozen=True, order=True)
-class ArchiveFile:
-    """A finished archive file, located by its path: <topic>/<run_id>/p<partition>/<first>-<last>.avro."""
-
-    topic: str
-    run_id: str
-    partition: int
-    first_offset: int
-    last_offset: int
-    path: Path = field(compare=False)
-
-    @classmethod
-    def from_path(cls, path: Path) -> ArchiveFile | None:
-        m = _FILE_RE.fullmatch(path.name)
-        part = path.parent.name
-        if m is None or not part.startswith("p") or not part[1:].isdigit():
-            return None
-        return cls(path.parent.parent.parent.name, path.parent.parent.name, int(part[1:]),
-                   int(m.group(1)), int(m.group(2)), path)
-
-    def relative_to(self, root: Path) -> str:
-        return self.path.relative_to(root).as_posix()
-
-
-def finished_files(root: Path) -> list[ArchiveFile]:
-    """Every finished archive file under ``root`` (an archive directory or any part of one)."""
-    root = Path(root)
-    paths = [root] if root.is_file() else root.rglob("*.avro")
-    files = [f for f in (ArchiveFile.from_path(p) for p in paths) if f is not None]
-    return sorted(files)
 
 
 # -- what a message holds, for the index ---------------------------------------------------
@@ -415,6 +378,10 @@ class ArchiveSink:
             out[(topic, part)] = min(out[(topic, part)], f.first_offset)
         return out
 
+    def tick(self) -> None:
+        """Before each poll (SinkLoop): finish files by age even when no message comes."""
+        self.rotate_due()
+
     def rotate_due(self) -> int:
         """Finish the files open for max_age_s or longer; returns how many."""
         now = self.clock()
@@ -467,118 +434,7 @@ def _lock(root: Path) -> int:
     return fd
 
 
-# -- reading files back --------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Loss:
-    """Messages of a damaged archive file that could not be read."""
-
-    file: Path
-    topic: str
-    partition: int
-    run_id: str
-    first_offset: int  # first offset lost (inclusive)
-    last_offset: int  # last offset lost (inclusive); only this run's messages in between
-    reason: str
-
-    def __str__(self) -> str:
-        return (f"{self.file}: damaged ({self.reason}); offsets {self.first_offset}..{self.last_offset} of "
-                f"{self.topic} partition {self.partition} (run {self.run_id}) lost")
-
-
-def iter_file(f: ArchiveFile) -> Iterator[tuple[dict | None, Loss | None]]:
-    """Records of one archive file in offset order, as ``(record, None)``; for each stretch that
-    cannot be read, ``(None, Loss)``. A block that fails to decode loses only itself: reading
-    goes on at the next block (found by the file's sync marker)."""
-    last = f.first_offset - 1
-    try:
-        with open(f.path, "rb") as fo:
-            for rec in reader(fo):
-                if rec["offset"] <= last:
-                    raise ValueError(f"offset {rec['offset']} after {last}")
-                last = rec["offset"]
-                yield rec, None
-        if last < f.last_offset:
-            yield None, Loss(f.path, f.topic, f.partition, f.run_id, last + 1, f.last_offset,
-                             f"ends after offset {last}")
-        return
-    except Exception as e:  # anything fastavro / the codec raise on damaged bytes
-        reason = f"{type(e).__name__}: {e}"
-    yield from _salvage(f, last, reason)
-
-
-def _salvage(f: ArchiveFile, last: int, reason: str) -> Iterator[tuple[dict | None, Loss | None]]:
-    data = f.path.read_bytes()
-    blocks = _blocks(data)
-    if blocks is None:
-        yield None, Loss(f.path, f.topic, f.partition, f.run_id, last + 1, f.last_offset, reason)
-        return
-    header, sync, segments = blocks
-    gap_from = None  # first offset of a stretch lost since ``last``
-    for segment in segments:
-        try:
-            recs = list(reader(io.BytesIO(header + segment + sync)))
-        except Exception as e:  # a damaged block: its messages are lost
-            gap_from = last + 1 if gap_from is None else gap_from
-            reason = f"{type(e).__name__}: {e}"
-            continue
-        recs = [r for r in recs if r["offset"] > last]
-        if not recs:
-            continue
-        if gap_from is not None:
-            yield None, Loss(f.path, f.topic, f.partition, f.run_id, gap_from, recs[0]["offset"] - 1, reason)
-            gap_from = None
-        for r in recs:
-            if r["offset"] > last:  # offsets only grow; anything else is damage
-                last = r["offset"]
-                yield r, None
-    if last < f.last_offset:
-        yield None, Loss(f.path, f.topic, f.partition, f.run_id, last + 1, f.last_offset, reason)
-
-
-def _blocks(data: bytes) -> tuple[bytes, bytes, list[bytes]] | None:
-    """(header, sync marker, the bytes of each block) of an Object Container File, or None
-    when its header is unreadable."""
-    if data[:4] != b"Obj\x01":
-        return None
-    body = io.BytesIO(data)
-    body.seek(4)
-    try:
-        schemaless_reader(body, {"type": "map", "values": "bytes"}, None)
-    except Exception:  # a damaged header: nothing can be located in this file
-        return None
-    end = body.tell() + 16
-    if end > len(data):
-        return None
-    sync = data[end - 16:end]
-    segments, pos = [], end
-    while pos < len(data):
-        nxt = data.find(sync, pos)
-        if nxt < 0:
-            segments.append(data[pos:])
-            break
-        segments.append(data[pos:nxt])
-        pos = nxt + 16
-    return data[:end], sync, segments
-
-
 # -- running it --------------------------------------------------------------------------
-
-class _ArchiveLoop(SinkLoop):
-    """SinkLoop that also finishes files by age when no message comes, and that survives an
-    offset commit refused during a rebalance (the next poll commits again; until then the
-    broker would re-deliver what the start-up scan skips)."""
-
-    def poll_once(self) -> int:
-        self.sink.rotate_due()
-        return super().poll_once()
-
-    def _commit(self) -> None:
-        try:
-            super()._commit()
-        except (RebalanceInProgressError, CommitFailedError) as e:
-            log.info("offset commit deferred to the next poll: %s", e)
-
 
 @dataclass
 class ArchiveProgress:
@@ -599,7 +455,7 @@ def run_archive(bootstrap: str, topics: Iterable[str], out_dir: Path | str, stop
     partitions back at once."""
     sink = ArchiveSink(out_dir, **sink_options)
     try:
-        loop = _ArchiveLoop(bootstrap, list(topics), group_id, sink,
+        loop = SinkLoop(bootstrap, list(topics), group_id, sink,
                             group_instance_id=f"{group_id}-{instance_id}")
     except BaseException:
         sink.abandon()

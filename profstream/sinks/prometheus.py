@@ -27,6 +27,8 @@ from prometheus_client.utils import floatToGoString
 
 from profstream.kafka.topics import Topics
 from profstream.metrics_server import serve_metrics
+from profstream.processors.health import FRESHNESS_BUCKETS
+from profstream.processors.stalls import stall_state
 from profstream.schema.codec import DecodeError, decode
 
 log = logging.getLogger("profstream.sink.prometheus")
@@ -37,13 +39,11 @@ DEFAULT_TTL_S = 900.0
 DEFAULT_TOP_K = 10
 MAX_QUEUES = 16
 OTHER = "other"
-STALL_ALERT = "DataQueueStall"
 # Step times from 1 ms to 10 min: 1, 1.5, 2, 3, 5, 7.5 per decade up to 30 s (neighbours at
 # most 1.67x apart), then minutes.
 STEP_BUCKETS = (0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075,
                 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0,
                 60.0, 120.0, 300.0, 600.0)
-FRESHNESS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _TOPIC_KINDS = ("steps", "run", "alerts")
 _P = "profstream_"
 _RANK = ["run", "rank", "host"]
@@ -165,8 +165,10 @@ class ExporterState:
         keeps reporting a stall that is still firing."""
         with self._lock:
             for a in alerts:
-                if a["name"] == STALL_ALERT and a["rank"] is not None:
-                    self._stall_seeds.setdefault(a["run_id"], {})[a["rank"]] = int(a["state"] == "firing")
+                stall = stall_state(a)
+                if stall is not None:
+                    run_id, rank, firing = stall
+                    self._stall_seeds.setdefault(run_id, {})[rank] = int(firing)
 
     def _run(self, run_id: str, ts: float) -> _Run:
         run = self._runs.get(run_id)
@@ -226,8 +228,10 @@ class ExporterState:
             run.ranks_reported = m["ranks_reported"]
 
     def _fold_alert(self, a: dict, ts: float) -> None:
-        if a["name"] == STALL_ALERT and a["rank"] is not None:
-            self._run(a["run_id"], ts).stalls[a["rank"]] = int(a["state"] == "firing")
+        stall = stall_state(a)
+        if stall is not None:
+            run_id, rank, firing = stall
+            self._run(run_id, ts).stalls[rank] = int(firing)
 
     def _expire(self, now: float) -> None:
         """Drop ranks and runs whose newest record is older than the TTL (lock held)."""
@@ -419,32 +423,9 @@ class PrometheusExporter:
 
     def run(self) -> None:
         """Consume until ``stop()``; commits what was handled and closes the consumer."""
-        from kafka.errors import CommitFailedError, RebalanceInProgressError
-
-        loop = self._loop
-        if loop is None:
+        if self._loop is None:
             raise RuntimeError("call serve() first")
-        done = threading.Event()
-        done.set()
-        postponed = (CommitFailedError, RebalanceInProgressError)
-        try:
-            while not self._stop.is_set():
-                try:
-                    loop.poll_once()
-                except postponed as e:  # the group is rebalancing: committed after a later poll
-                    log.info("offset commit postponed: %s", type(e).__name__)
-            deadline = time.monotonic() + 10.0
-            while time.monotonic() < deadline:  # one poll that commits without error, then stop
-                try:
-                    loop.poll_once()
-                    break
-                except postponed:
-                    continue
-        finally:
-            try:
-                loop.run(done)  # with the event set, run() only commits and closes the consumer
-            except postponed as e:
-                log.warning("last offset commit failed (%s): a restart re-reads a few records", type(e).__name__)
+        self._loop.run(self._stop)
 
     def stop(self) -> None:
         self._stop.set()

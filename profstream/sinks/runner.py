@@ -4,7 +4,13 @@ A sink implements ``handle(records)`` (records of one poll, in partition order) 
 implement ``durable_offsets()``: the offsets it has made durable so far (a file written
 and renamed, say). Offsets are committed only up to what the sink says is durable, so a
 crash neither loses nor, for sinks that deduplicate, repeats anything. Sinks that keep
-nothing (an exporter serving current values) commit everything they handled.
+nothing (an exporter serving current values) commit everything they handled. A sink may
+also implement ``tick()`` (called before each poll, for work due by time) and ``close()``
+(called once when the loop stops, before its last commit).
+
+A commit the group refuses while it rebalances is postponed, not fatal: the next poll
+commits again. On stop the loop polls on (at most ``FINAL_COMMIT_S``) until a commit goes
+through, so that a restart re-reads as little as possible.
 
 Readers use read_committed: they see the processors' transactional outputs only once
 committed.
@@ -15,15 +21,19 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from kafka import TopicPartition
+from kafka.errors import CommitFailedError, RebalanceInProgressError
 from kafka.structs import OffsetAndMetadata
 
 from profstream.kafka.clients import consumer_lag, make_consumer
 
 log = logging.getLogger("profstream.sink")
+
+POSTPONED = (CommitFailedError, RebalanceInProgressError)  # the group is rebalancing: commit later
+FINAL_COMMIT_S = 10.0
 
 
 class Sink(Protocol):
@@ -47,6 +57,7 @@ class SinkLoop:
         self._consumer.subscribe(list(topics))
         self._handled: dict[TopicPartition, int] = {}
         self._committed: dict[TopicPartition, int] = {}
+        self._postponed = False  # the latest commit was refused during a rebalance
         self.records = 0
         self.last_poll = 0.0
         self.lag = 0  # messages not consumed yet; updated on the loop's thread (consumers are not thread-safe)
@@ -58,6 +69,9 @@ class SinkLoop:
         return self._lag_at
 
     def poll_once(self) -> int:
+        tick = getattr(self.sink, "tick", None)
+        if tick is not None:
+            tick()
         polled = self._consumer.poll(timeout_ms=self.poll_ms)
         self.last_poll = now = time.monotonic()
         if now - self._lag_at >= 1.0:
@@ -72,7 +86,8 @@ class SinkLoop:
         self._commit()
         return n
 
-    def _commit(self) -> None:
+    def _commit(self) -> bool:
+        """Commit what the sink has made durable; False when the group refused it (rebalance)."""
         durable = getattr(self.sink, "durable_offsets", None)
         if durable is None:
             offsets = dict(self._handled)
@@ -80,16 +95,45 @@ class SinkLoop:
             offsets = {TopicPartition(t, p): o for (t, p), o in durable().items()}
         offsets = {tp: o for tp, o in offsets.items() if self._committed.get(tp) != o}
         if offsets:
-            self._consumer.commit({tp: OffsetAndMetadata(o, "", -1) for tp, o in offsets.items()})
+            try:
+                self._consumer.commit({tp: OffsetAndMetadata(o, "", -1) for tp, o in offsets.items()})
+            except POSTPONED as e:
+                log.info("offset commit postponed to the next poll: %s", type(e).__name__)
+                self._postponed = True
+                return False
             self._committed.update(offsets)
+        self._postponed = False
+        return True
 
     def run(self, stop: threading.Event) -> None:
+        """Poll until ``stop`` is set; then close the sink, commit and close the consumer."""
         try:
             while not stop.is_set():
+                self.poll_once()
+            deadline = time.monotonic() + FINAL_COMMIT_S
+            while self._postponed and time.monotonic() < deadline:
                 self.poll_once()
             close = getattr(self.sink, "close", None)
             if close is not None:
                 close()
-            self._commit()
+            if not self._commit():
+                log.warning("last offset commit failed (the group is rebalancing): a restart re-reads a few records")
         finally:
             self._consumer.close()
+
+
+def run_sink(bootstrap: str, topics: Sequence[str], group_id: str, sink: Sink, stop: threading.Event,
+             ready: Callable[[], None] | None = None, **consumer_options: Any) -> None:
+    """Feed ``sink`` from ``topics`` until ``stop`` is set, calling ``ready()`` once the
+    consumer is subscribed. A missing topic raises RuntimeError (one line) after closing
+    the sink."""
+    try:
+        loop = SinkLoop(bootstrap, topics, group_id, sink, **consumer_options)
+    except RuntimeError:
+        close = getattr(sink, "close", None)
+        if close is not None:
+            close()
+        raise
+    if ready is not None:
+        ready()
+    loop.run(stop)

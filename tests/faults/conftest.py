@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from profstream.kafka.launcher import stack_down, stack_status, stack_up
 from profstream.kafka.topics import Topics, ensure_topics
+from profstream.stack import stack_down, stack_status, stack_up
 from tests.conftest import _prefix_for
 from tests.helpers import wait_until
 

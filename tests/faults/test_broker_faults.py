@@ -13,8 +13,8 @@ from kafka import KafkaConsumer, TopicPartition
 
 from profstream import Monitor
 from profstream.kafka.clients import make_producer
-from profstream.producers.simulate import SimConfig, run_simulation
 from profstream.schema.codec import decode
+from profstream.simulate import SimConfig, run_simulation
 from tests.faults.conftest import Broker, ProcessorProcess
 from tests.helpers import raw_batches, wait_until
 from tests.test_processor import _uninterrupted

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from profstream.producers.ingest.model import (
+from profstream.integrations.ingest.model import (
     I64,
     IngestError,
     Profile,

@@ -28,8 +28,8 @@ import time
 from typing import Any
 
 from profstream.config import ConfigError, Option, resolve
-from profstream.producers.torch_capture import OpCapture, OpWindow
-from profstream.producers.torch_sources import RssReader, TimedIterator
+from profstream.integrations.torch_capture import OpCapture, OpWindow
+from profstream.integrations.torch_sources import RssReader, TimedIterator
 
 log = logging.getLogger("profstream.torch")
 

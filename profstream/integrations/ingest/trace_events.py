@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from profstream.producers.ingest.model import I64, IngestError
+from profstream.integrations.ingest.model import I64, IngestError
 
 EXPECTED = "a Chrome trace JSON file (an object with traceEvents, or an array of trace events)"
 

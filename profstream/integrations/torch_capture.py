@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from profstream.producers import torch_native
-from profstream.producers.torch_ops import (
+from profstream.integrations import torch_native
+from profstream.integrations.torch_ops import (
     HostThreads,
     NodeNames,
     OpColumns,

@@ -1,12 +1,11 @@
 """Replay an archive: republish a run to a topic, or run the processors on it offline.
 
-Order: each partition's messages in offset order (a partition's runs merged by offset);
-partitions interleaved by their clock, the highest Kafka timestamp seen so far in the
-partition. The offline processors use that clock as ``now`` and keep one ``StepStage``
-per partition (a rank's state lives in its partition), so what they compute depends on
-each partition's own messages only: the same with one worker process or several, and the
-same as the live processors wherever the figures do not depend on wall-clock timing
-(steps closed by the producers' watermarks).
+Messages go in the archive's replay order (``offline.archive``: each partition in offset
+order, partitions interleaved by their clock). Offline, the processors' public entry
+point (``processors.stream``) computes the figures, with that clock as ``now``: what they
+compute depends on each partition's own messages only, the same with one worker process
+or several, and the same as the live processors wherever the figures do not depend on
+wall-clock timing (steps closed by the producers' watermarks).
 
 A damaged archive file costs only its damaged blocks: each is reported as a ``Loss``
 (file, topic, partition, offsets) and the replay goes on.
@@ -15,14 +14,12 @@ A damaged archive file costs only its damaged blocks: each is reported as a ``Lo
 from __future__ import annotations
 
 import heapq
-import itertools
 import math
 import multiprocessing
 import os
 import queue
 import threading
 import time
-from collections import defaultdict, namedtuple
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -30,131 +27,19 @@ from typing import Any
 
 from profstream.config import check_name
 from profstream.kafka.topics import Topics
-from profstream.processors.figures import FigureOptions
-from profstream.processors.health import StageCounts
-from profstream.processors.runtime import RunStage, StepStage
+from profstream.offline.archive import ArchiveError, ArchiveFile, Loss, Reporter, Tally, merged
+from profstream.offline.record_files import RecordWriter
+from profstream.processors.stream import (
+    ALERTS,
+    DEAD_LETTERS,
+    Figure,
+    RawMessage,
+    RunFigures,
+    StepFigures,
+    StreamOptions,
+)
 from profstream.schema.batch import SECTIONS, EventBatch, decode_batch, encode_batch
 from profstream.schema.codec import DecodeError, decode
-from profstream.sinks.archive import ArchiveError, ArchiveFile, Loss, finished_files, iter_file
-
-_Rec = namedtuple("_Rec", "topic partition offset key value")
-
-
-# -- progress --------------------------------------------------------------------------------
-
-@dataclass
-class Tally:
-    """What a long job has done so far, for a progress display."""
-
-    what: str
-    files_total: int
-    bytes_total: int  # archive file bytes to read
-    files_done: int = 0
-    bytes_done: int = 0
-    messages: int = 0
-    events: int = 0  # op events
-    steps: int = 0  # StepMetrics out
-    started: float = field(default_factory=time.monotonic)
-
-    @property
-    def elapsed_s(self) -> float:
-        return time.monotonic() - self.started
-
-
-class _Reporter:
-    """Calls ``progress(tally)`` at most every 0.2 s (checked every 32 ticks)."""
-
-    def __init__(self, tally: Tally, progress: Callable[[Tally], None] | None) -> None:
-        self.tally, self.progress = tally, progress
-        self._n = 0
-        self._at = 0.0
-
-    def tick(self, force: bool = False) -> None:
-        if self.progress is None:
-            return
-        self._n += 1
-        if force or self._n % 32 == 0:
-            now = time.monotonic()
-            if force or now - self._at >= 0.2:
-                self._at = now
-                self.progress(self.tally)
-
-
-# -- choosing and reading files --------------------------------------------------------------
-
-def select_files(files: list[ArchiveFile], kind: str, topic: str | None, run: str | None, archive: Path,
-                 required: bool = True) -> list[ArchiveFile]:
-    """The files of the archived ``<prefix>.<kind>`` topic (``topic``: its full name, needed
-    when the archive holds several prefixes) and of ``run`` (None: every run)."""
-    topics = sorted({f.topic for f in files if (f.topic == topic if topic else f.topic.endswith("." + kind))})
-    if not topics:
-        if not required:
-            return []
-        raise ArchiveError(f"no archive of {'topic ' + topic if topic else 'a ' + kind + ' topic'} under "
-                           f"{archive}: point at the directory given to `profstream sink archive`")
-    if len(topics) > 1:
-        raise ArchiveError(f"{archive} holds several {kind} topics ({', '.join(topics)}): choose one with --topic")
-    chosen = [f for f in files if f.topic == topics[0]]
-    if run is not None:
-        runs = sorted({f.run_id for f in chosen})
-        chosen = [f for f in chosen if f.run_id == run]
-        if not chosen and required:
-            raise ArchiveError(f"run {run} is not in the archive of {topics[0]} under {archive}; runs there: "
-                               f"{', '.join(runs[:20])}{' ...' if len(runs) > 20 else ''}")
-    return chosen
-
-
-def _file_records(f: ArchiveFile, on_loss: Callable[[Loss], None], tally: Tally) -> Iterator[dict]:
-    for rec, loss in iter_file(f):
-        if loss is not None:
-            on_loss(loss)
-        else:
-            yield rec
-    tally.files_done += 1
-    tally.bytes_done += f.path.stat().st_size
-
-
-def _partition_records(files: list[ArchiveFile], on_loss, tally: Tally) -> Iterator[dict]:
-    """One partition's messages in offset order: each run's files in turn, runs merged."""
-    by_run: dict[str, list[ArchiveFile]] = defaultdict(list)
-    for f in sorted(files):
-        by_run[f.run_id].append(f)
-    streams = [itertools.chain.from_iterable(_file_records(f, on_loss, tally) for f in fs)
-               for fs in by_run.values()]
-    last = -1
-    for rec in heapq.merge(*streams, key=lambda r: r["offset"]):
-        if rec["offset"] > last:  # files that overlap (two sinks on one topic) hold a message twice
-            last = rec["offset"]
-            yield rec
-
-
-def _clocked(partition: int, records: Iterator[dict]) -> Iterator[tuple[float, int, dict]]:
-    now = -math.inf
-    for rec in records:
-        now = max(now, rec["timestamp"] / 1000.0)
-        yield now, partition, rec
-
-
-def merged(files: list[ArchiveFile], on_loss: Callable[[Loss], None], tally: Tally) -> Iterator[tuple[float, int, dict]]:
-    """(clock, partition, record) of every archived message of ``files`` in replay order."""
-    parts: dict[int, list[ArchiveFile]] = defaultdict(list)
-    for f in files:
-        parts[f.partition].append(f)
-    streams = [_clocked(p, _partition_records(fs, on_loss, tally)) for p, fs in sorted(parts.items())]
-    return heapq.merge(*streams, key=lambda t: (t[0], t[1]))
-
-
-def records(files: list[ArchiveFile], on_loss: Callable[[Loss], None], tally: Tally | None = None,
-            progress: Callable[[Tally], None] | None = None) -> Iterator[dict]:
-    """Every archived record of ``files`` in replay order (see the module docstring)."""
-    tally = tally or Tally("read", len(files), sum(f.path.stat().st_size for f in files))
-    reporter = _Reporter(tally, progress)
-    for _now, _p, rec in merged(files, on_loss, tally):
-        tally.messages += 1
-        reporter.tick()
-        yield rec
-    reporter.tick(force=True)
-
 
 # -- changing messages on the way: --rewrite-run, --steps --------------------------------------
 
@@ -297,7 +182,7 @@ def republish(files: list[ArchiveFile], bootstrap: str, to_topic: str, speed: fl
     stop = stop or threading.Event()
     result = ReplayResult()
     tally = Tally("replay", len(files), sum(f.path.stat().st_size for f in files))
-    reporter = _Reporter(tally, progress)
+    reporter = Reporter(tally, progress)
     change = _transform(rewrite_run, StepRange(*steps) if steps else None, result)
     pacer = Pacer(speed, sleep=stop.wait)
     failures: list[BaseException] = []
@@ -360,127 +245,77 @@ def _ensure_topic(bootstrap: str, topic: str) -> None:
 
 # -- offline ---------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class OfflineOptions:
-    """The processors' options (the same names and defaults as `profstream process`)."""
-
-    grace_s: float = 2.0
-    run_grace_s: float = 10.0
-    idle_timeout_s: float = 60.0
-    figures: FigureOptions = field(default_factory=FigureOptions)
-
-
-# One step-stage output, in the order the run stage must see it: (clock, partition, seq, kind, value)
-_STEP, _ALERT, _DLQ = 0, 1, 2
-
-
-def _step_outputs(files: list[ArchiveFile], options: OfflineOptions, on_loss, tally: Tally,
-                  change=None) -> Iterator[tuple[float, int, int, int, bytes]]:
-    """Run one StepStage per partition over ``files``; yield its outputs in (clock, partition) order."""
-    topic = files[0].topic if files else "offline.raw"
-    topics = Topics(topic[: -len(".raw")] if topic.endswith(".raw") else topic)
-    kinds = {topics.steps: _STEP, topics.alerts: _ALERT, topics.dlq: _DLQ}
-    counts = StageCounts(keep_step_ends=False)  # nothing commits offline: counted as folded
-    stages: dict[int, list] = {}  # partition -> [StepStage, clock]
-    seq = itertools.count()
+def _step_figures(files: list[ArchiveFile], options: StreamOptions, on_loss, tally: Tally,
+                  change=None) -> Iterator[Figure]:
+    """The processors' step figures of ``files``, in ``Figure`` order."""
+    steps = StepFigures(options, files[0].topic if files else "offline.raw")
     for now, p, rec in merged(files, on_loss, tally):
-        entry = stages.get(p)
-        if entry is None:
-            entry = stages[p] = [StepStage(topics, 1, counts, options.grace_s, options.idle_timeout_s,
-                                           options.figures), now]
-        stage = entry[0]
-        out = []
-        if now > entry[1]:  # steps whose grace ran out before this message came
-            entry[1] = now
-            out = stage.ready(now)
         key, value = rec["key"], rec["value"]
         if change is not None:
             changed = change(key, value)
             if changed is None:
                 continue
             key, value = changed
-        out += stage.fold(_Rec(topic, p, rec["offset"], key, value), now)
-        out += stage.ready(now)
+        yield from steps.feed(RawMessage(now, p, rec["offset"], key, value))
         tally.messages += 1
-        tally.events = counts.events["ops"]
-        for o in out:
-            kind = kinds.get(o.topic)
-            if kind is not None:
-                yield now, p, next(seq), kind, o.value
-    for p, (stage, now) in sorted(stages.items()):
-        final = now + options.idle_timeout_s + options.grace_s + 1.0
-        for _ in range(2):  # close by grace, then the idle ranks
-            for o in stage.ready(final):
-                kind = kinds.get(o.topic)
-                if kind is not None:
-                    yield math.inf, p, next(seq), kind, o.value
+        tally.events = steps.events
+    yield from steps.finish()
 
 
-def replay_offline(files: list[ArchiveFile], options: OfflineOptions | None = None,
+def replay_offline(files: list[ArchiveFile], options: StreamOptions | None = None,
                    steps: tuple[int, int] | None = None, workers: int = 1, rewrite_run: str | None = None,
                    on_step: Callable[[dict], None] | None = None, on_run_step: Callable[[dict], None] | None = None,
                    on_alert: Callable[[dict], None] | None = None, progress: Callable[[Tally], None] | None = None,
                    on_loss: Callable[[Loss], None] | None = None) -> ReplayResult:
-    """Run the processors (StepStage per partition, then RunStage) over archived raw ``files``
-    without a broker; hand each StepMetrics / RunStepMetrics / Alert of steps A..B
-    (``steps``; None: all) to the callbacks. ``workers`` > 1 runs the step stages of
-    disjoint partition sets in that many processes: the figures are the same."""
-    options = options or OfflineOptions()
+    """Run the processors (``processors.stream``) over archived raw ``files`` without a
+    broker; hand each StepMetrics / RunStepMetrics / Alert of steps A..B (``steps``; None:
+    all) to the callbacks. ``workers`` > 1 computes the step figures of disjoint partition
+    sets in that many processes: the figures are the same."""
+    options = options or StreamOptions()
     result = ReplayResult()
     lost = _collect(result, on_loss)
     if rewrite_run is not None:
         check_name(rewrite_run, "run id")
     change = _transform(rewrite_run, None, result) if rewrite_run else None
     tally = Tally("offline", len(files), sum(f.path.stat().st_size for f in files))
-    reporter = _Reporter(tally, progress)
-    topics = Topics("offline")
-    run_stage = RunStage(topics, StageCounts(keep_step_ends=False), options.run_grace_s, options.idle_timeout_s)
+    reporter = Reporter(tally, progress)
+    run = RunFigures(options)
     wanted = (lambda step: True) if steps is None else (lambda step: steps[0] <= step <= steps[1])
     partitions = sorted({f.partition for f in files})
     workers = max(1, min(workers, len(partitions)))
     if workers == 1:
-        outputs = _step_outputs(files, options, lost, tally, change)
+        outputs = _step_figures(files, options, lost, tally, change)
     else:
-        outputs = _parallel_outputs(files, partitions, workers, options, lost, tally, rewrite_run)
-    offset = itertools.count()
-    now = -math.inf
-    for now_out, _p, _seq, kind, value in outputs:
+        outputs = _parallel_figures(files, partitions, workers, options, lost, tally, rewrite_run)
+    for figure in outputs:
         reporter.tick()
-        if kind == _DLQ:
+        if figure.kind == DEAD_LETTERS:
             result.undecodable += 1
             continue
-        if kind == _ALERT:
-            alert = decode("Alert", value)
+        if figure.kind == ALERTS:
+            alert = decode("Alert", figure.value)
             if wanted(alert["step"]):
                 result.alerts += 1
                 if on_alert is not None:
                     on_alert(alert)
             continue
-        if now_out != math.inf:
-            now = now_out
-        else:
-            now = now if now != -math.inf else 0.0
-        m = decode("StepMetrics", value)
+        m = decode("StepMetrics", figure.value)
         if wanted(m["step"]):
             result.steps += 1
             tally.steps += 1
             if on_step is not None:
                 on_step(m)
-        run_stage.fold(_Rec(topics.steps, 0, next(offset), None, value), now)
-        _run_outputs(run_stage.ready(now), wanted, result, on_run_step)
-    final = (now if now != -math.inf else 0.0) + options.run_grace_s + options.idle_timeout_s + options.grace_s + 1.0
-    _run_outputs(run_stage.ready(final), wanted, result, on_run_step)
+        _run_figures(run.feed(figure), wanted, result, on_run_step)
+    _run_figures(run.finish(), wanted, result, on_run_step)
     reporter.tick(force=True)
     result.messages, result.events = tally.messages, tally.events
     result.elapsed_s = tally.elapsed_s
     return result
 
 
-def _run_outputs(outputs, wanted, result: ReplayResult, on_run_step) -> None:
-    for o in outputs:
-        if o.value is None or not o.topic.endswith(".run"):
-            continue
-        r = decode("RunStepMetrics", o.value)
+def _run_figures(figures: list[Figure], wanted, result: ReplayResult, on_run_step) -> None:
+    for f in figures:
+        r = decode("RunStepMetrics", f.value)
         if wanted(r["step"]):
             result.run_steps += 1
             if on_run_step is not None:
@@ -506,7 +341,7 @@ def _worker(files, options, rewrite_run, queue) -> None:
 
     try:
         change = _transform(rewrite_run, None, ReplayResult()) if rewrite_run else None
-        for item in _step_outputs(files, options, losses.append, tally, change):
+        for item in _step_figures(files, options, losses.append, tally, change):
             chunk.append(item)
             if len(chunk) >= _CHUNK or time.monotonic() - last >= 0.2:
                 queue.put(("out", chunk, losses, delta()))
@@ -517,7 +352,7 @@ def _worker(files, options, rewrite_run, queue) -> None:
         queue.put(("error", f"{type(e).__name__}: {e}", None, None))
 
 
-def _parallel_outputs(files, partitions, workers, options, lost, tally: Tally, rewrite_run):
+def _parallel_figures(files, partitions, workers, options, lost, tally: Tally, rewrite_run):
     ctx = multiprocessing.get_context("fork")
     shares = [partitions[i::workers] for i in range(workers)]
     queues, procs = [], []
@@ -569,8 +404,6 @@ def default_workers() -> int:
 def replay_offline_to(files: list[ArchiveFile], out_dir: Path, fmt: str = "jsonl", **kw: Any) -> ReplayResult:
     """``replay_offline`` writing ``steps``, ``run_steps`` and ``alerts`` files (``.jsonl`` or
     ``.parquet``) into ``out_dir``."""
-    from profstream.sinks.export import RecordWriter
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     ext = "jsonl" if fmt == "jsonl" else "parquet"
@@ -584,12 +417,3 @@ def replay_offline_to(files: list[ArchiveFile], out_dir: Path, fmt: str = "jsonl
             w.close()
     result.outputs = [w.path for w in writers.values()]
     return result
-
-
-def archive_files(archive: Path | str, kind: str = "raw", topic: str | None = None,
-                  run: str | None = None) -> list[ArchiveFile]:
-    """The finished files of the archived ``kind`` topic (and ``run``) under ``archive``."""
-    archive = Path(archive)
-    if not archive.exists():
-        raise ArchiveError(f"{archive} does not exist: give the directory written by `profstream sink archive`")
-    return select_files(finished_files(archive), kind, topic, run, archive)

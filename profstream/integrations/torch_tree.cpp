@@ -1,10 +1,10 @@
 // The outermost ops of a CPU-only torch.profiler capture, read off its event tree in C++.
 //
-// Same walk as profstream.producers.torch_ops.tree_op_columns (see there): from the roots,
+// Same walk as profstream.integrations.torch_ops.tree_op_columns (see there): from the roots,
 // read through annotations (record_function scopes, but those `through(name)` rejects:
 // collectives) and through ops that never ended; every other node is an outermost op and
 // its subtree is not read. Built against the installed torch's headers by
-// profstream.producers.torch_native.
+// profstream.integrations.torch_native.
 //
 // It runs on the training thread right after a training step, when the caches hold the
 // step's tensors: there every numpy call costs 5-20 times its warm cost. So this one call

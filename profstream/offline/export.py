@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,101 +19,21 @@ from typing import Any
 
 import numpy as np
 
+from profstream.offline.archive import (
+    ArchiveError,
+    ArchiveFile,
+    Loss,
+    Tally,
+    finished_files,
+    records,
+    select_files,
+)
+from profstream.offline.record_files import RecordWriter
+from profstream.offline.replay import replay_offline
 from profstream.schema.batch import KIND_NAMES, decode_batch
-from profstream.schema.codec import CURRENT, DecodeError, decode
-from profstream.sinks.archive import ArchiveError, ArchiveFile, Loss, finished_files
+from profstream.schema.codec import DecodeError, decode
 
 ROWS_PER_GROUP = 1_000_000  # Parquet row group of the op table
-
-
-# -- Avro records to Arrow -------------------------------------------------------------------
-
-def arrow_schema(record_name: str):
-    """The Arrow schema of a profstream record (``StepMetrics``, ``RunStepMetrics``, ``Alert``)."""
-    import pyarrow as pa
-
-    def convert(t: Any) -> tuple[Any, bool]:  # (arrow type, nullable)
-        if isinstance(t, list):
-            rest = [x for x in t if x != "null"]
-            if len(rest) != 1:
-                raise ValueError(f"union {t} has no Arrow equivalent here")
-            return convert(rest[0])[0], "null" in t
-        if isinstance(t, str):
-            prim = {"string": pa.string(), "int": pa.int32(), "long": pa.int64(), "double": pa.float64(),
-                    "float": pa.float32(), "boolean": pa.bool_(), "bytes": pa.binary()}
-            return prim[t], False
-        kind = t["type"]
-        if kind == "record":
-            return pa.struct([pa.field(f["name"], *convert(f["type"])) for f in t["fields"]]), False
-        if kind == "array":
-            return pa.list_(convert(t["items"])[0]), False
-        if kind == "map":
-            return pa.map_(pa.string(), convert(t["values"])[0]), False
-        if kind == "enum":
-            return pa.string(), False
-        return convert(kind)
-
-    return pa.schema(convert(_plain(CURRENT[record_name].parsed))[0])
-
-
-def _plain(schema: Any) -> Any:
-    """A parsed fastavro schema with named types inlined (they are parsed once already)."""
-    from fastavro.schema import to_parsing_canonical_form
-
-    return json.loads(to_parsing_canonical_form(schema))
-
-
-def _to_arrow_rows(record_name: str, records: list[dict]) -> list[dict]:
-    if record_name in ("RunStepMetrics", "Alert"):  # maps: Arrow wants (key, value) pairs
-        map_field = "step_times_ns" if record_name == "RunStepMetrics" else "evidence"
-        return [{**r, map_field: list(r[map_field].items())} for r in records]
-    return records
-
-
-class RecordWriter:
-    """Writes records of one type to ``path``: JSON lines, or Parquet (nested records
-    flattened into dotted columns) in row groups of ``rows_per_group``."""
-
-    def __init__(self, path: Path, record_name: str, fmt: str = "jsonl", rows_per_group: int = 50_000) -> None:
-        if fmt not in ("jsonl", "parquet"):
-            raise ValueError(f"format {fmt!r}: expected jsonl or parquet")
-        self.path, self.record_name, self.fmt = Path(path), record_name, fmt
-        self.rows = 0
-        self._pending: list[dict] = []
-        self._rows_per_group = rows_per_group
-        self._writer = None
-        if fmt == "jsonl":
-            self._file = open(self.path, "w")
-        else:
-            import pyarrow.parquet as pq
-
-            self._schema = arrow_schema(record_name)
-            flat = self._schema.empty_table().flatten().schema
-            self._writer = pq.ParquetWriter(self.path, flat)
-
-    def write(self, record: dict) -> None:
-        self.rows += 1
-        if self.fmt == "jsonl":
-            self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
-            return
-        self._pending.append(record)
-        if len(self._pending) >= self._rows_per_group:
-            self._flush()
-
-    def _flush(self) -> None:
-        import pyarrow as pa
-
-        if self._pending:
-            table = pa.Table.from_pylist(_to_arrow_rows(self.record_name, self._pending), self._schema)
-            self._writer.write_table(table.flatten())
-            self._pending = []
-
-    def close(self) -> None:
-        if self.fmt == "jsonl":
-            self._file.close()
-        else:
-            self._flush()
-            self._writer.close()
 
 
 # -- the op table ----------------------------------------------------------------------------
@@ -214,15 +133,13 @@ def export_parquet(archive: Path, out_dir: Path, run: str | None = None, steps: 
 
     ``source`` of the step metrics: "steps" (the archived steps topic), "raw" (computed
     offline by the processors from the archived raw topic), or "auto" (steps if archived)."""
-    from profstream.sinks import replay
-
     if source not in ("auto", "steps", "raw"):
         raise ValueError(f"source {source!r}: expected auto, steps or raw")
     archive = Path(archive)
     everything = finished_files(archive)
     named = (lambda kind: f"{topic_prefix}.{kind}") if topic_prefix else (lambda kind: None)
-    raw = replay.select_files(everything, "raw", named("raw"), None, archive, required=False)
-    steps_files = replay.select_files(everything, "steps", named("steps"), None, archive, required=False)
+    raw = select_files(everything, "raw", named("raw"), None, archive, required=False)
+    steps_files = select_files(everything, "steps", named("steps"), None, archive, required=False)
     runs = sorted(_runs_of(raw) | _runs_of(steps_files))
     if run is None:
         if len(runs) != 1:
@@ -253,9 +170,9 @@ def export_parquet(archive: Path, out_dir: Path, run: str | None = None, steps: 
         try:
             if use_steps:
                 result.steps_source = "steps archive"
-                tally = replay.Tally("export steps", len(steps_files), sum(f.path.stat().st_size for f in steps_files))
+                tally = Tally("export steps", len(steps_files), sum(f.path.stat().st_size for f in steps_files))
                 seen: set[tuple[int, int]] = set()
-                for rec in replay.records(steps_files, lost, tally, progress):
+                for rec in records(steps_files, lost, tally, progress):
                     try:
                         m = decode("StepMetrics", rec["value"])
                     except DecodeError:
@@ -269,7 +186,7 @@ def export_parquet(archive: Path, out_dir: Path, run: str | None = None, steps: 
                     tally.steps += 1
             else:
                 result.steps_source = "computed offline from the raw archive"
-                offline = replay.replay_offline(raw, steps=steps, progress=progress, on_loss=lost,
+                offline = replay_offline(raw, steps=steps, progress=progress, on_loss=lost,
                                                 on_step=writer.write)
                 result.undecodable += offline.undecodable
         finally:
@@ -281,9 +198,9 @@ def export_parquet(archive: Path, out_dir: Path, run: str | None = None, steps: 
             raise ArchiveError(f"no archive of the raw topic for run {run} in {archive}: the op table needs it")
         path = out_dir / f"{run}.ops.parquet"
         ops = OpTableWriter(path, steps)
-        tally = replay.Tally("export ops", len(raw), sum(f.path.stat().st_size for f in raw))
+        tally = Tally("export ops", len(raw), sum(f.path.stat().st_size for f in raw))
         try:
-            for rec in replay.records(raw, lost, tally, progress):
+            for rec in records(raw, lost, tally, progress):
                 try:
                     batch = decode_batch(rec["value"])
                 except DecodeError:

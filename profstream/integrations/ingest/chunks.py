@@ -30,7 +30,7 @@ from typing import Any
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from profstream.producers.ingest.trace_events import (
+from profstream.integrations.ingest.trace_events import (
     EventColumns,
     TraceEvent,
     TraceFile,

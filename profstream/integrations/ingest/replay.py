@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from profstream.producers.ingest.model import Profile
+from profstream.integrations.ingest.model import Profile
 from profstream.producers.monitor import Monitor
 
 PACES = ("realtime", "max")

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from profstream.producers.ingest.model import IngestError, Profile
-from profstream.producers.ingest.replay import PACES, SendResult, send_profile
+from profstream.integrations.ingest.model import IngestError, Profile
+from profstream.integrations.ingest.replay import PACES, SendResult, send_profile
 
 FORMATS = ("auto", "chrome", "mindspore")
 _EXPECTED = {
@@ -66,7 +66,7 @@ def load_profile(path: str | Path, format: str = "auto", rank: int | None = None
     if format == "auto":
         format = sniff(path)
     if format == "chrome":
-        from profstream.producers.ingest.chrome import parse_chrome
+        from profstream.integrations.ingest.chrome import parse_chrome
 
         if not path.exists():
             raise IngestError(f"{path}: no such file")
@@ -78,7 +78,7 @@ def load_profile(path: str | Path, format: str = "auto", rank: int | None = None
             raise IngestError(f"{path}: not {_EXPECTED['chrome']}")
         profile = parse_chrome(path, base_ns=base_ns, workers=workers)
     else:
-        from profstream.producers.ingest.mindspore_dir import parse_mindspore_dir
+        from profstream.integrations.ingest.mindspore_dir import parse_mindspore_dir
 
         if not path.is_dir():
             raise IngestError(f"{path}: not {_EXPECTED['mindspore']}")

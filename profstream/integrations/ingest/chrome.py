@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from profstream.producers.ingest.chunks import columns_in_chunks
-from profstream.producers.ingest.model import (
+from profstream.integrations.ingest.chunks import columns_in_chunks
+from profstream.integrations.ingest.model import (
     I64,
     Profile,
     kind_from_name,
@@ -27,7 +27,7 @@ from profstream.producers.ingest.model import (
     set_steps,
     type_from_name,
 )
-from profstream.producers.ingest.trace_events import (
+from profstream.integrations.ingest.trace_events import (
     EventColumns,
     decode_trace,
     gc_paused,

@@ -12,7 +12,7 @@ runs load the module without starting a compiler. Until it is loaded, or where i
 be built (logged once), capture uses the Python walk, which gives the same ops; the first
 trace read both ways must agree before the compiled one is trusted (``OpCapture``).
 
-``python -m profstream.producers.torch_native`` builds it ahead (for an image, or to see
+``python -m profstream.integrations.torch_native`` builds it ahead (for an image, or to see
 the compiler's output) and prints where the module is.
 """
 
@@ -30,7 +30,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from profstream.producers.launch import without_profiling
+from profstream.integrations.startup_hook import without_profiling
 
 log = logging.getLogger("profstream.torch")
 

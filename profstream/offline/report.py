@@ -22,15 +22,10 @@ from pathlib import Path
 import numpy as np
 
 from profstream.config import check_name
-from profstream.sinks import charts
-from profstream.sinks.archive import ArchiveError, Loss
-from profstream.sinks.replay import (
-    OfflineOptions,
-    Tally,
-    archive_files,
-    default_workers,
-    replay_offline,
-)
+from profstream.offline import charts
+from profstream.offline.archive import ArchiveError, Loss, Tally, archive_files
+from profstream.offline.replay import default_workers, replay_offline
+from profstream.processors.stream import StreamOptions
 
 MAX_RANK_PANELS = 8  # per-rank stacked phase charts; the rest are in the tables
 
@@ -69,7 +64,7 @@ class ReportData:
 
 
 def gather(archive: Path | str, run_id: str, timeline_dir: Path | None = None, workers: int = 0,
-           options: OfflineOptions | None = None, progress: Callable[[Tally], None] | None = None,
+           options: StreamOptions | None = None, progress: Callable[[Tally], None] | None = None,
            on_loss: Callable[[Loss], None] | None = None) -> ReportData:
     """Everything the report shows for ``run_id``, computed offline from ``archive``."""
     check_name(run_id, "run id")

@@ -1,0 +1,5 @@
+"""`python -m profstream.cli ...`: the same as the `profstream` command."""
+
+from profstream.cli import main
+
+main()

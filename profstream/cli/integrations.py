@@ -1,0 +1,96 @@
+"""`profstream ingest` and `profstream run`: existing profiles and unchanged PyTorch scripts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from profstream.cli.common import (
+    BootstrapOpt,
+    PrefixOpt,
+    app,
+    connect,
+    err,
+    fail,
+    out,
+    resolve_bootstrap,
+)
+from profstream.config import check_name
+
+# -- ingest ---------------------------------------------------------------------------
+
+@app.command()
+def ingest(
+    path: Annotated[Path, typer.Argument(help="Chrome trace JSON (.json/.json.gz: PyTorch, Kineto, MindSpore "
+                                              "or msprof timeline) or a MindSpore profiler output directory")],
+    run_id: Annotated[str, typer.Option(help="run identifier the profile is sent as")],
+    rank: Annotated[int | None, typer.Option(min=0, help="rank (default: the one the profile names, else 0)")]
+    = None,
+    pace: Annotated[str, typer.Option(help="max: as fast as possible; realtime: steps as far apart as "
+                                           "they were")] = "max",
+    format: Annotated[str, typer.Option(help="auto, chrome or mindspore")] = "auto",
+    base_ns: Annotated[int | None, typer.Option(help="ns since the epoch of time 0 of a relative trace "
+                                                     "(default: it ended at the file's modification time)")]
+    = None,
+    step_trace_unit_ns: Annotated[float, typer.Option(min=0.001, help="ns per unit of a MindSpore step trace "
+                                                                    "(10 for Ascend's 100 MHz counter)")] = 1.0,
+    device: Annotated[str, typer.Option(help="device reported with the events, e.g. cuda:0, npu:3")] = "cpu",
+    workers: Annotated[int | None, typer.Option(min=1, help="processes that parse a Chrome trace of 16 MiB or "
+                                                           "more (default: one per CPU; 1: one process)")] = None,
+    bootstrap: BootstrapOpt = None,
+    topic_prefix: PrefixOpt = "profstream",
+) -> None:
+    """Send an existing profile to Kafka as raw events, as a live producer would (docs/ingest.md)."""
+    from profstream.integrations.ingest import IngestError
+    from profstream.integrations.ingest import ingest as ingest_profile
+
+    check_name(run_id, "run id")
+    boot, _ = connect(bootstrap, topic_prefix)
+    try:
+        result = ingest_profile(path, {"bootstrap": boot, "run_id": run_id, "topic_prefix": topic_prefix,
+                                       "device": device}, format=format, pace=pace, rank=rank, base_ns=base_ns,
+                                step_trace_unit_ns=step_trace_unit_ns, workers=workers)
+    except IngestError as e:
+        fail(str(e))
+    p, s = result.profile, result.sent
+    unknown = ", ".join(f"{c}: {n}" for c, n in p.unknown_categories.most_common()) or "none"
+    out.print(f"{path} ({p.source}; clock: {p.clock}) -> run {run_id} rank {p.rank or 0}: {s.steps} steps, "
+              f"{s.ops} ops, {s.queue_samples} queue and {s.memory_samples} memory samples in {s.elapsed_s:.1f} s; "
+              f"ops outside every step (not sent): {s.ops_outside_steps}; unknown categories recorded as host: "
+              f"{unknown}; dropped ops: {s.dropped_ops}; {'all delivered' if s.flushed else 'NOT all delivered'}",
+              highlight=False, soft_wrap=True)
+    for note in p.notes:
+        err.print(f"note: {note}", highlight=False, soft_wrap=True)
+    if not s.flushed:
+        raise typer.Exit(1)
+
+
+# -- run ------------------------------------------------------------------------------
+
+@app.command(context_settings={"allow_interspersed_args": False})
+def run(
+    command: Annotated[list[str], typer.Argument(help="the training command, after --")],
+    bootstrap: BootstrapOpt = None,
+    run_id: Annotated[str | None, typer.Option(help="run identifier (default: one per launch)")] = None,
+    topic_prefix: Annotated[str | None, typer.Option(help="topic name prefix")] = None,
+    start_step: Annotated[int | None, typer.Option(help="first step whose ops are captured")] = None,
+    stop_step: Annotated[int | None, typer.Option(help="last step whose ops are captured")] = None,
+    every_n_steps: Annotated[int | None, typer.Option(help="capture ops on every n-th step")] = None,
+    capture_ops: Annotated[bool | None, typer.Option("--capture-ops/--no-capture-ops",
+                                                     help="op capture with torch.profiler (default: on)")] = None,
+) -> None:
+    """Profile a PyTorch training script without changing it: profstream run -- python train.py ARGS (docs/torch.md)."""
+    from profstream.integrations.launch import run_profiled
+
+    options = {"bootstrap": resolve_bootstrap(bootstrap), "run_id": run_id, "topic_prefix": topic_prefix,
+               "start_step": start_step, "stop_step": stop_step, "every_n_steps": every_n_steps}
+    try:
+        code = run_profiled(command, options, {"capture_ops": capture_ops})
+    except FileNotFoundError:
+        fail(f"command not found: {command[0]!r} (give the full command after --, e.g. profstream run -- "
+              "python train.py)")
+    except ValueError as e:  # ConfigError is a ValueError
+        fail(str(e))
+    raise typer.Exit(code)

@@ -1,0 +1,127 @@
+"""`profstream simulate` and `profstream process`: a synthetic run in, the processors on it."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from profstream.cli.common import (
+    BootstrapOpt,
+    PrefixOpt,
+    app,
+    connect,
+    err,
+    fail,
+    out,
+    parse_range,
+    step_progress,
+)
+from profstream.config import check_name
+
+
+def sim_config(run_id, ranks, steps, ops_per_step, step_time_ms, comm_share, seed, stall, straggler,
+                straggler_factor, leak_bytes_per_step, rate):
+    from profstream.simulate import SimConfig
+
+    check_name(run_id, "run id")
+    try:
+        return SimConfig(run_id=run_id, ranks=ranks, steps=steps, ops_per_step=ops_per_step,
+                         step_time_ms=step_time_ms, comm_share=comm_share, seed=seed,
+                         stall=parse_range(stall, "--stall"), straggler_rank=straggler,
+                         straggler_factor=straggler_factor, leak_bytes_per_step=leak_bytes_per_step,
+                         rate=rate)
+    except ValueError as e:
+        fail(str(e))
+
+
+
+@app.command()
+def simulate(
+    bootstrap: BootstrapOpt = None,
+    run_id: Annotated[str, typer.Option(help="run identifier")] = "sim",
+    ranks: Annotated[int, typer.Option(min=1, max=1024)] = 2,
+    steps: Annotated[int, typer.Option(min=1)] = 50,
+    ops_per_step: Annotated[int, typer.Option(min=4, max=100000)] = 200,
+    step_time_ms: Annotated[float, typer.Option(min=0.01)] = 100.0,
+    comm_share: Annotated[float, typer.Option(min=0.0, max=0.49, help="all-reduce time / step time")] = 0.2,
+    seed: int = 0,
+    stall: Annotated[str | None, typer.Option(help="inject a data stall on steps A:B (inclusive)")] = None,
+    straggler: Annotated[int | None, typer.Option(help="make this rank a straggler")] = None,
+    straggler_factor: Annotated[float, typer.Option(min=1.0)] = 1.5,
+    leak_bytes_per_step: Annotated[int, typer.Option(min=0, help="inject a memory leak")] = 0,
+    rate: Annotated[str, typer.Option(help="realtime: steps take their time; max: as fast as possible")] = "max",
+    topic_prefix: PrefixOpt = "profstream",
+) -> None:
+    """Simulate a training run through the real Monitor (deterministic for a seed)."""
+    from profstream.simulate import run_simulation
+
+    cfg = sim_config(run_id, ranks, steps, ops_per_step, step_time_ms, comm_share, seed, stall, straggler,
+                      straggler_factor, leak_bytes_per_step, rate)
+    boot, _ = connect(bootstrap)
+    progress, advance = step_progress(cfg.ranks * cfg.steps, "simulate")
+    with progress:
+        result = run_simulation(cfg, {"bootstrap": boot, "topic_prefix": topic_prefix}, progress=advance)
+    out.print(f"run {cfg.run_id}: {result.steps_recorded} steps, {result.ops_recorded} ops sent to {boot} "
+              f"in {result.wall_s:.1f} s; dropped ops: {result.dropped_ops}; "
+              f"{'all delivered' if result.flushed else 'NOT all delivered'}", highlight=False)
+    if not result.flushed:
+        raise typer.Exit(1)
+
+
+
+# -- process --------------------------------------------------------------------------
+
+@app.command()
+def process(
+    bootstrap: BootstrapOpt = None,
+    topic_prefix: PrefixOpt = "profstream",
+    group_id: Annotated[str, typer.Option(help="consumer group of the processors")] = "profstream-processor",
+    instance_id: Annotated[str, typer.Option(help="unique per processor process and stable across its "
+                                                  "restarts (transactional id, static membership)")] = "0",
+    stages: Annotated[str, typer.Option(help="all, steps (raw -> steps) or run (steps -> run)")] = "all",
+    grace_s: Annotated[float, typer.Option(min=0.0, help="wait after a step's end mark when "
+                                                         "the producer sends no watermark")] = 2.0,
+    run_grace_s: Annotated[float, typer.Option(min=0.0, help="wait for missing ranks of a step")] = 10.0,
+    idle_timeout_s: Annotated[float, typer.Option(min=1.0, help="close a run after this long silent")] = 60.0,
+    commit_interval_ms: Annotated[float, typer.Option(min=1.0, help="transaction commit interval")] = 100.0,
+    stall_ratio: Annotated[float, typer.Option(min=0.0, max=1.0, help="data_wait/step_time of a starved step")] = 0.3,
+    stall_steps: Annotated[int, typer.Option(min=1, help="consecutive starved steps that fire DataQueueStall")] = 5,
+    top_k: Annotated[int, typer.Option(min=1, help="op types reported per step (the rest: other)")] = 10,
+    rolling_steps: Annotated[int, typer.Option(min=1, help="steps in the rolling window")] = 100,
+    metrics_port: Annotated[int, typer.Option(min=0, max=65535, help="serve health metrics here (0: off)")] = 9465,
+    raw_partitions: Annotated[int, typer.Option(min=1, help="partitions of a raw topic created here")] = 12,
+    max_outage_s: Annotated[float, typer.Option(min=1.0, help="exit (status 2, one line on stderr) when Kafka "
+                                                              "has not come back after this long, for a "
+                                                              "supervisor to restart the processor")] = 300.0,
+) -> None:
+    """Run a stream processor: raw events in; StepMetrics, RunStepMetrics and alerts out, exactly once."""
+    from profstream.kafka.topics import ensure_topics
+    from profstream.processors.figures import FigureOptions
+    from profstream.processors.runtime import Processor
+
+    try:
+        check_name(instance_id, "instance id")
+    except ValueError as e:
+        fail(str(e))
+    if stages not in ("all", "steps", "run"):
+        fail(f"--stages {stages!r}: expected all, steps or run")
+    boot, topics = connect(bootstrap, topic_prefix, timeout=30.0)
+    ensure_topics(boot, topics, raw_partitions=raw_partitions)
+    processor = Processor(boot, topics, group_id=group_id, instance_id=instance_id, grace_s=grace_s,
+                          idle_timeout_s=idle_timeout_s, run_grace_s=run_grace_s,
+                          figure_options=FigureOptions(top_k, stall_ratio, stall_steps, rolling_steps),
+                          commit_interval_ms=commit_interval_ms, stages=stages, max_outage_s=max_outage_s)
+    if metrics_port:
+        try:
+            processor.health.serve(metrics_port)
+        except OSError as e:
+            fail(f"cannot serve metrics on port {metrics_port} ({e.strerror}): choose another --metrics-port "
+                  "or 0 to turn them off")
+    err.print(f"processing {topics.raw} from {boot} (group {group_id}, instance {instance_id})"
+              + (f", metrics on :{metrics_port}/metrics" if metrics_port else "") + "; Ctrl-C stops",
+              highlight=False)
+    try:
+        processor.run()
+    except KeyboardInterrupt:
+        processor.stop()

@@ -1,0 +1,199 @@
+"""``EventBuffer``: the one buffer between a Monitor and its Sender.
+
+One writer, one reader and no lock: the training thread appends (``deque.append`` is
+atomic), the Sender's thread drains (``popleft``). Bounded: ``buffer_bytes`` is turned
+into counts of events; when op events would pass theirs they are dropped and counted,
+and step marks, memory and queue samples have a reserve of their own. ``Monitor.op``
+appends to ``ops`` itself (the hot path); everything else goes through the methods here.
+
+Order matters for the watermark: ``drain`` reads it first, then takes step marks,
+samples and ops. Every event recorded before the watermark moved is then in the drained
+lists, so a batch never claims a step complete while its ops are still buffered.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import Any, NamedTuple
+
+import numpy as np
+
+# Rough in-memory cost of one buffered event (tuple + ints + deque slot), used to turn
+# buffer_bytes into counts. Measured with tracemalloc on CPython 3.11: ~200 B per op tuple.
+OP_BYTES = 224
+SAMPLE_BYTES = 200
+# Share of buffer_bytes kept for encoded batches that wait for the broker's acknowledgement.
+INFLIGHT_SHARE = 0.25
+# Share of the remaining buffer reserved for step marks, memory, queue and host samples.
+SAMPLE_SHARE = 0.05
+
+
+class OpChunk(NamedTuple):
+    """The columns of one ops() call; scalar columns stay scalars."""
+
+    n: int
+    names: Any
+    op_types: Any
+    kinds: Any
+    streams: Any
+    step: Any
+    start_ns: Any
+    dur_ns: Any
+
+
+class Drained(NamedTuple):
+    """What one batch takes from the buffer (``EventBuffer.drain``)."""
+
+    watermark: int | None  # read before everything else
+    marks: list[tuple]
+    memory: list[tuple]
+    queues: list[tuple]
+    ops: list[OpChunk]
+    more_ops: bool  # ops beyond ``ops`` are still buffered
+    dropped_ops: int  # totals so far
+    dropped_samples: int
+
+
+def rows_chunk(rows: list[tuple]) -> OpChunk:
+    """op() tuples (name, op_type, kind, stream, step, start_ns, dur_ns) as one chunk."""
+    names, types, kinds, streams, steps, starts, durs = zip(*rows)
+    return OpChunk(len(rows), names, types, kinds, streams, steps, starts, durs)
+
+
+class EventBuffer:
+    """Events recorded on the training thread and not yet taken by the Sender."""
+
+    def __init__(self, buffer_bytes: int, batch_max_ops: int) -> None:
+        budget = buffer_bytes * (1 - INFLIGHT_SHARE)
+        self.inflight_limit_bytes = int(buffer_bytes * INFLIGHT_SHARE)
+        self.max_ops = max(1, int(budget * (1 - SAMPLE_SHARE) / OP_BYTES))
+        self.max_samples = max(64, int(budget * SAMPLE_SHARE / SAMPLE_BYTES))
+        self.batch_max_ops = batch_max_ops
+
+        self.ops: deque = deque()  # one tuple per op() call
+        self.op_chunks: deque = deque()  # one OpChunk per ops() call
+        self._chunk_ops_in = 0  # ops put into chunks (recording thread)
+        self._chunk_ops_out = 0  # ops taken out of chunks (sender thread)
+        self.tuple_limit = self.max_ops  # room for op() tuples: max_ops less the chunk backlog
+        self.marks: deque = deque()
+        self.memory: deque = deque()
+        self.queues: deque = deque()
+        # Monotonic counters, written by the recording thread only.
+        self.dropped_ops = 0
+        self.dropped_samples = 0
+        self.watermark: int | None = None  # every event of steps <= watermark is buffered or sent
+        self.wake = threading.Event()  # set when a batch is worth sending now
+
+    # -- recording side (the training thread) -----------------------------------------
+
+    def add_ops(self, names, start_ns, dur_ns, kinds, op_types, streams, step: int) -> None:
+        """Many ops at once (``Monitor.ops``): the columns are copied; what does not fit is
+        dropped and counted."""
+        n = len(names)
+        room = self.max_ops - self.buffered_ops
+        if n > room:
+            room = max(room, 0)
+            self.dropped_ops += n - room
+            n = room
+            if not n:
+                return
+        self.op_chunks.append(OpChunk(n, _copy(names, n), _copy(op_types, n), _copy(kinds, n), _copy(streams, n),
+                                      step, _copy(start_ns, n), _copy(dur_ns, n)))
+        self._chunk_ops_in += n
+        self.update_tuple_limit()
+        if self.buffered_ops >= self.batch_max_ops:
+            self.wake.set()
+
+    def add_sample(self, samples: deque, row: tuple) -> None:
+        """One step mark, memory or queue sample into ``samples`` (``marks``, ``memory`` or
+        ``queues``), or dropped and counted when their reserve is full."""
+        if len(samples) < self.max_samples:
+            samples.append(row)
+        else:
+            self.dropped_samples += 1
+
+    # -- draining side (the Sender's thread) -------------------------------------------
+
+    def drain(self, max_ops: int) -> Drained:
+        """Everything but ops, and up to ``max_ops`` ops, for one batch (see the module
+        docstring for the order)."""
+        watermark = self.watermark
+        marks = _take(self.marks)
+        memory = _take(self.memory)
+        queues = _take(self.queues)
+        ops = self.take_ops(max_ops)
+        return Drained(watermark, marks, memory, queues, ops, self.buffered_ops > 0,
+                       self.dropped_ops, self.dropped_samples)
+
+    def take_ops(self, limit: int) -> list[OpChunk]:
+        """Up to ``limit`` buffered ops, op() tuples first, then ops() chunks (split if needed)."""
+        rows = _take(self.ops, limit)
+        taken = [rows_chunk(rows)] if rows else []
+        room = limit - len(rows)
+        chunks = self.op_chunks
+        while room > 0 and chunks:
+            head = chunks[0]
+            if head.n <= room:
+                chunks.popleft()
+                taken.append(head)
+                room -= head.n
+                self._chunk_ops_out += head.n
+            else:
+                taken.append(_slice(head, 0, room))
+                chunks[0] = _slice(head, room, head.n)
+                self._chunk_ops_out += room
+                room = 0
+        if len(taken) > bool(rows):
+            self.update_tuple_limit()
+        return taken
+
+    def give_back(self, chunk: OpChunk) -> None:
+        """Ops taken by ``take_ops`` that did not fit their batch, back at the front."""
+        self.op_chunks.appendleft(chunk)
+        self._chunk_ops_out -= chunk.n
+        self.update_tuple_limit()
+
+    # -- both sides ---------------------------------------------------------------------
+
+    def update_tuple_limit(self) -> None:
+        """Keep op() tuples and ops() chunks together under the buffer bound (called when
+        the chunk backlog changes, on either thread: a value at most one change stale)."""
+        self.tuple_limit = self.max_ops - (self._chunk_ops_in - self._chunk_ops_out)
+
+    @property
+    def buffered_ops(self) -> int:
+        return len(self.ops) + self._chunk_ops_in - self._chunk_ops_out
+
+    @property
+    def buffered_samples(self) -> int:
+        return len(self.marks) + len(self.memory) + len(self.queues)
+
+    @property
+    def fill_ratio(self) -> float:
+        return self.buffered_ops / self.max_ops
+
+    @property
+    def empty(self) -> bool:
+        """Whether nothing is waiting for the Sender."""
+        return not (self.ops or self.op_chunks or self.marks or self.memory or self.queues)
+
+
+def _take(buf: deque, limit: int | None = None) -> list:
+    n = len(buf) if limit is None else min(limit, len(buf))
+    pop = buf.popleft
+    return [pop() for _ in range(n)]
+
+
+def _slice(chunk: OpChunk, lo: int, hi: int) -> OpChunk:
+    cut = [c[lo:hi] if isinstance(c, (list, tuple, np.ndarray)) else c for c in chunk[1:]]
+    return OpChunk(hi - lo, *cut)
+
+
+def _copy(value: Any, n: int) -> Any:
+    """The first n values of a column, copied; a scalar (or None) as it is."""
+    if value is None or isinstance(value, (int, str)):
+        return value
+    if isinstance(value, np.ndarray):
+        return value[:n].copy()
+    return list(value[:n])

@@ -1,0 +1,13 @@
+"""The one error of the local broker that a user can fix."""
+
+from __future__ import annotations
+
+
+class StackError(Exception):
+    """A problem the user can fix; ``str()`` is one line that says what to do."""
+
+    def __init__(self, message: str, detail: str = "") -> None:
+        message = " ".join(str(message).split())
+        super().__init__(message)
+        self.detail = detail
+        """Optional multi-line context (e.g. the tail of a log), for verbose output."""
