@@ -24,10 +24,11 @@ jars: install
 demo: jars
 	$(BIN)/profstream demo $(DEMO_ARGS)
 
-# `make test` also needs torch (the PyTorch producer is tested for real); `make demo` does not.
+# `make test` also needs torch, transformers and lightning (the PyTorch producer and the
+# trainer callbacks are tested for real, on CPU); `make demo` does not.
 TORCH_STAMP := $(VENV)/.installed-torch-stamp
 $(TORCH_STAMP): $(STAMP)
-	$(BIN)/python -m pip install --quiet -e '.[dev,torch]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,torch,transformers,lightning]'
 	@touch $@
 
 test: jars $(TORCH_STAMP)
