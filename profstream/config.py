@@ -252,6 +252,24 @@ def from_profile_options(options: Mapping[str, Any], source: str) -> dict[str, A
     return out
 
 
+def callback_options(options: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """A framework callback's keyword options as Monitor options, the profile options
+    translated (``from_profile_options``). An unknown name raises UnknownOptionError naming
+    the valid ones; a bad value, here or in PROFSTREAM_*, or a stop_step before the
+    start_step raises ConfigError."""
+    known = [o.name for o in MONITOR_OPTIONS]
+    for name in options:
+        if name not in known and name not in PROFILE_OPTIONS:
+            raise UnknownOptionError(f"{source}: unknown option {name!r}; known options: {', '.join(known)}; "
+                                     f"profile options: {', '.join(PROFILE_OPTIONS)}")
+    out = from_profile_options(options, source)
+    window = resolve(MONITOR_OPTIONS, out)
+    start, stop = window["start_step"], window["stop_step"]
+    if start is not None and stop is not None and stop < start:
+        raise ConfigError(f"{source}: stop_step {stop} < start_step {start}: no step would be profiled")
+    return out
+
+
 def resolve(table: tuple[Option, ...], args: Mapping[str, Any] | None = None,
             environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Options of ``table`` from arguments, PROFSTREAM_* variables, PROFSTREAM_OPTIONS, defaults.

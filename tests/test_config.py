@@ -6,7 +6,14 @@ import json
 
 import pytest
 
-from profstream.config import MONITOR_OPTIONS, ConfigError, UnknownOptionError, check_name, resolve
+from profstream.config import (
+    MONITOR_OPTIONS,
+    ConfigError,
+    UnknownOptionError,
+    callback_options,
+    check_name,
+    resolve,
+)
 
 
 def test_arguments_beat_environment_beat_json_beat_defaults():
@@ -100,3 +107,19 @@ def test_an_unknown_name_beside_the_profile_options_lists_both():
     with pytest.raises(UnknownOptionError, match="unknown option 'profile_start' in PROFSTREAM_OPTIONS; known "
                                                  "options: bootstrap.*profile options: profile, profile_start_step"):
         resolve(MONITOR_OPTIONS, {}, {"PROFSTREAM_OPTIONS": '{"profile": true, "profile_start": 3}'})
+
+
+def test_callback_options_take_the_mindformers_profile_section_as_it_is_written():
+    section = {"profile": True, "profile_start_step": 3, "profile_stop_step": 6, "init_start_profile": False,
+               "profile_communication": True, "profile_memory": True, "output_path": "./output/profile"}
+    opts = callback_options({"run_id": "ms-r1", **section}, "ProfstreamCallback")
+    assert opts == {"run_id": "ms-r1", "start_step": 3, "stop_step": 6}
+
+
+def test_callback_options_tell_an_unknown_name_from_a_bad_value():
+    with pytest.raises(UnknownOptionError, match="ProfstreamCallback: unknown option 'profile_start'; known "
+                                                 "options: bootstrap.*; profile options: profile, "):
+        callback_options({"profile": True, "profile_start": 3}, "ProfstreamCallback")
+    with pytest.raises(ConfigError, match="stop_step 2 < start_step 5") as e:
+        callback_options({"profile": True, "profile_start_step": 5, "profile_stop_step": 2}, "ProfstreamCallback")
+    assert not isinstance(e.value, UnknownOptionError)
