@@ -732,6 +732,8 @@ def doctor(
 ) -> None:
     """Check what profstream needs (Python, Java, Kafka jars, broker and topics, Prometheus, torch and
     the compiled walk, NVML, free ports) and say what to do about each problem; exit 1 on a failure."""
+    from rich.markup import escape
+
     from profstream.doctor import failed, run_checks
 
     findings = run_checks(bootstrap, topic_prefix, gpu=gpu, build_walk=build_walk, broker_timeout_s=timeout)
@@ -740,7 +742,8 @@ def doctor(
         table.add_column(col, overflow="fold")
     colour = {"ok": "green", "info": "blue", "warn": "yellow", "fail": "red"}
     for f in findings:
-        table.add_row(f.check, f"[{colour[f.status]}]{f.status}[/]", f.found, f.fix if f.status != "ok" else "")
+        table.add_row(escape(f.check), f"[{colour[f.status]}]{f.status}[/]", escape(f.found),
+                      escape(f.fix) if f.status != "ok" else "")
     out.print(table)
     if failed(findings):
         raise typer.Exit(1)
