@@ -14,6 +14,7 @@ came from and what is expected.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import socket
@@ -252,22 +253,34 @@ def from_profile_options(options: Mapping[str, Any], source: str) -> dict[str, A
     return out
 
 
-def callback_options(options: Mapping[str, Any], source: str) -> dict[str, Any]:
-    """A framework callback's keyword options as Monitor options, the profile options
-    translated (``from_profile_options``). An unknown name raises UnknownOptionError naming
-    the valid ones; a bad value, here or in PROFSTREAM_*, or a stop_step before the
-    start_step raises ConfigError."""
-    known = [o.name for o in MONITOR_OPTIONS]
+def callback_options(options: Mapping[str, Any], source: str, log: logging.Logger,
+                     extra: tuple[Option, ...] = ()) -> dict[str, Any] | None:
+    """A framework callback's keyword options, checked at start-up: Monitor options (the
+    profile options translated by ``from_profile_options``) and ``extra``, the callback's
+    own (read from arguments and PROFSTREAM_<NAME> only). An unknown name, given or in
+    PROFSTREAM_OPTIONS, raises UnknownOptionError naming the valid ones; a bad value, here
+    or in PROFSTREAM_*, or a stop_step before the start_step logs one warning on ``log``
+    and gives None: the callback stays off and training goes on."""
+    own = [o.name for o in extra]
+    known = [o.name for o in MONITOR_OPTIONS] + own
     for name in options:
         if name not in known and name not in PROFILE_OPTIONS:
             raise UnknownOptionError(f"{source}: unknown option {name!r}; known options: {', '.join(known)}; "
                                      f"profile options: {', '.join(PROFILE_OPTIONS)}")
-    out = from_profile_options(options, source)
-    window = resolve(MONITOR_OPTIONS, out)
-    start, stop = window["start_step"], window["stop_step"]
-    if start is not None and stop is not None and stop < start:
-        raise ConfigError(f"{source}: stop_step {stop} < start_step {start}: no step would be profiled")
-    return out
+    given_own = {k: v for k, v in options.items() if k in own}
+    try:
+        out = from_profile_options({k: v for k, v in options.items() if k not in own}, source)
+        window = resolve(MONITOR_OPTIONS, out)
+        resolve(extra, given_own, {k: v for k, v in os.environ.items() if k != "PROFSTREAM_OPTIONS"})
+        start, stop = window["start_step"], window["stop_step"]
+        if start is not None and stop is not None and stop < start:
+            raise ConfigError(f"{source}: stop_step {stop} < start_step {start}: no step would be profiled")
+    except UnknownOptionError:
+        raise
+    except ConfigError as e:
+        log.warning("profstream: %s is off, training goes on without it: %s", source, e)
+        return None
+    return {**out, **given_own}
 
 
 def resolve(table: tuple[Option, ...], args: Mapping[str, Any] | None = None,

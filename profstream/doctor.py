@@ -44,7 +44,8 @@ def run_checks(bootstrap: str | None = None, topic_prefix: str = "profstream", g
     ``broker_timeout_s``; ``gpu``: NVML must be there; ``build_walk``: build the compiled
     trace walk if it is not built."""
     broker = bootstrap or _known_broker()
-    findings = [check_python(), check_java(local_broker=broker is None), check_kafka_jars(local_broker=broker is None)]
+    findings = [check_python(), check_options(), check_java(local_broker=broker is None),
+                check_kafka_jars(local_broker=broker is None)]
     findings += check_broker(broker, topic_prefix, broker_timeout_s)
     findings += [check_prometheus(), *check_torch(build_walk), check_nvml(gpu), check_ports()]
     return findings
@@ -61,6 +62,19 @@ def check_python() -> Finding:
     if sys.version_info[:2] < MIN_PYTHON:
         return Finding("Python", FAIL, f"{version} ({sys.executable})", "profstream needs Python 3.11 or newer")
     return Finding("Python", OK, f"{version} ({sys.executable})")
+
+
+def check_options() -> Finding:
+    """The Monitor options in PROFSTREAM_* variables and PROFSTREAM_OPTIONS are valid."""
+    from profstream.config import MONITOR_OPTIONS, ConfigError, resolve
+
+    given = [o.env for o in MONITOR_OPTIONS if o.env in os.environ]
+    given += ["PROFSTREAM_OPTIONS"] if "PROFSTREAM_OPTIONS" in os.environ else []
+    try:
+        resolve(MONITOR_OPTIONS)
+    except ConfigError as e:
+        return Finding("options", FAIL, "a PROFSTREAM_* option is wrong", str(e))
+    return Finding("options", OK, f"{', '.join(given)} valid" if given else "no PROFSTREAM_* options set")
 
 
 def check_java(local_broker: bool) -> Finding:
@@ -101,7 +115,7 @@ def _known_broker() -> str | None:
         if option_given("bootstrap", {}, os.environ):
             return resolve(MONITOR_OPTIONS)["bootstrap"]
     except ConfigError:
-        return None  # the options' own check reports it (the Monitor refuses them the same way)
+        return None  # check_options reports it
     from profstream.kafka.launcher import stack_status
 
     broker = stack_status()
@@ -110,6 +124,8 @@ def _known_broker() -> str | None:
 
 def check_broker(bootstrap: str | None, topic_prefix: str, timeout_s: float = BROKER_TIMEOUT_S) -> list[Finding]:
     """The broker answers, and has the topics of ``topic_prefix``."""
+    from kafka.errors import KafkaError
+
     from profstream.kafka.launcher import StackError, wait_for_broker
     from profstream.kafka.topics import Topics, missing_topics, validate_prefix
 
@@ -126,7 +142,7 @@ def check_broker(bootstrap: str | None, topic_prefix: str, timeout_s: float = BR
         missing = missing_topics(bootstrap, Topics(validate_prefix(topic_prefix)), timeout_s)
     except ValueError as e:
         return found + [Finding("topics", FAIL, f"bad --topic-prefix {topic_prefix!r}", str(e))]
-    except Exception as e:  # noqa: BLE001 - the admin client's errors vary; each is one finding
+    except (KafkaError, OSError) as e:
         return found + [Finding("topics", FAIL, f"cannot list the topics ({type(e).__name__}: {e})",
                                 "check the broker log")]
     if missing:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
 from profstream.config import (
     MONITOR_OPTIONS,
     ConfigError,
+    Option,
     UnknownOptionError,
     callback_options,
     check_name,
@@ -112,14 +114,27 @@ def test_an_unknown_name_beside_the_profile_options_lists_both():
 def test_callback_options_take_the_mindformers_profile_section_as_it_is_written():
     section = {"profile": True, "profile_start_step": 3, "profile_stop_step": 6, "init_start_profile": False,
                "profile_communication": True, "profile_memory": True, "output_path": "./output/profile"}
-    opts = callback_options({"run_id": "ms-r1", **section}, "ProfstreamCallback")
+    opts = callback_options({"run_id": "ms-r1", **section}, "ProfstreamCallback", logging.getLogger("t"))
     assert opts == {"run_id": "ms-r1", "start_step": 3, "stop_step": 6}
 
 
-def test_callback_options_tell_an_unknown_name_from_a_bad_value():
+def test_callback_options_raise_for_an_unknown_name_and_warn_for_a_bad_value(caplog, monkeypatch):
+    log = logging.getLogger("profstream.t")
+    own = (Option("capture_ops", "bool", True, "capture ops"),)
     with pytest.raises(UnknownOptionError, match="ProfstreamCallback: unknown option 'profile_start'; known "
-                                                 "options: bootstrap.*; profile options: profile, "):
-        callback_options({"profile": True, "profile_start": 3}, "ProfstreamCallback")
-    with pytest.raises(ConfigError, match="stop_step 2 < start_step 5") as e:
-        callback_options({"profile": True, "profile_start_step": 5, "profile_stop_step": 2}, "ProfstreamCallback")
-    assert not isinstance(e.value, UnknownOptionError)
+                                                 "options: bootstrap.*capture_ops; profile options: profile, "):
+        callback_options({"profile": True, "profile_start": 3}, "ProfstreamCallback", log, own)
+    monkeypatch.setenv("PROFSTREAM_OPTIONS", '{"runid": "x"}')
+    with pytest.raises(UnknownOptionError, match="unknown option 'runid' in PROFSTREAM_OPTIONS"):
+        callback_options({}, "ProfstreamCallback", log)
+    monkeypatch.delenv("PROFSTREAM_OPTIONS")
+    with caplog.at_level(logging.WARNING, logger="profstream"):
+        assert callback_options({"profile": True, "profile_start_step": 5, "profile_stop_step": 2}, "Cb", log) is None
+        assert callback_options({"capture_ops": "sometimes"}, "Cb", log, own) is None
+        monkeypatch.setenv("PROFSTREAM_EVERY_N_STEPS", "0")
+        assert callback_options({}, "Cb", log) is None
+    assert [r.getMessage().split(": ", 1)[1] for r in caplog.records] == [
+        "Cb is off, training goes on without it: Cb: stop_step 2 < start_step 5: no step would be profiled",
+        "Cb is off, training goes on without it: option --capture-ops='sometimes': expected true or false",
+        "Cb is off, training goes on without it: PROFSTREAM_EVERY_N_STEPS=0: expected an integer >= 1",
+    ]

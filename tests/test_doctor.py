@@ -28,9 +28,17 @@ def test_a_reachable_broker_with_its_topics_passes(kafka_bootstrap, topics):
     assert kafka_bootstrap in found["broker"].found
     done = _doctor("--bootstrap", kafka_bootstrap, "--topic-prefix", topics.prefix)
     assert done.returncode == 0, done.stdout + done.stderr
-    for check in ("Python", "Java", "Kafka jars", "broker", "topics", "Prometheus", "torch", "compiled walk", "NVML",
+    for check in ("Python", "options", "Java", "Kafka jars", "broker", "topics", "Prometheus", "torch", "compiled walk", "NVML",
                   "ports"):
         assert check in done.stdout, check
+
+
+def test_a_bad_option_in_the_environment_fails_naming_it(monkeypatch):
+    monkeypatch.setenv("PROFSTREAM_OPTIONS", '{"run_id": "r1", "every_n_step": 5}')
+    finding = doctor.check_options()
+    assert finding.status == FAIL and "unknown option 'every_n_step' in PROFSTREAM_OPTIONS" in finding.fix
+    monkeypatch.setenv("PROFSTREAM_OPTIONS", '{"run_id": "r1", "profile": true, "profile_start_step": 5}')
+    assert doctor.check_options() == doctor.Finding("options", OK, "PROFSTREAM_OPTIONS valid")
 
 
 def test_missing_topics_are_a_warning_that_says_who_creates_them(kafka_bootstrap):

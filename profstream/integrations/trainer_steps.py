@@ -23,13 +23,7 @@ import re
 import time
 from typing import Any
 
-from profstream.config import (
-    MONITOR_OPTIONS,
-    ConfigError,
-    UnknownOptionError,
-    option_given,
-    resolve,
-)
+from profstream.config import ConfigError, callback_options, option_given
 from profstream.producers.torch import (
     QUEUE_NAME,
     TORCH_OPTIONS,
@@ -43,25 +37,6 @@ _time_ns = time.time_ns
 # Queue samples held from a step's first batch request until the step begins (a trainer
 # fetches all the batches of a step, gradient accumulation included, before its first hook).
 MAX_WAITING_SAMPLES = 64
-
-
-def check_options(options: dict[str, Any], log: logging.Logger, what: str) -> bool:
-    """Check a callback's options at start-up. An unknown name raises UnknownOptionError
-    naming the valid ones; a bad value (given, or in PROFSTREAM_*) logs one warning and
-    returns False: the callback stays off and training goes on."""
-    known = [o.name for o in MONITOR_OPTIONS + TORCH_OPTIONS]
-    for name in options:
-        if name not in known:
-            raise UnknownOptionError(f"{what}: unknown option {name!r}; known options: {', '.join(known)}")
-    try:
-        _, monitor_options = split_options(options)
-        resolve(MONITOR_OPTIONS, monitor_options)
-    except UnknownOptionError:
-        raise
-    except ConfigError as e:
-        log.warning("profstream: %s is off, training goes on without it: %s", what, e)
-        return False
-    return True
 
 
 def with_trainer_defaults(options: dict[str, Any], rank: int, world_size: int, run_name: str | None,
@@ -94,14 +69,16 @@ class StepsCallback:
     """What the trainers' ``ProfstreamCallback`` classes share: one ``TrainerSteps`` from
     train start to train end. ``options``: Monitor options (run_id, bootstrap, topic_prefix,
     start_step... see ``profstream.config``) plus ``capture_ops`` and ``compiled_walk``; else
-    ``PROFSTREAM_*`` variables. An unknown option name raises here, at start-up; a bad value
-    or an unreachable broker logs one warning and training goes on."""
+    ``PROFSTREAM_*`` variables, and the mindformers-style profile options. An unknown option
+    name raises here, at start-up; a bad value or an unreachable broker logs one warning and
+    training goes on."""
 
     log = logging.getLogger("profstream.integrations")
 
     def __init__(self, **options: Any) -> None:
-        self.options = options
-        self.enabled = check_options(options, self.log, "ProfstreamCallback")
+        checked = callback_options(options, "ProfstreamCallback", self.log, extra=TORCH_OPTIONS)
+        self.enabled = checked is not None
+        self.options = checked or {}
         self.steps: TrainerSteps | None = None
 
     def start_steps(self, rank: int, world_size: int, run_name: str | None, next_step: int) -> TrainerSteps | None:

@@ -35,7 +35,7 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("profstream.mindspore needs MindSpore: pip install 'profstream[mindspore]'") from e
 
-from profstream.config import ConfigError, UnknownOptionError, callback_options
+from profstream.config import callback_options
 from profstream.producers.monitor import Monitor
 
 log = logging.getLogger("profstream.mindspore")
@@ -57,18 +57,15 @@ class ProfstreamCallback(Callback):
         self._owns_monitor = monitor is None
         self.monitor: Monitor | None = monitor
         self.start_step = self.stop_step = None
-        try:
-            options = callback_options({"start_step": start_step, "stop_step": stop_step, **options},
-                                       "ProfstreamCallback")
-            if monitor is None:
-                self.monitor = Monitor(**options)
-                options = self.monitor.options
-            self.start_step, self.stop_step = options.get("start_step"), options.get("stop_step")
-        except UnknownOptionError:
-            raise
-        except ConfigError as e:
-            log.warning("profstream: ProfstreamCallback is off, training goes on without it: %s", e)
+        checked = callback_options({"start_step": start_step, "stop_step": stop_step, **options},
+                                   "ProfstreamCallback", log)
+        if checked is None:  # warned: off, training goes on
             self.monitor = None
+        else:
+            if monitor is None:
+                self.monitor = Monitor(**checked)
+                checked = self.monitor.options
+            self.start_step, self.stop_step = checked.get("start_step"), checked.get("stop_step")
         self.queue_name = queue_name
         self.steps_marked = 0
         self.queue_samples = 0
