@@ -730,8 +730,9 @@ def doctor(
                                                                   "now if it is not built (about 25 s)")] = False,
     timeout: Annotated[float, typer.Option(min=0.1, help="seconds to wait for the broker")] = 5.0,
 ) -> None:
-    """Check what profstream needs (Python, Java, Kafka jars, broker and topics, Prometheus, torch and
-    the compiled walk, NVML, free ports) and say what to do about each problem; exit 1 on a failure."""
+    """Check what profstream needs (Python, PROFSTREAM_* options, Java, Kafka jars, broker and topics,
+    Prometheus, torch and the compiled walk, NVML, free ports) and say what to do about each problem;
+    exit 1 on a failure."""
     from rich.markup import escape
 
     from profstream.doctor import failed, run_checks
