@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install jars demo test test-faults test-mindspore test-fast lint bench stack-up stack-down clean dashboards
+.PHONY: install jars demo system test test-faults test-mindspore test-fast lint bench stack-up stack-down clean dashboards
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "profstream needs Python 3.11+: install it or run make PYTHON=python3.11")'
@@ -24,13 +24,19 @@ jars: install
 demo: jars
 	$(BIN)/profstream demo $(DEMO_ARGS)
 
-# `make test` also needs torch (the PyTorch producer is tested for real); `make demo` does not.
+# `make test` also needs torch, transformers and lightning (the PyTorch producer and the
+# trainer callbacks are tested for real, on CPU); `make demo` does not.
 TORCH_STAMP := $(VENV)/.installed-torch-stamp
 $(TORCH_STAMP): $(STAMP)
-	$(BIN)/python -m pip install --quiet -e '.[dev,torch]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,torch,transformers,lightning]'
 	@touch $@
 
-test: jars $(TORCH_STAMP)
+# The Debian packages the tests need (Java, Maven, Prometheus, Chromium, g++...): installed
+# when root or password-less sudo allows, else one line with the command; .ci/run uses it too.
+system:
+	@.ci/check-system
+
+test: system jars $(TORCH_STAMP)
 	$(BIN)/ruff check profstream tests $(wildcard benchmarks)
 	$(BIN)/python -m pytest -m "not mindspore and not faults" $(PYTEST_ARGS)
 

@@ -14,6 +14,7 @@ came from and what is expected.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import socket
@@ -29,6 +30,8 @@ class ConfigError(ValueError):
     """A bad option value; the message is one line that says what to fix."""
 
 
+class UnknownOptionError(ConfigError):
+    """An option name no table knows; the message names it and the valid ones."""
 
 
 def check_name(value: str, what: str = "name") -> str:
@@ -191,7 +194,89 @@ def _env_options(environ: Mapping[str, str]) -> dict:
         raise ConfigError(f"PROFSTREAM_OPTIONS is not valid JSON ({e.msg} at char {e.pos}): give a JSON object") from None
     if not isinstance(data, dict):
         raise ConfigError("PROFSTREAM_OPTIONS must be a JSON object such as {\"run_id\": \"r1\"}")
-    return data
+    return from_profile_options(data, "PROFSTREAM_OPTIONS")
+
+
+def option_given(name: str, args: Mapping[str, Any], environ: Mapping[str, str]) -> bool:
+    """Whether option ``name`` is set by an argument, its PROFSTREAM_* variable or
+    PROFSTREAM_OPTIONS (rather than left to its default)."""
+    return (args.get(name) is not None or f"PROFSTREAM_{name.upper()}" in environ
+            or name in _env_options(environ))
+
+
+# The profile options mindformers configs (and MindSpore's Profiler) spell their own way.
+# They map onto the op capture window (start_step / stop_step) in PROFSTREAM_OPTIONS and in
+# the MindSpore callback's arguments; as in mindformers, they apply only with profile true.
+# The rest are accepted and have no equivalent here (docs/mindspore.md says why).
+PROFILE_WINDOW = ("profile", "profile_start_step", "profile_stop_step", "init_start_profile")
+PROFILE_NO_EQUIVALENT = ("profile_memory", "profile_communication", "output_path", "profile_rank_ids",
+                         "profile_pipeline", "profiler_level", "with_stack", "data_simplification", "mstx")
+PROFILE_OPTIONS = PROFILE_WINDOW + PROFILE_NO_EQUIVALENT
+PROFILE_DEFAULT_WINDOW = (1, 10)  # mindformers' profile_start_step, profile_stop_step
+
+
+def from_profile_options(options: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """``options`` with the mindformers-style profile options replaced by start_step /
+    stop_step: with ``profile`` true, profile_start_step (default 1; none with
+    init_start_profile true) .. profile_stop_step (default 10); with it false or absent they
+    are ignored. ConfigError when a value is bad or a step is given both ways."""
+    if not any(name in options for name in PROFILE_OPTIONS):
+        return dict(options)
+    out = {k: v for k, v in options.items() if k not in PROFILE_OPTIONS}
+
+    def parsed(name: str, parse: Callable[[Any], Any], default: Any) -> Any:
+        if name not in options:
+            return default
+        try:
+            value = parse(options[name])
+        except (TypeError, ValueError):
+            value = None
+        if value is None or (parse is _parse_int and value < 0):
+            expect = "an integer >= 0" if parse is _parse_int else "true or false"
+            raise ConfigError(f"{source}[{name!r}]={options[name]!r}: expected {expect}")
+        return value
+
+    if not parsed("profile", _parse_bool, False):
+        return out
+    start = None if parsed("init_start_profile", _parse_bool, False) else parsed(
+        "profile_start_step", _parse_int, PROFILE_DEFAULT_WINDOW[0])
+    window = {"start_step": start, "stop_step": parsed("profile_stop_step", _parse_int, PROFILE_DEFAULT_WINDOW[1])}
+    for ours, theirs in (("start_step", "profile_start_step"), ("stop_step", "profile_stop_step")):
+        if out.get(ours) is not None and theirs in options:
+            raise ConfigError(f"{source} gives both {ours} and {theirs}: keep one")
+        if out.get(ours) is None:
+            out[ours] = window[ours]
+    return out
+
+
+def callback_options(options: Mapping[str, Any], source: str, log: logging.Logger,
+                     extra: tuple[Option, ...] = ()) -> dict[str, Any] | None:
+    """A framework callback's keyword options, checked at start-up: Monitor options (the
+    profile options translated by ``from_profile_options``) and ``extra``, the callback's
+    own (read from arguments and PROFSTREAM_<NAME> only). An unknown name, given or in
+    PROFSTREAM_OPTIONS, raises UnknownOptionError naming the valid ones; a bad value, here
+    or in PROFSTREAM_*, or a stop_step before the start_step logs one warning on ``log``
+    and gives None: the callback stays off and training goes on."""
+    own = [o.name for o in extra]
+    known = [o.name for o in MONITOR_OPTIONS] + own
+    for name in options:
+        if name not in known and name not in PROFILE_OPTIONS:
+            raise UnknownOptionError(f"{source}: unknown option {name!r}; known options: {', '.join(known)}; "
+                                     f"profile options: {', '.join(PROFILE_OPTIONS)}")
+    given_own = {k: v for k, v in options.items() if k in own}
+    try:
+        out = from_profile_options({k: v for k, v in options.items() if k not in own}, source)
+        window = resolve(MONITOR_OPTIONS, out)
+        resolve(extra, given_own, {k: v for k, v in os.environ.items() if k != "PROFSTREAM_OPTIONS"})
+        start, stop = window["start_step"], window["stop_step"]
+        if start is not None and stop is not None and stop < start:
+            raise ConfigError(f"{source}: stop_step {stop} < start_step {start}: no step would be profiled")
+    except UnknownOptionError:
+        raise
+    except ConfigError as e:
+        log.warning("profstream: %s is off, training goes on without it: %s", source, e)
+        return None
+    return {**out, **given_own}
 
 
 def resolve(table: tuple[Option, ...], args: Mapping[str, Any] | None = None,
@@ -204,11 +289,12 @@ def resolve(table: tuple[Option, ...], args: Mapping[str, Any] | None = None,
     known = {o.name: o for o in table}
     for name in args:
         if name not in known:
-            raise ConfigError(f"unknown option {name!r}; known options: {', '.join(known)}")
+            raise UnknownOptionError(f"unknown option {name!r}; known options: {', '.join(known)}")
     from_json = _env_options(environ)
     for name in from_json:
         if name not in known:
-            raise ConfigError(f"unknown option {name!r} in PROFSTREAM_OPTIONS; known options: {', '.join(known)}")
+            raise UnknownOptionError(f"unknown option {name!r} in PROFSTREAM_OPTIONS; known options: "
+                                     f"{', '.join(known)}; profile options: {', '.join(PROFILE_OPTIONS)}")
     out = {}
     for opt in table:
         if opt.name in args:

@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
-from profstream.config import MONITOR_OPTIONS, ConfigError, check_name, resolve
+from profstream.config import (
+    MONITOR_OPTIONS,
+    ConfigError,
+    Option,
+    UnknownOptionError,
+    callback_options,
+    check_name,
+    resolve,
+)
 
 
 def test_arguments_beat_environment_beat_json_beat_defaults():
@@ -70,3 +79,62 @@ def test_run_ids_that_could_escape_a_directory_or_break_a_label_are_refused(bad)
 @pytest.mark.parametrize("good", ["run-1", "llama.7b_2026-11-21", "job:42@node", "a" * 128])
 def test_ordinary_run_ids_are_accepted(good):
     assert resolve(MONITOR_OPTIONS, {"run_id": good}, {})["run_id"] == good
+
+
+def test_mindformers_profile_options_in_json_set_the_capture_window():
+    def window(**profile):
+        opts = resolve(MONITOR_OPTIONS, {}, {"PROFSTREAM_OPTIONS": json.dumps(profile)})
+        return opts["start_step"], opts["stop_step"]
+
+    assert window(profile=True, profile_start_step=20, profile_stop_step=30) == (20, 30)
+    assert window(profile=True) == (1, 10)  # mindformers' defaults
+    assert window(profile=True, init_start_profile=True, profile_stop_step=5) == (None, 5)  # from the first step
+    assert window(profile=True, profile_memory=True, profile_communication=True, output_path="./prof") == (1, 10)
+    assert window(profile=False, profile_start_step=20) == (None, None)  # as in mindformers: profile off
+    assert window(profile_start_step=20) == (None, None)
+
+
+@pytest.mark.parametrize("profile, must_say", [
+    ({"profile": "sometimes"}, "PROFSTREAM_OPTIONS['profile']='sometimes': expected true or false"),
+    ({"profile": True, "profile_stop_step": -1}, "PROFSTREAM_OPTIONS['profile_stop_step']=-1: expected an integer >= 0"),
+    ({"profile": True, "start_step": 3, "profile_start_step": 4}, "both start_step and profile_start_step"),
+])
+def test_bad_mindformers_profile_options_get_one_line_errors(profile, must_say):
+    with pytest.raises(ConfigError) as e:
+        resolve(MONITOR_OPTIONS, {}, {"PROFSTREAM_OPTIONS": json.dumps(profile)})
+    assert must_say in str(e.value) and "\n" not in str(e.value)
+
+
+def test_an_unknown_name_beside_the_profile_options_lists_both():
+    with pytest.raises(UnknownOptionError, match="unknown option 'profile_start' in PROFSTREAM_OPTIONS; known "
+                                                 "options: bootstrap.*profile options: profile, profile_start_step"):
+        resolve(MONITOR_OPTIONS, {}, {"PROFSTREAM_OPTIONS": '{"profile": true, "profile_start": 3}'})
+
+
+def test_callback_options_take_the_mindformers_profile_section_as_it_is_written():
+    section = {"profile": True, "profile_start_step": 3, "profile_stop_step": 6, "init_start_profile": False,
+               "profile_communication": True, "profile_memory": True, "output_path": "./output/profile"}
+    opts = callback_options({"run_id": "ms-r1", **section}, "ProfstreamCallback", logging.getLogger("t"))
+    assert opts == {"run_id": "ms-r1", "start_step": 3, "stop_step": 6}
+
+
+def test_callback_options_raise_for_an_unknown_name_and_warn_for_a_bad_value(caplog, monkeypatch):
+    log = logging.getLogger("profstream.t")
+    own = (Option("capture_ops", "bool", True, "capture ops"),)
+    with pytest.raises(UnknownOptionError, match="ProfstreamCallback: unknown option 'profile_start'; known "
+                                                 "options: bootstrap.*capture_ops; profile options: profile, "):
+        callback_options({"profile": True, "profile_start": 3}, "ProfstreamCallback", log, own)
+    monkeypatch.setenv("PROFSTREAM_OPTIONS", '{"runid": "x"}')
+    with pytest.raises(UnknownOptionError, match="unknown option 'runid' in PROFSTREAM_OPTIONS"):
+        callback_options({}, "ProfstreamCallback", log)
+    monkeypatch.delenv("PROFSTREAM_OPTIONS")
+    with caplog.at_level(logging.WARNING, logger="profstream"):
+        assert callback_options({"profile": True, "profile_start_step": 5, "profile_stop_step": 2}, "Cb", log) is None
+        assert callback_options({"capture_ops": "sometimes"}, "Cb", log, own) is None
+        monkeypatch.setenv("PROFSTREAM_EVERY_N_STEPS", "0")
+        assert callback_options({}, "Cb", log) is None
+    assert [r.getMessage().split(": ", 1)[1] for r in caplog.records] == [
+        "Cb is off, training goes on without it: Cb: stop_step 2 < start_step 5: no step would be profiled",
+        "Cb is off, training goes on without it: option --capture-ops='sometimes': expected true or false",
+        "Cb is off, training goes on without it: PROFSTREAM_EVERY_N_STEPS=0: expected an integer >= 1",
+    ]

@@ -59,3 +59,34 @@ def test_callback_marks_the_window_of_steps_with_the_data_wait(kafka_bootstrap, 
         assert s["data_wait_ns"] + s["fp_bp_ns"] + s["tail_ns"] == s["step_time_ns"]
         assert s["memory"] is not None  # mindspore.runtime memory statistics, sampled per step
     assert all(s["starved"] for s in steps)  # loading dominates every step
+
+
+def _fast_train(callback, n: int = 6) -> None:
+    ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU")
+    rng = np.random.default_rng(0)
+    source = [(rng.standard_normal(16).astype(np.float32), rng.standard_normal(4).astype(np.float32)) for _ in range(n)]
+    data = ds.GeneratorDataset(source, ["x", "y"], shuffle=False).batch(1)
+    net = nn.SequentialCell(nn.Dense(16, 32), nn.ReLU(), nn.Dense(32, 4))
+    model = ms.train.Model(net, loss_fn=nn.MSELoss(), optimizer=nn.SGD(net.trainable_params(), 0.01))
+    model.train(1, data, callbacks=[callback], dataset_sink_mode=False)
+
+
+def test_the_mindformers_profile_section_sets_the_window(kafka_bootstrap, topics):
+    section = {"profile": True, "profile_start_step": 2, "profile_stop_step": 4, "init_start_profile": False,
+               "profile_communication": False, "profile_memory": True}  # as a mindformers config writes it
+    callback = ProfstreamCallback(run_id="ms-mf", bootstrap=kafka_bootstrap, topic_prefix=topics.prefix, **section)
+    with RunningProcessor(kafka_bootstrap, topics):
+        _fast_train(callback)
+        steps = step_records(kafka_bootstrap, topics.steps, "ms-mf", 3)
+    assert callback.steps_marked == 3 and sorted(s["step"] for s in steps) == [2, 3, 4]
+
+
+def test_a_bad_option_value_logs_one_warning_and_training_goes_on(caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="profstream"):
+        callback = ProfstreamCallback(run_id="ms-bad", every_n_steps=0)
+        _fast_train(callback)
+    assert callback.steps_marked == 0
+    warnings = [r.getMessage() for r in caplog.records if r.name.startswith("profstream")]
+    assert len(warnings) == 1 and "every-n-steps=0" in warnings[0], warnings

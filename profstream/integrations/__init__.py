@@ -1,1 +1,3 @@
-"""Framework integrations: torch, launch, MindSpore and trace-file ingest, producers of raw events."""
+"""Framework integrations, producers of raw events: torch (and `profstream run`), the Hugging
+Face and Lightning trainer callbacks, MindSpore, and trace-file ingest. Each module imports
+its framework only when it is imported itself."""

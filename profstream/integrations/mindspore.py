@@ -35,6 +35,7 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("profstream.mindspore needs MindSpore: pip install 'profstream[mindspore]'") from e
 
+from profstream.config import callback_options
 from profstream.producers.monitor import Monitor
 
 log = logging.getLogger("profstream.mindspore")
@@ -44,18 +45,27 @@ DEVICE_QUEUE = "device_queue"
 
 class ProfstreamCallback(Callback):
     """Marks every training step of ``Model.train`` (within ``start_step``..``stop_step``)
-    on a profstream ``Monitor``: the one given, else one built from ``monitor_options``
-    (run_id, bootstrap, rank... see ``profstream.config``) and closed at train end."""
+    on a profstream ``Monitor``: the one given, else one built from ``options`` (run_id,
+    bootstrap, rank... see ``profstream.config``, and the mindformers-style ``profile``,
+    ``profile_start_step``, ``profile_stop_step``... that set the window) and closed at
+    train end. An unknown option name raises here; a bad value logs one warning and
+    training goes on without profstream."""
 
     def __init__(self, monitor: Monitor | None = None, start_step: int | None = None,
-                 stop_step: int | None = None, queue_name: str = DEVICE_QUEUE, **monitor_options: Any) -> None:
+                 stop_step: int | None = None, queue_name: str = DEVICE_QUEUE, **options: Any) -> None:
         super().__init__()
-        if start_step is not None and stop_step is not None and stop_step < start_step:
-            raise ValueError(f"stop_step {stop_step} < start_step {start_step}")
         self._owns_monitor = monitor is None
-        self.monitor = monitor if monitor is not None else Monitor(**monitor_options)
-        self.start_step = start_step
-        self.stop_step = stop_step
+        self.monitor: Monitor | None = monitor
+        self.start_step = self.stop_step = None
+        checked = callback_options({"start_step": start_step, "stop_step": stop_step, **options},
+                                   "ProfstreamCallback", log)
+        if checked is None:  # warned: off, training goes on
+            self.monitor = None
+        else:
+            if monitor is None:
+                self.monitor = Monitor(**checked)
+                checked = self.monitor.options
+            self.start_step, self.stop_step = checked.get("start_step"), checked.get("stop_step")
         self.queue_name = queue_name
         self.steps_marked = 0
         self.queue_samples = 0
@@ -76,7 +86,7 @@ class ProfstreamCallback(Callback):
         now = time.time_ns()
         cb = run_context.original_args()
         step = int(cb.cur_step_num)
-        if not self.in_window(step):
+        if self.monitor is None or not self.in_window(step):
             self._open = False
             return
         start = self._asked_ns if self._asked_ns is not None else now
@@ -103,6 +113,8 @@ class ProfstreamCallback(Callback):
         self.steps_marked += 1
 
     def on_train_end(self, run_context) -> None:
+        if self.monitor is None:
+            return
         if self._owns_monitor:
             self.monitor.close()
         else:

@@ -65,10 +65,7 @@ def instrument(model: Any = None, optimizer: Any = None, loader: Any = None, mon
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if loader is not None and not isinstance(loader, torch.utils.data.DataLoader):
         raise TypeError(f"loader must be a torch.utils.data.DataLoader, got {type(loader).__name__}")
-    torch_names = {o.name for o in TORCH_OPTIONS}
-    torch_opts = resolve(TORCH_OPTIONS, {k: v for k, v in options.items() if k in torch_names},
-                         environ={k: v for k, v in os.environ.items() if k != "PROFSTREAM_OPTIONS"})
-    monitor_opts = {k: v for k, v in options.items() if k not in torch_names}
+    torch_opts, monitor_opts = split_options(options)
     if monitor is not None and monitor_opts:
         raise ConfigError(f"options {', '.join(sorted(monitor_opts))} configure a new Monitor: "
                           "give them to Monitor(...) or leave out monitor=")
@@ -77,6 +74,15 @@ def instrument(model: Any = None, optimizer: Any = None, loader: Any = None, mon
     inst.attach(model, optimizer, loader)
     close_at_exit(inst)
     return inst
+
+
+def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the torch producer's options resolved, the rest: Monitor options) of instrument()'s
+    keyword options."""
+    torch_names = {o.name for o in TORCH_OPTIONS}
+    torch_opts = resolve(TORCH_OPTIONS, {k: v for k, v in options.items() if k in torch_names},
+                         environ={k: v for k, v in os.environ.items() if k != "PROFSTREAM_OPTIONS"})
+    return torch_opts, {k: v for k, v in options.items() if k not in torch_names}
 
 
 def close_at_exit(inst: TorchInstrumentation) -> None:
@@ -180,7 +186,11 @@ class TorchInstrumentation:
 
             self._hooks.append(register_optimizer_step_pre_hook(self._optimizer_pre_hook))
             self._hooks.append(register_optimizer_step_post_hook(self._optimizer_post_hook))
-        target = loader if loader is not None else torch.utils.data.DataLoader
+        self.attach_loader(loader)
+
+    def attach_loader(self, loader: Any) -> None:
+        """Time the batch requests of ``loader``'s iterators (every DataLoader's if None)."""
+        target = loader if loader is not None else self._torch.utils.data.DataLoader
         original = target._get_iterator  # DataLoader.__iter__ gets its iterators here
         inst = self
 
@@ -405,9 +415,9 @@ class TorchInstrumentation:
 
 
 def _device_given(options: dict) -> bool:
-    from profstream.config import _env_options
+    from profstream.config import option_given
 
-    return "device" in options or "PROFSTREAM_DEVICE" in os.environ or "device" in _env_options(os.environ)
+    return option_given("device", options, os.environ)
 
 
 def _hand_op_window_to_producer(monitor: Any) -> None:
@@ -417,4 +427,4 @@ def _hand_op_window_to_producer(monitor: Any) -> None:
     monitor.defer_ops()
 
 
-__all__ = ["TORCH_OPTIONS", "TorchInstrumentation", "instrument"]
+__all__ = ["TORCH_OPTIONS", "TorchInstrumentation", "instrument", "split_options"]

@@ -178,3 +178,11 @@ def delete_topics(bootstrap: str, topics: Topics, timeout: float = 30.0) -> list
                 names, timeout_ms=max(1000, int(timeout * 1000)), raise_errors=False
             )
     return names
+
+
+def missing_topics(bootstrap: str, topics: Topics, timeout: float = 10.0) -> list[str]:
+    """The topics of ``topics`` that the broker does not have."""
+    validate_prefix(topics.prefix)
+    with _admin(bootstrap, timeout) as admin:
+        existing = set(admin.list_topics())
+    return [n for n in topics.all() if n not in existing]

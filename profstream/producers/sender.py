@@ -250,9 +250,11 @@ class Sender(threading.Thread):
             self._pending.clear()
             self._undelivered(ops, samples, "the Monitor closed before Kafka took them")
         if self.undelivered_ops or self.undelivered_samples:
-            log.warning("profstream: %d ops and %d samples of %s rank %d never reached Kafka at %s: they are "
-                        "counted as dropped", self.undelivered_ops, self.undelivered_samples, self.m.run_id,
-                        self.m.rank, self.m.options["bootstrap"])
+            # a warning, unless Kafka was never reached: the one warning then said events are dropped
+            level = logging.WARNING if self._acked_batches or self._down_since is None else logging.INFO
+            log.log(level, "profstream: %d ops and %d samples of %s rank %d never reached Kafka at %s: they are "
+                    "counted as dropped", self.undelivered_ops, self.undelivered_samples, self.m.run_id,
+                    self.m.rank, self.m.options["bootstrap"])
 
     def _undelivered(self, ops: int, samples: int, why: str) -> None:
         """Count events that will never reach Kafka (the next batch header carries them)."""

@@ -23,6 +23,12 @@ def _libs_complete(libs: Path) -> bool:
     return (libs / COMPLETE_MARKER).is_file() and any(libs.glob("kafka_2.13-*.jar"))
 
 
+def cached_kafka_libs(cache_dir: Path | None = None) -> Path | None:
+    """The directory of the broker jars fetched earlier into the cache, None if they are not there."""
+    libs = (Path(cache_dir).expanduser() if cache_dir else cache_home()) / f"kafka-{KAFKA_VERSION}" / "libs"
+    return libs if _libs_complete(libs) else None
+
+
 def kafka_libs(cache_dir: Path | None = None) -> Path:
     """Directory holding the broker jars.
 

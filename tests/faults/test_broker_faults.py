@@ -71,6 +71,13 @@ def _missing(tail: Tail, cfg: SimConfig) -> set[tuple[int, int]]:
     return {(r, s) for r in range(cfg.ranks) for s in range(cfg.steps)} - {(m["rank"], m["step"]) for _, m in tail.seen}
 
 
+def _counted(metrics: dict, steps: int, run_steps: int, garbage: int) -> bool:
+    """Whether the processor's counters reached what the test sent (they count commits)."""
+    return (metrics.get("profstream_steps_closed_total", 0) >= steps
+            and metrics.get("profstream_run_steps_total", 0) >= run_steps
+            and metrics.get("profstream_decode_errors_total{reason=not_avro}", 0) >= garbage)
+
+
 def _outage(seconds: float) -> None:
     """The length of an outage is the fault itself, not a wait for a condition."""
     time.sleep(seconds)
@@ -116,9 +123,7 @@ def test_a_run_through_a_broker_fault_commits_every_step_once_with_clean_values(
                              f"processor: {processor.metrics()}\n{processor.output()[-6000:]}")
         if not restarted:
             deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and not (
-                    (processor.metrics() or {}).get("profstream_steps_closed_total", 0) >= total
-                    and (processor.metrics() or {}).get("profstream_run_steps_total", 0) >= cfg.steps):
+            while time.monotonic() < deadline and not _counted(processor.metrics() or {}, total, cfg.steps, 8):
                 time.sleep(0.2)
         metrics = processor.metrics()
         wait_until(lambda: processor.metrics()["profstream_consumer_lag_messages"] == 0, 30, "lag 0")

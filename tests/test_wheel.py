@@ -1,0 +1,51 @@
+"""The built wheel, installed alone into a clean virtual environment (no checkout beside it):
+its commands run, its base install has no torch, and `profstream doctor` reaches the broker."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE_DATA = ("profstream/schema/event_batch.avsc", "profstream/stack/pom.xml", "profstream/integrations/torch_tree.cpp",
+                "profstream/integrations/transformers.py", "profstream/integrations/lightning.py")
+
+
+def _run(*command: str | Path, timeout: float = 600, **kw) -> subprocess.CompletedProcess:
+    done = subprocess.run([str(c) for c in command], capture_output=True, text=True, timeout=timeout, **kw)
+    assert done.returncode == 0, f"{' '.join(map(str, command))} failed:\n{done.stdout[-2000:]}{done.stderr[-3000:]}"
+    return done
+
+
+def test_the_wheel_installs_alone_and_its_doctor_runs(tmp_path, kafka_bootstrap, topics):
+    # build from a copy of what the wheel is made of, so no build/ is left in the checkout
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    shutil.copytree(ROOT / "profstream", source / "profstream", ignore=shutil.ignore_patterns("__pycache__"))
+    _run(sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", tmp_path / "dist",
+         f"{source}{os.sep}")
+    (wheel,) = (tmp_path / "dist").glob("profstream-*.whl")
+    assert set(PACKAGE_DATA) <= set(zipfile.ZipFile(wheel).namelist())
+
+    # a venv without pip: this environment's pip installs into it, dependencies from the index
+    venv = tmp_path / "venv"
+    _run(sys.executable, "-m", "venv", "--without-pip", venv)
+    _run(sys.executable, "-m", "pip", "--python", venv / "bin" / "python", "install", "--quiet", "--prefer-binary",
+         wheel)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    elsewhere = tmp_path / "elsewhere"  # nothing of the checkout importable from here
+    elsewhere.mkdir()
+    assert "doctor" in _run(venv / "bin" / "profstream", "--help", cwd=elsewhere, env=env).stdout
+    done = subprocess.run([venv / "bin" / "profstream", "doctor", "--bootstrap", kafka_bootstrap, "--topic-prefix",
+                           topics.prefix], capture_output=True, text=True, timeout=120, cwd=elsewhere, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = {line.split("│")[1].strip(): line for line in done.stdout.splitlines() if line.count("│") > 3}
+    assert "answers" in rows["broker"] and " ok " in rows["topics"]
+    assert "not installed" in rows["torch"]  # the base install pulls no torch
+    assert "pip install 'profstream[torch]'" in rows["torch"]
