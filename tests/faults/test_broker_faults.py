@@ -83,8 +83,10 @@ def _outage(seconds: float) -> None:
     time.sleep(seconds)
 
 
-@pytest.mark.parametrize("fault", [_broker_stop, _broker_kill, _both_killed],
-                         ids=["broker-down-15s", "broker-kill-9", "broker-and-processor-kill-9"])
+FAULTS = {"broker-down-15s": _broker_stop, "broker-kill-9": _broker_kill, "broker-and-processor-kill-9": _both_killed}
+
+
+@pytest.mark.parametrize("fault", FAULTS.values(), ids=FAULTS.keys())
 def test_a_run_through_a_broker_fault_commits_every_step_once_with_clean_values(broker, fault_topics, tmp_path,
                                                                                  fault):
     topics = fault_topics

@@ -15,7 +15,7 @@ from __future__ import annotations
 import gzip
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -125,4 +125,5 @@ def ingest(path: str | Path, monitor_options: dict[str, Any], format: str = "aut
         sent = send_profile(profile, monitor, pace, progress)
     finally:
         monitor.close()
-    return IngestResult(profile, sent)
+    # after close: what never reached Kafka is counted as dropped too
+    return IngestResult(profile, replace(sent, dropped_ops=monitor.stats()["dropped_ops"]))
