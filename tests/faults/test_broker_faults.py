@@ -161,14 +161,19 @@ def test_a_run_through_a_broker_fault_commits_every_step_once_with_clean_values(
     assert metrics["profstream_processor_recoveries_total{stage=steps}"] >= 1
 
 
-def test_monitor_flush_waits_for_the_broker_to_come_back_and_delivers_everything(broker, fault_topics):
-    topics = fault_topics
-    mon = Monitor(run_id="flush-outage", bootstrap=broker.bootstrap, topic_prefix=topics.prefix,
-                  host_sample_interval_s=0)
+def _monitor_cut_off(broker: Broker, topics, run_id: str) -> Monitor:
+    """A Monitor that delivered its step 0 (one op), then lost its broker."""
+    mon = Monitor(run_id=run_id, bootstrap=broker.bootstrap, topic_prefix=topics.prefix, host_sample_interval_s=0)
     with mon.step(0):
         mon.op("warmup", 1, 1)
     assert mon.flush(timeout=30)
     broker.stop()
+    return mon
+
+
+def test_monitor_flush_waits_for_the_broker_to_come_back_and_delivers_everything(broker, fault_topics):
+    topics = fault_topics
+    mon = _monitor_cut_off(broker, topics, "flush-outage")
     for s in range(1, 21):
         with mon.step(s):
             for i in range(50):
@@ -192,12 +197,7 @@ def test_monitor_flush_waits_for_the_broker_to_come_back_and_delivers_everything
 
 def test_monitor_closed_during_an_outage_counts_exactly_what_it_could_not_deliver(broker, fault_topics):
     topics = fault_topics
-    mon = Monitor(run_id="close-outage", bootstrap=broker.bootstrap, topic_prefix=topics.prefix,
-                  host_sample_interval_s=0)
-    with mon.step(0):
-        mon.op("warmup", 1, 1)
-    assert mon.flush(timeout=30)
-    broker.stop()
+    mon = _monitor_cut_off(broker, topics, "close-outage")
     recorded_ops = 1
     for s in range(1, 31):
         with mon.step(s):
