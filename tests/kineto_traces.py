@@ -47,7 +47,7 @@ class Trace:
 
     rank: int = 0
     events: list[dict] = field(default_factory=list)
-    correlation: int = 0
+    correlation: int = 1_000_000  # Kineto numbers them from large values (HTA on pandas 3 needs > int8)
 
     def host(self, name: str, cat: str, ts: float, dur: float, **args) -> None:
         self.events.append({"ph": "X", "cat": cat, "name": name, "pid": HOST_PID, "tid": HOST_TID,
@@ -90,10 +90,15 @@ class Trace:
 
 def lagging_device_trace(steps: int = 6, lag: float = 0.8, rank: int = 0, first_step: int = 1,
                          t0_us: float = 10_000.0, uncorrelated: tuple[int, ...] = (),
-                         device_offset_us: float = 0.0) -> Trace:
+                         device_offset_us: float = 0.0, seed: int | None = None) -> Trace:
     """See the module docstring. ``uncorrelated``: steps whose gemm C has no correlation
     (a device op the time rule must place); ``device_offset_us``: added to every device
-    timestamp (a device clock that is not the host's)."""
+    timestamp (a device clock that is not the host's); ``seed``: each step's device
+    layout scaled by a random 0.7-1.0 and started up to 15 us late, timestamps with ns
+    digits (the figures of PER_STEP then no longer hold; steps still do not interleave)."""
+    import random
+
+    rng = random.Random(seed)
     t = Trace(rank=rank)
     for i in range(steps):
         k = first_step + i
@@ -101,8 +106,13 @@ def lagging_device_trace(steps: int = 6, lag: float = 0.8, rank: int = 0, first_
         t.host(f"ProfilerStep#{k}", "user_annotation", S, STEP_US)
         t.host("aten::linear", "cpu_op", S + 80.0, 300.0)
         d = S + lag * STEP_US + device_offset_us
+        scale = 1.0
+        if seed is not None:
+            d += round(rng.uniform(0.0, 15.0), 3)
+            scale = rng.uniform(0.7, 1.0)
         for j, (name, cat, stream, a, b) in enumerate(KERNELS):
             launch = S + 100.0 + 50.0 * j
-            t.launch(launch, name, cat, stream, d + a, d + b, correlated=not (k in uncorrelated and j == 3))
+            t.launch(launch, name, cat, stream, d + round(a * scale, 3), d + round(b * scale, 3),
+                     correlated=not (k in uncorrelated and j == 3))
         t.host("Optimizer.step#Adam.step", "user_annotation", S + 700.0, 100.0)
     return t
