@@ -241,7 +241,7 @@ class OpCapture:
                                  fp_ns)
         if len(cols):
             self.monitor.ops(cols.names, cols.start_ns, cols.dur_ns, cols.kinds, cols.op_types, cols.streams,
-                             step=step)
+                             step=step, launch_ns=cols.launch_ns)
             self.ops_sent += len(cols)
 
     def _tree_columns(self, results: Any, fp_ns: int | None) -> OpColumns | None:

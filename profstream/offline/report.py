@@ -202,6 +202,15 @@ def _per_rank_series(data: ReportData, value: Callable[[dict], float]) -> list[c
     return out
 
 
+def _step_time_series(data: ReportData) -> list[charts.Series]:
+    """Each rank's step time; with device windows also its host step time (E - S)."""
+    series = _per_rank_series(data, lambda s: _ms(s["step_time_ns"]))
+    if has_device_windows(data.steps):
+        series += [(f"{label} host", xs, ys) for label, xs, ys in
+                   _per_rank_series(data, lambda s: _ms(s["host_step_time_ns"]))]
+    return series
+
+
 def _starved_ranges(data: ReportData) -> list[tuple[int, int]]:
     return _ranges([s["step"] for s in data.steps if s["starved"]])
 
@@ -234,25 +243,15 @@ def _queue_chart(data: ReportData) -> str:
                              "batches in queue", shaded=_starved_ranges(data))
 
 
-def _op_types(data: ReportData, top: int = 15) -> str:
+def _op_types(data: ReportData, top: int = 15, field: str = "op_types", chart: str = "op-types",
+              what: str = "op type") -> str:
     totals: Counter = Counter()
     for s in data.steps:
-        for c in s["op_types"]:
+        for c in s[field]:
             totals[c["op_type"]] += c["total_ns"]
     ranks = max(len(data.ranks()), 1)
     bars = [(name, _ms(ns) / ranks) for name, ns in totals.most_common(top)]
-    return charts.bar_chart("op-types", "Time per op type, summed over the run, mean per rank", bars,
-                            "ms per rank over the run")
-
-
-def _kernels(data: ReportData, top: int = 15) -> str:
-    totals: Counter = Counter()
-    for s in data.steps:
-        for c in s["kernel_types"]:
-            totals[c["op_type"]] += c["total_ns"]
-    ranks = max(len(data.ranks()), 1)
-    bars = [(name, _ms(ns) / ranks) for name, ns in totals.most_common(top)]
-    return charts.bar_chart("kernels", "Time per device kernel type, summed over the run, mean per rank", bars,
+    return charts.bar_chart(chart, f"Time per {what}, summed over the run, mean per rank", bars,
                             "ms per rank over the run")
 
 
@@ -277,7 +276,7 @@ def _device(data: ReportData) -> str:
     return (f'<table id="device"><tr><th>rank</th>{head}</tr>{"".join(rows)}</table>'
             '<p class="sub">Device steps: steps measured on the device\'s own window (their device ops carry '
             'their launch time). Shares: each kind\'s summed op time over the device\'s summed op time.</p>'
-            + _kernels(data))
+            + _op_types(data, field="kernel_types", chart="kernels", what="device kernel type"))
 
 
 def _cross_rank(data: ReportData) -> str:
@@ -354,9 +353,8 @@ def render(data: ReportData, out_path: Path) -> str:
             f'<h2>Lost while reading the archive</h2><ul id="losses">{losses}</ul>' if losses else "",
             "<h2>Per rank</h2>", _summary_table(data),
             "<h2>Step time</h2>",
-            charts.line_chart("step-time", "Step time per rank", _per_rank_series(
-                data, lambda s: _ms(s["step_time_ns"])), "ms", shaded=_starved_ranges(data),
-                marks=_alert_marks(data)),
+            charts.line_chart("step-time", "Step time per rank", _step_time_series(data), "ms",
+                              shaded=_starved_ranges(data), marks=_alert_marks(data)),
             '<p class="sub">Shaded: steps on which a rank was starved for data. Dashed: alerts firing (red) '
             'and resolved (green), listed under Alerts.</p>',
             "<h2>Step phases</h2>", _phase_charts(data),
