@@ -31,6 +31,8 @@ from profstream.schema.batch import COMMUNICATION, COMPUTE, MEMCPY, MEMSET, NO_V
 
 DEVICE_KINDS = (COMPUTE, COMMUNICATION, MEMCPY, MEMSET)
 _I64 = np.int64
+_IS_DEVICE_KIND = np.zeros(256, bool)  # by u8 kind code: a lookup, cheaper than np.isin
+_IS_DEVICE_KIND[list(DEVICE_KINDS)] = True
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,7 @@ class Window:
 
 def device_ops(ev: StepEvents) -> np.ndarray:
     """Per op: a device op (kind compute, communication, memcpy or memset, or launched)."""
-    return np.isin(ev.op_kind, DEVICE_KINDS) | ev.launched
+    return _IS_DEVICE_KIND[ev.op_kind] | ev.launched
 
 
 def step_window(ev: StepEvents) -> Window:
@@ -108,4 +110,4 @@ def uncorrelated_ops(ev: StepEvents, window: Window) -> int:
     """Device ops of a device-window step without a launch time (counted by the time rule)."""
     if not window.device:
         return 0
-    return int(np.count_nonzero(np.isin(ev.op_kind, DEVICE_KINDS) & ~ev.launched))
+    return int(np.count_nonzero(_IS_DEVICE_KIND[ev.op_kind] & ~ev.launched))

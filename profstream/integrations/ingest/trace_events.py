@@ -211,9 +211,9 @@ def scan_events(path: Path, events: list[TraceEvent]) -> EventColumns:
 
 
 def _correlations(events: list[TraceEvent]) -> np.ndarray:
-    values = [a.correlation if (a := e.args) is not None else None for e in events]
+    values = [c if (a := e.args) is not None and (c := a.correlation) is not None else -1 for e in events]
     try:
-        return np.fromiter((-1 if v is None else v for v in values), I64, len(values))
+        return np.array(values, I64)
     except (TypeError, ValueError, OverflowError):  # a string or float somewhere: the odd ones are -1
         return np.array([v if type(v) is int and 0 <= v < 2**63 else -1 for v in values], I64)
 
