@@ -30,13 +30,9 @@ from pathlib import Path
 
 import msgspec
 from _common import emit, envelope, note, summary
+from bench_ingest import BASE_NS, CPU_OPS, KERNELS  # the same kernels and CPU ops
 
 TARGET_S = 2.0
-BASE_NS = 1_790_000_000_000_000_000
-KERNELS = ("ampere_sgemm_128x64_tn", "void at::native::vectorized_elementwise_kernel<4>(int, float*)",
-           "void cutlass::Kernel<cutlass_80_tensorop_s1688gemm>(Params)", "void at::native::reduce_kernel<512, 1>()",
-           "void layer_norm_kernel<float>(float*)", "softmax_warp_forward<float, float, float, 8, false>(float*)")
-CPU_OPS = ("aten::addmm", "aten::add_", "aten::mm", "aten::sum", "aten::native_layer_norm", "aten::_softmax")
 
 
 def write_trace(path: Path, megabytes: float, steps: int = 200) -> tuple[int, int]:
