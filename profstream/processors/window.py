@@ -96,13 +96,18 @@ def carry_past_end(ev: StepEvents) -> tuple[tuple[np.ndarray, np.ndarray], tuple
     if ev.launched.any():
         return empty, empty
     E = ev.end_ns
+    past = np.flatnonzero(ev.op_start_ns + ev.op_dur_ns > E)  # usually none: one pass over the ops
+    kinds = ev.op_kind[past]
     out = []
     for kind, carried in ((COMPUTE, ev.carried_compute), (COMMUNICATION, ev.carried_comm)):
-        sel = ev.op_kind == kind
-        start = np.concatenate((ev.op_start_ns[sel], carried[0]))
-        end = np.concatenate((ev.op_start_ns[sel] + ev.op_dur_ns[sel], carried[1]))
-        past = end > E
-        out.append(union(np.maximum(start[past], E), end[past]) if past.any() else empty)
+        mine = past[kinds == kind]
+        c_past = carried[1] > E
+        if not len(mine) and not c_past.any():
+            out.append(empty)
+            continue
+        start = np.concatenate((ev.op_start_ns[mine], carried[0][c_past]))
+        end = np.concatenate((ev.op_start_ns[mine] + ev.op_dur_ns[mine], carried[1][c_past]))
+        out.append(union(np.maximum(start, E), end))
     return out[0], out[1]
 
 
