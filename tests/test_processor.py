@@ -244,8 +244,8 @@ def test_health_metrics_report_what_went_through_and_idle_runs_are_freed(kafka_b
         wait_until(lambda: scrape(port)["profstream_open_runs"] == 0, 30, "the silent run to be closed")
         assert not [k for k in scrape(port) if "run=health" in k]
         assert processor.step_stage.ranks == {}
-        # counted when the transaction that freed them commits, a moment later
-        wait_until(lambda: processor.health.runs_closed == 2, 10, "both ranks counted as closed")
+        # counted when the transaction that closed them commits, a moment after the state went
+        wait_until(lambda: processor.health.runs_closed == 2, 30, "both idle ranks to be counted as closed")
 
 
 def test_two_processors_in_one_group_share_the_ranks_and_still_agree_across_ranks(kafka_bootstrap, topics):

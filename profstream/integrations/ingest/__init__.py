@@ -85,6 +85,9 @@ def load_profile(path: str | Path, format: str = "auto", rank: int | None = None
         profile = parse_mindspore_dir(path, rank, step_trace_unit_ns, base_ns)
     if rank is not None:
         profile.rank = rank
+    clocks = profile.check_clocks()
+    if clocks is not None:  # once per file, with its name and rank: ingest and analyze print notes
+        profile.notes.append(clocks)
     return profile
 
 
