@@ -55,6 +55,7 @@ class Drained(NamedTuple):
     more_ops: bool  # ops beyond ``ops`` are still buffered
     dropped_ops: int  # totals so far
     dropped_samples: int
+    collectives: list[tuple] = []  # (name, group, dtype, step, seq, start_ns, dur_ns, in, out, group_size)
 
 
 def rows_chunk(rows: list[tuple]) -> OpChunk:
@@ -81,6 +82,7 @@ class EventBuffer:
         self.marks: deque = deque()
         self.memory: deque = deque()
         self.queues: deque = deque()
+        self.collectives: deque = deque()
         # Monotonic counters, written by the recording thread only.
         self.dropped_ops = 0
         self.dropped_samples = 0
@@ -108,8 +110,8 @@ class EventBuffer:
             self.wake.set()
 
     def add_sample(self, samples: deque, row: tuple) -> None:
-        """One step mark, memory or queue sample into ``samples`` (``marks``, ``memory`` or
-        ``queues``), or dropped and counted when their reserve is full."""
+        """One step mark, memory, queue or collective sample into ``samples`` (``marks``,
+        ``memory``, ``queues`` or ``collectives``), or dropped and counted when their reserve is full."""
         if len(samples) < self.max_samples:
             samples.append(row)
         else:
@@ -124,9 +126,10 @@ class EventBuffer:
         marks = _take(self.marks)
         memory = _take(self.memory)
         queues = _take(self.queues)
+        collectives = _take(self.collectives)
         ops = self.take_ops(max_ops)
         return Drained(watermark, marks, memory, queues, ops, self.buffered_ops > 0,
-                       self.dropped_ops, self.dropped_samples)
+                       self.dropped_ops, self.dropped_samples, collectives)
 
     def take_ops(self, limit: int) -> list[OpChunk]:
         """Up to ``limit`` buffered ops, op() tuples first, then ops() chunks (split if needed)."""
@@ -169,7 +172,7 @@ class EventBuffer:
 
     @property
     def buffered_samples(self) -> int:
-        return len(self.marks) + len(self.memory) + len(self.queues)
+        return len(self.marks) + len(self.memory) + len(self.queues) + len(self.collectives)
 
     @property
     def fill_ratio(self) -> float:
@@ -178,7 +181,7 @@ class EventBuffer:
     @property
     def empty(self) -> bool:
         """Whether nothing is waiting for the Sender."""
-        return not (self.ops or self.op_chunks or self.marks or self.memory or self.queues)
+        return not (self.ops or self.op_chunks or self.marks or self.memory or self.queues or self.collectives)
 
 
 def _take(buf: deque, limit: int | None = None) -> list:
