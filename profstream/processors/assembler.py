@@ -34,6 +34,7 @@ class _OpenStep:
     ops: list[dict] = field(default_factory=list)
     memory: list[dict] = field(default_factory=list)
     queues: list[dict] = field(default_factory=list)
+    collectives: list[list[dict]] = field(default_factory=list)
     events: int = 0
     first_offset: int = -1  # input offset of the first batch that fed this step
 
@@ -60,6 +61,20 @@ def _by_step(steps: np.ndarray, columns: dict[str, np.ndarray]):
     for step, lo, hi in zip(uniq, starts, bounds):
         idx = order[lo:hi]
         yield int(step), {k: v[idx] for k, v in columns.items()}
+
+
+def collective_calls(batch: EventBatch) -> dict[int, list[dict]]:
+    """The batch's collective rows by step, as StepMetrics ``collectives`` entries."""
+    c, names = batch.collectives, batch.collective_names
+    out: dict[int, list[dict]] = {}
+    size = np.maximum(c["in_bytes"], c["out_bytes"]).tolist()
+    for i, step in enumerate(c["step"].tolist()):
+        start = int(c["start_ns"][i])
+        out.setdefault(step, []).append({
+            "collective": names[c["name_idx"][i]], "group": names[c["group_idx"][i]],
+            "group_size": int(c["group_size"][i]), "seq": int(c["seq"][i]), "bytes": size[i],
+            "start_ns": start, "end_ns": start + int(c["dur_ns"][i])})
+    return out
 
 
 def _concat(parts: list[dict], names: tuple[str, ...], dtypes: dict) -> dict[str, np.ndarray]:
@@ -157,6 +172,9 @@ class RankAssembler:
             cols = {"queue": remap[q["name_idx"]], "ts_ns": q["ts_ns"], "size": q["size"]}
             for step, part in _by_step(q["step"], cols):
                 self._bucket(step, "queues", part, len(part["ts_ns"]))
+        if batch.n("collectives"):
+            for step, calls in collective_calls(batch).items():
+                self._bucket(step, "collectives", calls, len(calls))
         st = batch.steps
         for i in range(len(st["step"])):
             step = int(st["step"][i])
@@ -245,6 +263,7 @@ class RankAssembler:
             mem_peak=mem["peak"], queue=q["queue"], queue_ts_ns=q["ts_ns"], queue_size=q["size"],
             queue_names=self.queue_names, carried_compute=self.carry[0], carried_comm=self.carry[1],
             prev_device_end_ns=before[1] if before is not None and before[0] == step - 1 else NO_VALUE,
+            collectives=[call for part in entry.collectives for call in part],
         )
         self.carry = carry_past_end(ev)
         window = step_window(ev)

@@ -85,5 +85,6 @@ class RankFigures:
             "closed_by": closed_by,
             "late_events": late_events,
             "closed_ns": time.time_ns(),
+            "collectives": ev.collectives,
         }
         return record, transition

@@ -54,6 +54,9 @@ class StepEvents:
     queue_ts_ns: np.ndarray = field(default_factory=_empty)
     queue_size: np.ndarray = field(default_factory=_empty)
     queue_names: list[str] = field(default_factory=list)
+    # collective calls (StepMetrics ``collectives`` entries: collective, group, group_size,
+    # seq, bytes, start_ns, end_ns), matched across ranks by the run stage
+    collectives: list[dict] = field(default_factory=list)
 
     @property
     def step_time_ns(self) -> int:
