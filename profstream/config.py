@@ -172,6 +172,9 @@ MONITOR_OPTIONS: tuple[Option, ...] = (
            "an integer >= 0", optional=True),
     Option("every_n_steps", "int", None, "capture ops only on every n-th step from start_step",
            _positive, "an integer >= 1", optional=True),
+    Option("collective_bytes", "bool", False,
+           "record tensor shapes in captured steps so that collectives carry their message size (bandwidth "
+           "figures); torch.profiler's record_shapes, a cost on every captured op"),
     Option("compression", "str", "lz4", "Kafka compression codec", lambda v: v in COMPRESSIONS,
            "one of " + ", ".join(COMPRESSIONS)),
     Option("host_sample_interval_s", "float", 1.0, "seconds between host CPU/RSS samples (0: off)",

@@ -164,7 +164,8 @@ class TorchInstrumentation:
             o = monitor.options
             window = OpWindow(o["start_step"], o["stop_step"], o["every_n_steps"])
             _hand_op_window_to_producer(monitor)
-            self.capture = OpCapture(monitor, window, self.cuda, self._fail, self.compiled_walk)
+            self.capture = OpCapture(monitor, window, self.cuda, self._fail, self.compiled_walk,
+                                     collective_bytes=o["collective_bytes"])
         if not self.cuda:
             self._rss = RssReader()
 

@@ -28,6 +28,12 @@ from typing import Any
 import numpy as np
 
 from profstream.integrations import torch_native
+from profstream.integrations.torch_collectives import (
+    GroupCount,
+    collective_rows,
+    default_group_count,
+    message_sizes,
+)
 from profstream.integrations.torch_ops import (
     HostThreads,
     NodeNames,
@@ -66,7 +72,7 @@ class OpCapture:
     """Drives one torch.profiler through the window and feeds its ops to a Monitor."""
 
     def __init__(self, monitor: Any, window: OpWindow, run_has_device: bool, on_error: Any,
-                 compiled_walk: bool = True) -> None:
+                 compiled_walk: bool = True, collective_bytes: bool = False) -> None:
         self.monitor = monitor
         self.window = window
         self.run_has_device = run_has_device
@@ -80,6 +86,8 @@ class OpCapture:
         self._recording: int | None = None  # the step being recorded now
         self._saving: int | None = None  # the step whose trace is handed over next
         self._saving_fp_ns: int | None = None
+        self._saving_count: GroupCount | None = None  # the process group's calls at the saved step's end
+        self.collective_bytes = collective_bytes  # record shapes: collectives carry their message sizes
         self._threads = HostThreads()
         self._node_names = NodeNames()
         # CPU-only runs read the event tree: compiled once it is built and has read a
@@ -114,6 +122,7 @@ class OpCapture:
         self._saving = ended if ended is not None and ended == self._recording else None
         self._upcoming = upcoming
         self._saving_fp_ns = ended_fp_ns
+        self._saving_count = default_group_count() if self._saving is not None else None
         if self._profiler is None:
             if upcoming is not None and upcoming in self.window and not self.failed:
                 self._start_profiler()
@@ -122,7 +131,7 @@ class OpCapture:
         else:
             self._profiler.step()  # saves `ended` if it was recorded, records `upcoming` if in window
         if ended is not None and ended != self._saving:
-            self._put((ended, None, None))  # not captured: the watermark may pass it
+            self._put((ended, None, None, None))  # not captured: the watermark may pass it
         self._saving = None
         self._report_error()
 
@@ -170,7 +179,8 @@ class OpCapture:
         activities = [ProfilerActivity.CPU]
         if self.run_has_device:
             activities.append(ProfilerActivity.CUDA)
-        self._profiler = profile(activities=activities, schedule=self._schedule, on_trace_ready=self._trace_ready)
+        self._profiler = profile(activities=activities, schedule=self._schedule, on_trace_ready=self._trace_ready,
+                                 record_shapes=self.collective_bytes)
         self._profiler.start()
 
     def _schedule(self, _profiler_step: int) -> Any:
@@ -187,7 +197,7 @@ class OpCapture:
         step = self._saving
         results = getattr(prof.profiler, "kineto_results", None)
         if step is not None and results is not None:
-            self._put((step, results, self._saving_fp_ns))
+            self._put((step, results, self._saving_fp_ns, self._saving_count))
             self.steps_captured += 1
 
     def _put(self, item: tuple) -> None:
@@ -217,12 +227,12 @@ class OpCapture:
                 if self._work.empty():
                     self._idle.set()
 
-    def _convert(self, step: int, results: Any, fp_ns: int | None) -> None:
+    def _convert(self, step: int, results: Any, fp_ns: int | None, count: GroupCount | None) -> None:
         """Send the ops of a recorded step (``results`` None: not captured) and move the
         watermark past it."""
         try:
             if results is not None and not self.failed:
-                self._send_ops(step, results, fp_ns)
+                self._send_ops(step, results, fp_ns, count)
             self.monitor.complete_through(step)
         except Exception as e:  # internal error: capture switches off, training goes on
             self.failed = True
@@ -231,7 +241,7 @@ class OpCapture:
             else:
                 self.on_error(e)
 
-    def _send_ops(self, step: int, results: Any, fp_ns: int | None) -> None:
+    def _send_ops(self, step: int, results: Any, fp_ns: int | None, count: GroupCount | None) -> None:
         cols = None if self.run_has_device else self._tree_columns(results, fp_ns)
         if cols is None:
             table = table_from_kineto(results.events(), self.run_has_device)
@@ -244,6 +254,15 @@ class OpCapture:
             self.monitor.ops(cols.names, cols.start_ns, cols.dur_ns, cols.kinds, cols.op_types, cols.streams,
                              step=step, **launches)
             self.ops_sent += len(cols)
+            if count is not None:
+                self._send_collectives(step, results, cols, count)
+
+    def _send_collectives(self, step: int, results: Any, cols: OpColumns, count: GroupCount) -> None:
+        """The step's collective calls, numbered in their process group (torch_collectives)."""
+        sizes = message_sizes(results.events()) if self.collective_bytes else None
+        for row in collective_rows(cols.names, cols.start_ns, cols.dur_ns, count, sizes):
+            self.monitor.collective(row.collective, row.group, row.seq, row.start_ns, row.dur_ns, row.group_size,
+                                    row.in_bytes, row.out_bytes, row.dtype, step=step)
 
     def _tree_columns(self, results: Any, fp_ns: int | None) -> OpColumns | None:
         """The ops of a CPU-only step from the profiler's event tree: the outermost ops

@@ -1,0 +1,114 @@
+"""Collective calls: the EventBatch v6 section, older messages without it, and the
+matching across ranks (processors/collectives.py) on calls whose figures are known."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from profstream.processors.collectives import CollectiveCall, bus_factor, step_collectives
+from profstream.producers.sender import collective_columns
+from profstream.schema.batch import EventBatch, decode_batch, encode_batch
+from profstream.schema.codec import CURRENT, DecodeError, decode
+from tests.test_codec import assert_same_batch, random_batch
+
+DATA = Path(__file__).parent / "data"
+MS = 1_000_000
+
+
+def test_collective_rows_survive_the_round_trip_with_one_dictionary():
+    rows = [("all_reduce", "0", "Float", 3, 11, 100, 50, 4000, 4000, 2),
+            ("all_gather", "0", "Float", 3, 12, 200, 70, 4000, 8000, 2),
+            ("broadcast", "1", "Long", 4, 0, 300, 10, 8, 8, 4)]
+    batch = EventBatch(run_id="r", rank=1)
+    batch.collective_names, batch.collectives = collective_columns(rows)
+    back = decode_batch(encode_batch(batch))
+    assert back.collective_names == ["all_reduce", "0", "Float", "all_gather", "broadcast", "1", "Long"]
+    got = [(back.collective_names[n], back.collective_names[g], back.collective_names[d], *rest)
+           for n, g, d, *rest in zip(*(back.collectives[c].tolist() for c in (
+               "name_idx", "group_idx", "dtype_idx", "step", "seq", "start_ns", "dur_ns", "in_bytes", "out_bytes",
+               "group_size")))]
+    assert got == rows
+
+
+def test_a_collective_index_outside_its_dictionary_is_malformed():
+    batch = EventBatch(run_id="r", rank=1)
+    batch.collective_names, batch.collectives = collective_columns([("all_reduce", "0", "Float", 3, 1, 1, 1, 4, 4, 2)])
+    batch.collective_names = ["all_reduce"]  # group and dtype now point past it
+    with pytest.raises(DecodeError, match="collectives.group_idx outside collective_names") as e:
+        decode_batch(encode_batch(batch))
+    assert e.value.reason == "malformed"
+
+
+def test_shipped_v4_message_decodes_with_no_collectives():
+    """EventBatch v6 added the collectives section: a v4 message (written by the v4 code,
+    random_batch(1234, 20), world_size 8) reads as a batch without collectives."""
+    raw = (DATA / "eventbatch-v4.bin").read_bytes()
+    assert raw[2:10] != CURRENT["EventBatch"].header[2:10]
+    batch = decode_batch(raw)
+    assert_same_batch(random_batch(1234, 20), batch)
+    assert batch.n("collectives") == 0 and batch.collective_names == []
+    assert_same_batch(batch, decode_batch(encode_batch(batch)))
+
+
+def test_shipped_step_metrics_v3_and_run_step_metrics_v1_decode_without_collectives():
+    m = decode("StepMetrics", (DATA / "stepmetrics-v3.bin").read_bytes())
+    assert (m["step"], m["uncorrelated_ops"], m["collectives"]) == (7, 2, [])
+    run = decode("RunStepMetrics", (DATA / "runstepmetrics-v1.bin").read_bytes())
+    assert (run["straggler_rank"], run["collectives_matched"], run["late_rank"], run["unmatched_collectives"]) == (
+        1, 0, None, [])
+
+
+def test_bus_factors_are_nccl_tests():
+    assert bus_factor("all_reduce", 4) == pytest.approx(1.5)
+    assert bus_factor("all_gather", 4) == bus_factor("reduce_scatter", 4) == pytest.approx(0.75)
+    assert bus_factor("broadcast", 4) == 1.0
+
+
+def _call(collective, seq, start_ms, end_ms, size=4000, group="0", n=3):
+    return CollectiveCall(collective, group, n, seq, size, int(start_ms * MS), int(end_ms * MS))
+
+
+def test_wait_transfer_and_bandwidth_of_matched_calls():
+    # rank 2 arrives 30 ms late at the all_reduce; everyone arrives together at the all_gather
+    calls = {0: [_call("all_reduce", 1, 0, 40), _call("all_gather", 2, 50, 55, 12000)],
+             1: [_call("all_reduce", 1, 10, 41), _call("all_gather", 2, 50, 56, 12000)],
+             2: [_call("all_reduce", 1, 30, 40), _call("all_gather", 2, 50, 55, 12000)]}
+    f = step_collectives(calls, [0, 1, 2])
+    assert f["collectives_matched"] == 2 and f["unmatched_collectives"] == []
+    ranks = {r["rank"]: r for r in f["collective_ranks"]}
+    assert [ranks[r]["wait_ns"] for r in (0, 1, 2)] == [30 * MS, 20 * MS, 0]
+    assert [ranks[r]["transfer_ns"] for r in (0, 1, 2)] == [15 * MS, 17 * MS, 15 * MS]
+    assert ranks[0]["slowest_collective"] == "all_reduce" and ranks[0]["slowest_ns"] == 40 * MS
+    assert f["late_rank"] == 2 and f["late_rank_held_ns"] == 30 * MS
+    by = {c["collective"]: c for c in f["by_collective"]}
+    ar = by["all_reduce"]
+    assert ar["calls"] == 1 and ar["bytes"] == 3 * 4000 and ar["transfer_ns"] == 31 * MS
+    assert ar["algbw_bytes_per_s"] == pytest.approx(12000 / 0.031)
+    assert ar["busbw_bytes_per_s"] == pytest.approx(ar["algbw_bytes_per_s"] * 4 / 3)
+    assert by["all_gather"]["busbw_bytes_per_s"] == pytest.approx(by["all_gather"]["algbw_bytes_per_s"] * 2 / 3)
+
+
+def test_a_call_a_rank_never_reported_is_unmatched_with_the_missing_rank():
+    calls = {0: [_call("all_reduce", 1, 0, 10), _call("broadcast", 2, 20, 30)],
+             2: [_call("all_reduce", 1, 1, 10)],
+             1: [_call("all_reduce", 1, 2, 10)]}
+    f = step_collectives(calls, [0, 1, 2])
+    assert f["collectives_matched"] == 1
+    assert f["unmatched_collectives"] == [{"collective": "broadcast", "group": "0", "seq": 2, "arrived": [0],
+                                           "missing": [1, 2], "expected": 3}]
+
+
+def test_no_late_rank_without_waiting():
+    calls = {r: [_call("all_reduce", 1, 0, 10)] for r in range(3)}
+    f = step_collectives(calls, range(3))
+    assert f["late_rank"] is None and f["late_rank_held_ns"] == 0
+    assert all(r["wait_ns"] == 0 for r in f["collective_ranks"])
+
+
+def test_calls_of_a_subgroup_match_on_their_group_size():
+    calls = {0: [_call("all_reduce", 7, 0, 10, group="tp", n=2)], 1: [_call("all_reduce", 7, 4, 10, group="tp", n=2)],
+             2: [], 3: []}
+    f = step_collectives(calls, range(4))
+    assert f["collectives_matched"] == 1 and f["late_rank"] == 1
+    assert np.isclose(f["late_rank_held_ns"], 4 * MS)
