@@ -112,3 +112,41 @@ def test_calls_of_a_subgroup_match_on_their_group_size():
     f = step_collectives(calls, range(4))
     assert f["collectives_matched"] == 1 and f["late_rank"] == 1
     assert np.isclose(f["late_rank_held_ns"], 4 * MS)
+
+
+# -- through the processors: raw batches -> StepMetrics -> RunStepMetrics --------------
+
+def _rank_batch(rank: int, steps: list[int], calls: list[tuple], world: int = 3) -> bytes:
+    """One rank's batch: marks of ``steps`` (100 ms each from 0) and its collective rows
+    (collective, step, seq, start_ms, dur_ms)."""
+    batch = EventBatch(run_id="hang", rank=rank, world_size=world, producer_id=f"p{rank}", seq=0,
+                       complete_through_step=max(steps))
+    batch.steps = {"step": np.array(steps), "start_ns": np.array([s * 100 * MS for s in steps]),
+                   "end_ns": np.array([(s + 1) * 100 * MS for s in steps]), "fp_start_ns": np.full(len(steps), -1),
+                   "bp_end_ns": np.full(len(steps), -1)}
+    batch.collective_names, batch.collectives = collective_columns(
+        [(c, "0", "Float", step, seq, int(start * MS), int(dur * MS), 4000, 4000, world)
+         for c, step, seq, start, dur in calls])
+    return encode_batch(batch)
+
+
+def test_processors_match_calls_and_report_a_call_a_rank_never_made():
+    """Rank 2 stops after step 0 (a hang in step 1): its step never comes, and after the
+    run stage's grace the calls ranks 0 and 1 made in step 1 are reported unmatched,
+    naming rank 2 as missing; step 0 is matched, with rank 2 the late one."""
+    from profstream.processors.stream import RUN, STEPS, RawMessage, StreamOptions, figures
+
+    batches = [_rank_batch(0, [0, 1], [("all_reduce", 0, 1, 10, 50), ("broadcast", 1, 2, 110, 5)]),
+               _rank_batch(1, [0, 1], [("all_reduce", 0, 1, 20, 40), ("broadcast", 1, 2, 111, 5)]),
+               _rank_batch(2, [0], [("all_reduce", 0, 1, 40, 20)])]
+    messages = [RawMessage(1.0, rank, 0, f"hang/{rank}".encode(), b) for rank, b in enumerate(batches)]
+    out = list(figures(messages, StreamOptions(grace_s=0.1, run_grace_s=1.0)))
+    steps = [decode("StepMetrics", f.value) for f in out if f.kind == STEPS]
+    assert {(s["rank"], s["step"]): len(s["collectives"]) for s in steps} == {(0, 0): 1, (0, 1): 1, (1, 0): 1,
+                                                                              (1, 1): 1, (2, 0): 1}
+    run = {r["step"]: r for r in (decode("RunStepMetrics", f.value) for f in out if f.kind == RUN)}
+    assert run[0]["collectives_matched"] == 1 and run[0]["late_rank"] == 2
+    assert run[0]["late_rank_held_ns"] == 30 * MS  # rank 0 arrived at 10 ms, rank 2 at 40 ms
+    assert run[1]["ranks_reported"] == 2 and run[1]["collectives_matched"] == 0
+    assert run[1]["unmatched_collectives"] == [{"collective": "broadcast", "group": "0", "seq": 2, "arrived": [0, 1],
+                                                "missing": [2], "expected": 3}]
