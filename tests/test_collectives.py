@@ -134,6 +134,19 @@ def test_processors_match_calls_and_report_a_call_a_rank_never_made():
     """Rank 2 stops after step 0 (a hang in step 1): its step never comes, and after the
     run stage's grace the calls ranks 0 and 1 made in step 1 are reported unmatched,
     naming rank 2 as missing; step 0 is matched, with rank 2 the late one."""
+    steps, run = _hang_run()
+    assert {(s["rank"], s["step"]): len(s["collectives"]) for s in steps} == {(0, 0): 1, (0, 1): 1, (1, 0): 1,
+                                                                              (1, 1): 1, (2, 0): 1}
+    run = {r["step"]: r for r in run}
+    assert run[0]["collectives_matched"] == 1 and run[0]["late_rank"] == 2
+    assert run[0]["late_rank_held_ns"] == 30 * MS  # rank 0 arrived at 10 ms, rank 2 at 40 ms
+    assert run[1]["ranks_reported"] == 2 and run[1]["collectives_matched"] == 0
+    assert run[1]["unmatched_collectives"] == [{"collective": "broadcast", "group": "0", "seq": 2, "arrived": [0, 1],
+                                                "missing": [2], "expected": 3}]
+
+
+def _hang_run() -> tuple[list[dict], list[dict]]:
+    """StepMetrics and RunStepMetrics of three ranks of which rank 2 stops after step 0."""
     from profstream.processors.stream import RUN, STEPS, RawMessage, StreamOptions, figures
 
     batches = [_rank_batch(0, [0, 1], [("all_reduce", 0, 1, 10, 50), ("broadcast", 1, 2, 110, 5)]),
@@ -141,12 +154,41 @@ def test_processors_match_calls_and_report_a_call_a_rank_never_made():
                _rank_batch(2, [0], [("all_reduce", 0, 1, 40, 20)])]
     messages = [RawMessage(1.0, rank, 0, f"hang/{rank}".encode(), b) for rank, b in enumerate(batches)]
     out = list(figures(messages, StreamOptions(grace_s=0.1, run_grace_s=1.0)))
-    steps = [decode("StepMetrics", f.value) for f in out if f.kind == STEPS]
-    assert {(s["rank"], s["step"]): len(s["collectives"]) for s in steps} == {(0, 0): 1, (0, 1): 1, (1, 0): 1,
-                                                                              (1, 1): 1, (2, 0): 1}
-    run = {r["step"]: r for r in (decode("RunStepMetrics", f.value) for f in out if f.kind == RUN)}
-    assert run[0]["collectives_matched"] == 1 and run[0]["late_rank"] == 2
-    assert run[0]["late_rank_held_ns"] == 30 * MS  # rank 0 arrived at 10 ms, rank 2 at 40 ms
-    assert run[1]["ranks_reported"] == 2 and run[1]["collectives_matched"] == 0
-    assert run[1]["unmatched_collectives"] == [{"collective": "broadcast", "group": "0", "seq": 2, "arrived": [0, 1],
-                                                "missing": [2], "expected": 3}]
+    return ([decode("StepMetrics", f.value) for f in out if f.kind == STEPS],
+            [decode("RunStepMetrics", f.value) for f in out if f.kind == RUN])
+
+
+def test_the_exporter_shows_waits_the_late_rank_bandwidth_and_the_missing_rank():
+    import subprocess
+    import time
+    from collections import namedtuple
+
+    from profstream.kafka.topics import Topics
+    from profstream.schema.codec import encode
+    from profstream.sinks.prometheus import ExporterState
+    from tests.test_alert_rules import prometheus_tool
+    from tests.test_prometheus_sink import Scrape
+
+    Rec = namedtuple("Rec", "topic partition offset timestamp value")
+    _steps, run = _hang_run()
+    topics = Topics("coll")
+    state = ExporterState(topics)
+    now_ms = time.time_ns() // 10**6
+    state.handle([Rec(topics.run, 0, 0, now_ms, encode("RunStepMetrics", run[0]))])
+    s = Scrape(state.exposition().decode())
+    assert s("profstream_collective_late_rank", run="hang") == 2
+    assert s("profstream_collective_late_rank_held_seconds", run="hang") == pytest.approx(0.03)
+    assert s("profstream_collective_late_rank_held_ratio", run="hang") == pytest.approx(0.3)  # of 100 ms steps
+    assert s("profstream_collective_wait_seconds", run="hang", rank="0") == pytest.approx(0.03)
+    assert s("profstream_collective_transfer_seconds", run="hang", rank="2") == pytest.approx(0.02)
+    # 3 x 4000 bytes over 50 + 40 + 20 ms of transfer after rank 2's arrival (ends 60, 60, 60 ms)
+    assert s("profstream_collective_algbw_bytes_per_second", run="hang", collective="all_reduce") == pytest.approx(
+        12000 / 0.06)
+    assert s("profstream_collective_unmatched", run="hang") == 0 and not s.all("profstream_collective_missing")
+    state.handle([Rec(topics.run, 0, 1, now_ms, encode("RunStepMetrics", run[1]))])
+    s = Scrape(state.exposition().decode())
+    assert s("profstream_collective_unmatched", run="hang") == 1
+    assert [(x.labels["rank"], x.value) for x in s.all("profstream_collective_missing", run="hang")] == [("2", 1)]
+    res = subprocess.run([prometheus_tool("promtool"), "check", "metrics"], input=s.text, capture_output=True,
+                         text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
