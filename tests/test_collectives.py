@@ -46,14 +46,36 @@ def test_shipped_v4_message_decodes_with_no_collectives():
     raw = (DATA / "eventbatch-v4.bin").read_bytes()
     assert raw[2:10] != CURRENT["EventBatch"].header[2:10]
     batch = decode_batch(raw)
-    assert_same_batch(random_batch(1234, 20), batch)
+    assert_same_batch(random_batch(1234, 20, devices=False, collectives=False), batch)
     assert batch.n("collectives") == 0 and batch.collective_names == []
     assert_same_batch(batch, decode_batch(encode_batch(batch)))
 
 
+def test_only_records_with_collectives_are_written_as_the_new_versions():
+    """Batches, steps and cross-rank steps without collectives keep the versions before
+    them (older readers read them whole); with collectives they are EventBatch v6,
+    StepMetrics v5, RunStepMetrics v2."""
+    from profstream.schema.codec import VERSIONS, encode_run_step_metrics, encode_step_metrics
+
+    assert (CURRENT["EventBatch"].version, CURRENT["StepMetrics"].version, CURRENT["RunStepMetrics"].version) == (
+        6, 5, 2)
+    data = encode_batch(random_batch(3, 10))
+    assert data[:10] == CURRENT["EventBatch"].header and decode_batch(data).n("collectives") == 5
+    assert encode_batch(random_batch(3, 10, collectives=False))[:10] == VERSIONS[("EventBatch", 5)].header
+    step = decode("StepMetrics", (DATA / "stepmetrics-v3.bin").read_bytes())
+    assert encode_step_metrics(step)[:10] == VERSIONS[("StepMetrics", 3)].header
+    with_calls = {**step, "collectives": [{"collective": "all_reduce", "group": "0", "group_size": 2, "seq": 4,
+                                           "bytes": 4000, "start_ns": 2, "end_ns": 5}]}
+    assert encode_step_metrics(with_calls)[:10] == CURRENT["StepMetrics"].header
+    assert decode("StepMetrics", encode_step_metrics(with_calls)) == with_calls
+    run = decode("RunStepMetrics", (DATA / "runstepmetrics-v1.bin").read_bytes())
+    assert encode_run_step_metrics(run) == (DATA / "runstepmetrics-v1.bin").read_bytes()
+    assert encode_run_step_metrics({**run, "collectives_matched": 1})[:10] == CURRENT["RunStepMetrics"].header
+
+
 def test_shipped_step_metrics_v3_and_run_step_metrics_v1_decode_without_collectives():
     m = decode("StepMetrics", (DATA / "stepmetrics-v3.bin").read_bytes())
-    assert (m["step"], m["uncorrelated_ops"], m["collectives"]) == (7, 2, [])
+    assert (m["step"], m["devices"], m["collectives"]) == (7, [], [])
     run = decode("RunStepMetrics", (DATA / "runstepmetrics-v1.bin").read_bytes())
     assert (run["straggler_rank"], run["collectives_matched"], run["late_rank"], run["unmatched_collectives"]) == (
         1, 0, None, [])

@@ -31,7 +31,13 @@ from profstream.processors.lag import LagProbe
 from profstream.processors.ranks import rank_figures
 from profstream.processors.stalls import stall_alert
 from profstream.schema.batch import decode_batch
-from profstream.schema.codec import DecodeError, decode, encode, encode_step_metrics
+from profstream.schema.codec import (
+    DecodeError,
+    decode,
+    encode,
+    encode_run_step_metrics,
+    encode_step_metrics,
+)
 
 log = logging.getLogger("profstream.processor")
 
@@ -299,7 +305,7 @@ class RunStage:
                   "step_times_ns": {str(r): t for r, t in sorted(step_times.items())},
                   **step_collectives(calls, list(everyone))}
         self.counts.run_steps += 1
-        return Output(self.topics.run, run_id.encode(), encode("RunStepMetrics", record), None)
+        return Output(self.topics.run, run_id.encode(), encode_run_step_metrics(record), None)
 
 
 class Processor:
