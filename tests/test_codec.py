@@ -148,8 +148,9 @@ def test_processed_records_round_trip():
         "kernel_types": [{"op_type": "gemm", "total_ns": 7, "count": 1}],
         "device_kinds": [{"kind": "compute", "total_ns": 7, "count": 1}], "uncorrelated_ops": 2,
         "devices": [DEVICE_FIGURES],
-        "collectives": [{"collective": "all_reduce", "group": "0", "group_size": 2, "seq": 4, "bytes": 4000,
-                         "start_ns": 2, "end_ns": 5}],
+        "collectives": {"names": ["all_reduce", "0"], "count": 1, "name_idx": b"\0" * 4, "group_idx": b"\1\0\0\0",
+                        "group_size": b"\2\0\0\0", "seq": b"\4" + b"\0" * 7, "bytes": b"\xa0\x0f" + b"\0" * 6,
+                        "start_ns": b"\2" + b"\0" * 7, "end_ns": b"\5" + b"\0" * 7},
     }
     assert decode("StepMetrics", encode("StepMetrics", step)) == step
     run = {"run_id": "r", "step": 7, "ranks_reported": 2, "min_step_time_ns": 10, "median_step_time_ns": 12.0,

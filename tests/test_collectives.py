@@ -6,7 +6,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from profstream.processors.collectives import CollectiveCall, bus_factor, step_collectives
+from profstream.processors.collectives import (
+    CollectiveCall,
+    bus_factor,
+    calls_of,
+    pack_calls,
+    step_collectives,
+)
 from profstream.producers.sender import collective_columns
 from profstream.schema.batch import EventBatch, decode_batch, encode_batch
 from profstream.schema.codec import CURRENT, DecodeError, decode
@@ -64,8 +70,7 @@ def test_only_records_with_collectives_are_written_as_the_new_versions():
     assert encode_batch(random_batch(3, 10, collectives=False))[:10] == VERSIONS[("EventBatch", 5)].header
     step = decode("StepMetrics", (DATA / "stepmetrics-v3.bin").read_bytes())
     assert encode_step_metrics(step)[:10] == VERSIONS[("StepMetrics", 3)].header
-    with_calls = {**step, "collectives": [{"collective": "all_reduce", "group": "0", "group_size": 2, "seq": 4,
-                                           "bytes": 4000, "start_ns": 2, "end_ns": 5}]}
+    with_calls = {**step, "collectives": pack_calls(calls_of([CollectiveCall("all_reduce", "0", 2, 4, 4000, 2, 5)]))}
     assert encode_step_metrics(with_calls)[:10] == CURRENT["StepMetrics"].header
     assert decode("StepMetrics", encode_step_metrics(with_calls)) == with_calls
     run = decode("RunStepMetrics", (DATA / "runstepmetrics-v1.bin").read_bytes())
@@ -75,7 +80,7 @@ def test_only_records_with_collectives_are_written_as_the_new_versions():
 
 def test_shipped_step_metrics_v3_and_run_step_metrics_v1_decode_without_collectives():
     m = decode("StepMetrics", (DATA / "stepmetrics-v3.bin").read_bytes())
-    assert (m["step"], m["devices"], m["collectives"]) == (7, [], [])
+    assert (m["step"], m["devices"], m["collectives"]["count"]) == (7, [], 0)
     run = decode("RunStepMetrics", (DATA / "runstepmetrics-v1.bin").read_bytes())
     assert (run["straggler_rank"], run["collectives_matched"], run["late_rank"], run["unmatched_collectives"]) == (
         1, 0, None, [])
@@ -96,7 +101,7 @@ def test_wait_transfer_and_bandwidth_of_matched_calls():
     calls = {0: [_call("all_reduce", 1, 0, 40), _call("all_gather", 2, 50, 55, 12000)],
              1: [_call("all_reduce", 1, 10, 41), _call("all_gather", 2, 50, 56, 12000)],
              2: [_call("all_reduce", 1, 30, 40), _call("all_gather", 2, 50, 55, 12000)]}
-    f = step_collectives(calls, [0, 1, 2])
+    f = step_collectives({r: calls_of(c) for r, c in calls.items()}, [0, 1, 2])
     assert f["collectives_matched"] == 2 and f["unmatched_collectives"] == []
     ranks = {r["rank"]: r for r in f["collective_ranks"]}
     assert [ranks[r]["wait_ns"] for r in (0, 1, 2)] == [30 * MS, 20 * MS, 0]
@@ -115,7 +120,7 @@ def test_a_call_a_rank_never_reported_is_unmatched_with_the_missing_rank():
     calls = {0: [_call("all_reduce", 1, 0, 10), _call("broadcast", 2, 20, 30)],
              2: [_call("all_reduce", 1, 1, 10)],
              1: [_call("all_reduce", 1, 2, 10)]}
-    f = step_collectives(calls, [0, 1, 2])
+    f = step_collectives({r: calls_of(c) for r, c in calls.items()}, [0, 1, 2])
     assert f["collectives_matched"] == 1
     assert f["unmatched_collectives"] == [{"collective": "broadcast", "group": "0", "seq": 2, "arrived": [0],
                                            "missing": [1, 2], "expected": 3}]
@@ -123,7 +128,7 @@ def test_a_call_a_rank_never_reported_is_unmatched_with_the_missing_rank():
 
 def test_no_late_rank_without_waiting():
     calls = {r: [_call("all_reduce", 1, 0, 10)] for r in range(3)}
-    f = step_collectives(calls, range(3))
+    f = step_collectives({r: calls_of(c) for r, c in calls.items()}, range(3))
     assert f["late_rank"] is None and f["late_rank_held_ns"] == 0
     assert all(r["wait_ns"] == 0 for r in f["collective_ranks"])
 
@@ -131,7 +136,7 @@ def test_no_late_rank_without_waiting():
 def test_calls_of_a_subgroup_match_on_their_group_size():
     calls = {0: [_call("all_reduce", 7, 0, 10, group="tp", n=2)], 1: [_call("all_reduce", 7, 4, 10, group="tp", n=2)],
              2: [], 3: []}
-    f = step_collectives(calls, range(4))
+    f = step_collectives({r: calls_of(c) for r, c in calls.items()}, range(4))
     assert f["collectives_matched"] == 1 and f["late_rank"] == 1
     assert np.isclose(f["late_rank_held_ns"], 4 * MS)
 
@@ -157,7 +162,7 @@ def test_processors_match_calls_and_report_a_call_a_rank_never_made():
     run stage's grace the calls ranks 0 and 1 made in step 1 are reported unmatched,
     naming rank 2 as missing; step 0 is matched, with rank 2 the late one."""
     steps, run = _hang_run()
-    assert {(s["rank"], s["step"]): len(s["collectives"]) for s in steps} == {(0, 0): 1, (0, 1): 1, (1, 0): 1,
+    assert {(s["rank"], s["step"]): s["collectives"]["count"] for s in steps} == {(0, 0): 1, (0, 1): 1, (1, 0): 1,
                                                                               (1, 1): 1, (2, 0): 1}
     run = {r["step"]: r for r in run}
     assert run[0]["collectives_matched"] == 1 and run[0]["late_rank"] == 2

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from profstream.processors.collectives import CALL_COLUMNS, Calls
 from profstream.processors.model import StepEvents
 from profstream.processors.window import carry_past_end, step_window
 from profstream.schema.batch import NO_VALUE, EventBatch, launch_column
@@ -25,6 +26,8 @@ from profstream.schema.batch import NO_VALUE, EventBatch, launch_column
 _OP_COLS = ("kind", "type", "stream", "start_ns", "dur_ns", "launch_ns")
 _MEM_COLS = ("ts_ns", "allocated", "reserved", "peak")
 _QUEUE_COLS = ("queue", "ts_ns", "size")
+_CALL_COLS = tuple(c for c, _ in CALL_COLUMNS)
+_CALL_DTYPES = dict(CALL_COLUMNS)
 
 
 @dataclass
@@ -34,7 +37,7 @@ class _OpenStep:
     ops: list[dict] = field(default_factory=list)
     memory: list[dict] = field(default_factory=list)
     queues: list[dict] = field(default_factory=list)
-    collectives: list[list[dict]] = field(default_factory=list)
+    collectives: list[dict] = field(default_factory=list)
     events: int = 0
     first_offset: int = -1  # input offset of the first batch that fed this step
 
@@ -61,20 +64,6 @@ def _by_step(steps: np.ndarray, columns: dict[str, np.ndarray]):
     for step, lo, hi in zip(uniq, starts, bounds):
         idx = order[lo:hi]
         yield int(step), {k: v[idx] for k, v in columns.items()}
-
-
-def collective_calls(batch: EventBatch) -> dict[int, list[dict]]:
-    """The batch's collective rows by step, as StepMetrics ``collectives`` entries."""
-    c, names = batch.collectives, batch.collective_names
-    out: dict[int, list[dict]] = {}
-    size = np.maximum(c["in_bytes"], c["out_bytes"]).tolist()
-    for i, step in enumerate(c["step"].tolist()):
-        start = int(c["start_ns"][i])
-        out.setdefault(step, []).append({
-            "collective": names[c["name_idx"][i]], "group": names[c["group_idx"][i]],
-            "group_size": int(c["group_size"][i]), "seq": int(c["seq"][i]), "bytes": size[i],
-            "start_ns": start, "end_ns": start + int(c["dur_ns"][i])})
-    return out
 
 
 def _concat(parts: list[dict], names: tuple[str, ...], dtypes: dict) -> dict[str, np.ndarray]:
@@ -113,6 +102,8 @@ class RankAssembler:
         self._type_codes: dict[str, int] = {}
         self.queue_names: list[str] = []
         self._queue_codes: dict[str, int] = {}
+        self.collective_names: list[str] = []  # collective and group names of this rank's calls
+        self._collective_codes: dict[str, int] = {}
         # what the next step to close needs of the last closed one (window.py)
         self.carry: tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]] = (_NO_CARRY, _NO_CARRY)
         self.device_end: tuple[int, int] | None = None  # (step, end of its last device op)
@@ -172,9 +163,15 @@ class RankAssembler:
             cols = {"queue": remap[q["name_idx"]], "ts_ns": q["ts_ns"], "size": q["size"]}
             for step, part in _by_step(q["step"], cols):
                 self._bucket(step, "queues", part, len(part["ts_ns"]))
-        if batch.n("collectives"):
-            for step, calls in collective_calls(batch).items():
-                self._bucket(step, "collectives", calls, len(calls))
+        c = batch.collectives
+        if len(c["step"]):
+            remap = np.array([self._code(self._collective_codes, self.collective_names, n)
+                              for n in batch.collective_names], dtype=np.int32)
+            cols = {"name_idx": remap[c["name_idx"]], "group_idx": remap[c["group_idx"]],
+                    "group_size": c["group_size"], "seq": c["seq"], "bytes": np.maximum(c["in_bytes"], c["out_bytes"]),
+                    "start_ns": c["start_ns"], "end_ns": c["start_ns"] + c["dur_ns"]}
+            for step, part in _by_step(c["step"], cols):
+                self._bucket(step, "collectives", part, len(part["seq"]))
         st = batch.steps
         for i in range(len(st["step"])):
             step = int(st["step"][i])
@@ -263,7 +260,7 @@ class RankAssembler:
             mem_peak=mem["peak"], queue=q["queue"], queue_ts_ns=q["ts_ns"], queue_size=q["size"],
             queue_names=self.queue_names, carried_compute=self.carry[0], carried_comm=self.carry[1],
             prev_device_end_ns=before[1] if before is not None and before[0] == step - 1 else NO_VALUE,
-            collectives=[call for part in entry.collectives for call in part],
+            collectives=Calls(self.collective_names, _concat(entry.collectives, _CALL_COLS, _CALL_DTYPES)),
         )
         self.carry = carry_past_end(ev)
         window = step_window(ev)

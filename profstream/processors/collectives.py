@@ -19,8 +19,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
+
+from profstream.schema.codec import NO_COLLECTIVE_CALLS
 
 # NCCL-tests' bus bandwidth factors (doc/PERFORMANCE.md of nccl-tests), n = group size
 _RING_TWICE = ("all_reduce", "allreduce")
@@ -40,9 +43,48 @@ def bus_factor(collective: str, group_size: int) -> float:
     return 1.0
 
 
+# StepMetrics v5 ``collectives``: a step's calls on one rank as packed columns (as
+# EventBatch sections are), collective and group names indexing ``names``
+CALL_COLUMNS = (("name_idx", np.dtype("<i4")), ("group_idx", np.dtype("<i4")), ("group_size", np.dtype("<i4")),
+                ("seq", np.dtype("<i8")), ("bytes", np.dtype("<i8")), ("start_ns", np.dtype("<i8")),
+                ("end_ns", np.dtype("<i8")))
+NO_CALLS = NO_COLLECTIVE_CALLS
+assert set(NO_CALLS) == {"names", "count", *(c for c, _ in CALL_COLUMNS)}
+
+
+class Calls(NamedTuple):
+    """One rank's collective calls of a step: ``names`` and CALL_COLUMNS arrays."""
+
+    names: list[str]
+    cols: dict[str, np.ndarray]
+
+    def __len__(self) -> int:
+        return len(self.cols["seq"])
+
+
+def pack_calls(calls: Calls) -> dict:
+    """The StepMetrics ``collectives`` record of ``calls``."""
+    if not len(calls):
+        return NO_CALLS
+    return {"names": list(calls.names), "count": len(calls),
+            **{c: np.asarray(calls.cols[c], d).tobytes() for c, d in CALL_COLUMNS}}
+
+
+def unpack_calls(record: dict) -> Calls:
+    """``pack_calls`` undone; ValueError on columns of the wrong length or names out of range."""
+    n = record["count"]
+    cols = {c: np.frombuffer(record[c], d) for c, d in CALL_COLUMNS}
+    if any(len(a) != n for a in cols.values()):
+        raise ValueError("collectives columns differ in length from their count")
+    names = record["names"]
+    if n and max(cols["name_idx"].max(), cols["group_idx"].max()) >= len(names):
+        raise ValueError("collectives name index outside its names")
+    return Calls(names, cols)
+
+
 @dataclass(frozen=True)
 class CollectiveCall:
-    """One rank's part in one collective call."""
+    """One rank's part in one collective call (a row of Calls)."""
 
     collective: str
     group: str
@@ -53,70 +95,105 @@ class CollectiveCall:
     end_ns: int
 
 
-def calls_from_record(records: Sequence[Mapping]) -> list[CollectiveCall]:
-    """CollectiveCalls of a StepMetrics record's ``collectives``."""
-    return [CollectiveCall(c["collective"], c["group"], c["group_size"], c["seq"], c["bytes"], c["start_ns"],
-                           c["end_ns"]) for c in records]
+def calls_of(rows: Sequence[CollectiveCall]) -> Calls:
+    """Calls from CollectiveCall rows."""
+    names: dict[str, int] = {}
+    code = [names.setdefault(v, len(names)) for r in rows for v in (r.collective, r.group)]
+    cols = {"name_idx": np.array(code[0::2], np.int32), "group_idx": np.array(code[1::2], np.int32),
+            **{c: np.array([getattr(r, c) for r in rows], d) for c, d in CALL_COLUMNS[2:]}}
+    return Calls(list(names), cols)
 
 
-def step_collectives(calls: Mapping[int, Sequence[CollectiveCall]], ranks: Sequence[int]) -> dict:
+def step_collectives(calls: Mapping[int, Calls], ranks: Sequence[int]) -> dict:
     """The collective figures of one step from ``{rank: its calls}``; ``ranks``: every rank
     of the run (those that did not report the step included). Fields as in
-    RunStepMetrics (run_step_metrics.v2.avsc)."""
-    by_key: dict[tuple[str, int], dict[int, CollectiveCall]] = {}
-    for rank, rank_calls in calls.items():
-        for call in rank_calls:
-            by_key.setdefault((call.group, call.seq), {})[rank] = call
-    wait = {r: 0 for r in calls}
-    transfer = {r: 0 for r in calls}
-    slowest: dict[int, tuple[int, str]] = {}
-    held = {r: 0 for r in calls}  # others' summed wait, per rank they waited for
-    held_max: dict[int, dict[int, int]] = {}  # late rank -> other rank -> its wait for it
-    kinds: dict[str, list] = {}  # collective -> [calls, bytes, transfer_ns, bus bytes] (bytes, time: per rank part)
+    RunStepMetrics (run_step_metrics.v2.avsc). Arithmetic on arrays over all ranks' calls."""
+    reporting = sorted(r for r, c in calls.items() if len(c))
+    empty = {"collectives_matched": 0, "collective_ranks": [], "by_collective": [], "late_rank": None,
+             "late_rank_held_ns": 0, "unmatched_collectives": []}
+    if not reporting:
+        return empty
+    # one dictionary for the names of every rank
+    names: dict[str, int] = {}
+    parts = []
+    for r in reporting:
+        c = calls[r]
+        remap = np.array([names.setdefault(n, len(names)) for n in c.names], np.int64)
+        parts.append((r, remap[c.cols["name_idx"]], remap[c.cols["group_idx"]], c.cols))
+    rank = np.concatenate([np.full(len(p[1]), p[0], np.int64) for p in parts])
+    coll = np.concatenate([p[1] for p in parts])
+    group = np.concatenate([p[2] for p in parts])
+    col = {c: np.concatenate([p[3][c] for p in parts]).astype(np.int64) for c, _ in CALL_COLUMNS[2:]}
+    order = np.lexsort((rank, col["seq"], group))
+    rank, coll, group = rank[order], coll[order], group[order]
+    col = {c: a[order] for c, a in col.items()}
+    seq, start, end = col["seq"], col["start_ns"], col["end_ns"]
+    new = np.ones(len(seq), bool)
+    new[1:] = (group[1:] != group[:-1]) | (seq[1:] != seq[:-1])
+    first = np.flatnonzero(new)  # one segment per call (group, seq)
+    count = np.diff(np.append(first, len(seq)))
+    seg = np.cumsum(new) - 1  # row -> its call
+    matched = count >= col["group_size"][first]
+    last_start = np.maximum.reduceat(start, first)
+    # the late rank of a call: the latest start (lowest rank on ties, rows are in rank order)
+    at_last = np.flatnonzero(start == last_start[seg])
+    late_row = at_last[np.unique(seg[at_last], return_index=True)[1]]
+    late = rank[late_row]
+    row_ok = matched[seg]
+    wait = np.where(row_ok, last_start[seg] - start, 0)
+    transfer = np.where(row_ok, np.maximum(end - last_start[seg], 0), 0)
+    ranks_at = np.array(reporting, np.int64)
+    rank_i = np.searchsorted(ranks_at, rank)
+    nr = len(reporting)
+    wait_by = np.bincount(rank_i, wait, nr)
+    transfer_by = np.bincount(rank_i, transfer, nr)
+    # held: each other rank's wait, per the late rank of the call it waited in
+    late_i = np.searchsorted(ranks_at, late)[seg]
+    other = row_ok & (rank_i != late_i)
+    held_pairs = np.bincount(late_i[other] * nr + rank_i[other], wait[other], nr * nr).reshape(nr, nr)
+    held = held_pairs.sum(axis=1)
+    # slowest call per rank (longest end - start; among matched and unmatched alike)
+    dur = end - start
+    by_dur = np.lexsort((dur, rank_i))
+    last_of_rank = by_dur[np.append(rank_i[by_dur][1:] != rank_i[by_dur][:-1], True)]
+    slowest = {int(rank_i[i]): (int(dur[i]), int(coll[i])) for i in last_of_rank.tolist()}
+    name_of = list(names)
+    # per collective name, over matched calls: calls; bytes, transfer and bus bytes over the ranks' parts
+    size = np.maximum.reduceat(col["bytes"], first) if len(first) else first
+    pairs, pair_of = np.unique(np.stack([coll[first], col["group_size"][first]]), axis=1, return_inverse=True)
+    factor = np.array([bus_factor(name_of[c], n) for c, n in pairs.T.tolist()])[pair_of.ravel()]
+    kinds = []
+    seg_coll = coll[first]
+    seg_transfer = np.bincount(seg, transfer, len(first))
+    for c in sorted(set(seg_coll[matched].tolist()), key=lambda c: name_of[c]):
+        sel = matched & (seg_coll == c)
+        nbytes = int((size[sel] * count[sel]).sum())
+        t = int(seg_transfer[sel].sum())
+        bus = float((size[sel] * count[sel] * factor[sel]).sum())
+        kinds.append({"collective": name_of[c], "calls": int(sel.sum()), "bytes": nbytes, "transfer_ns": t,
+                      "algbw_bytes_per_s": nbytes / t * 1e9 if t > 0 else 0.0,
+                      "busbw_bytes_per_s": bus / t * 1e9 if t > 0 else 0.0})
+    everyone = sorted(set(ranks) | set(reporting))
     unmatched = []
-    matched = 0
-    everyone = sorted(set(ranks) | set(calls))
-    for (group, seq), parts in sorted(by_key.items()):
-        first = next(iter(parts.values()))
-        if len(parts) < first.group_size:
-            arrived = sorted(parts)
-            missing = [r for r in everyone if r not in parts] if first.group_size == len(everyone) else []
-            unmatched.append({"collective": first.collective, "group": group, "seq": seq, "arrived": arrived,
-                              "missing": missing, "expected": first.group_size})
-            continue
-        matched += 1
-        starts = np.array([c.start_ns for c in parts.values()], np.int64)
-        last_start = int(starts.max())
-        late = list(parts)[int(np.argmax(starts))]
-        size = max(c.bytes for c in parts.values())
-        factor = bus_factor(first.collective, first.group_size)
-        entry = kinds.setdefault(first.collective, [0, 0, 0, 0.0])
-        entry[0] += 1
-        for rank, call in parts.items():
-            w = last_start - call.start_ns
-            t = max(call.end_ns - last_start, 0)
-            wait[rank] += w
-            transfer[rank] += t
-            if rank != late:
-                held[late] += w
-                others = held_max.setdefault(late, {})
-                others[rank] = others.get(rank, 0) + w
-            if call.end_ns - call.start_ns > slowest.get(rank, (-1, ""))[0]:
-                slowest[rank] = (call.end_ns - call.start_ns, call.collective)
-            entry[1] += size
-            entry[2] += t
-            entry[3] += size * factor
-    late_rank = max(held, key=lambda r: (held[r], -r)) if held and max(held.values()) > 0 else None
+    for k in np.flatnonzero(~matched).tolist():
+        a, n = int(first[k]), int(count[k])
+        arrived = sorted(rank[a:a + n].tolist())
+        expected = int(col["group_size"][a])
+        unmatched.append({"collective": name_of[int(coll[a])], "group": name_of[int(group[a])], "seq": int(seq[a]),
+                          "arrived": arrived,
+                          "missing": [r for r in everyone if r not in arrived] if expected == len(everyone) else [],
+                          "expected": expected})
+    late_rank = None
+    if nr and held.max() > 0:
+        late_rank = reporting[int(np.argmax(held))]  # lowest rank on ties
     return {
-        "collectives_matched": matched,
-        "collective_ranks": [{"rank": r, "wait_ns": wait[r], "transfer_ns": transfer[r],
-                   "slowest_collective": slowest.get(r, (0, ""))[1], "slowest_ns": slowest.get(r, (0, ""))[0]}
-                  for r in sorted(calls)],
-        "by_collective": [{"collective": name, "calls": e[0], "bytes": e[1], "transfer_ns": e[2],
-                           "algbw_bytes_per_s": e[1] / e[2] * 1e9 if e[2] > 0 else 0.0,
-                           "busbw_bytes_per_s": e[3] / e[2] * 1e9 if e[2] > 0 else 0.0}
-                          for name, e in sorted(kinds.items())],
+        "collectives_matched": int(matched.sum()),
+        "collective_ranks": [{"rank": r, "wait_ns": int(wait_by[i]), "transfer_ns": int(transfer_by[i]),
+                              "slowest_collective": name_of[slowest[i][1]] if i in slowest else "",
+                              "slowest_ns": slowest[i][0] if i in slowest else 0}
+                             for i, r in enumerate(reporting)],
+        "by_collective": kinds,
         "late_rank": late_rank,
-        "late_rank_held_ns": max(held_max.get(late_rank, {}).values(), default=0) if late_rank is not None else 0,
+        "late_rank_held_ns": int(held_pairs[reporting.index(late_rank)].max()) if late_rank is not None else 0,
         "unmatched_collectives": unmatched,
     }

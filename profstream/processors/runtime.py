@@ -24,7 +24,7 @@ from profstream.kafka.limits import DEAD_LETTER_ROOM_BYTES, MAX_MESSAGE_BYTES
 from profstream.kafka.topics import Topics
 from profstream.processors.assembler import RankAssembler
 from profstream.processors.checkpoint import MAX_OUTAGE_S, Output, TransactionalLoop
-from profstream.processors.collectives import calls_from_record, step_collectives
+from profstream.processors.collectives import step_collectives, unpack_calls
 from profstream.processors.figures import FigureOptions, RankFigures
 from profstream.processors.health import ProcessorHealth, StageCounts
 from profstream.processors.lag import LagProbe
@@ -275,8 +275,11 @@ class RunStage:
             run.first_offset[step] = rec.offset
             run.first_seen[step] = now
         run.pending[step][m["rank"]] = m["step_time_ns"]
-        if m["collectives"]:
-            run.calls.setdefault(step, {})[m["rank"]] = calls_from_record(m["collectives"])
+        if m["collectives"]["count"]:
+            try:
+                run.calls.setdefault(step, {})[m["rank"]] = unpack_calls(m["collectives"])
+            except ValueError:  # a StepMetrics of another writer: its step counts, its calls do not
+                self.counts.decode_errors["malformed"] += 1
         return []
 
     def ready(self, now: float) -> list[Output]:

@@ -122,8 +122,13 @@ def _then(first: Callable[[dict], dict], second: Callable[[dict], dict]) -> Call
     return lambda record: second(first(record))
 
 
+# StepMetrics v5 ``collectives`` of a step without calls (packed columns: processors/collectives.py)
+NO_COLLECTIVE_CALLS = {"names": [], "count": 0, "name_idx": b"", "group_idx": b"", "group_size": b"", "seq": b"",
+                       "bytes": b"", "start_ns": b"", "end_ns": b""}
+
+
 def _step_metrics_v4_to_v5(record: dict) -> dict:
-    return {**record, "collectives": []}
+    return {**record, "collectives": NO_COLLECTIVE_CALLS}
 
 
 def _step_metrics_v3_to_v5(record: dict) -> dict:
@@ -204,7 +209,7 @@ RUN_STEP_METRICS_WITHOUT_COLLECTIVES_VERSION = 1
 def encode_step_metrics(record: dict) -> bytes:
     """A StepMetrics record as its message: v5 with collective calls, v4 with device
     figures, else v3."""
-    if record.get("collectives"):
+    if record.get("collectives", NO_COLLECTIVE_CALLS)["count"]:
         return encode("StepMetrics", record)
     return encode("StepMetrics", record, STEP_METRICS_WITHOUT_COLLECTIVES_VERSION if record.get("devices")
                   else STEP_METRICS_WITHOUT_DEVICES_VERSION)
