@@ -186,11 +186,19 @@ for _v in _VERSIONS:
     CURRENT[_v.name] = _v
 
 
+# Defaults the writer fills in for a record without the field: fastavro writes a schema
+# default as given, and a JSON default of an Avro bytes field is a string it cannot write.
+_WRITE_DEFAULTS = {"StepMetrics": {"collectives": NO_COLLECTIVE_CALLS}}
+
+
 def encode(name: str, record: dict, version: int | None = None) -> bytes:
     """Encode ``record`` with the current schema ``name`` (or its ``version``, for a record
     that an older version holds whole: readers of that version can then read it) as a
     single-object message."""
     sv = CURRENT[name] if version is None else VERSIONS[(name, version)]
+    missing = _WRITE_DEFAULTS.get(name)
+    if missing and any(f not in record for f in missing):
+        record = {**missing, **record}
     out = io.BytesIO()
     out.write(sv.header)
     schemaless_writer(out, sv.parsed, record)
