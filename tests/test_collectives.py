@@ -219,3 +219,15 @@ def test_the_exporter_shows_waits_the_late_rank_bandwidth_and_the_missing_rank()
     res = subprocess.run([prometheus_tool("promtool"), "check", "metrics"], input=s.text, capture_output=True,
                          text=True)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_the_report_section_names_the_late_rank_bandwidth_and_the_missing_rank():
+    from profstream.offline.report_collectives import communication_section
+
+    _steps, run = _hang_run()
+    html = communication_section(run)
+    assert 'data-late="2"' in html and "<td>30.0</td>" in html  # rank 2 held the others 30 ms, in step 0
+    assert 'data-collective="all_reduce"' in html
+    assert "<td>broadcast</td>" in html and "<td>[0, 1]</td><td>[2]</td>" in html
+    assert "No collective calls" in communication_section([{**r, "collectives_matched": 0,
+                                                            "unmatched_collectives": []} for r in run])

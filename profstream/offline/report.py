@@ -25,6 +25,7 @@ from profstream.config import check_name
 from profstream.offline import charts
 from profstream.offline.archive import ArchiveError, Loss, Tally, archive_files
 from profstream.offline.replay import default_workers, replay_offline
+from profstream.offline.report_collectives import communication_section
 from profstream.processors.stream import StreamOptions
 
 MAX_RANK_PANELS = 8  # per-rank stacked phase charts; the rest are in the tables
@@ -372,6 +373,7 @@ def render(data: ReportData, out_path: Path) -> str:
               if has_device_windows(data.steps) else ("<h2>Op types</h2>",)),
             _op_types(data),
             "<h2>Across ranks</h2>", _cross_rank(data),
+            "<h2>Communication across ranks</h2>", communication_section(data.run_steps),
             "<h2>Alerts</h2>", _alerts(data),
             "<h2>Timelines</h2>", _timelines(data, out_path.parent),
         ])
