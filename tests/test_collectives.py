@@ -231,3 +231,27 @@ def test_the_report_section_names_the_late_rank_bandwidth_and_the_missing_rank()
     assert "<td>broadcast</td>" in html and "<td>[0, 1]</td><td>[2]</td>" in html
     assert "No collective calls" in communication_section([{**r, "collectives_matched": 0,
                                                             "unmatched_collectives": []} for r in run])
+
+
+def test_monitor_collective_rows_reach_the_batch_in_the_step_they_belong_to():
+    from profstream.producers.monitor import Monitor
+    from profstream.producers.sender import Sender
+
+    from types import SimpleNamespace
+
+    idle = SimpleNamespace(start=lambda: None, stop=lambda timeout: True, flush=lambda timeout: True,
+                           stats=lambda: {})  # no sender thread: the test builds the batch itself
+    mon = Monitor(run_id="coll", rank=1, world_size=2, bootstrap="127.0.0.1:1", sender_factory=lambda m: idle,
+                  host_sample_interval_s=0)
+    sender = Sender(mon)
+    with mon.step():
+        mon.collective("all_reduce", "0", 7, 1000, 50, 2, in_bytes=4096, out_bytes=4096, dtype="Float")
+        mon.collective("all_gather", "0", 8, 2000, 20, 2, in_bytes=64, out_bytes=128, dtype="Float")
+    assert sender._build()
+    batch = decode_batch(sender._pending.popleft()[0])
+    mon.close()
+    names = batch.collective_names
+    c = batch.collectives
+    assert [names[i] for i in c["name_idx"]] == ["all_reduce", "all_gather"]
+    assert c["seq"].tolist() == [7, 8] and c["step"].tolist() == [0, 0] and c["out_bytes"].tolist() == [4096, 128]
+    assert batch.n("steps") == 1  # the step mark came with them
