@@ -234,10 +234,10 @@ def test_the_report_section_names_the_late_rank_bandwidth_and_the_missing_rank()
 
 
 def test_monitor_collective_rows_reach_the_batch_in_the_step_they_belong_to():
+    from types import SimpleNamespace
+
     from profstream.producers.monitor import Monitor
     from profstream.producers.sender import Sender
-
-    from types import SimpleNamespace
 
     idle = SimpleNamespace(start=lambda: None, stop=lambda timeout: True, flush=lambda timeout: True,
                            stats=lambda: {})  # no sender thread: the test builds the batch itself
