@@ -165,7 +165,7 @@ class TorchInstrumentation:
             window = OpWindow(o["start_step"], o["stop_step"], o["every_n_steps"])
             _hand_op_window_to_producer(monitor)
             self.capture = OpCapture(monitor, window, self.cuda, self._fail, self.compiled_walk,
-                                     collective_bytes=o["collective_bytes"])
+                                     collective_bytes=o.get("collective_bytes", False))
         if not self.cuda:
             self._rss = RssReader()
 

@@ -82,6 +82,15 @@ def unpack_calls(record: dict) -> Calls:
     return Calls(names, cols)
 
 
+def readable_calls(record: dict) -> list[dict]:
+    """A StepMetrics ``collectives`` record as one dict per call (JSON exports)."""
+    calls = unpack_calls(record)
+    names = calls.names
+    return [{"collective": names[n], "group": names[g], "group_size": size, "seq": seq, "bytes": b,
+             "start_ns": start, "end_ns": end}
+            for n, g, size, seq, b, start, end in zip(*(calls.cols[c].tolist() for c, _ in CALL_COLUMNS))]
+
+
 @dataclass(frozen=True)
 class CollectiveCall:
     """One rank's part in one collective call (a row of Calls)."""
