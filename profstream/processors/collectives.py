@@ -169,8 +169,9 @@ def step_collectives(calls: Mapping[int, Calls], ranks: Sequence[int]) -> dict:
     name_of = list(names)
     # per collective name, over matched calls: calls; bytes, transfer and bus bytes over the ranks' parts
     size = np.maximum.reduceat(col["bytes"], first) if len(first) else first
-    pairs, pair_of = np.unique(np.stack([coll[first], col["group_size"][first]]), axis=1, return_inverse=True)
-    factor = np.array([bus_factor(name_of[c], n) for c, n in pairs.T.tolist()])[pair_of.ravel()]
+    pair = coll[first] << 32 | col["group_size"][first]  # (collective, group size) of each call
+    pairs, pair_of = np.unique(pair, return_inverse=True)
+    factor = np.array([bus_factor(name_of[p >> 32], p & 0xFFFFFFFF) for p in pairs.tolist()])[pair_of]
     kinds = []
     seg_coll = coll[first]
     seg_transfer = np.bincount(seg, transfer, len(first))
