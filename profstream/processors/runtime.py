@@ -30,7 +30,7 @@ from profstream.processors.lag import LagProbe
 from profstream.processors.ranks import rank_figures
 from profstream.processors.stalls import stall_alert
 from profstream.schema.batch import decode_batch
-from profstream.schema.codec import DecodeError, decode, encode
+from profstream.schema.codec import DecodeError, decode, encode, encode_step_metrics
 
 log = logging.getLogger("profstream.processor")
 
@@ -168,7 +168,7 @@ class StepStage:
         record, transition = rank.figures.step_metrics(ev, reason, rank.assembler.late_events)
         key = f"{ev.run_id}/{ev.rank}".encode()
         part = run_partition(ev.run_id, self.steps_partitions)
-        out = [Output(self.topics.steps, key, encode("StepMetrics", record), part)]
+        out = [Output(self.topics.steps, key, encode_step_metrics(record), part)]
         self.counts.step_closed(record)
         if transition is not None:
             self.counts.alerts += 1
