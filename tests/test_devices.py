@@ -27,6 +27,7 @@ from profstream.schema.codec import CURRENT, VERSIONS
 from tests.helpers import topic_size, wait_until
 from tests.nvml import NOT_SUPPORTED, UNKNOWN
 
+
 def _read_twice(backend):
     """Two readings 30 ms apart: the second has rates."""
     backend.read()
