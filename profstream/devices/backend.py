@@ -55,7 +55,7 @@ class DeviceBackend(Protocol):
 
 # Device kinds with a backend, and the kinds known to have none yet (said so in one line).
 NVIDIA_KINDS = ("cuda", "gpu")
-NO_BACKEND_YET = {"npu": "no Ascend counter backend yet (docs/devices.md maps npu-smi / DCMI fields to ours)"}
+NO_BACKEND_YET = {"npu": "no Ascend counter backend yet (docs/monitor.md#ascend maps npu-smi / DCMI fields to ours)"}
 
 
 def device_ordinals(device: str, counter_devices: str | None) -> tuple[str, list[int]]:
@@ -66,11 +66,3 @@ def device_ordinals(device: str, counter_devices: str | None) -> tuple[str, list
         return kind, [int(i) for i in counter_devices.split(",")]
     return kind, [int(index)] if index.isdigit() else [0]
 
-
-def open_backend(kind: str, ordinals: list[int]) -> DeviceBackend:
-    """The backend for ``kind`` devices ``ordinals``; DeviceUnavailable when none can read them."""
-    if kind in NVIDIA_KINDS:
-        from profstream.devices.nvml import open_nvml
-
-        return open_nvml(ordinals)
-    raise DeviceUnavailable(NO_BACKEND_YET.get(kind, f"no counter backend for {kind} devices"))

@@ -21,10 +21,17 @@ from profstream.devices.backend import (
     DeviceSample,
     DeviceUnavailable,
     device_ordinals,
-    open_backend,
 )
+from profstream.devices.nvml import open_nvml
 
 log = logging.getLogger("profstream.devices")
+
+
+def open_backend(kind: str, ordinals: list[int]) -> DeviceBackend:
+    """The backend for ``kind`` devices ``ordinals``; DeviceUnavailable when none can read them."""
+    if kind in NVIDIA_KINDS:
+        return open_nvml(ordinals)
+    raise DeviceUnavailable(NO_BACKEND_YET.get(kind, f"no counter backend for {kind} devices"))
 
 
 class DeviceSampler(threading.Thread):

@@ -41,8 +41,8 @@ from profstream.schema.batch import (
 log = logging.getLogger("profstream.monitor")
 
 # Device counter samples travel in batches of their own, under a producer id of their own
-# (seq counts per producer id): written as EventBatch v4, where the Monitor's other batches
-# stay v3, so a processor older than v4 loses nothing but the device counters.
+# (seq counts per producer id): written as EventBatch v5, where the Monitor's other batches
+# stay v4, so a processor older than v5 loses nothing but the device counters.
 DEVICE_PRODUCER_SUFFIX = ".devices"
 DEVICE_ROWS_PER_BATCH = 4096  # ~0.5 MB encoded: under Kafka's message limit
 
