@@ -209,3 +209,20 @@ def test_a_gpu_monitor_streams_device_counters_that_become_figures_of_its_steps(
         assert d["device"] == "cuda:0" and d["samples"] >= 3
         assert (d["gpu_util"], d["power_w"], d["temperature_max_c"]) == (pytest.approx(0.81), 355.0, 71.0)
         assert d["mem_used_peak"] == 12 * 10**9 and d["throttled_thermal"] and not d["throttled_power"]
+
+
+@pytest.mark.parametrize("value, interval_s", [("20", 0.02), ("0", None)])
+def test_profstream_device_interval_ms_sets_the_sampling_interval_or_turns_it_off(nvml, kafka_bootstrap, topics,
+                                                                                  monkeypatch, value, interval_s):
+    monkeypatch.setenv("PROFSTREAM_DEVICE_INTERVAL_MS", value)
+    mon = Monitor(run_id="env-interval", device="cuda:0", bootstrap=kafka_bootstrap, topic_prefix=topics.prefix)
+    try:
+        sampler = mon._device_sampler
+        if interval_s is None:
+            assert sampler is None
+            assert not [t for t in threading.enumerate() if t.name.startswith("profstream-devices")]
+        else:
+            assert sampler.interval_s == interval_s
+            wait_until(lambda: mon.stats()["device_readings"] >= 3, 10, "three readings")
+    finally:
+        assert mon.close()
