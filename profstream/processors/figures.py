@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 from profstream.processors.collectives import NO_CALLS, pack_calls
+from profstream.processors.devices import device_figures
 from profstream.processors.memory import memory_figures
 from profstream.processors.model import StepEvents
 from profstream.processors.optypes import device_kind_costs, kernel_type_costs, op_type_costs
@@ -87,5 +88,6 @@ class RankFigures:
             "late_events": late_events,
             "closed_ns": time.time_ns(),
             "collectives": pack_calls(ev.collectives) if ev.collectives is not None else NO_CALLS,
+            "devices": device_figures(ev),
         }
         return record, transition

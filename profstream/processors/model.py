@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from profstream.schema.batch import NO_VALUE
+from profstream.schema.batch import NO_VALUE, empty_section
 
 _I64 = np.int64
 
@@ -58,6 +58,8 @@ class StepEvents:
     # collective calls (processors/collectives.Calls: names and columns), matched across
     # ranks by the run stage; None: none
     collectives: Any = None
+    # device counter samples: the columns of schema.batch.DEVICE_COLUMNS
+    device_samples: dict[str, np.ndarray] = field(default_factory=lambda: empty_section("device_samples"))
 
     @property
     def step_time_ns(self) -> int:

@@ -26,7 +26,7 @@ from profstream.processors.assembler import RankAssembler
 from profstream.processors.checkpoint import MAX_OUTAGE_S, Output, TransactionalLoop
 from profstream.processors.collectives import step_collectives, unpack_calls
 from profstream.processors.figures import FigureOptions, RankFigures
-from profstream.processors.health import ProcessorHealth, StageCounts
+from profstream.processors.health import EVENT_FAMILIES, ProcessorHealth, StageCounts
 from profstream.processors.lag import LagProbe
 from profstream.processors.ranks import rank_figures
 from profstream.processors.stalls import stall_alert
@@ -144,7 +144,7 @@ class StepStage:
             self._changed.add(ident)
             h = self.counts
             h.batches += 1
-            for section in ("ops", "memory", "queues", "steps"):
+            for section in EVENT_FAMILIES:
                 h.events[section] += batch.n(section)
             h.late_events += asm.late_events - before[0]
             h.lost_batches += asm.lost_batches - before[1]
