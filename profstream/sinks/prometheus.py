@@ -30,6 +30,7 @@ from profstream.metrics_server import serve_metrics
 from profstream.processors.health import FRESHNESS_BUCKETS
 from profstream.processors.stalls import stall_state
 from profstream.schema.codec import DecodeError, decode
+from profstream.sinks.collective_metrics import RunCollectives, collective_lines, run_collectives
 from profstream.sinks.device_metrics import MAX_DEVICES, device_lines, fold_devices
 
 log = logging.getLogger("profstream.sink.prometheus")
@@ -118,36 +119,6 @@ class _Run:
     straggler: int = 0
     ranks_reported: int = 0
     collectives: RunCollectives | None = None  # of the newest RunStepMetrics with collectives
-
-
-@dataclass(eq=False)
-class RunCollectives:
-    """The collective figures of a run's newest step that had collectives."""
-
-    late_rank: int  # -1: none waited
-    held_s: float
-    held_ratio: float  # held / median step time
-    ranks: dict[int, tuple[float, float]]  # rank -> (wait s, transfer s)
-    bandwidth: dict[str, tuple[float, float]]  # collective -> (algbw, busbw) bytes/s
-    unmatched: int
-    missing: list[int]
-
-
-MAX_COLLECTIVE_NAMES = 16  # collective label values per run (c10d has about a dozen)
-
-
-def run_collectives(m: dict) -> RunCollectives | None:
-    """The exported collective figures of a RunStepMetrics record (None: no collectives)."""
-    if not (m["collectives_matched"] or m["unmatched_collectives"]):
-        return None
-    median = m["median_step_time_ns"]
-    held = m["late_rank_held_ns"]
-    return RunCollectives(
-        -1 if m["late_rank"] is None else m["late_rank"], held / 1e9, held / median if median > 0 else 0.0,
-        {r["rank"]: (r["wait_ns"] / 1e9, r["transfer_ns"] / 1e9) for r in m["collective_ranks"]},
-        {c["collective"]: (c["algbw_bytes_per_s"], c["busbw_bytes_per_s"])
-         for c in m["by_collective"][:MAX_COLLECTIVE_NAMES]},
-        len(m["unmatched_collectives"]), sorted({r for c in m["unmatched_collectives"] for r in c["missing"]}))
 
 
 class ExporterState:
@@ -375,38 +346,8 @@ class ExporterState:
                 lambda run: run.straggler)
         per_run(p + "run_ranks_reported", "ranks in the run's latest complete step", lambda run: run.ranks_reported)
         out.extend(device_lines(p, ranks, _num))
-        self._write_collectives(family, runs)
+        out.extend(collective_lines(p, [(run_id, run.collectives) for run_id, run in runs], _esc, _num))
         return "".join(out).encode()
-
-    @staticmethod
-    def _write_collectives(family: Callable, runs: list[tuple[str, _Run]]) -> None:
-        """Collective figures of each run's newest step with collectives (processors/collectives.py)."""
-        p = _P + "collective_"
-        runs = [(_esc(run_id), run.collectives) for run_id, run in runs if run.collectives is not None]
-
-        def per_run(name: str, doc: str, value: Callable[[RunCollectives], float]) -> None:
-            family(p + name, "gauge", doc, (f'{p}{name}{{run="{r}"}} {_num(value(c))}\n' for r, c in runs))
-
-        def per_key(name: str, doc: str, label: str, items: Callable[[RunCollectives], Iterable]) -> None:
-            family(p + name, "gauge", doc, (f'{p}{name}{{run="{r}",{label}="{_esc(str(k))}"}} {_num(v)}\n'
-                                            for r, c in runs for k, v in items(c)))
-
-        per_key("wait_seconds", "time the rank waited in collectives for the last rank to arrive, latest step "
-                "with collectives", "rank", lambda c: ((k, v[0]) for k, v in c.ranks.items()))
-        per_key("transfer_seconds", "time the rank's collectives ran once every rank had arrived, latest step "
-                "with collectives", "rank", lambda c: ((k, v[1]) for k, v in c.ranks.items()))
-        per_key("algbw_bytes_per_second", "algorithm bandwidth (bytes / transfer time) by collective",
-                "collective", lambda c: ((k, v[0]) for k, v in c.bandwidth.items()))
-        per_key("busbw_bytes_per_second", "bus bandwidth (algbw x NCCL's factor) by collective",
-                "collective", lambda c: ((k, v[1]) for k, v in c.bandwidth.items()))
-        per_run("late_rank", "rank the others waited for most in the latest step with collectives (-1: none)",
-                lambda c: c.late_rank)
-        per_run("late_rank_held_seconds", "longest time one rank waited for the late rank in that step",
-                lambda c: c.held_s)
-        per_run("late_rank_held_ratio", "late_rank_held_seconds / median step time", lambda c: c.held_ratio)
-        per_run("unmatched", "collective calls some rank of the group never made in that step", lambda c: c.unmatched)
-        per_key("missing", "1 for each rank missing from an unmatched collective call of that step", "rank",
-                lambda c: ((k, 1) for k in c.missing))
 
     def _health(self) -> list:
         p = _P + "sink_"
