@@ -6,6 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from profstream.processors import collectives
 from profstream.processors.collectives import (
     CollectiveCall,
     bus_factor,
@@ -141,12 +142,43 @@ def test_calls_of_a_subgroup_match_on_their_group_size():
     assert np.isclose(f["late_rank_held_ns"], 4 * MS)
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_ranks_with_the_same_calls_get_the_figures_of_the_general_matching(seed, monkeypatch):
+    # step_collectives takes rank x call matrices when every rank reported the same calls
+    # in order: the figures must be those of the row-sorting path, ties and a call short
+    # of its group included
+    rng = np.random.default_rng(seed)
+    nr, k = int(rng.integers(2, 6)), int(rng.integers(1, 30))
+    groups = rng.choice(["0", "tp"], k)
+    seqs = np.arange(k)
+    order = np.lexsort((seqs, groups))  # calls in (group, seq) order, as a rank reports them when aligned
+    kinds = rng.choice(["all_reduce", "all_gather", "broadcast"], k)
+    sizes = np.where(rng.random(k) < 0.1, nr + 1, nr)  # some calls expect a rank that never comes
+    calls = {}
+    for r in range(nr):
+        start = rng.integers(0, 5, k) * MS  # few distinct values: ties in arrival and duration
+        end = start + rng.integers(0, 4, k) * MS
+        calls[r] = calls_of([CollectiveCall(str(kinds[j]), str(groups[j]), int(sizes[j]), int(seqs[j]),
+                                            int(rng.integers(1, 10)) * 1000, int(start[j]), int(end[j]))
+                             for j in order.tolist()])
+    everyone, reporting = list(range(nr + 1)), list(range(nr))
+    general = collectives._any_calls(calls, reporting, everyone)
+    packed = {r: pack_calls(c) for r, c in calls.items()}
+    with monkeypatch.context() as m:  # both entry points take the matrices here
+        m.setattr(collectives, "_any_calls", lambda *a: pytest.fail("rows sorted where every rank had the same calls"))
+        assert step_collectives(calls, everyone) == general
+        assert collectives.packed_step_collectives(packed, everyone) == general
+    perm = rng.permutation(k)  # a rank with its calls in another order: sorted rows, the same figures
+    packed[0] = pack_calls(collectives.Calls(calls[0].names, {c: a[perm] for c, a in calls[0].cols.items()}))
+    assert collectives.packed_step_collectives(packed, everyone) == general
+
+
 # -- through the processors: raw batches -> StepMetrics -> RunStepMetrics --------------
 
-def _rank_batch(rank: int, steps: list[int], calls: list[tuple], world: int = 3) -> bytes:
+def _rank_batch(rank: int, steps: list[int], calls: list[tuple], world: int = 3, run_id: str = "hang") -> bytes:
     """One rank's batch: marks of ``steps`` (100 ms each from 0) and its collective rows
     (collective, step, seq, start_ms, dur_ms)."""
-    batch = EventBatch(run_id="hang", rank=rank, world_size=world, producer_id=f"p{rank}", seq=0,
+    batch = EventBatch(run_id=run_id, rank=rank, world_size=world, producer_id=f"p{rank}", seq=0,
                        complete_through_step=max(steps))
     batch.steps = {"step": np.array(steps), "start_ns": np.array([s * 100 * MS for s in steps]),
                    "end_ns": np.array([(s + 1) * 100 * MS for s in steps]), "fp_start_ns": np.full(len(steps), -1),

@@ -113,15 +113,100 @@ def calls_of(rows: Sequence[CollectiveCall]) -> Calls:
     return Calls(list(names), cols)
 
 
+_NO_FIGURES = {"collectives_matched": 0, "collective_ranks": [], "by_collective": [], "late_rank": None,
+               "late_rank_held_ns": 0, "unmatched_collectives": []}
+
+
 def step_collectives(calls: Mapping[int, Calls], ranks: Sequence[int]) -> dict:
     """The collective figures of one step from ``{rank: its calls}``; ``ranks``: every rank
     of the run (those that did not report the step included). Fields as in
-    RunStepMetrics (run_step_metrics.v2.avsc). Arithmetic on arrays over all ranks' calls."""
+    RunStepMetrics (run_step_metrics.v2.avsc). Arithmetic on arrays over all ranks' calls:
+    on rank x call matrices where every rank reported the same calls in (group, seq) order
+    (the usual case: ``_aligned``), else on rows sorted by call (``_any_calls``)."""
     reporting = sorted(r for r, c in calls.items() if len(c))
-    empty = {"collectives_matched": 0, "collective_ranks": [], "by_collective": [], "late_rank": None,
-             "late_rank_held_ns": 0, "unmatched_collectives": []}
     if not reporting:
-        return empty
+        return dict(_NO_FIGURES)
+    first = calls[reporting[0]]
+    if all(len(calls[r]) == len(first) and calls[r].names == first.names
+           and np.array_equal(calls[r].cols["seq"], first.cols["seq"])
+           and np.array_equal(calls[r].cols["group_idx"], first.cols["group_idx"]) for r in reporting[1:]):
+        figures = _aligned(first.names, first.cols, *(
+            np.stack([calls[r].cols[c] for r in reporting]) for c in ("start_ns", "end_ns", "bytes")), reporting, ranks)
+        if figures is not None:
+            return figures
+    return _any_calls(calls, reporting, ranks)
+
+
+def packed_step_collectives(records: Mapping[int, dict], ranks: Sequence[int]) -> dict:
+    """``step_collectives`` of StepMetrics ``collectives`` records (``check_calls`` passed):
+    where every rank's names, groups and sequence numbers are the same bytes, the matrices
+    are read straight from the ranks' columns joined; else each record is unpacked."""
+    reporting = sorted(r for r, x in records.items() if x["count"])
+    if not reporting:
+        return dict(_NO_FIGURES)
+    first = records[reporting[0]]
+    if all(x["count"] == first["count"] and x["seq"] == first["seq"] and x["group_idx"] == first["group_idx"]
+           and x["names"] == first["names"] for x in (records[r] for r in reporting[1:])):
+        shape = (len(reporting), first["count"])
+        figures = _aligned(first["names"], unpack_calls(first).cols, *(
+            np.frombuffer(b"".join(records[r][c] for r in reporting), "<i8").reshape(shape)
+            for c in ("start_ns", "end_ns", "bytes")), reporting, ranks)
+        if figures is not None:
+            return figures
+    return _any_calls({r: unpack_calls(records[r]) for r in reporting}, reporting, ranks)
+
+
+def check_calls(record: dict) -> None:
+    """ValueError unless a StepMetrics ``collectives`` record's columns have its count of
+    values and its name indexes are inside its names."""
+    n = record["count"]
+    if any(len(record[c]) != n * d.itemsize for c, d in CALL_COLUMNS):
+        raise ValueError("collectives columns differ in length from their count")
+    if n and np.frombuffer(record["name_idx"] + record["group_idx"], "<u4").max() >= len(record["names"]):
+        raise ValueError("collectives name index outside its names")
+
+
+def _aligned(names: list[str], cols: dict[str, np.ndarray], start: np.ndarray, end: np.ndarray,
+             nbytes: np.ndarray, reporting: list[int], ranks: Sequence[int]) -> dict | None:
+    """step_collectives where every reporting rank made the same calls ``cols`` (the first
+    rank's: names, groups, sequence numbers) in the same order: ``start``, ``end`` and
+    ``nbytes`` are rank x call matrices. None unless the calls are in increasing (group,
+    seq) order (``_any_calls`` then, which breaks ties in that order)."""
+    group, seq = cols["group_idx"], cols["seq"]
+    k = len(seq)
+    if k > 1 and not ((group[1:] > group[:-1]) | ((group[1:] == group[:-1]) & (seq[1:] > seq[:-1]))).all():
+        return None
+    nr = len(reporting)
+    start = start.astype(np.int64, copy=False)
+    end = end.astype(np.int64, copy=False)
+    coll = cols["name_idx"]
+    group_size = cols["group_size"]
+    matched = group_size <= nr
+    last_start = start.max(axis=0)
+    late = start.argmax(axis=0)  # the lowest rank on ties
+    wait = last_start - start
+    transfer = np.maximum(end - last_start, 0)
+    all_matched = bool(matched.all())
+    if not all_matched:
+        wait *= matched
+        transfer *= matched
+    dur = end - start
+    longest = dur.argmax(axis=1)  # the first longest call in (group, seq) order
+    rows = np.arange(nr)
+    # held: each rank's wait, per the late rank of the call (the late rank's own wait is 0)
+    held_pairs = np.bincount((late * nr + rows[:, None]).ravel(), wait.ravel(), nr * nr).reshape(nr, nr)
+    size = nbytes.max(axis=0).astype(np.int64, copy=False)
+    unmatched = [] if all_matched else [
+        (int(coll[j]), int(group[j]), int(seq[j]), list(reporting), int(group_size[j]))
+        for j in np.flatnonzero(~matched).tolist()]  # every reporting rank arrived
+    return _figures(names, reporting, wait.sum(axis=1), transfer.sum(axis=1),
+                    (dur[rows, longest], coll[longest]), held_pairs,
+                    _by_collective(names, coll, group_size, matched, size, np.full(k, nr), transfer.sum(axis=0)),
+                    k if all_matched else int(matched.sum()), unmatched, ranks)
+
+
+def _any_calls(calls: Mapping[int, Calls], reporting: list[int], ranks: Sequence[int]) -> dict:
+    """step_collectives on the rows of every rank's calls, sorted by (group, seq, rank)."""
     # one dictionary for the names of every rank
     names: dict[str, int] = {}
     parts = []
@@ -154,56 +239,70 @@ def step_collectives(calls: Mapping[int, Calls], ranks: Sequence[int]) -> dict:
     ranks_at = np.array(reporting, np.int64)
     rank_i = np.searchsorted(ranks_at, rank)
     nr = len(reporting)
-    wait_by = np.bincount(rank_i, wait, nr)
-    transfer_by = np.bincount(rank_i, transfer, nr)
     # held: each other rank's wait, per the late rank of the call it waited in
     late_i = np.searchsorted(ranks_at, late)[seg]
     other = row_ok & (rank_i != late_i)
     held_pairs = np.bincount(late_i[other] * nr + rank_i[other], wait[other], nr * nr).reshape(nr, nr)
-    held = held_pairs.sum(axis=1)
     # slowest call per rank (longest end - start; among matched and unmatched alike)
     dur = end - start
-    by_dur = np.lexsort((dur, rank_i))
-    last_of_rank = by_dur[np.append(rank_i[by_dur][1:] != rank_i[by_dur][:-1], True)]
-    slowest = {int(rank_i[i]): (int(dur[i]), int(coll[i])) for i in last_of_rank.tolist()}
-    name_of = list(names)
-    # per collective name, over matched calls: calls; bytes, transfer and bus bytes over the ranks' parts
-    size = np.maximum.reduceat(col["bytes"], first) if len(first) else first
-    pair = coll[first] << 32 | col["group_size"][first]  # (collective, group size) of each call
-    pairs, pair_of = np.unique(pair, return_inverse=True)
-    factor = np.array([bus_factor(name_of[p >> 32], p & 0xFFFFFFFF) for p in pairs.tolist()])[pair_of]
+    by_dur = np.lexsort((-dur, rank_i))  # the first longest in (group, seq) order
+    first_of_rank = by_dur[np.append(True, rank_i[by_dur][1:] != rank_i[by_dur][:-1])]
+    size = np.maximum.reduceat(col["bytes"], first)
+    unmatched = [(int(coll[a]), int(group[a]), int(seq[a]), sorted(rank[a:a + n].tolist()), int(col["group_size"][a]))
+                 for a, n in zip(first[~matched].tolist(), count[~matched].tolist())]
+    return _figures(list(names), reporting, np.bincount(rank_i, wait, nr), np.bincount(rank_i, transfer, nr),
+                    (dur[first_of_rank], coll[first_of_rank]), held_pairs,
+                    _by_collective(list(names), coll[first], col["group_size"][first], matched, size, count,
+                                   np.bincount(seg, transfer, len(first))),
+                    int(matched.sum()), unmatched, ranks)
+
+
+def _by_collective(name_of: list[str], coll: np.ndarray, group_size: np.ndarray, matched: np.ndarray,
+                   size: np.ndarray, count: np.ndarray, transfer: np.ndarray) -> list[dict]:
+    """Per collective name, over the matched calls (one entry of each argument per call):
+    calls; bytes, transfer and bus bytes summed over the ranks' parts."""
+    moved = size * count
     kinds = []
-    seg_coll = coll[first]
-    seg_transfer = np.bincount(seg, transfer, len(first))
-    for c in sorted(set(seg_coll[matched].tolist()), key=lambda c: name_of[c]):
-        sel = matched & (seg_coll == c)
-        nbytes = int((size[sel] * count[sel]).sum())
-        t = int(seg_transfer[sel].sum())
-        bus = float((size[sel] * count[sel] * factor[sel]).sum())
+    for c in sorted(set(coll[matched].tolist()), key=lambda c: name_of[c]):
+        sel = matched & (coll == c)
+        sizes = group_size[sel]
+        nbytes = int(moved[sel].sum())
+        t = int(transfer[sel].sum())
+        if (sizes == sizes[0]).all():  # one group size: one factor
+            bus = nbytes * bus_factor(name_of[c], int(sizes[0]))
+        else:
+            n, n_of = np.unique(sizes, return_inverse=True)
+            bus = float((moved[sel] * np.array([bus_factor(name_of[c], x) for x in n.tolist()])[n_of]).sum())
         kinds.append({"collective": name_of[c], "calls": int(sel.sum()), "bytes": nbytes, "transfer_ns": t,
                       "algbw_bytes_per_s": nbytes / t * 1e9 if t > 0 else 0.0,
                       "busbw_bytes_per_s": bus / t * 1e9 if t > 0 else 0.0})
+    return kinds
+
+
+def _figures(name_of: list[str], reporting: list[int], wait_by: np.ndarray, transfer_by: np.ndarray,
+             slowest: tuple[np.ndarray, np.ndarray], held_pairs: np.ndarray, kinds: list[dict], matched: int,
+             unmatched: list[tuple], ranks: Sequence[int]) -> dict:
+    """The RunStepMetrics fields from per-rank arrays (in ``reporting`` order); unmatched:
+    (collective, group, seq, arrived ranks, expected) per call; ``ranks``: every rank of
+    the run."""
     everyone = sorted(set(ranks) | set(reporting))
-    unmatched = []
-    for k in np.flatnonzero(~matched).tolist():
-        a, n = int(first[k]), int(count[k])
-        arrived = sorted(rank[a:a + n].tolist())
-        expected = int(col["group_size"][a])
-        unmatched.append({"collective": name_of[int(coll[a])], "group": name_of[int(group[a])], "seq": int(seq[a]),
-                          "arrived": arrived,
-                          "missing": [r for r in everyone if r not in arrived] if expected == len(everyone) else [],
-                          "expected": expected})
     late_rank = None
-    if nr and held.max() > 0:
+    held = held_pairs.sum(axis=1)
+    if held.max() > 0:
         late_rank = reporting[int(np.argmax(held))]  # lowest rank on ties
+    slowest_ns, slowest_coll = slowest[0].tolist(), slowest[1].tolist()
     return {
-        "collectives_matched": int(matched.sum()),
-        "collective_ranks": [{"rank": r, "wait_ns": int(wait_by[i]), "transfer_ns": int(transfer_by[i]),
-                              "slowest_collective": name_of[slowest[i][1]] if i in slowest else "",
-                              "slowest_ns": slowest[i][0] if i in slowest else 0}
-                             for i, r in enumerate(reporting)],
+        "collectives_matched": matched,
+        "collective_ranks": [{"rank": r, "wait_ns": int(w), "transfer_ns": int(t),
+                              "slowest_collective": name_of[c], "slowest_ns": int(d)}
+                             for r, w, t, d, c in zip(reporting, wait_by.tolist(), transfer_by.tolist(),
+                                                      slowest_ns, slowest_coll)],
         "by_collective": kinds,
         "late_rank": late_rank,
         "late_rank_held_ns": int(held_pairs[reporting.index(late_rank)].max()) if late_rank is not None else 0,
-        "unmatched_collectives": unmatched,
+        "unmatched_collectives": [
+            {"collective": name_of[c], "group": name_of[g], "seq": q, "arrived": arrived,
+             "missing": [r for r in everyone if r not in arrived] if expected == len(everyone) else [],
+             "expected": expected}
+            for c, g, q, arrived, expected in unmatched],
     }

@@ -24,7 +24,7 @@ from profstream.kafka.limits import DEAD_LETTER_ROOM_BYTES, MAX_MESSAGE_BYTES
 from profstream.kafka.topics import Topics
 from profstream.processors.assembler import RankAssembler
 from profstream.processors.checkpoint import MAX_OUTAGE_S, Output, TransactionalLoop
-from profstream.processors.collectives import step_collectives, unpack_calls
+from profstream.processors.collectives import check_calls, packed_step_collectives
 from profstream.processors.figures import FigureOptions, RankFigures
 from profstream.processors.health import EVENT_FAMILIES, ProcessorHealth, StageCounts
 from profstream.processors.lag import LagProbe
@@ -200,7 +200,7 @@ class _RunState:
     world_size: int | None = None  # from the producers, when they know it
     floor: int | None = None  # every step below has been emitted
     pending: dict[int, dict[int, int]] = field(default_factory=dict)  # step -> rank -> step_time_ns
-    calls: dict[int, dict[int, list]] = field(default_factory=dict)  # step -> rank -> its collective calls
+    calls: dict[int, dict[int, dict]] = field(default_factory=dict)  # step -> rank -> its collective calls (packed)
     first_offset: dict[int, int] = field(default_factory=dict)  # step -> input offset
     first_seen: dict[int, float] = field(default_factory=dict)
     last_seen: float = 0.0
@@ -277,7 +277,8 @@ class RunStage:
         run.pending[step][m["rank"]] = m["step_time_ns"]
         if m["collectives"]["count"]:
             try:
-                run.calls.setdefault(step, {})[m["rank"]] = unpack_calls(m["collectives"])
+                check_calls(m["collectives"])
+                run.calls.setdefault(step, {})[m["rank"]] = m["collectives"]
             except ValueError:  # a StepMetrics of another writer: its step counts, its calls do not
                 self.counts.decode_errors["malformed"] += 1
         return []
@@ -301,12 +302,12 @@ class RunStage:
                 out.append(Output(self.state_topic, run_id.encode(), None, run.partition))
         return out
 
-    def _emit(self, run_id: str, step: int, step_times: dict[int, int], calls: dict[int, list],
+    def _emit(self, run_id: str, step: int, step_times: dict[int, int], calls: dict[int, dict],
               everyone: Iterable[int]) -> Output:
         figures = rank_figures(step_times)
         record = {"run_id": run_id, "step": step, **figures,
                   "step_times_ns": {str(r): t for r, t in sorted(step_times.items())},
-                  **step_collectives(calls, list(everyone))}
+                  **packed_step_collectives(calls, list(everyone))}
         self.counts.run_steps += 1
         return Output(self.topics.run, run_id.encode(), encode_run_step_metrics(record), None)
 

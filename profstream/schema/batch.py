@@ -207,6 +207,8 @@ def _unpack(section: str, record: dict) -> dict[str, np.ndarray]:
     count = record["count"]
     if count < 0:
         raise DecodeError("malformed", f"{section}.count is negative")
+    if not count and not any(record.get(col) for col, _ in SECTIONS[section]):
+        return empty_section(section)  # most sections of most batches: no numpy calls
     out = {}
     for col, dtype in SECTIONS[section]:
         raw = record.get(col)
@@ -251,9 +253,12 @@ def decode_batch(data: bytes) -> EventBatch:
     if len(q) and (q.min() < 0 or q.max() >= len(batch.queue_names)):
         raise DecodeError("malformed", "queue name index outside its dictionary")
     c = batch.collectives
-    for k in ("name_idx", "group_idx", "dtype_idx"):
-        if len(c[k]) and (c[k].min() < 0 or c[k].max() >= len(batch.collective_names)):
-            raise DecodeError("malformed", f"collectives.{k} outside collective_names")
+    if len(c["step"]):  # the three index one dictionary; a negative index is a large unsigned one
+        idx = np.concatenate((c["name_idx"], c["group_idx"], c["dtype_idx"])).view(np.uint32)
+        if idx.max() >= len(batch.collective_names):
+            bad = next(k for k in ("name_idx", "group_idx", "dtype_idx")
+                       if c[k].view(np.uint32).max() >= len(batch.collective_names))
+            raise DecodeError("malformed", f"collectives.{bad} outside collective_names")
     for what in ("run_id", "host", "device"):  # host and device may be unknown (empty)
         value = getattr(batch, what)
         if not is_valid_name(value) and (what == "run_id" or value):
