@@ -107,6 +107,7 @@ class RankAssembler:
         self._queue_codes: dict[str, int] = {}
         self.collective_names: list[str] = []  # collective and group names of this rank's calls
         self._collective_codes: dict[str, int] = {}
+        self._collective_remaps: dict[tuple[str, ...], np.ndarray] = {}  # a batch's names -> their codes
         # what the next step to close needs of the last closed one (window.py)
         self.carry: tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]] = (_NO_CARRY, _NO_CARRY)
         self.device_end: tuple[int, int] | None = None  # (step, end of its last device op)
@@ -168,8 +169,13 @@ class RankAssembler:
                 self._bucket(step, "queues", part, len(part["ts_ns"]))
         c = batch.collectives
         if len(c["step"]):
-            remap = np.array([self._code(self._collective_codes, self.collective_names, n)
-                              for n in batch.collective_names], dtype=np.int32)
+            names = tuple(batch.collective_names)
+            remap = self._collective_remaps.get(names)
+            if remap is None:  # a rank's batches mostly carry the same few names
+                if len(self._collective_remaps) >= 64:
+                    self._collective_remaps.clear()
+                remap = self._collective_remaps[names] = np.array(
+                    [self._code(self._collective_codes, self.collective_names, n) for n in names], dtype=np.int32)
             cols = {"name_idx": remap[c["name_idx"]], "group_idx": remap[c["group_idx"]],
                     "group_size": c["group_size"], "seq": c["seq"], "bytes": np.maximum(c["in_bytes"], c["out_bytes"]),
                     "start_ns": c["start_ns"], "end_ns": c["start_ns"] + c["dur_ns"]}
