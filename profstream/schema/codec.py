@@ -120,6 +120,8 @@ _VERSIONS: list[SchemaVersion] = [
     _version(_load("event_batch.v2.avsc"), 2, _event_batch_v2_to_v3),  # + world_size
     _version(_load("step_metrics.v2.avsc"), 2),  # + world_size
     _version(_load("event_batch.v3.avsc"), 3),  # op_names as one blob
+    _version(_load("capture_request.avsc"), 1),  # the control topic (docs/capture.md)
+    _version(_load("capture_status.avsc"), 1),
 ]
 
 SCHEMAS: dict[int, SchemaVersion] = {v.fingerprint: v for v in _VERSIONS}
