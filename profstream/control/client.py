@@ -121,22 +121,20 @@ def _control_consumer(bootstrap: str, topics: Topics, run_id: str | None, since_
     return consumer, ends
 
 
-def _records(consumer, run_id: str | None, poll_ms: int = 200) -> Iterator[tuple[str, dict] | None]:
-    """(name, record) of each decodable record of ``run_id``; None after each empty poll."""
+def _polls(consumer, run_id: str | None, poll_ms: int = 200) -> Iterator[list[tuple[str, dict]]]:
+    """The decodable (name, record) pairs of ``run_id`` of each poll (an empty list: none came)."""
     key = control_key(run_id) if run_id is not None else None
     while True:
-        got = False
+        got = []
         for records in consumer.poll(timeout_ms=poll_ms).values():
             for rec in records:
-                got = True
                 if key is not None and rec.key != key:
                     continue
                 try:
-                    yield decode_control(rec.value)
+                    got.append(decode_control(rec.value))
                 except DecodeError:
                     continue
-        if not got:
-            yield None
+        yield got
 
 
 def follow(bootstrap: str, topics: Topics, request: dict, timeout: float,
@@ -147,13 +145,12 @@ def follow(bootstrap: str, topics: Topics, request: dict, timeout: float,
     consumer, _ends = _control_consumer(bootstrap, topics, request["run_id"], request["requested_ns"] // 10**6 - 1000)
     deadline = time.monotonic() + timeout
     try:
-        for item in _records(consumer, request["run_id"]):
-            if item is not None and item[0] == STATUS and progress.add(item[1]) and on_change is not None:
+        for got in _polls(consumer, request["run_id"]):
+            changed = [record for name, record in got if name == STATUS and progress.add(record)]
+            if on_change is not None and (changed or not got):  # also refreshed when idle (the time shown)
                 on_change(progress)
             if progress.done() or time.monotonic() >= deadline or (stop is not None and stop()):
                 return progress
-            if item is None and on_change is not None:
-                on_change(progress)
     finally:
         consumer.close()
     return progress
@@ -173,9 +170,8 @@ def recent_requests(bootstrap: str, topics: Topics, since_s: float, run_id: str 
     orphans: list[dict] = []
     try:
         deadline = time.monotonic() + 30.0
-        for item in _records(consumer, run_id):
-            if item is not None:
-                name, record = item
+        for got in _polls(consumer, run_id):
+            for name, record in got:
                 if name == REQUEST:
                     by_id.setdefault(record["request_id"], RequestSummary(record, CaptureProgress(record)))
                 else:

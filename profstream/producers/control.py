@@ -209,8 +209,9 @@ class ControlReader(threading.Thread):
                 [confluent_kafka.TopicPartition(self.topic, partition, self.since_ms)], timeout=self._connect_timeout)
             if tp.error is not None:
                 raise confluent_kafka.KafkaException(tp.error)
-            if tp.offset < 0:  # nothing written since: from the end
-                tp.offset = confluent_kafka.OFFSET_END
+            if tp.offset < 0:  # nothing written since: from the end as of now, as a number (a logical
+                # OFFSET_END would be resolved later, past requests written meanwhile)
+                tp.offset = consumer.get_watermark_offsets(tp, timeout=self._connect_timeout)[1]
             consumer.assign([tp])
         except Exception as e:  # broker down, topic not made yet: try again later
             if consumer is not None:

@@ -777,7 +777,29 @@ class TimelineSink:
         except DecodeError:
             return  # the guard (profstream autocapture) dead-letters those
         if name == STATUS and status["state"] == STARTED and status["rank"] is not None:
-            self._captures[(status["run_id"], status["rank"])] = (status["first_step"], status["last_step"])
+            ident = (status["run_id"], status["rank"])
+            first, last = status["first_step"], status["last_step"]
+            self._captures[ident] = (first, last)
+            if ident in self.ranks:  # the status may come after some of the captured steps: cut them out now
+                self._cut(ident, first)
+                if self._cut(ident, last + 1):
+                    del self._captures[ident]
+
+    def _cut(self, ident: tuple[str, int], step: int) -> bool:
+        """Write the window's steps before ``step`` as a file and keep the others; True
+        when the window holds ``step`` or later ones."""
+        rank = self.ranks[ident]
+        window = rank.window
+        if not window.steps or window.steps[-1].timeline.step < step:
+            return False
+        if window.steps[0].timeline.step < step:
+            head, tail = Window(), Window()
+            for p, offset in zip(window.steps, window.first_offsets):
+                (head if p.timeline.step < step else tail).append(p, offset)
+            rank.window = head
+            self._flush(ident)
+            rank.window = tail
+        return True
 
     def _add(self, ident: tuple[str, int], ev: StepEvents, first_offset: int) -> None:
         rank = self.ranks[ident]
