@@ -243,3 +243,55 @@ def test_without_a_broker_the_monitor_runs_and_reports_no_captures():
 def test_bad_capture_arguments_get_one_line_errors(argv, said):
     result = CliRunner().invoke(app, argv)
     assert result.exit_code == 2 and said in result.output
+
+
+def test_the_report_sets_a_captured_window_s_op_types_beside_the_baseline(kafka_bootstrap, topics, tmp_path):
+    import re
+
+    from profstream.offline.archive import finished_files, iter_file
+    from profstream.simulate import SimConfig, expected, run_simulation
+    from profstream.sinks.archive import run_archive
+    from tests.helpers import topic_size
+
+    # ten op types (the processors' top 10: none is folded into "other"); ops every 10th step
+    # on a schedule, the baseline, and steps 40-44 on request, slower as they are in the stall
+    cfg = SimConfig(run_id="reported", ranks=1, steps=60, ops_per_step=10, step_time_ms=30, stall=(35, 59),
+                    rate="realtime", seed=5)
+    out = tmp_path / "archive"
+    stop = threading.Event()
+    sink = threading.Thread(target=run_archive, args=(kafka_bootstrap, [topics.raw, topics.control], out, stop),
+                            kwargs={"group_id": f"a-{topics.prefix}", "max_age_s": 0.5}, daemon=True)
+    sink.start()
+    request = new_request("reported", start_step=40, steps=5, reason="a test")
+
+    def ask():
+        wait_until(lambda: raw_batches(kafka_bootstrap, topics.raw, "reported", 1, timeout=1), 60, "the run")
+        send_request(kafka_bootstrap, topics, request)
+
+    asker = threading.Thread(target=ask)
+    asker.start()
+    try:
+        run_simulation(cfg, {"bootstrap": kafka_bootstrap, "topic_prefix": topics.prefix, "every_n_steps": 10})
+        asker.join(60)
+        total = topic_size(kafka_bootstrap, topics.raw) + topic_size(kafka_bootstrap, topics.control)
+        wait_until(lambda: sum(1 for f in finished_files(out) for r, _ in iter_file(f) if r) == total, 60,
+                   "the archive to hold every raw and control message")
+    finally:
+        stop.set()
+        sink.join(30)
+    page = tmp_path / "report.html"
+    result = CliRunner().invoke(app, ["report", str(out), "--run", "reported", "-o", str(page)])
+    assert result.exit_code == 0, result.output
+    text = page.read_text()
+    assert re.search(r'<table class="capture" data-rank="0" data-first="40" data-last="44">', text)
+    assert "a test" in text and "4 earlier steps with ops" in text  # steps 0, 10, 20, 30
+    truth = expected(cfg)
+
+    def mean_ms(op_type, steps):
+        return sum(truth[(0, s)]["op_types"].get(op_type, (0, 0))[0] for s in steps) / len(steps) / 1e6
+
+    rows = re.findall(r'<tr data-op-type="([^"]+)"><td>[^<]*</td><td>([^<]+)</td><td>([^<]+)</td>', text)
+    assert len(rows) == 10
+    for op_type, before, during in rows:
+        assert float(before) == pytest.approx(mean_ms(op_type, (0, 10, 20, 30)), abs=5e-4), op_type
+        assert float(during) == pytest.approx(mean_ms(op_type, range(40, 45)), abs=5e-4), op_type

@@ -130,7 +130,7 @@ def sink_archive(
     bootstrap: BootstrapOpt = None,
     topic_prefix: PrefixOpt = "profstream",
     topics: Annotated[str, typer.Option(help="comma-separated topics to archive, by their name after the "
-                                             "prefix")] = "raw,steps",
+                                             "prefix")] = "raw,steps,control",
     group_id: Annotated[str, typer.Option(help="consumer group of the archive sink")] = "profstream-archive",
     instance_id: Annotated[str, typer.Option(help="stable across restarts (static group membership)")] = "0",
     codec: Annotated[str, typer.Option(help="zstandard, deflate or null")] = "zstandard",
