@@ -245,6 +245,14 @@ def test_bad_capture_arguments_get_one_line_errors(argv, said):
     assert result.exit_code == 2 and said in result.output
 
 
+def test_capture_against_a_prefix_without_its_control_topic_says_so_in_one_line(kafka_bootstrap):
+    said = "topic nowhere-else.control does not exist"
+    for argv in (["--run", "r"], ["--list"]):
+        result = CliRunner().invoke(app, ["capture", *argv, "--bootstrap", kafka_bootstrap,
+                                          "--topic-prefix", "nowhere-else"])
+        assert result.exit_code == 2 and said in result.output, result.output
+
+
 def test_the_report_sets_a_captured_window_s_op_types_beside_the_baseline(kafka_bootstrap, topics, tmp_path):
     import re
 

@@ -131,7 +131,10 @@ def capture(
     if bad:
         fail(f"--activities {activities!r}: use cpu, cuda or cpu,cuda")
     boot, topics = connect(bootstrap, topic_prefix)
-    offset = send_request(boot, topics, request)
+    try:
+        offset = send_request(boot, topics, request)
+    except LookupError as e:
+        fail(str(e))
     err.print(f"sent capture request {request['request_id']} to {topics.control} (offset {offset})", highlight=False)
     if not wait:
         out.print(request["request_id"], highlight=False)

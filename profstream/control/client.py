@@ -34,12 +34,21 @@ SETTLE_S = 3.0  # for "all ranks" of a run that does not say its world size: wai
 
 def send_request(bootstrap: str, topics: Topics, request: dict, timeout: float = 10.0) -> int:
     """Put ``request`` on the control topic (key: its run); returns its offset."""
+    from kafka.errors import KafkaTimeoutError
+
     producer = make_producer(bootstrap)
     try:
         meta = producer.send(topics.control, encode_request(request), control_key(request["run_id"]))
         return meta.get(timeout=timeout).offset
+    except KafkaTimeoutError:  # no metadata for the topic: it does not exist
+        raise LookupError(_no_topic(bootstrap, topics)) from None
     finally:
         producer.close(timeout=5)
+
+
+def _no_topic(bootstrap: str, topics: Topics) -> str:
+    return (f"topic {topics.control} does not exist on {bootstrap}: start a processor or a Monitor of this version "
+            "(they create it), or check --topic-prefix")
 
 
 @dataclass
@@ -51,6 +60,7 @@ class CaptureProgress:
     whole: dict | None = None  # a status for the whole request (rank None): a service refused it
     world_size: int | None = None
     last_new_rank: float = 0.0
+    times: dict[int, dict[str, int]] = field(default_factory=dict)  # rank -> state -> its status's ts_ns
 
     def add(self, status: dict, now: float | None = None) -> bool:
         """Fold one status in; False when it is not of this request."""
@@ -62,6 +72,7 @@ class CaptureProgress:
         rank = status["rank"]
         if rank not in self.ranks:
             self.last_new_rank = time.monotonic() if now is None else now
+        self.times.setdefault(rank, {}).setdefault(status["state"], status["ts_ns"])
         previous = self.ranks.get(rank)
         if previous is None or previous["state"] not in TERMINAL:  # a terminal state stays
             self.ranks[rank] = status
@@ -107,8 +118,7 @@ def _control_consumer(bootstrap: str, topics: Topics, run_id: str | None, since_
     parts = sorted(consumer.partitions_for_topic(topics.control) or ())
     if not parts:
         consumer.close()
-        raise LookupError(f"topic {topics.control} does not exist on {bootstrap}: start a processor or a "
-                          "Monitor of this version (they create it), or check --topic-prefix")
+        raise LookupError(_no_topic(bootstrap, topics))
     if run_id is not None:
         parts = [control_partition(run_id, len(parts))]
     tps = [TopicPartition(topics.control, p) for p in parts]
