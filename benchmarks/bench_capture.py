@@ -2,7 +2,7 @@
 costs an idle training process, and the training overhead of ``instrument()`` with
 capture off now that every Monitor reads the control topic.
 
-Three parts (``--part``, default all):
+Four parts (``--part``, default all):
 
 - ``latency``: a training process of its own (this script, ``--role train``: one Monitor,
   rank 0, ``scheduled_capture=False``, steps of ``--step-ms`` asleep or spinning the GIL
@@ -25,6 +25,11 @@ Three parts (``--part``, default all):
   off). Per repeat the median step and the process CPU time per step (every thread);
   the figure is the median over repeats of the per-repeat overhead. Compare
   ``instrumented`` with docs/benchmarks.md section 12.
+- ``step_cost``: what the training thread pays per step for capture requests when none is
+  asked: a loop of ``begin_step()`` / ``end_step()`` pairs on a Monitor with the plan the
+  reader feeds and on one without (no Sender, no reader thread: the training thread
+  alone), alternating, ``--pairs`` pairs a repeat; the best repeat of each (the least
+  disturbed by other work on the machine), in ns per step.
 
 Prints one JSON object on stdout; progress goes to stderr.
 """
@@ -271,13 +276,58 @@ def overhead(args: argparse.Namespace) -> dict[str, Any]:
             "errors": stats.get("errors", [])}
 
 
+# -- the training thread's cost per step ----------------------------------------------------
+
+class _NoSender:
+    """Stands in for the Sender in ``step_cost``: the loop measures the training thread alone."""
+
+    def __init__(self, monitor: Any) -> None:
+        pass
+
+    def start(self) -> None:
+        pass
+
+    def stop(self, timeout: float) -> bool:
+        return True
+
+
+def step_cost(args: argparse.Namespace) -> dict[str, Any]:
+    from profstream.producers.capture_plan import CapturePlan
+    from profstream.producers.monitor import Monitor
+
+    options = {"bootstrap": args.bootstrap, "topic_prefix": args.prefix, "host_sample_interval_s": 0,
+               "auto_watermark": False, "control": False, "sender_factory": _NoSender}
+    monitors = {"on": Monitor(run_id="bench-steps-on", **options), "off": Monitor(run_id="bench-steps-off", **options)}
+    on = monitors["on"]  # what start_control gives the Monitor, without the reader's thread (idle_cpu measures it)
+    on.capture_plan = on._plan_gate = CapturePlan(on.rank, on.options["capture_max_steps"])
+    per_pair: dict[str, list[float]] = {"on": [], "off": []}
+    try:
+        for r in range(args.repeats * 2):
+            for control in (("on", "off") if r % 2 == 0 else ("off", "on")):
+                m = monitors[control]
+                m.buffer.marks.clear()  # no Sender drains them
+                begin, end = m.begin_step, m.end_step
+                t0 = time.perf_counter()
+                for _ in range(args.pairs):
+                    begin()
+                    end()
+                per_pair[control].append((time.perf_counter() - t0) / args.pairs * 1e9)
+    finally:
+        for m in monitors.values():
+            m.close(timeout=30)
+    best = {k: min(v) for k, v in per_pair.items()}
+    note(f"step cost: control on {best['on']:.0f} ns, off {best['off']:.0f} ns per begin/end pair")
+    return {"pairs": args.pairs, "ns_per_step": {k: summary(v) for k, v in per_pair.items()}, "best_ns_per_step": best,
+            "control_ns_per_step": best["on"] - best["off"]}
+
+
 # -- main -------------------------------------------------------------------------------------
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--bootstrap", default=os.environ.get("PROFSTREAM_TEST_BOOTSTRAP"),
                         help="Kafka broker (default: $PROFSTREAM_TEST_BOOTSTRAP, else the local stack)")
-    parser.add_argument("--part", choices=("all", "latency", "idle_cpu", "overhead"), default="all")
+    parser.add_argument("--part", choices=("all", "latency", "idle_cpu", "overhead", "step_cost"), default="all")
     parser.add_argument("--runs", type=int, default=3, help="latency: training processes; idle_cpu: on/off pairs")
     parser.add_argument("--requests", type=int, default=40, help="latency: requests per training process")
     parser.add_argument("--step-ms", type=float, default=100.0, help="latency: the training loop's step")
@@ -287,7 +337,8 @@ def main() -> None:
     parser.add_argument("--warmup-s", type=float, default=3.0, help="idle_cpu: seconds before measuring")
     parser.add_argument("--steps", type=int, default=200, help="overhead: steps per variant and repeat")
     parser.add_argument("--block", type=int, default=25, help="overhead: steps per interleaved block")
-    parser.add_argument("--repeats", type=int, default=3, help="overhead: repeats")
+    parser.add_argument("--repeats", type=int, default=3, help="overhead, step_cost: repeats")
+    parser.add_argument("--pairs", type=int, default=100_000, help="step_cost: begin/end pairs per repeat")
     parser.add_argument("--role", choices=("train", "idle"), help=argparse.SUPPRESS)
     parser.add_argument("--prefix", help=argparse.SUPPRESS)
     parser.add_argument("--control", choices=("on", "off"), default="on", help=argparse.SUPPRESS)
@@ -304,7 +355,8 @@ def main() -> None:
     ensure_topics(args.bootstrap, Topics(args.prefix))
     results: dict[str, Any] = {}
     try:
-        for part, fn in (("latency", latency), ("idle_cpu", idle_cpu), ("overhead", overhead)):
+        for part, fn in (("latency", latency), ("idle_cpu", idle_cpu), ("overhead", overhead),
+                         ("step_cost", step_cost)):
             if args.part in ("all", part):
                 results[part] = fn(args)
     finally:
