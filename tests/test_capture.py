@@ -263,7 +263,9 @@ def test_the_report_sets_a_captured_window_s_op_types_beside_the_baseline(kafka_
 
     # ten op types (the processors' top 10: none is folded into "other"); ops every 10th step
     # on a schedule, the baseline, and steps 40-44 on request, slower as they are in the stall
-    cfg = SimConfig(run_id="reported", ranks=1, steps=60, ops_per_step=10, step_time_ms=30, stall=(35, 59),
+    # steps of 100 ms: the request must reach the rank before step 40 begins (4 s after the run's
+    # first batch), also when a loaded machine takes seconds to read that batch and send it
+    cfg = SimConfig(run_id="reported", ranks=1, steps=60, ops_per_step=10, step_time_ms=100, stall=(35, 59),
                     rate="realtime", seed=5)
     out = tmp_path / "archive"
     stop = threading.Event()
@@ -292,7 +294,10 @@ def test_the_report_sets_a_captured_window_s_op_types_beside_the_baseline(kafka_
     assert result.exit_code == 0, result.output
     text = page.read_text()
     assert re.search(r'<table class="capture" data-rank="0" data-first="40" data-last="44">', text)
-    assert "a test" in text and "4 earlier steps with ops" in text  # steps 0, 10, 20, 30
+    (asked,) = re.findall(r'<p class="sub">asked by [^<]*</p>', text)
+    assert "a test" in asked, asked
+    (window,) = re.findall(r"<p>Rank 0, steps 40–44 [^<]*", text)
+    assert "4 earlier steps with ops" in window, window  # steps 0, 10, 20, 30
     truth = expected(cfg)
 
     def mean_ms(op_type, steps):
