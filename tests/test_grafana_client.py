@@ -370,6 +370,31 @@ def test_runs_and_alerts_become_annotations_with_grafanas_documented_bodies(sink
                                         "single-object marker C3 01)"]
 
 
+def test_a_finished_capture_is_a_region_tagged_with_its_alert_and_linking_its_timeline(sinks):
+    from profstream.control.records import new_request, new_status
+
+    feed = Feed()
+    t0 = 1_700_000_000_000
+    request = new_request("r1", steps=3, reason="RankStraggler firing on rank 3 (Alertmanager)")
+    statuses = [new_status(request, "armed", 3),
+                new_status(request, "finished", 3, first_step=40, last_step=42, ops=900,
+                           window_start_ns=(t0 + 10) * MS, window_end_ns=(t0 + 310) * MS),
+                new_status(request, "refused", 0, reason="busy: capture already running")]
+    with GrafanaDouble() as grafana:
+        sink = sinks(grafana.url, timeline_url="http://files:8080/timeline/")
+        sink.handle([feed("p.control", "CaptureRequest", request)]
+                    + [feed("p.control", "CaptureStatus", s) for s in statuses])
+        (body,) = wait_until(grafana.annotation_bodies, 10, "the capture's annotation")
+    assert grafana.violations == []
+    assert (body["time"], body["timeEnd"]) == (t0 + 10, t0 + 310)
+    assert body["tags"] == ["profstream", "capture", "run:r1", "rank:3", "RankStraggler"]
+    assert body["text"].startswith("ops captured on rank 3, steps 40-42 (900 ops) for RankStraggler firing")
+    assert '<a href="http://files:8080/timeline/r1/rank-3/steps-40-42.json.gz">timeline</a>' in body["text"]
+    dashboard = json.loads((ROOT / "dashboards" / "training-run.json").read_text())
+    queries = [{t.replace("$run", "r1") for t in a["target"]["tags"]} for a in dashboard["annotations"]["list"]]
+    assert any(q <= set(body["tags"]) for q in queries)  # it shows on the run's dashboard
+
+
 def test_a_refused_token_warns_once_keeps_consuming_and_posts_everything_once_accepted(sinks, caplog):
     feed = Feed()
     t0 = 1_700_000_000_000
