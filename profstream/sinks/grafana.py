@@ -9,7 +9,8 @@ processed topics into annotations (``POST /api/annotations``), tagged ``profstre
   so a restarted sink does not post it again);
 - run end: a run that sent no StepMetrics for ``run_idle_s``; a run that sends steps
   again afterwards gets a "resumed" annotation;
-- alerts: firing as a point, resolved as a region from firing to resolution;
+- alerts: firing as a point, resolved as a region from firing to resolution that links
+  the timeline of a capture the alert asked for (autocapture) when one finished meanwhile;
 - op captures (the control topic, docs/capture.md): a region over the captured steps of
   each rank that finished one, tagged ``capture``, ``run:``, ``rank:`` and the alert that
   asked for it, linking the captured window's timeline file.
@@ -240,6 +241,8 @@ class GrafanaAnnotationSink:
         self.grafana = grafana
         self.timeline_url = timeline_url.rstrip("/")  # where the timeline sink's --out is served, if anywhere
         self._request_reasons: OrderedDict[str, str] = OrderedDict()
+        # (run, rank, alert) -> link to the timeline of a capture that alert asked for
+        self._captured: OrderedDict[tuple, str] = OrderedDict()
         self.run_idle_s = run_idle_s
         self.max_pending = max_pending
         self.backoff_min, self.backoff_max = backoff_s
@@ -336,6 +339,9 @@ class GrafanaAnnotationSink:
         if state == "firing":
             _bounded_put(self._firing, key, ts_ms, 10_000)
             return Annotation(ts_ms, tags, text)
+        captured = self._captured.get(key) or self._captured.get((run_id, None, name))
+        if captured:  # the alert's region links the detail captured because of it
+            text += f"; captured: {captured}"
         since = self._firing.pop(key, None)
         if since is None or since > ts_ms:
             return Annotation(ts_ms, tags, text)
@@ -352,6 +358,9 @@ class GrafanaAnnotationSink:
         path = f"{run_id}/rank-{rank}/steps-{first}-{last}.json.gz"
         link = (f'<a href="{html.escape(self.timeline_url)}/{html.escape(path)}">timeline</a>' if self.timeline_url
                 else f"timeline: {html.escape(path)} under the timeline sink's --out")
+        if alert:
+            _bounded_put(self._captured, (run_id, rank, alert), link, 10_000)
+            _bounded_put(self._captured, (run_id, None, alert), link, 10_000)
         text = (f"ops captured on rank {rank}, steps {first}-{last} ({st['ops']} ops)"
                 + (f" for {html.escape(reason)}" if reason else "") + f"; {link}"
                 + (f" ({html.escape(st['reason'])})" if st["reason"] else ""))
