@@ -177,6 +177,8 @@ _VERSIONS: list[SchemaVersion] = [
     _version(_load("event_batch.v6.avsc"), 6),  # + collectives, collective_names
     _version(_load("step_metrics.v5.avsc"), 5),  # + collectives
     _version(_load("run_step_metrics.v2.avsc"), 2),  # + collectives matched across ranks
+    _version(_load("capture_request.avsc"), 1),  # the control topic (docs/capture.md)
+    _version(_load("capture_status.avsc"), 1),
 ]
 
 SCHEMAS: dict[int, SchemaVersion] = {v.fingerprint: v for v in _VERSIONS}
