@@ -49,7 +49,8 @@ def test_analyze_a_directory_of_ranks_prints_them_and_writes_report_and_parquet(
 
 def test_analyze_gives_the_figures_of_ingest_through_kafka_and_the_live_processor(kafka_bootstrap, topics,
                                                                                    tmp_path):
-    path = lagging_device_trace(steps=6, rank=2, seed=9, uncorrelated=(4,)).write(tmp_path / "trace.json")
+    path = _with_collectives(lagging_device_trace(steps=6, rank=2, seed=9, uncorrelated=(4,))).write(
+        tmp_path / "trace.json")  # with a collective call per step: Monitor.collective against the raw batches
     options = FigureOptions(top_k=5)
     offline = analyze([path], "same-run", StreamOptions(figures=options))
     with RunningProcessor(kafka_bootstrap, topics, figure_options=options):
@@ -63,6 +64,7 @@ def test_analyze_gives_the_figures_of_ingest_through_kafka_and_the_live_processo
 
     assert [comparable(s) for s in sorted(live, key=lambda s: s["step"])] == [comparable(s) for s in offline.steps]
     assert sum(s["uncorrelated_ops"] for s in live) == 1
+    assert [s["collectives"]["count"] for s in live] == [1] * 6
 
 
 @pytest.mark.parametrize("case", ["not a trace", "same rank twice", "empty directory"])
