@@ -58,6 +58,7 @@ class Drained(NamedTuple):
     dropped_ops: int  # totals so far
     dropped_samples: int  # device samples included
     devices: list[tuple]
+    collectives: list[tuple]  # (name, group, dtype, step, seq, start_ns, dur_ns, in, out, group_size)
 
 
 def rows_chunk(rows: list[tuple]) -> OpChunk:
@@ -85,6 +86,7 @@ class EventBuffer:
         self.memory: deque = deque()
         self.queues: deque = deque()
         self.devices: deque = deque()  # device counter samples (the device sampler's thread)
+        self.collectives: deque = deque()
         # Monotonic counters, written by the recording thread only.
         self.dropped_ops = 0
         self.dropped_samples = 0
@@ -113,8 +115,8 @@ class EventBuffer:
             self.wake.set()
 
     def add_sample(self, samples: deque, row: tuple) -> None:
-        """One step mark, memory or queue sample into ``samples`` (``marks``, ``memory`` or
-        ``queues``), or dropped and counted when their reserve is full."""
+        """One step mark, memory, queue or collective sample into ``samples`` (``marks``,
+        ``memory``, ``queues`` or ``collectives``), or dropped and counted when their reserve is full."""
         if len(samples) < self.max_samples:
             samples.append(row)
         else:
@@ -138,9 +140,10 @@ class EventBuffer:
         memory = _take(self.memory)
         queues = _take(self.queues)
         devices = _take(self.devices)
+        collectives = _take(self.collectives)
         ops = self.take_ops(max_ops)
         return Drained(watermark, marks, memory, queues, ops, self.buffered_ops > 0,
-                       self.dropped_ops, self.dropped_samples + self.dropped_device_samples, devices)
+                       self.dropped_ops, self.dropped_samples + self.dropped_device_samples, devices, collectives)
 
     def take_ops(self, limit: int) -> list[OpChunk]:
         """Up to ``limit`` buffered ops, op() tuples first, then ops() chunks (split if needed)."""
@@ -183,7 +186,7 @@ class EventBuffer:
 
     @property
     def buffered_samples(self) -> int:
-        return len(self.marks) + len(self.memory) + len(self.queues) + len(self.devices)
+        return len(self.marks) + len(self.memory) + len(self.queues) + len(self.devices) + len(self.collectives)
 
     @property
     def fill_ratio(self) -> float:
@@ -192,7 +195,8 @@ class EventBuffer:
     @property
     def empty(self) -> bool:
         """Whether nothing is waiting for the Sender."""
-        return not (self.ops or self.op_chunks or self.marks or self.memory or self.queues or self.devices)
+        return not (self.ops or self.op_chunks or self.marks or self.memory or self.queues or self.devices
+                    or self.collectives)
 
 
 def _take(buf: deque, limit: int | None = None) -> list:

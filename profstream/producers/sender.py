@@ -143,6 +143,14 @@ def sample_columns(rows: list[tuple], columns: tuple[tuple[str, Any], ...]) -> d
     return {c: np.array(v, dtype=d) for (c, d), v in zip(columns, zip(*rows))}
 
 
+def collective_columns(rows: list[tuple]) -> tuple[list[str], dict[str, np.ndarray]]:
+    """Collective sample tuples (``EventBuffer.collectives``) as collective_names and the
+    collectives section: the three names share one dictionary."""
+    names, codes = _dictionary([v for row in rows for v in row[:3]])
+    cols = sample_columns([row[3:] for row in rows], SECTIONS["collectives"][3:])
+    return names, {"name_idx": codes[0::3], "group_idx": codes[1::3], "dtype_idx": codes[2::3], **cols}
+
+
 class Sender(threading.Thread):
     """Builds and sends the batches of one Monitor."""
 
@@ -341,8 +349,8 @@ class Sender(threading.Thread):
     def _build(self) -> bool:
         """Drain one batch from the buffers into self._pending. False if nothing to send."""
         m, buf = self.m, self.buffer
-        watermark, marks, memory, queues, ops, more_ops, dropped_ops, dropped_samples, devices = buf.drain(
-            min(buf.batch_max_ops, self._ops_limit))
+        (watermark, marks, memory, queues, ops, more_ops, dropped_ops, dropped_samples, devices,
+         collectives) = buf.drain(min(buf.batch_max_ops, self._ops_limit))
         if devices:  # before the batch that may move the watermark past their steps
             self._queue_device_batches(devices)
         # what never reached Kafka is reported downstream with what the buffer dropped
@@ -352,7 +360,7 @@ class Sender(threading.Thread):
         self._host_rows = []
         dropped_ops = total_dropped_ops - self._reported_dropped_ops
         dropped_samples = total_dropped_samples - self._reported_dropped_samples
-        if not (marks or memory or queues or host or ops or dropped_ops or dropped_samples) and (
+        if not (marks or memory or queues or collectives or host or ops or dropped_ops or dropped_samples) and (
             watermark == self._sent_watermark
         ):
             return bool(devices)
@@ -376,15 +384,19 @@ class Sender(threading.Thread):
         if queues:
             batch.queue_names, qidx = _dictionary([q[0] for q in queues])
             batch.queues = {"name_idx": qidx, **sample_columns([q[1:] for q in queues], SECTIONS["queues"][1:])}
+        if collectives:
+            batch.collective_names, batch.collectives = collective_columns(collectives)
         if host:
             batch.host_samples = sample_columns(host, SECTIONS["host_samples"])
+        samples = len(marks) + len(memory) + len(queues) + len(collectives)
         try:
             value = encode_batch(batch)
         except (ValueError, TypeError, OverflowError) as e:  # bad sample values from user code
             log.warning("profstream: dropped a batch of samples with invalid values (%s)", e)
-            batch.dropped_samples += len(marks) + len(memory) + len(queues)
-            batch.steps, batch.memory, batch.queues = (empty_section(s) for s in ("steps", "memory", "queues"))
-            batch.queue_names = []
+            batch.dropped_samples += samples
+            batch.steps, batch.memory, batch.queues, batch.collectives = (
+                empty_section(s) for s in ("steps", "memory", "queues", "collectives"))
+            batch.queue_names = batch.collective_names = []
             value = encode_batch(batch)
         while len(value) > MAX_MESSAGE_BYTES:
             value = self._shrink(batch, len(value))
@@ -392,7 +404,7 @@ class Sender(threading.Thread):
         self._reported_dropped_samples = total_dropped_samples
         self._sent_watermark = batch.complete_through_step
         self._seq += 1
-        self._pending.append((value, batch.n("ops"), len(marks) + len(memory) + len(queues)))
+        self._pending.append((value, batch.n("ops"), samples))
         return True
 
     def _queue_device_batches(self, rows: list[tuple]) -> None:
@@ -436,11 +448,11 @@ class Sender(threading.Thread):
                 log.warning("profstream: a batch of %d ops encoded to %d bytes, over Kafka's %d byte limit; "
                             "sending at most %d ops a batch from now on", n, size, MAX_MESSAGE_BYTES, keep)
         else:
-            samples = batch.n("steps") + batch.n("memory") + batch.n("queues")
+            samples = batch.n("steps") + batch.n("memory") + batch.n("queues") + batch.n("collectives")
             self._undelivered(n, samples, f"a batch of {size} bytes is over Kafka's message limit")  # the next batch reports it
-            for section in ("ops", "steps", "memory", "queues"):
+            for section in ("ops", "steps", "memory", "queues", "collectives"):
                 setattr(batch, section, empty_section(section))
-            batch.op_names, batch.op_types, batch.queue_names = [], [], []
+            batch.op_names, batch.op_types, batch.queue_names, batch.collective_names = [], [], [], []
         return encode_batch(batch)
 
     def _fill_ops(self, batch: EventBatch, ops: list[OpChunk]) -> int:
