@@ -159,8 +159,8 @@ def _load(state_dir: Path) -> Cluster:
 
 def cluster_up(java: str, state_dir: Path, brokers: int | None, timeout: float) -> Cluster:
     """Start the brokers of the cluster in ``state_dir`` that do not run (creating a cluster
-    of ``brokers`` when there is none) and wait until every one answers and the cluster
-    lists them all. Raises :class:`StackError` (one line) on failure."""
+    of ``brokers`` when there is none) and wait until every one answers and lists them
+    all. Raises :class:`StackError` (one line) on failure."""
     state_dir.mkdir(parents=True, exist_ok=True)
     with locked(state_dir / LOCK_FILE):
         if holds_cluster(state_dir):
@@ -173,7 +173,8 @@ def cluster_up(java: str, state_dir: Path, brokers: int | None, timeout: float) 
         libs = kafka_libs()  # a first-time fetch does not count against `timeout`
         deadline = time.monotonic() + timeout
         _start_nodes(java, libs, cluster, [n for n in cluster.nodes if not n.running], deadline, timeout)
-        wait_for_broker(cluster.bootstrap, max(0.0, deadline - time.monotonic()), brokers=len(cluster.nodes))
+        for n in cluster.nodes:  # every node: a client may take its metadata from any of them
+            wait_for_broker(n.bootstrap, max(0.0, deadline - time.monotonic()), brokers=len(cluster.nodes))
         return _load(state_dir)
 
 
