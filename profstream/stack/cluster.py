@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import threading
 import time
@@ -51,6 +52,7 @@ CLUSTER_FILE = "cluster.json"
 # Several JVMs share the machine: each gets less heap than a single broker (HEAP_OPTS).
 CLUSTER_HEAP_OPTS = ("-Xms128m", "-Xmx512m")
 MAX_BROKERS = 9
+NEW_CLUSTER_ATTEMPTS = 3  # a new cluster whose ports were taken meanwhile tries others
 
 
 @dataclass
@@ -149,6 +151,14 @@ def _create(state_dir: Path, brokers: int) -> Cluster:
     return cluster
 
 
+def _forget(cluster: Cluster) -> None:
+    """Remove a cluster that never started (its nodes were stopped): its file and node directories."""
+    for n in cluster.nodes:
+        if n.state_dir.exists():
+            shutil.rmtree(n.state_dir)
+    (cluster.state_dir / CLUSTER_FILE).unlink(missing_ok=True)
+
+
 def _load(state_dir: Path) -> Cluster:
     cluster = _read(state_dir)
     if cluster is None:
@@ -168,11 +178,22 @@ def cluster_up(java: str, state_dir: Path, brokers: int | None, timeout: float) 
             if brokers is not None and brokers != len(cluster.nodes):
                 raise StackError(f"{state_dir} holds a cluster of {len(cluster.nodes)} brokers, not {brokers}: "
                                  f"use --brokers {len(cluster.nodes)}, or another --dir")
+            created = False
         else:
-            cluster = _create(state_dir, brokers or 1)
+            cluster, created = _create(state_dir, brokers or 1), True
         libs = kafka_libs()  # a first-time fetch does not count against `timeout`
         deadline = time.monotonic() + timeout
-        _start_nodes(java, libs, cluster, [n for n in cluster.nodes if not n.running], deadline, timeout)
+        for attempt in range(1, NEW_CLUSTER_ATTEMPTS + 1):
+            try:
+                _start_nodes(java, libs, cluster, [n for n in cluster.nodes if not n.running], deadline, timeout)
+                break
+            except StackError as e:
+                # A free port can be taken by another process's connection before the new
+                # cluster binds it; no client knows a new cluster's ports yet: take others.
+                if not created or attempt == NEW_CLUSTER_ATTEMPTS or "Address already in use" not in str(e):
+                    raise
+                _forget(cluster)
+                cluster = _create(state_dir, len(cluster.nodes))
         for n in cluster.nodes:  # every node: a client may take its metadata from any of them
             wait_for_broker(n.bootstrap, max(0.0, deadline - time.monotonic()), brokers=len(cluster.nodes))
         return _load(state_dir)
