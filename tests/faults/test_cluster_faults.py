@@ -6,6 +6,8 @@ off from Kafka says so in its health metrics and once on stderr, not on every po
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -39,6 +41,7 @@ class Fault:
     restore: Callable[[], None] = lambda: None  # what the test does once the figures are fresh again
     reachable_seen: list[float] | None = None  # profstream_kafka_reachable during an outage
     log_during: str = ""  # the processor's output written during an outage
+    killed: int | None = None  # the broker killed, if one was
 
 
 def _now(name: str, restarted: bool, restore: Callable[[], None] = lambda: None) -> Fault:
@@ -53,7 +56,9 @@ def _leader(cluster: Broker, topic: str) -> int:
 def leader_kill(cluster: Broker, processor: ProcessorProcess, raw: str) -> Fault:
     leader = _leader(cluster, raw)
     cluster.kill(leader)
-    return _now("leader-kill-9", False, lambda: cluster.start_broker(leader))
+    fault = _now("leader-kill-9", False, lambda: cluster.start_broker(leader))
+    fault.killed = leader
+    return fault
 
 
 def processor_kill(cluster: Broker, processor: ProcessorProcess, raw: str) -> Fault:
@@ -68,7 +73,9 @@ def both_killed(cluster: Broker, processor: ProcessorProcess, raw: str) -> Fault
     processor.kill()
     cluster.start_broker(leader)
     processor.start()
-    return _now("leader-and-processor-kill-9", True)
+    fault = _now("leader-and-processor-kill-9", True)
+    fault.killed = leader
+    return fault
 
 
 def cluster_down(cluster: Broker, processor: ProcessorProcess, raw: str) -> Fault:
@@ -98,6 +105,10 @@ def fresh_again(tail: Tail, fault: Fault, ranks: int) -> float | None:
 
 def _by_step(records) -> dict[tuple[int, int], dict]:
     return {(r["rank"], r["step"]): {k: v for k, v in r.items() if k != "closed_ns"} for r in records}
+
+
+FAULTS = {"leader-kill-9": leader_kill, "processor-kill-9": processor_kill, "leader-and-processor-kill-9": both_killed,
+          "cluster-down-30s": cluster_down}
 
 
 @pytest.mark.parametrize("fault", [
@@ -213,3 +224,26 @@ def test_a_monitor_whose_buffer_overflows_while_the_cluster_is_down_counts_exact
     assert stats["dropped_ops"] > 0 and stats["dropped_samples"] == 0
     assert delivered_ops + stats["dropped_ops"] == recorded_ops
     assert sorted(int(s) for b in delivered for s in b.steps["step"]) == list(range(31))
+
+
+def _status(cluster: Broker) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "profstream.cli", "stack", "status", "--dir", str(cluster.state_dir)],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_stack_status_says_which_brokers_are_down_and_when_the_quorum_is_lost(cluster, cluster_topics):
+    healthy = _status(cluster)
+    assert healthy.returncode == 0 and healthy.stdout.count("sees 3 of 3 brokers") == 3, healthy
+    try:
+        cluster.kill(3)
+        one_down = _status(cluster)
+        assert one_down.returncode == 1 and "broker 3  down" in one_down.stdout, one_down
+        assert "2 of 3 brokers run (down: 3); the quorum holds" in one_down.stderr, one_down
+        cluster.kill(2)
+        lost = _status(cluster)
+        said = lost.stderr.strip().splitlines()
+        assert lost.returncode == 1 and len(said) == 1, lost
+        assert "lost its quorum: 1 of 3 controllers run, 2 are needed" in said[0] and "start-broker" in said[0], said
+    finally:
+        cluster.start()
+    assert _status(cluster).returncode == 0
