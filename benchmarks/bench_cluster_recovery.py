@@ -1,0 +1,164 @@
+"""Recovery on a 3-broker cluster: how long after a fault the figures of every rank are fresh again.
+
+A cluster of 3 brokers (replication factor 3, min.insync.replicas 2; the fault suite's
+``cluster`` fixture in a temporary directory), and per repeat and fault fresh topics (raw:
+6 partitions), a ``profstream process`` subprocess (health metrics on) and a simulated run
+at its real pace: ``--ranks`` ranks (16) x 100 ms steps x 50 ops, ``--steps`` steps. Once
+20 steps of every rank are committed, one fault (the fault suite's, tests/faults/
+test_cluster_faults.py):
+
+- ``leader-kill-9``: kill -9 the broker that leads most raw partitions (started again once
+  the figures are fresh);
+- ``processor-kill-9``: kill -9 the processor and start it again at once;
+- ``leader-and-processor-kill-9``: both, then both started again;
+- ``cluster-down-30s``: every broker stopped for 30 s, then started again.
+
+``fresh_again_s``: from the end of the fault (the kill; the restart of both; the cluster
+answering again) until every rank has a committed StepMetrics (read_committed, an
+independent reader) of a step that ended after that moment. Beside it, for a leader
+kill, ``leaders_moved_s``: when every raw partition had a live leader again (polled every
+0.25 s); for every fault, ``processor_recovered_s``: when the processor's
+``profstream_processor_recoveries_total`` went up (None: it did not need to). The fault
+suite checks on the same scenarios that nothing is lost or committed twice; this measures
+only time.
+
+Prints one JSON object on stdout; progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from _common import chosen, emit, envelope, note, summary, unique_prefix
+from kafka.errors import KafkaError
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the fault suite's fixtures
+
+from profstream.kafka.topics import Topics, ensure_topics  # noqa: E402
+from profstream.simulate import SimConfig, run_simulation  # noqa: E402
+from profstream.stack import stack_down  # noqa: E402
+from tests.faults.conftest import Broker, ProcessorProcess  # noqa: E402
+from tests.faults.test_broker_faults import Tail  # noqa: E402
+from tests.faults.test_cluster_faults import FAULTS, fresh_again  # noqa: E402
+
+TARGET_LEADER_KILL_S = 15.0
+
+
+def _recoveries(processor: ProcessorProcess) -> float:
+    metrics = processor.metrics() or {}
+    return sum(v for k, v in metrics.items() if k.startswith("profstream_processor_recoveries_total"))
+
+
+def _watch_leaders(cluster: Broker, topic: str, dead: int, since: float, stop: threading.Event,
+                   out: dict[str, float]) -> None:
+    """out["leaders_moved_s"]: when every partition of ``topic`` is led by a live broker."""
+    while not stop.is_set():
+        try:
+            if all(leader not in (dead, -1) for leader in cluster.leaders(topic).values()):
+                out["leaders_moved_s"] = time.monotonic() - since
+                return
+        except KafkaError:  # the admin client may fail while leadership moves: ask again
+            pass
+        stop.wait(0.25)
+
+
+def one_run(cluster: Broker, fault_name: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    topics = Topics(unique_prefix())
+    ensure_topics(cluster.bootstrap, topics, raw_partitions=6, partitions=3)
+    cfg = SimConfig(run_id="recovery", ranks=args.ranks, steps=args.steps, ops_per_step=50, step_time_ms=100,
+                    seed=1, rate="realtime")
+    processor = ProcessorProcess(cluster.bootstrap, topics, workdir / f"{topics.prefix}.log", "--run-grace-s",
+                                 "90").start()
+    tail = Tail(cluster.bootstrap, topics.steps, "StepMetrics")
+    tail.start()
+    run = threading.Thread(target=run_simulation, args=(cfg, {"bootstrap": cluster.bootstrap,
+                                                              "topic_prefix": topics.prefix}), daemon=True)
+    run.start()
+    stop = threading.Event()
+    moved: dict[str, float] = {}
+    result: dict[str, Any] = {"fault": fault_name}
+    try:
+        deadline = time.monotonic() + 120
+        while len(tail.seen) < 20 * args.ranks and time.monotonic() < deadline:
+            time.sleep(0.05)
+        before = _recoveries(processor)
+        started = time.monotonic()
+        fault = FAULTS[fault_name](cluster, processor, topics.raw)
+        result["fault_took_s"] = fault.over_at - started
+        if fault.killed is not None:
+            result["killed_broker"] = fault.killed
+            threading.Thread(target=_watch_leaders, args=(cluster, topics.raw, fault.killed, started, stop, moved),
+                             daemon=True).start()
+        if fault.processor_restarted:
+            before = 0.0
+        recovered = fresh = None
+        deadline = time.monotonic() + 180
+        while fresh is None and time.monotonic() < deadline:
+            if recovered is None and _recoveries(processor) > before:
+                recovered = time.monotonic() - fault.over_at
+            fresh = fresh_again(tail, fault, args.ranks)
+            time.sleep(0.05)
+        result.update(fresh_again_s=fresh, processor_recovered_s=recovered, leaders_moved_s=moved.get("leaders_moved_s"))
+        fault.restore()
+        return result
+    finally:
+        stop.set()
+        run.join(300)
+        processor.stop()
+        tail.halt.set()
+        tail.join(10)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--faults", default=",".join(FAULTS), help="comma-separated: " + ", ".join(FAULTS))
+    p.add_argument("--ranks", type=int, default=16)
+    p.add_argument("--steps", type=int, default=500, help="steps of each rank (100 ms each)")
+    args = p.parse_args(argv)
+    faults = chosen(p, args.faults, FAULTS)
+    with tempfile.TemporaryDirectory(prefix="bench-cluster-") as tmp:
+        t = time.monotonic()
+        cluster = Broker(Path(tmp) / "cluster", brokers=3)
+        note(f"cluster {cluster.bootstrap} up in {time.monotonic() - t:.1f} s")
+        try:
+            runs = []
+            for fault in faults:
+                for r in range(args.repeats):
+                    if not cluster.all_running():
+                        cluster.start()
+                    result = one_run(cluster, fault, args, Path(tmp))
+                    note(f"{fault} {r + 1}/{args.repeats}: {result}")
+                    runs.append(result)
+        finally:
+            stack_down(state_dir=cluster.state_dir)
+    results: dict[str, Any] = {
+        "metric": "seconds from the end of a fault until every rank has a committed StepMetrics of a step that "
+                  "ended after it (fresh_again_s)",
+        "unit": "s",
+        "workload": {"ranks": args.ranks, "step_ms": 100, "ops_per_step": 50, "raw_partitions": 6, "brokers": 3,
+                     "replication_factor": 3, "min_insync_replicas": 2},
+        "target": {"leader-kill-9": {"fresh_again_s": TARGET_LEADER_KILL_S}},
+        "runs": runs,
+    }
+    for fault in faults:
+        mine = [r for r in runs if r["fault"] == fault]
+        fresh = [r["fresh_again_s"] for r in mine if r["fresh_again_s"] is not None]
+        results[fault] = {key: summary(vals) if vals else None for key, vals in (
+            ("fresh_again_s", fresh),
+            ("leaders_moved_s", [r["leaders_moved_s"] for r in mine if r.get("leaders_moved_s") is not None]),
+            ("processor_recovered_s", [r["processor_recovered_s"] for r in mine
+                                       if r["processor_recovered_s"] is not None]))}
+        results[fault]["failed_to_recover"] = len(mine) - len(fresh)
+    emit(envelope("cluster_recovery", args, results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
