@@ -524,6 +524,9 @@ class TransactionalLoop:
                                    [TopicPartition(topic, p) for p in parts], self.call_timeout)
         finally:
             _dispose(reader)
+        failed = [tp for tp in committed if tp.error is not None]
+        if failed:  # e.g. the coordinator moving: not "nothing committed", which would re-read from the start
+            raise KafkaException(failed[0].error)
         for tp in committed:
             offset = tp.offset if tp.offset >= 0 else confluent_kafka.OFFSET_BEGINNING
             self._consumer.seek(TopicPartition(topic, tp.partition, offset))
