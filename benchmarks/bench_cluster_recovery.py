@@ -15,7 +15,9 @@ test_cluster_faults.py):
 
 ``fresh_again_s``: from the end of the fault (the kill; the restart of both; the cluster
 answering again) until every rank has a committed StepMetrics (read_committed, an
-independent reader) of a step that ended after that moment. Beside it, for a leader
+independent reader on kafka-python, as the sinks read; ``fresh_again_librdkafka_reader_s``
+the same seen by a reader on librdkafka, as the processors read) of a step that ended
+after that moment. Beside it, for a leader
 kill, ``leaders_moved_s``: when every raw partition had a live leader again (polled every
 0.25 s); for every fault, ``processor_recovered_s``: when the processor's
 ``profstream_processor_recoveries_total`` went up (None: it did not need to). The fault
@@ -36,11 +38,14 @@ from pathlib import Path
 from typing import Any
 
 from _common import chosen, emit, envelope, note, summary, unique_prefix
+from confluent_kafka import OFFSET_BEGINNING, TopicPartition
 from kafka.errors import KafkaError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the fault suite's fixtures
 
+from profstream.kafka.clients import make_native_consumer  # noqa: E402
 from profstream.kafka.topics import Topics, ensure_topics  # noqa: E402
+from profstream.schema.codec import decode  # noqa: E402
 from profstream.simulate import SimConfig, run_simulation  # noqa: E402
 from profstream.stack import stack_down  # noqa: E402
 from tests.faults.conftest import Broker, ProcessorProcess  # noqa: E402
@@ -48,6 +53,29 @@ from tests.faults.test_broker_faults import Tail  # noqa: E402
 from tests.faults.test_cluster_faults import FAULTS, fresh_again  # noqa: E402
 
 TARGET_LEADER_KILL_S = 15.0
+
+
+class NativeTail(threading.Thread):
+    """The same reader as the fault suite's Tail, on librdkafka (as the processors read):
+    tells the processor's delay from the kafka-python reader's own."""
+
+    def __init__(self, bootstrap: str, topic: str) -> None:
+        super().__init__(daemon=True)
+        self.bootstrap, self.topic = bootstrap, topic
+        self.seen: list[tuple[float, dict]] = []
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        consumer = make_native_consumer(self.bootstrap, f"tail-{self.topic}")
+        parts = consumer.list_topics(self.topic, timeout=30).topics[self.topic].partitions
+        consumer.assign([TopicPartition(self.topic, p, OFFSET_BEGINNING) for p in parts])
+        try:
+            while not self.halt.is_set():
+                for m in consumer.consume(500, 0.1):
+                    if m.error() is None:
+                        self.seen.append((time.monotonic(), decode("StepMetrics", m.value())))
+        finally:
+            consumer.close()
 
 
 def _recoveries(processor: ProcessorProcess) -> float:
@@ -77,6 +105,8 @@ def one_run(cluster: Broker, fault_name: str, args: argparse.Namespace, workdir:
                                  "90").start()
     tail = Tail(cluster.bootstrap, topics.steps, "StepMetrics")
     tail.start()
+    native = NativeTail(cluster.bootstrap, topics.steps)
+    native.start()
     run = threading.Thread(target=run_simulation, args=(cfg, {"bootstrap": cluster.bootstrap,
                                                               "topic_prefix": topics.prefix}), daemon=True)
     run.start()
@@ -102,17 +132,22 @@ def one_run(cluster: Broker, fault_name: str, args: argparse.Namespace, workdir:
         while fresh is None and time.monotonic() < deadline:
             if recovered is None and _recoveries(processor) > before:
                 recovered = time.monotonic() - fault.over_at
-            fresh = fresh_again(tail, fault, args.ranks)
+            fresh = fresh_again(tail, fault, args.ranks, args.steps - 1)
             time.sleep(0.05)
-        result.update(fresh_again_s=fresh, processor_recovered_s=recovered, leaders_moved_s=moved.get("leaders_moved_s"))
+        deadline = time.monotonic() + 30
+        while (fresh_native := fresh_again(native, fault, args.ranks, args.steps - 1)) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        result.update(fresh_again_s=fresh, fresh_again_librdkafka_reader_s=fresh_native,
+                      processor_recovered_s=recovered, leaders_moved_s=moved.get("leaders_moved_s"))
         fault.restore()
         return result
     finally:
         stop.set()
         run.join(300)
         processor.stop()
-        tail.halt.set()
-        tail.join(10)
+        for t in (tail, native):
+            t.halt.set()
+            t.join(10)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         fresh = [r["fresh_again_s"] for r in mine if r["fresh_again_s"] is not None]
         results[fault] = {key: summary(vals) if vals else None for key, vals in (
             ("fresh_again_s", fresh),
+            ("fresh_again_librdkafka_reader_s", [r["fresh_again_librdkafka_reader_s"] for r in mine
+                                                 if r.get("fresh_again_librdkafka_reader_s") is not None]),
             ("leaders_moved_s", [r["leaders_moved_s"] for r in mine if r.get("leaders_moved_s") is not None]),
             ("processor_recovered_s", [r["processor_recovered_s"] for r in mine
                                        if r["processor_recovered_s"] is not None]))}

@@ -93,14 +93,14 @@ def cluster_down(cluster: Broker, processor: ProcessorProcess, raw: str) -> Faul
     return fault
 
 
-def fresh_again(tail: Tail, fault: Fault, ranks: int) -> float | None:
+def fresh_again(tail: Tail, fault: Fault, ranks: int, last_step: int = CFG.steps - 1) -> float | None:
     """Seconds from the end of the fault until every rank has a committed step that ended
-    after it (None while some rank has none)."""
+    after it, or its last step when the run ended first (None while some rank has neither)."""
     first: dict[int, float] = {}
     for seen, s in tail.seen:
-        if s["end_ns"] >= fault.over_wall_ns and s["rank"] not in first:
+        if (s["end_ns"] >= fault.over_wall_ns or s["step"] == last_step) and s["rank"] not in first:
             first[s["rank"]] = seen
-    return max(first.values()) - fault.over_at if len(first) == ranks else None
+    return max(0.0, max(first.values()) - fault.over_at) if len(first) == ranks else None
 
 
 def _by_step(records) -> dict[tuple[int, int], dict]:
