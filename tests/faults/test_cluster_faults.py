@@ -22,7 +22,7 @@ from profstream.offline.replay import replay_offline
 from profstream.processors.stream import StreamOptions
 from profstream.simulate import SimConfig, run_simulation
 from tests.faults.conftest import ArchiveProcess, Broker, ProcessorProcess
-from tests.faults.test_broker_faults import Tail, _missing
+from tests.faults.test_broker_faults import Tail, _missing, _run_missing, _wait_committed
 from tests.helpers import raw_batches, wait_until
 from tests.test_processor import _uninterrupted
 
@@ -142,12 +142,8 @@ def test_a_16_rank_run_through_a_cluster_fault_commits_every_step_once_and_archi
         happened.restore()
         run.join(240)
         assert not run.is_alive(), "the simulated run did not end"
-        deadline = time.monotonic() + 120
-        while (missing := _missing(steps_tail, CFG)) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not missing, (f"{len(missing)} steps never committed, e.g. {sorted(missing)[:10]}; "
-                             f"processor: {processor.metrics()}\n{processor.output()[-6000:]}")
-        wait_until(lambda: len(run_tail.seen) >= CFG.steps, 60, "every run step committed")
+        _wait_committed("steps", lambda: _missing(steps_tail, CFG), 120, processor)
+        _wait_committed("run steps", lambda: _run_missing(run_tail, CFG), 60, processor)
         wait_until(lambda: processor.metrics()["profstream_consumer_lag_messages"] == 0, 60, "lag 0")
         raw_sent = sum(s["seq"] for s in sim["result"].stats)
         wait_until(lambda: _archived(archive) >= raw_sent, 60, f"every raw message archived ({archive.log})")
