@@ -20,7 +20,11 @@ the same seen by a reader on librdkafka, as the processors read) of a step that 
 after that moment. Beside it, for a leader
 kill, ``leaders_moved_s``: when every raw partition had a live leader again (polled every
 0.25 s); for every fault, ``processor_recovered_s``: when the processor's
-``profstream_processor_recoveries_total`` went up (None: it did not need to). The fault
+``profstream_processor_recoveries_total`` went up (None: it did not need to);
+``raw_flowing_s``: when every raw partition had taken a new message (the Monitors deliver
+again); ``steps_committed_s``: when the step stage first committed a transaction 0.5 s or
+more after the fault (``profstream_processor_last_commit_timestamp_seconds``; it commits
+every 0.1 s when healthy). The fault
 suite checks on the same scenarios that nothing is lost or committed twice; this measures
 only time.
 
@@ -38,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from _common import chosen, emit, envelope, note, summary, unique_prefix
-from confluent_kafka import OFFSET_BEGINNING, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, KafkaException, TopicPartition
 from kafka.errors import KafkaError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the fault suite's fixtures
@@ -96,6 +100,34 @@ def _watch_leaders(cluster: Broker, topic: str, dead: int, since: float, stop: t
         stop.wait(0.25)
 
 
+def _watch_progress(cluster: Broker, topics: Topics, processor: ProcessorProcess, since: float, since_wall: float,
+                    stop: threading.Event, out: dict[str, float]) -> None:
+    """out["raw_flowing_s"]: every raw partition grew since the fault; out["steps_committed_s"]:
+    the step stage committed after it (both polled every 0.25 s)."""
+    reader = make_native_consumer(cluster.bootstrap, f"watch-{topics.prefix}")
+    try:
+        parts = reader.list_topics(topics.raw, timeout=10).topics[topics.raw].partitions
+        ends = {p: reader.get_watermark_offsets(TopicPartition(topics.raw, p), timeout=10)[1] for p in parts}
+        while not stop.is_set() and len(out) < 2:
+            if "steps_committed_s" not in out:
+                commits = {k: v for k, v in (processor.metrics() or {}).items()
+                           if k.startswith("profstream_processor_last_commit_timestamp_seconds") and 'stage="steps"' in k}
+                if any(v >= since_wall + 0.5 for v in commits.values()):  # not one that was under way
+                    out["steps_committed_s"] = time.monotonic() - since
+            if "raw_flowing_s" not in out:
+                try:
+                    for p in [p for p, end in ends.items() if end is not None]:
+                        if reader.get_watermark_offsets(TopicPartition(topics.raw, p), timeout=1)[1] > ends[p]:
+                            ends[p] = None
+                except KafkaException:  # the partition's leader is gone: ask again
+                    pass
+                if all(end is None for end in ends.values()):
+                    out["raw_flowing_s"] = time.monotonic() - since
+            stop.wait(0.25)
+    finally:
+        reader.close()
+
+
 def one_run(cluster: Broker, fault_name: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     topics = Topics(unique_prefix())
     ensure_topics(cluster.bootstrap, topics, raw_partitions=6, partitions=3)
@@ -112,13 +144,16 @@ def one_run(cluster: Broker, fault_name: str, args: argparse.Namespace, workdir:
     run.start()
     stop = threading.Event()
     moved: dict[str, float] = {}
+    progress: dict[str, float] = {}
     result: dict[str, Any] = {"fault": fault_name}
     try:
         deadline = time.monotonic() + 120
         while len(tail.seen) < 20 * args.ranks and time.monotonic() < deadline:
             time.sleep(0.05)
         before = _recoveries(processor)
-        started = time.monotonic()
+        started, started_wall = time.monotonic(), time.time()
+        threading.Thread(target=_watch_progress, args=(cluster, topics, processor, started, started_wall, stop, progress),
+                         daemon=True).start()
         fault = FAULTS[fault_name](cluster, processor, topics.raw)
         result["fault_took_s"] = fault.over_at - started
         if fault.killed is not None:
@@ -138,7 +173,8 @@ def one_run(cluster: Broker, fault_name: str, args: argparse.Namespace, workdir:
         while (fresh_native := fresh_again(native, fault, args.ranks, args.steps - 1)) is None and time.monotonic() < deadline:
             time.sleep(0.05)
         result.update(fresh_again_s=fresh, fresh_again_librdkafka_reader_s=fresh_native,
-                      processor_recovered_s=recovered, leaders_moved_s=moved.get("leaders_moved_s"))
+                      processor_recovered_s=recovered, leaders_moved_s=moved.get("leaders_moved_s"),
+                      raw_flowing_s=progress.get("raw_flowing_s"), steps_committed_s=progress.get("steps_committed_s"))
         fault.restore()
         return result
     finally:
@@ -189,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
             ("fresh_again_s", fresh),
             ("fresh_again_librdkafka_reader_s", [r["fresh_again_librdkafka_reader_s"] for r in mine
                                                  if r.get("fresh_again_librdkafka_reader_s") is not None]),
-            ("leaders_moved_s", [r["leaders_moved_s"] for r in mine if r.get("leaders_moved_s") is not None]),
+            *((key, [r[key] for r in mine if r.get(key) is not None])
+              for key in ("leaders_moved_s", "raw_flowing_s", "steps_committed_s")),
             ("processor_recovered_s", [r["processor_recovered_s"] for r in mine
                                        if r["processor_recovered_s"] is not None]))}
         results[fault]["failed_to_recover"] = len(mine) - len(fresh)
