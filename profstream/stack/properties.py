@@ -16,6 +16,17 @@ from profstream.kafka.topics import replication
 from profstream.stack.state import DATA_DIR
 
 MAX_CONTROLLERS = 3
+# A dead broker's partitions get new leaders once the controllers have missed its
+# heartbeats for broker.session.timeout.ms (Kafka's default 9 s of the 15 s a leader kill may
+# cost profstream, docs/cluster.md). Loopback brokers whose heartbeats can only be late for
+# CPU: 3 s, a heartbeat every 0.75 s. Shorter risks fencing a live broker on a starved box.
+BROKER_SESSION_TIMEOUT_MS = 3000
+BROKER_HEARTBEAT_INTERVAL_MS = 750
+FAILOVER = f"""
+# Failover (a cluster only): see profstream/stack/properties.py and docs/cluster.md
+broker.session.timeout.ms={BROKER_SESSION_TIMEOUT_MS}
+broker.heartbeat.interval.ms={BROKER_HEARTBEAT_INTERVAL_MS}
+"""
 
 
 @dataclass(frozen=True)
@@ -47,11 +58,13 @@ def server_properties(state_dir: Path, node: NodeConfig) -> str:
     else:
         roles = "broker"
         listeners = f"PLAINTEXT://127.0.0.1:{node.port}"
+    failover = ""
     if node.brokers == 1:
         title = "# Single-node KRaft broker in combined mode, loopback only."
     else:
         title = (f"# Node {node.node_id} of a {node.brokers}-broker KRaft cluster on loopback "
                  f"({'broker and controller' if node.controller else 'broker only'}).")
+        failover = FAILOVER
     return f"""\
 # Written by profstream (profstream.stack); rewritten on every start.
 {title}
@@ -89,4 +102,4 @@ log.cleaner.dedupe.buffer.size=16777216
 # profstream.kafka.limits: what profstream's topics take
 message.max.bytes={TOPIC_MAX_MESSAGE_BYTES}
 replica.fetch.max.bytes={TOPIC_MAX_MESSAGE_BYTES}
-"""
+{failover}"""
