@@ -100,18 +100,27 @@ def _watch_leaders(cluster: Broker, topic: str, dead: int, since: float, stop: t
         stop.wait(0.25)
 
 
-def _watch_progress(cluster: Broker, topics: Topics, processor: ProcessorProcess, since: float, since_wall: float,
-                    stop: threading.Event, out: dict[str, float]) -> None:
-    """out["raw_flowing_s"]: every raw partition grew since the fault; out["steps_committed_s"]:
-    the step stage committed after it (both polled every 0.25 s)."""
+def _raw_ends(cluster: Broker, topics: Topics) -> dict[int, int]:
+    """The raw partitions' end offsets now."""
     reader = make_native_consumer(cluster.bootstrap, f"watch-{topics.prefix}")
     try:
         parts = reader.list_topics(topics.raw, timeout=10).topics[topics.raw].partitions
         ends = {p: reader.get_watermark_offsets(TopicPartition(topics.raw, p), timeout=10)[1] for p in parts}
+        return {p: end for p, end in ends.items() if end > 0}  # a partition no rank's key lands on stays empty
+    finally:
+        reader.close()
+
+
+def _watch_progress(cluster: Broker, topics: Topics, processor: ProcessorProcess, ends: dict[int, int | None],
+                    since: float, since_wall: float, stop: threading.Event, out: dict[str, float]) -> None:
+    """out["raw_flowing_s"]: every raw partition grew past ``ends``; out["steps_committed_s"]:
+    the step stage committed after the fault (both polled every 0.25 s)."""
+    reader = make_native_consumer(cluster.bootstrap, f"watch-{topics.prefix}")
+    try:
         while not stop.is_set() and len(out) < 2:
             if "steps_committed_s" not in out:
                 commits = {k: v for k, v in (processor.metrics() or {}).items()
-                           if k.startswith("profstream_processor_last_commit_timestamp_seconds") and 'stage="steps"' in k}
+                           if k.startswith("profstream_processor_last_commit_timestamp_seconds") and "stage=steps" in k}
                 if any(v >= since_wall + 0.5 for v in commits.values()):  # not one that was under way
                     out["steps_committed_s"] = time.monotonic() - since
             if "raw_flowing_s" not in out:
@@ -151,9 +160,10 @@ def one_run(cluster: Broker, fault_name: str, args: argparse.Namespace, workdir:
         while len(tail.seen) < 20 * args.ranks and time.monotonic() < deadline:
             time.sleep(0.05)
         before = _recoveries(processor)
+        ends = _raw_ends(cluster, topics)
         started, started_wall = time.monotonic(), time.time()
-        threading.Thread(target=_watch_progress, args=(cluster, topics, processor, started, started_wall, stop, progress),
-                         daemon=True).start()
+        threading.Thread(target=_watch_progress, args=(cluster, topics, processor, ends, started, started_wall, stop,
+                                                       progress), daemon=True).start()
         fault = FAULTS[fault_name](cluster, processor, topics.raw)
         result["fault_took_s"] = fault.over_at - started
         if fault.killed is not None:
@@ -176,6 +186,7 @@ def one_run(cluster: Broker, fault_name: str, args: argparse.Namespace, workdir:
                       processor_recovered_s=recovered, leaders_moved_s=moved.get("leaders_moved_s"),
                       raw_flowing_s=progress.get("raw_flowing_s"), steps_committed_s=progress.get("steps_committed_s"))
         fault.restore()
+        result["processor_said"] = [ln for ln in processor.output().splitlines() if "profstream processor" in ln]
         return result
     finally:
         stop.set()

@@ -45,6 +45,12 @@ log = logging.getLogger("profstream.processor")
 # Another client with our transactional id or group.instance.id took over.
 _FENCED = {KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.FENCED_INSTANCE_ID}
 CALL_TIMEOUT_S = 10.0  # a transactional call, a committed-offsets request, a changelog read without progress
+# send_offsets_to_transaction goes to the group coordinator. When the broker that was it
+# dies, librdkafka keeps it cached and waits for a change of some broker's connection state
+# before it asks for the new one (rdkafka_coord.c): after a leader kill the call outlived
+# 10 s in 2 of 3 runs, though the coordinator had moved after 4. It returns in milliseconds
+# otherwise: its deadline is shorter, the producer replaced sooner.
+OFFSETS_TIMEOUT_S = 4.0
 MAX_OUTAGE_S = 300.0  # Kafka unreachable this long: give up, exit, let a supervisor restart us
 FENCE_AFTER_FAULT_S = 600.0  # a fence this soon after a fault may be the fault's doing: recover once
 _SAY_EVERY_S = 60.0  # the same trouble is logged at most once a minute
@@ -474,8 +480,7 @@ class TransactionalLoop:
                    for p, pos in self._positions.items()]
         producer, timeout = self._producer, self.call_timeout
         if offsets:
-            self._call("send_offsets_to_transaction", timeout, producer.send_offsets_to_transaction, offsets,
-                       self._consumer.consumer_group_metadata(), timeout)
+            self._send_offsets(offsets)
         self._call("commit_transaction", timeout, producer.commit_transaction, timeout)
         self._state_token = tokens
         self._txn_started = None
@@ -483,6 +488,24 @@ class TransactionalLoop:
         self.last_commit_s = time.time()
         if self.on_commit is not None:
             self.on_commit(self._txn_outputs)
+
+    def _send_offsets(self, offsets: list[TopicPartition]) -> None:
+        """send_offsets_to_transaction, called again after a retriable error (a coordinator
+        still loading, another operation on the transaction under way: a leader just moved)
+        until ``call_timeout``; each call under :data:`OFFSETS_TIMEOUT_S`."""
+        deadline = time.monotonic() + self.call_timeout
+        while True:
+            left = min(OFFSETS_TIMEOUT_S, max(deadline - time.monotonic(), 0.1))
+            try:
+                self._call("send_offsets_to_transaction", left, self._producer.send_offsets_to_transaction, offsets,
+                           self._consumer.consumer_group_metadata(), left)
+                return
+            except KafkaException as e:
+                err = _kafka_error(e)
+                if err is None or not err.retriable() or time.monotonic() >= deadline - 0.2:
+                    raise
+                self._fault_at = time.monotonic()
+                self._stop.wait(0.1)
 
     # -- faults -----------------------------------------------------------------------
 
