@@ -8,8 +8,8 @@ nothing (an exporter serving current values) commit everything they handled. A s
 also implement ``tick()`` (called before each poll, for work due by time) and ``close()``
 (called once when the loop stops, before its last commit).
 
-A commit the group refuses while it rebalances is postponed, not fatal: the next poll
-commits again. On stop the loop polls on (at most ``FINAL_COMMIT_S``) until a commit goes
+A commit the group refuses while it rebalances, or one that fails while Kafka is away,
+is postponed, not fatal: the next poll commits again. On stop the loop polls on (at most ``FINAL_COMMIT_S``) until a commit goes
 through, so that a restart re-reads as little as possible.
 
 Readers use read_committed: they see the processors' transactional outputs only once
@@ -25,7 +25,12 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from kafka import TopicPartition
-from kafka.errors import CommitFailedError, RebalanceInProgressError
+from kafka.errors import (
+    CommitFailedError,
+    KafkaConnectionError,
+    KafkaTimeoutError,
+    RebalanceInProgressError,
+)
 from kafka.structs import OffsetAndMetadata
 
 from profstream.kafka.clients import consumer_lag, make_consumer
@@ -33,6 +38,8 @@ from profstream.kafka.clients import consumer_lag, make_consumer
 log = logging.getLogger("profstream.sink")
 
 POSTPONED = (CommitFailedError, RebalanceInProgressError)  # the group is rebalancing: commit later
+UNREACHABLE = (KafkaTimeoutError, KafkaConnectionError)  # Kafka away: commit later
+_SAY_EVERY_S = 60.0
 FINAL_COMMIT_S = 10.0
 
 
@@ -56,6 +63,7 @@ class SinkLoop:
                 raise RuntimeError(f"topic {topic} does not exist: start a processor or create it first")
         self._consumer.subscribe(list(topics))
         self._handled: dict[TopicPartition, int] = {}
+        self._said_at = -1e18  # when a commit that timed out was last logged
         self._committed: dict[TopicPartition, int] = {}
         self._postponed = False  # the latest commit was refused during a rebalance
         self.records = 0
@@ -101,6 +109,13 @@ class SinkLoop:
                 log.info("offset commit postponed to the next poll: %s", type(e).__name__)
                 self._postponed = True
                 return False
+            except UNREACHABLE as e:  # every broker, or the group's coordinator, away: what is durable stays so
+                if time.monotonic() - self._said_at >= _SAY_EVERY_S:
+                    self._said_at = time.monotonic()
+                    log.warning("offset commit failed, Kafka does not answer (%s): retried at the next poll",
+                                type(e).__name__)
+                self._postponed = True
+                return False
             self._committed.update(offsets)
         self._postponed = False
         return True
@@ -117,7 +132,8 @@ class SinkLoop:
             if close is not None:
                 close()
             if not self._commit():
-                log.warning("last offset commit failed (the group is rebalancing): a restart re-reads a few records")
+                log.warning("last offset commit failed (the group is rebalancing or Kafka is away): a restart "
+                            "re-reads a few records")
         finally:
             self._consumer.close()
 
