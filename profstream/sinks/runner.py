@@ -80,11 +80,16 @@ class SinkLoop:
         tick = getattr(self.sink, "tick", None)
         if tick is not None:
             tick()
-        polled = self._consumer.poll(timeout_ms=self.poll_ms)
-        self.last_poll = now = time.monotonic()
-        if now - self._lag_at >= 1.0:
-            self.lag = consumer_lag(self._consumer)
-            self._lag_at = now
+        try:
+            polled = self._consumer.poll(timeout_ms=self.poll_ms)
+            self.last_poll = now = time.monotonic()
+            if now - self._lag_at >= 1.0:
+                self.lag = consumer_lag(self._consumer)  # positions may need a broker (validation after a leader change)
+                self._lag_at = now
+        except UNREACHABLE as e:  # nothing was handed to the sink: the next poll reads it
+            self._unreachable("a poll", e)
+            time.sleep(self.poll_ms / 1000)
+            return 0
         n = 0
         for tp, records in polled.items():
             self.sink.handle(records)
@@ -110,15 +115,17 @@ class SinkLoop:
                 self._postponed = True
                 return False
             except UNREACHABLE as e:  # every broker, or the group's coordinator, away: what is durable stays so
-                if time.monotonic() - self._said_at >= _SAY_EVERY_S:
-                    self._said_at = time.monotonic()
-                    log.warning("offset commit failed, Kafka does not answer (%s): retried at the next poll",
-                                type(e).__name__)
+                self._unreachable("an offset commit", e)
                 self._postponed = True
                 return False
             self._committed.update(offsets)
         self._postponed = False
         return True
+
+    def _unreachable(self, what: str, error: Exception) -> None:
+        if time.monotonic() - self._said_at >= _SAY_EVERY_S:
+            self._said_at = time.monotonic()
+            log.warning("%s failed, Kafka does not answer (%s): retried at the next poll", what, type(error).__name__)
 
     def run(self, stop: threading.Event) -> None:
         """Poll until ``stop`` is set; then close the sink, commit and close the consumer."""
