@@ -10,9 +10,12 @@ import pytest
 from typer.testing import CliRunner
 
 from profstream.cli import app
-from profstream.integrations.ingest import load_profile
+from profstream.integrations.ingest import ingest, load_profile
 from profstream.integrations.ingest.hccl import collective_name
 from profstream.offline.analyze import analyze
+from profstream.processors.collectives import unpack_calls
+from tests.helpers import step_records
+from tests.test_processor import RunningProcessor
 
 BASE_NS = 1_790_000_000_000_000_000  # ns since the epoch
 STEP_NS = 100_000_000
@@ -88,6 +91,22 @@ def test_analyze_command_reads_the_hccl_ops_of_each_rank_directory(tmp_path):
     assert result.exit_code == 0, result.output
     out = result.output.replace("\n", " ")
     assert all(f"8 HCCL ops from communication_{r}.json (1 groups)" in out for r in (0, 1))
+
+
+def test_ingest_sends_the_hccl_calls_of_a_rank_to_the_live_processor(kafka_bootstrap, topics, tmp_path):
+    folder = _profiler_dir(tmp_path, 1, late_us=LATE_US)
+    offline = analyze([folder], "hccl-live")
+    with RunningProcessor(kafka_bootstrap, topics):
+        sent = ingest(folder, {"bootstrap": kafka_bootstrap, "run_id": "hccl-live", "topic_prefix": topics.prefix})
+        live = sorted(step_records(kafka_bootstrap, topics.steps, "hccl-live", STEPS), key=lambda s: s["step"])
+    assert sent.sent.flushed and [s["step"] for s in live] == [1, 2, 3, 4]
+    for got, want in zip(live, offline.steps):
+        calls, expected = unpack_calls(got["collectives"]), unpack_calls(want["collectives"])
+        assert [calls.names[i] for i in calls.cols["name_idx"]] == ["all_reduce", "all_gather"]
+        for col in ("seq", "bytes", "start_ns", "end_ns"):
+            assert calls.cols[col].tolist() == expected.cols[col].tolist()
+        # no group size in the file: ingest sends 0, analyze the ranks it was given (here 1)
+        assert calls.cols["group_size"].tolist() == [0, 0] and expected.cols["group_size"].tolist() == [1, 1]
 
 
 def test_a_malformed_communication_file_is_one_note_naming_it_and_the_steps_stand(tmp_path):
