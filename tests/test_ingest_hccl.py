@@ -109,10 +109,11 @@ def test_ingest_sends_the_hccl_calls_of_a_rank_to_the_live_processor(kafka_boots
         assert calls.cols["group_size"].tolist() == [0, 0] and expected.cols["group_size"].tolist() == [1, 1]
 
 
-def test_a_malformed_communication_file_is_one_note_naming_it_and_the_steps_stand(tmp_path):
+@pytest.mark.parametrize("text", ['{"step1": {"collective": ', "[1, 2]"])
+def test_a_malformed_communication_file_is_one_note_naming_it_and_the_steps_stand(tmp_path, text):
     folder = _profiler_dir(tmp_path, 0)
     bad = folder / "communication_0.json"
-    bad.write_text('{"step1": {"collective": ')
+    bad.write_text(text)
     profile = load_profile(folder.parent, "mindspore", 0)
     assert profile.steps == STEPS and profile.collectives == []
     (note,) = [n for n in profile.notes if str(bad) in n]
@@ -123,10 +124,11 @@ def test_entries_without_times_are_skipped_and_counted(tmp_path):
     folder = _profiler_dir(tmp_path, 0)
     doc = json.loads((folder / "communication_0.json").read_text())
     del doc["step2"]["collective"][f"hcom_allGather__184_1_1@{GROUP}"]["Communication Time Info"]["Start Timestamp(us)"]
+    doc["step3"]["p2p"] = ["not", "ops"]
     (folder / "communication_0.json").write_text(json.dumps(doc))
     profile = load_profile(folder, "mindspore", 0)
     assert [c[3] for c in profile.collectives] == list(range(2 * STEPS - 1))
-    assert any("1 entries without a start or elapse time skipped" in n for n in profile.notes)
+    assert any("2 entries skipped (not an op with a numeric start and elapse time)" in n for n in profile.notes)
 
 
 @pytest.mark.parametrize("op,name", [("hcom_allReduce__184_1_1", "all_reduce"), ("hcom_allGather__3_0_1", "all_gather"),

@@ -78,7 +78,11 @@ def read_communication(profile: Profile, path: Path) -> None:
             skipped += 1
             continue
         for kind in _KINDS:
-            for name, op in (step.get(kind) or {}).items():
+            entries = step.get(kind) or {}
+            if not isinstance(entries, dict):
+                skipped += 1
+                continue
+            for name, op in entries.items():
                 if name == "Total Op Info":
                     continue
                 row = _op_row(name, op)
@@ -93,7 +97,7 @@ def read_communication(profile: Profile, path: Path) -> None:
         profile.collectives.append((collective, group, "", seq, start, dur, nbytes, NO_VALUE, 0))
     profile.collective_launch_ns = np.full(len(profile.collectives), -1, I64)
     profile.notes.append(f"{len(ops)} HCCL ops from {path.name} ({len(seqs)} groups)"
-                         + (f"; {skipped} entries without a start or elapse time skipped" if skipped else ""))
+                         + (f"; {skipped} entries skipped (not an op with a numeric start and elapse time)" if skipped else ""))
 
 
 def _op_row(name: str, op: object) -> tuple | None:
