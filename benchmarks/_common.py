@@ -118,3 +118,12 @@ def drop_topics(bootstrap: str, prefix: str) -> None:
         delete_topics(bootstrap, Topics(prefix), timeout=30.0)
     except Exception as e:  # cleanup only: report it, keep the results
         note(f"could not delete topics of {prefix}: {type(e).__name__}: {e}")
+
+
+def chosen(parser: Any, value: str, known: Any) -> list[str]:
+    """The comma-separated names of ``value``, each one of ``known`` (else a usage error)."""
+    names = [f.strip() for f in value.split(",") if f.strip()]
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        parser.error(f"unknown fault(s) {unknown}: choose from {sorted(known)}")
+    return names

@@ -13,11 +13,13 @@ import pytest
 from kafka import KafkaConsumer
 
 from profstream.kafka.clients import make_producer, read_topic
+from profstream.kafka.topics import Topics
 from profstream.processors.health import StageCounts
-from profstream.processors.runtime import Processor, StepStage
+from profstream.processors.runtime import Processor, RunStage, StepStage
 from profstream.schema.codec import decode
 from profstream.simulate import SimConfig, expected, run_simulation
 from tests.helpers import scrape, step_records, wait_until
+from tests.test_grafana_client import Feed, step_metrics
 
 
 class RunningProcessor:
@@ -264,3 +266,32 @@ def test_two_processors_in_one_group_share_the_ranks_and_still_agree_across_rank
     assert all(n > 0 for n in closed_by), f"one processor did all the work: {closed_by}"
     assert sorted(r["step"] for r in runs) == list(range(20))
     assert all(r["ranks_reported"] == 6 and r["straggler_rank"] == 4 for r in runs)
+
+
+def test_a_run_stage_restored_from_its_checkpoint_emits_no_step_twice():
+    """A step emitted before the restart whose last report lies past the committed offset
+    (the first report of a step still open) is re-read after it: the restored floor drops it."""
+    topics, feed = Topics(prefix="restore"), Feed()
+
+    def report(rank: int, step: int):
+        return feed(topics.steps, "StepMetrics", step_metrics("r", rank, step, 100 * step))  # world_size 2
+
+    first = RunStage(topics, StageCounts(keep_step_ends=False), grace_s=1.0)
+    records = [report(0, 0), report(0, 1), report(1, 0)]  # step 1 opens before step 0 completes
+    emitted = []
+    for rec in records:
+        first.fold(rec, 0.0)
+    emitted += first.ready(0.0)
+    assert [decode("RunStepMetrics", o.value)["step"] for o in emitted] == [0]
+    checkpoint = first.changed_state()
+    committed = first.commit_offset(0, records[-1].offset + 1)
+    assert committed == records[1].offset  # step 1's first report: step 0's last one lies after it
+
+    restarted = RunStage(topics, StageCounts(keep_step_ends=False), grace_s=1.0)
+    for out in checkpoint:
+        restarted.restore(out.partition, out.key, out.value, 10.0)
+    for rec in records[committed:] + [report(1, 1)]:
+        restarted.fold(rec, 10.0)
+    emitted += restarted.ready(10.0) + restarted.ready(20.0)  # and once every grace is over
+    steps = Counter(decode("RunStepMetrics", o.value)["step"] for o in emitted if o.topic == topics.run)
+    assert steps == {0: 1, 1: 1}, f"run steps emitted (step: times): {dict(steps)}"

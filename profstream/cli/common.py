@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 
 app = typer.Typer(help="profstream: a live profiler for long training runs.", no_args_is_help=True,
                   pretty_exceptions_enable=False, add_completion=False)
-stack_app = typer.Typer(help="A local single-node Kafka broker (KRaft) for trying profstream out.",
+stack_app = typer.Typer(help="A local Kafka (KRaft) for trying profstream out: one broker, or a cluster of "
+                             "several on loopback (--brokers N) for fault tests.",
                         no_args_is_help=True)
 app.add_typer(stack_app, name="stack")
 sink_app = typer.Typer(help="Sinks: export the processed topics (Prometheus, Grafana, timeline files, archive).",

@@ -230,7 +230,7 @@ class RunStage:
             self.runs.pop(run_id, None)
             return
         cp = decode("RunCheckpoint", value)
-        self.runs[run_id] = _RunState(partition, set(cp["ranks"]), cp["floor"], last_seen=now)
+        self.runs[run_id] = _RunState(partition, set(cp["ranks"]), floor=cp["floor"], last_seen=now)
 
     def changed_state(self) -> list[Output]:
         out = []
