@@ -39,6 +39,7 @@ from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from profstream.kafka.clients import make_native_consumer, make_transactional_producer
 from profstream.kafka.deadline import CallTimeout, DeadlineCaller
+from profstream.processors.group_watch import STATS_INTERVAL_MS, GroupWatch
 
 log = logging.getLogger("profstream.processor")
 
@@ -247,10 +248,13 @@ class TransactionalLoop:
         return producer
 
     def _new_consumer(self) -> confluent_kafka.Consumer:
+        """A consumer with our static membership, and a fresh GroupWatch fed by its statistics."""
+        self._group_watch = watch = GroupWatch()
         # Heartbeats every 0.5 s: a member learns of a rebalance (a processor joining or
         # leaving) at its next heartbeat, and the whole group waits for the slowest.
         return make_native_consumer(self.bootstrap, self.group_id, **{
-            "group.instance.id": self.transactional_id, "heartbeat.interval.ms": 500, "error_cb": self._client_error})
+            "group.instance.id": self.transactional_id, "heartbeat.interval.ms": 500, "error_cb": self._client_error,
+            "statistics.interval.ms": STATS_INTERVAL_MS, "stats_cb": watch.update})
 
     def _subscribe(self) -> None:
         # A replaced consumer may still call back while it closes: only the current one counts.
@@ -390,6 +394,10 @@ class TransactionalLoop:
         if self._failure is not None:  # from a rebalance callback: msgs may predate the rebuild
             failure, self._failure = self._failure, None
             raise failure
+        stuck = self._group_watch.stuck_for()
+        if stuck is not None:  # see processors/group_watch.py
+            raise _ConsumerFailure(KafkaError(KafkaError._STATE, f"the consumer has been out of its group for "
+                                              f"{stuck:.0f} s (librdkafka: {self._group_watch.state})"))
         now = time.monotonic()
         self.last_poll_s = time.time()
         consumed = 0
