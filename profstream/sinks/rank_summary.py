@@ -6,9 +6,10 @@ slowest ranks: slowest by the mean step time of the rank's newest ``SLOW_WINDOW_
 steps (a short window, so that one noisy step does not swap ranks in and out of the set),
 ties to the lower rank. The set is chosen again at every scrape from the figures held, so
 a rank that leaves it leaves no series behind. Every run, whatever its size, also gets
-``profstream_ranks_*{run, quantile}``: the minimum, p50, p95 and maximum over all its ranks'
-latest figures (interpolated as PromQL's ``quantile()``), and the count of its ranks by
-latest step time over the step-time buckets, which Grafana draws as a heat map.
+``profstream_ranks_*{run, stat}``: the minimum, p50, p95 and maximum over all its ranks'
+latest figures (interpolated as PromQL's ``quantile()``; the label is not ``quantile``,
+which Prometheus keeps for summaries), and a histogram of its ranks' latest step times,
+which Grafana draws as a heat map.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 
 DEFAULT_TOP_RANKS = 64  # a run of up to 64 ranks keeps every rank's series
 SLOW_WINDOW_STEPS = 5  # newest steps of a rank whose mean step time ranks it
-QUANTILES = ((0.0, "0"), (0.5, "0.5"), (0.95, "0.95"), (1.0, "1"))  # (q, label value)
+STATS = ((0.0, "min"), (0.5, "p50"), (0.95, "p95"), (1.0, "max"))  # (quantile, label value)
 PHASES = ("data_wait", "fp_bp", "tail")
 
 # (metric without prefix and "ranks_", help, extra label, (label value, figure) of a rank)
@@ -96,7 +97,7 @@ def summary_lines(prefix: str, runs: Iterable[tuple[str, dict[int, Any], int]], 
     p = prefix + "ranks_"
     out: list[str] = []
     for name, doc, label, figures in _FIGURES:
-        out.append(f"# HELP {p}{name} {doc}, across the run's ranks: quantile 0 (min), 0.5, 0.95, 1 (max)\n"
+        out.append(f"# HELP {p}{name} {doc}, across the run's ranks: min, p50, p95, max\n"
                    f"# TYPE {p}{name} gauge\n")
         for run_id, ranks, _ in runs:
             by_label: dict[str, list[float]] = {}
@@ -106,16 +107,19 @@ def summary_lines(prefix: str, runs: Iterable[tuple[str, dict[int, Any], int]], 
             for key, values in by_label.items():
                 values.sort()
                 extra = f',{label}="{key}"' if label else ""
-                out.extend(f'{p}{name}{{run="{run_id}"{extra},quantile="{ql}"}} {num(quantile(values, q))}\n'
-                           for q, ql in QUANTILES)
-    name = p + "by_step_duration"
-    out.append(f"# HELP {name} ranks of the run whose latest step took at most le seconds (cumulative, as "
-               f"histogram buckets)\n# TYPE {name} gauge\n")
+                out.extend(f'{p}{name}{{run="{run_id}"{extra},stat="{stat}"}} {num(quantile(values, q))}\n'
+                           for q, stat in STATS)
+    name = p + "step_duration_seconds_hist"
+    out.append(f"# HELP {name} the run's ranks by the duration of their latest step, at the scrape (buckets go "
+               f"down as well as up: never rate() it)\n# TYPE {name} histogram\n")
     for run_id, ranks, _ in runs:
         counts = [0] * (len(buckets) + 1)
         for r in ranks.values():
             counts[bisect.bisect_left(buckets, r.step_s)] += 1
-        out.extend(f'{name}{{run="{run_id}",le="{le}"}} {n}\n' for le, n in zip(les, itertools.accumulate(counts)))
+        out.extend(f'{name}_bucket{{run="{run_id}",le="{le}"}} {n}\n'
+                   for le, n in zip(les, itertools.accumulate(counts)))
+        out.append(f'{name}_sum{{run="{run_id}"}} {num(sum(r.step_s for r in ranks.values()))}\n'
+                   f'{name}_count{{run="{run_id}"}} {len(ranks)}\n')
     for name, doc, value in (
             ("held", "ranks of the run the exporter holds figures for", lambda ranks, kept: len(ranks)),
             ("with_series", "ranks of the run with per-rank series (the slowest, --top-ranks)",
