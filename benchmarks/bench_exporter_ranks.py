@@ -23,18 +23,16 @@ Prints one JSON object on stdout; progress goes to stderr.
 from __future__ import annotations
 
 import argparse
-import gzip
 import multiprocessing as mp
 import os
 import statistics
 import sys
 import time
-import urllib.request
 from collections import namedtuple
 from typing import Any
 
 from _common import emit, envelope, note, percentile, summary
-from bench_exporter import PROMETHEUS_HEADERS, step_metrics
+from bench_exporter import get, step_metrics
 
 from profstream.kafka.topics import Topics
 from profstream.metrics_server import MAX_AGE_S, serve_metrics
@@ -78,16 +76,6 @@ def serve_child(ranks: int, steps: int, top_ranks: int | None, batch: int, port_
     server.server_close()
 
 
-def get(url: str) -> tuple[float, int, int]:
-    """(ms from request to last byte, bytes uncompressed, bytes on the wire)."""
-    t0 = time.perf_counter()
-    with urllib.request.urlopen(urllib.request.Request(url, headers=PROMETHEUS_HEADERS), timeout=30) as resp:
-        raw = resp.read()
-        gzipped = resp.headers.get("Content-Encoding") == "gzip"
-    ms = (time.perf_counter() - t0) * 1000
-    return ms, len(gzip.decompress(raw) if gzipped else raw), len(raw)
-
-
 def one_repeat(args: argparse.Namespace, top_ranks: int | None) -> dict[str, Any]:
     ctx = mp.get_context("fork")
     port_q, stop = ctx.Queue(), ctx.Event()
@@ -99,7 +87,8 @@ def one_repeat(args: argparse.Namespace, top_ranks: int | None) -> dict[str, Any
         times, size, wire = [], 0, 0
         for _ in range(args.scrapes):
             time.sleep(MAX_AGE_S + 0.02)  # past the shared rendering: this scrape renders afresh
-            ms, size, wire = get(url)
+            ms, body, wire = get(url)
+            size = len(body)
             times.append(ms)
         return {"scrape_ms": {"p50": statistics.median(times), "p95": percentile(times, 95),
                               "p99": percentile(times, 99), "max": max(times)},
