@@ -10,16 +10,18 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import namedtuple
 
 import pytest
 
 from profstream.kafka.clients import make_producer
+from profstream.kafka.topics import Topics
 from profstream.schema.codec import encode
-from profstream.sinks.prometheus import STEP_BUCKETS
+from profstream.sinks.prometheus import STEP_BUCKETS, ExporterState
 from profstream.sinks.rank_summary import SLOW_WINDOW_STEPS
 from tests.helpers import wait_until
 from tests.test_alert_rules import prometheus_tool
-from tests.test_prometheus_sink import exporter, scrape
+from tests.test_prometheus_sink import Scrape, exporter, scrape
 
 RANKS, K = 40, 8
 
@@ -121,6 +123,44 @@ def test_a_run_past_top_ranks_keeps_exactly_its_slowest_ranks_and_quantiles_over
     res = subprocess.run([prometheus_tool("promtool"), "check", "metrics"], input=s.text, capture_output=True,
                          text=True, timeout=30)
     assert res.returncode == 0 and res.stdout + res.stderr == "", res.stdout + res.stderr
+
+
+def test_a_fast_ranks_firing_stall_keeps_its_stall_series_and_collectives_keep_the_longest_waits():
+    """Outside the K slowest, a rank whose DataQueueStall fires still has profstream_data_stall
+    (the alert keeps working) until it resolves; collective waits keep the K longest waiters."""
+    Rec = namedtuple("Rec", "topic partition offset timestamp value")
+    topics, now_ms = Topics("stall"), time.time_ns() // 10**6
+    state = ExporterState(topics, top_ranks=K)
+
+    def fold(topic: str, schema: str, *values: dict) -> Scrape:
+        state.handle([Rec(topic, 0, 0, now_ms, encode(schema, v)) for v in values])
+        return Scrape(state.exposition().decode())
+
+    fold(topics.steps, "StepMetrics", *(step_record("c", rank, 0, 100_000_000 + 1_000_000 * rank)
+                                        for rank in range(RANKS)))
+    waits = {rank: (RANKS - rank) * 1_000 for rank in range(RANKS)}  # the fast ranks wait longest
+    run = {"run_id": "c", "step": 0, "ranks_reported": RANKS, "min_step_time_ns": 10**8,
+           "median_step_time_ns": 10**8, "max_step_time_ns": 10**8, "skew": 0.0, "straggler_rank": RANKS - 1,
+           "step_times_ns": {}, "collectives_matched": 1, "late_rank": RANKS - 1, "late_rank_held_ns": 10,
+           "collective_ranks": [{"rank": r, "wait_ns": w, "transfer_ns": 5, "slowest_collective": "all_reduce",
+                                 "slowest_ns": 5} for r, w in waits.items()],
+           "by_collective": [], "unmatched_collectives": [{"collective": "all_reduce", "group": "0", "seq": 1,
+                                                           "arrived": [], "missing": [0, 1, 2, 20, 39],
+                                                           "expected": RANKS}]}
+    alert = {"name": "DataQueueStall", "state": "firing", "run_id": "c", "rank": 0, "step": 0,
+             "ts_ns": time.time_ns(), "summary": "s", "evidence": {}}
+    fold(topics.run, "RunStepMetrics", run)
+    s = fold(topics.alerts, "Alert", alert)
+    slow = set(range(RANKS - K, RANKS))
+    assert ranks_in_series(s, "c")["profstream_step_duration_seconds"] == slow
+    assert {int(x.labels["rank"]): x.value for x in s.all("profstream_data_stall", run="c")} == \
+        {**dict.fromkeys(slow, 0), 0: 1}
+    longest = set(sorted(waits, key=lambda r: -waits[r])[:K])
+    assert {int(x.labels["rank"]) for x in s.all("profstream_collective_wait_seconds", run="c")} == longest
+    assert {int(x.labels["rank"]) for x in s.all("profstream_collective_transfer_seconds", run="c")} == longest
+    assert {int(x.labels["rank"]) for x in s.all("profstream_collective_missing", run="c")} == {0, 1, 2, 20, 39}
+    s = fold(topics.alerts, "Alert", {**alert, "state": "resolved"})
+    assert ranks_in_series(s, "c")["profstream_data_stall"] == slow
 
 
 @pytest.mark.parametrize("value", ["0", "-3", "lots"])
