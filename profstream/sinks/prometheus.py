@@ -69,7 +69,6 @@ def _les(bounds: Sequence[float]) -> list[str]:
 
 
 _STEP_LES = _les(STEP_BUCKETS)
-_PHASES = PHASES
 
 
 def _esc(value: str) -> str:
@@ -333,7 +332,7 @@ class ExporterState:
                  for le, n in zip(_STEP_LES, itertools.accumulate(r.buckets))),
                 (f"{hist}_sum{{{r.labels}}} {_num(r.sum_s)}\n", f"{hist}_count{{{r.labels}}} {sum(r.buckets)}\n"))))
         split(p + "step_phase_seconds", "gauge", "phases of the latest step: data_wait (waiting for data), "
-              "fp_bp (forward and backward), tail", "phase", lambda r: zip(_PHASES, r.phases))
+              "fp_bp (forward and backward), tail", "phase", lambda r: zip(PHASES, r.phases))
         per_rank(p + "last_step", "number of the rank's latest step", lambda run, rank, r: r.last_step)
         per_rank(p + "last_step_timestamp_seconds", "end of the rank's latest step, Unix time (producer clock)",
                  lambda run, rank, r: r.end_s)
