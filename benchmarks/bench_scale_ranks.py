@@ -334,6 +334,9 @@ def run_config(bootstrap: str, processes: int, args: argparse.Namespace, broker_
         drained_s = time.time() - run_end
         cpu2 = [cpu_seconds(p.pid) for p in procs]
         broker2 = cpu_seconds(broker_pid)
+        deadline = time.monotonic() + 15  # the run stage's figures of the last steps follow theirs
+        while reader.run_records < steps and time.monotonic() < deadline and all(p.poll() is None for p in procs):
+            time.sleep(0.1)
         load1 = os.getloadavg()[0]
     finally:
         for w in workers:
@@ -360,7 +363,7 @@ def run_config(bootstrap: str, processes: int, args: argparse.Namespace, broker_
     result: dict[str, Any] = {
         "processors": processes, "run_stage": args.run_stage, "topic_prefix": prefix,
         "steps_expected": expected, "steps_read_back": len(reader.keys), "steps_twice": reader.duplicates,
-        "run_steps_read_back": reader.run_records,
+        "run_steps_expected": steps, "run_steps_read_back": reader.run_records,
         "group_stable_s": stable_s, "window_s": window_s, "drained_after_run_end_s": drained_s,
         "steps_per_s": len(reader.keys) / (window_s + max(0.0, drained_s)),
         "ops_per_s": len(reader.keys) * args.ops_per_step / (window_s + max(0.0, drained_s)),
