@@ -105,7 +105,7 @@ def step_progress(total: int, what: str):
     progress = Progress(TextColumn(f"[bold]{what}"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
                         TimeRemainingColumn(), console=err, transient=True)
     task = progress.add_task(what, total=total)
-    return progress, lambda _plan: progress.advance(task)
+    return progress, lambda _plan, n=1: progress.advance(task, n)
 
 
 def work_progress(what: str, enabled: bool | None, unit: str = "MB"):
