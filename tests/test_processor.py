@@ -220,8 +220,10 @@ def _free_port() -> int:
 
 
 def test_health_metrics_report_what_went_through_and_idle_runs_are_freed(kafka_bootstrap, topics):
-    # realtime, 10 x 50 ms: several batches per rank, so later headers carry an acknowledged latency
-    cfg = SimConfig(run_id="health", ranks=2, steps=10, ops_per_step=40, seed=1, step_time_ms=50, rate="realtime")
+    # realtime, 40 x 50 ms: many batches per rank over 2 s, so later headers carry an acknowledged
+    # latency also where a loaded machine takes most of a second to acknowledge the first ones
+    cfg = SimConfig(run_id="health", ranks=2, steps=40, ops_per_step=40, seed=1, step_time_ms=50, rate="realtime")
+    total = cfg.ranks * cfg.steps
     port = _free_port()
     with RunningProcessor(kafka_bootstrap, topics, idle_timeout_s=3.0) as processor:
         processor.health.serve(port, addr="127.0.0.1")
@@ -229,15 +231,15 @@ def test_health_metrics_report_what_went_through_and_idle_runs_are_freed(kafka_b
         producer.send(topics.raw, value=b"not avro at all", key=b"health/0")
         producer.close()
         sim = run_simulation(cfg, {"bootstrap": kafka_bootstrap, "topic_prefix": topics.prefix})
-        step_records(kafka_bootstrap, topics.steps, "health", 20)
-        m = wait_until(lambda: (lambda s: s if s["profstream_steps_closed_total"] >= 20 else None)(scrape(port)),
+        step_records(kafka_bootstrap, topics.steps, "health", total)
+        m = wait_until(lambda: (lambda s: s if s["profstream_steps_closed_total"] >= total else None)(scrape(port)),
                        30, "the metrics to show the run")
         assert m["profstream_events_total{family=ops}"] == sim.ops_recorded
-        assert m["profstream_events_total{family=steps}"] == 20
+        assert m["profstream_events_total{family=steps}"] == total
         assert m["profstream_decode_errors_total{reason=not_avro}"] == 1
         assert m["profstream_lost_batches_total"] == 0 and m["profstream_late_events_total"] == 0
         assert m["profstream_open_runs"] == 1
-        assert m["profstream_step_freshness_seconds_count"] == 20
+        assert m["profstream_step_freshness_seconds_count"] == total
         # producer health per rank, from the batch headers: fill within 0..1, latency acknowledged
         for rank in range(cfg.ranks):
             assert 0.0 <= m[f"profstream_producer_buffer_fill_ratio{{rank={rank},run=health}}"] <= 1.0
