@@ -139,8 +139,10 @@ class StepStage:
             rank = self.ranks[ident] = _Rank(RankAssembler(batch.run_id, batch.rank, self.grace_s, rec.partition),
                                              RankFigures(self.figure_options))
         asm = rank.assembler
-        before = (asm.late_events, asm.lost_batches, asm.dropped_ops)
-        if asm.add(batch, now, rec.offset):
+        before = (asm.late_events, asm.lost_batches, asm.dropped_ops, asm.duplicate_batches)
+        fresh = asm.add(batch, now, rec.offset)
+        self.counts.duplicate_batches += asm.duplicate_batches - before[3]
+        if fresh:
             self._changed.add(ident)
             h = self.counts
             h.batches += 1

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 import pytest
 
 from profstream import Monitor
-from profstream.offline.archive import archive_files
+from profstream.offline.archive import archive_files, iter_file
 from profstream.offline.replay import replay_offline
 from profstream.processors.stream import StreamOptions
+from profstream.schema.batch import decode_batch
 from profstream.simulate import SimConfig, run_simulation
 from tests.faults.conftest import ArchiveProcess, Broker, ProcessorProcess
 from tests.faults.test_broker_faults import Tail, _missing, _run_missing, _wait_committed
@@ -147,6 +148,9 @@ def test_a_16_rank_run_through_a_cluster_fault_commits_every_step_once_and_archi
         wait_until(lambda: processor.metrics()["profstream_consumer_lag_messages"] == 0, 60, "lag 0")
         raw_sent = sum(s["seq"] for s in sim["result"].stats)
         wait_until(lambda: _archived(archive) >= raw_sent, 60, f"every raw message archived ({archive.log})")
+        # what an idempotent producer's resend left in the raw topic, and what the processor did with it
+        print(f"raw batches archived twice: {_copies(archive)}; the processor's duplicate count: "
+              f"{processor.metrics().get('profstream_duplicate_batches_total')}")
     finally:
         processor.stop()
         archive.stop()
@@ -183,6 +187,17 @@ def test_a_16_rank_run_through_a_cluster_fault_commits_every_step_once_and_archi
         kinds = Counter(re.sub(r"\(.*", "", ln) for ln in said)
         assert said and max(kinds.values()) == 1, f"said more than once in {OUTAGE_S:g} s:\n" + "\n".join(said)
         assert any("does not answer" in ln for ln in said), said
+
+
+def _copies(archive: ArchiveProcess) -> int:
+    """Raw batches (producer, seq) the archive holds more than once."""
+    seen = Counter()
+    for f in archive_files(archive.out):
+        for rec, _ in iter_file(f):
+            if rec is not None:
+                b = decode_batch(rec["value"])
+                seen[(b.run_id, b.rank, b.producer_id, b.seq)] += 1
+    return sum(n - 1 for n in seen.values())
 
 
 def _archived(archive: ArchiveProcess) -> int:
