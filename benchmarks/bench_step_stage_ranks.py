@@ -11,12 +11,20 @@ messages (a processor calls it after every poll; a processor that keeps up polls
 messages at a time), then one last ``ready`` that closes what is left. Every (rank, step)
 must come out exactly once (checked).
 
+``--compare-with DIR`` also times the StepStage of another checkout's
+``profstream/processors/runtime.py`` (loaded beside this one's, the rest of profstream
+shared), alternating with this one's in the same process, so that the two are compared
+without the differences between processes that a shared box adds.
+
 Prints one JSON object on stdout; progress on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
+import sys
 import time
 from collections import Counter, namedtuple
 
@@ -52,9 +60,18 @@ def rank_messages(ranks: int, template_ranks: int, steps: int, ops_per_step: int
     return out
 
 
-def run_once(messages: list[tuple[float, Record]], ready_every: int) -> dict[str, float]:
+def other_step_stage(checkout: str) -> type:
+    """StepStage of the runtime.py in another checkout, on this one's other modules."""
+    path = os.path.join(checkout, "profstream", "processors", "runtime.py")
+    spec = importlib.util.spec_from_file_location("profstream.processors._compared_runtime", path)
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # its dataclasses look it up
+    spec.loader.exec_module(module)
+    return module.StepStage
+
+
+def run_once(messages: list[tuple[float, Record]], ready_every: int, stage_cls: type = StepStage) -> dict[str, float]:
     topics = Topics("stage")
-    stage = StepStage(topics, 1, StageCounts(keep_step_ends=False))
+    stage = stage_cls(topics, 1, StageCounts(keep_step_ends=False))
     outputs = []
     ready_s = 0.0
     now = 0.0
@@ -86,27 +103,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ops-per-step", type=int, default=50)
     p.add_argument("--ready-every", default="10,1000", help="messages between ready() calls (comma list)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--compare-with", metavar="DIR", help="another checkout whose StepStage to alternate with")
     args = p.parse_args(argv)
+    stages = {"this": StepStage}
+    if args.compare_with:
+        stages["other"] = other_step_stage(args.compare_with)
     messages = rank_messages(args.ranks, args.template_ranks, args.steps, args.ops_per_step)
     expected = args.ranks * args.steps
     note(f"{len(messages)} messages of {args.ranks} ranks x {args.steps} steps; code {profstream.__file__}")
-    results = {}
+    results: dict = {name: {} for name in stages}
     for every in [int(x) for x in args.ready_every.split(",")]:
-        runs = []
+        runs: dict[str, list] = {name: [] for name in stages}
         for _ in range(args.repeats):
-            r = run_once(messages, every)
-            if r["steps"] != expected or r["steps_twice"]:
-                raise SystemExit(f"ready every {every}: {r['steps']} of {expected} steps, {r['steps_twice']} twice")
-            runs.append(r)
-            note(f"ready every {every}: {r['cpu_s'] / expected * 1e3:.3f} ms CPU per step, "
-                 f"ready {r['ready_cpu_s'] / expected * 1e3:.3f}")
-        results[f"ready_every_{every}"] = {
-            "cpu_ms_per_step": summary([r["cpu_s"] / expected * 1e3 for r in runs]),
-            "ready_cpu_ms_per_step": summary([r["ready_cpu_s"] / expected * 1e3 for r in runs]),
-        }
+            for name, cls in stages.items():  # alternating
+                r = run_once(messages, every, cls)
+                if r["steps"] != expected or r["steps_twice"]:
+                    raise SystemExit(f"{name}, ready every {every}: {r['steps']} of {expected} steps, "
+                                     f"{r['steps_twice']} twice")
+                runs[name].append(r)
+                note(f"{name}, ready every {every}: {r['cpu_s'] / expected * 1e3:.3f} ms CPU per step, "
+                     f"ready {r['ready_cpu_s'] / expected * 1e3:.3f}")
+        for name, rs in runs.items():
+            results[name][f"ready_every_{every}"] = {
+                "cpu_ms_per_step": summary([r["cpu_s"] / expected * 1e3 for r in rs]),
+                "ready_cpu_ms_per_step": summary([r["ready_cpu_s"] / expected * 1e3 for r in rs]),
+            }
     emit(envelope("step_stage_ranks", args, {
         "metric": "StepStage fold + ready CPU per (rank, step), one thread, no Kafka",
-        "code": profstream.__file__, "messages": len(messages), "steps": expected, "results": results}))
+        "code": {"this": profstream.__file__, "other": args.compare_with}, "messages": len(messages),
+        "steps": expected, "results": results}))
     return 0
 
 
