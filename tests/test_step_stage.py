@@ -171,3 +171,17 @@ def test_ready_closes_what_visiting_every_rank_closes_call_by_call():
         assert _same(lean, lean.ready(later)) == _same(every, every.ready(later))
     assert lean.ranks == {} and every.ranks == {}
     assert calls > 500
+
+
+def test_a_rank_whose_last_batch_came_on_an_earlier_clock_is_idle_from_that_clock():
+    """Offline replay feeds each message at its own clock, which can step back: the idle
+    timeout counts from the rank's last batch, as the assembler saw it."""
+    topics = Topics(prefix="back")
+    stage, feed = _stage(topics), Streams(topics)
+    stage.fold(feed(2, ops_steps=[0], marks=[0], watermark=0), 10.0)
+    assert _closed(stage, stage.ready(10.0)) == [(2, 0, "watermark")]
+    stage.fold(feed(2, ops_steps=[1]), 50.0)  # no mark: nothing to close, only its last-seen moves
+    assert _freed(stage, stage.ready(70.0)) == []
+    stage.fold(feed(2, ops_steps=[1]), 49.5)
+    assert _freed(stage, stage.ready(109.4)) == []
+    assert _freed(stage, stage.ready(109.5)) == [b"r/2"]
