@@ -1,11 +1,15 @@
 """``Monitor``: the device-side producer that lives in each training process.
 
-Every call made on the training thread appends one tuple to a bounded in-memory buffer
-(``buffer.EventBuffer``) and returns: no I/O, no lock, no exception into user code. A
-background ``Sender`` thread drains the buffer into columnar ``EventBatch`` messages and
-sends them to Kafka. When the buffer is full, op events are dropped first and counted;
-step marks, memory and queue samples have a reserve of their own. The drop counts travel
-in the next batch header.
+Every call made on the training thread records into a bounded in-memory buffer and
+returns: no I/O, no lock, no exception into user code. A background sender thread turns
+the buffer into columnar ``EventBatch`` messages and sends them to Kafka. When the buffer
+is full, op events are dropped first and counted; step marks, memory and queue samples
+have a reserve of their own. The drop counts travel in the next batch header.
+
+Two implementations of the buffer and sender write the same bytes: the compiled one
+(``native.NativeBuffer``, whose ``op()`` is a single C call, and ``native_sender``, which
+builds and sends with the GIL released) where the extension loads, else the pure-Python
+``buffer.EventBuffer`` and ``sender.Sender``. The first Monitor of a process says which.
 """
 
 from __future__ import annotations
@@ -27,6 +31,30 @@ log = logging.getLogger("profstream.monitor")
 _time_ns = time.time_ns
 
 _live_monitors: weakref.WeakSet[Monitor] = weakref.WeakSet()
+_said: set[str] = set()
+
+
+def _say_once(what: str, level: int, message: str, *args: Any) -> None:
+    if what not in _said:
+        _said.add(what)
+        log.log(level, message, *args)
+
+
+def _make_buffer(opts: dict[str, Any]) -> tuple[Any, str]:
+    """(the Monitor's buffer, "native" or "python"): compiled where it loads and is wanted."""
+    if opts["enabled"] and opts["native"]:
+        from profstream.producers import native
+
+        module, why = native.load()
+        if module is not None:
+            _say_once("native", logging.INFO, "profstream: the Monitor records, encodes and sends in native code "
+                      "(%s), its sender thread without the GIL", native.describe())
+            return native.make_buffer(opts["buffer_bytes"], opts["batch_max_ops"]), "native"
+        _say_once("python", logging.WARNING, "profstream: the Monitor runs in Python, its sender thread holding "
+                  "the GIL for its per-batch work: %s", why)
+    elif opts["enabled"]:
+        _say_once("python-chosen", logging.INFO, "profstream: the Monitor runs in Python (native=false)")
+    return EventBuffer(opts["buffer_bytes"], opts["batch_max_ops"]), "python"
 
 
 @atexit.register
@@ -72,10 +100,14 @@ class Monitor:
         self._enabled: bool = opts["enabled"]
 
         # Appended on the training thread, drained by the sender thread.
-        self.buffer = buf = EventBuffer(opts["buffer_bytes"], opts["batch_max_ops"])
+        buf, self.recording = _make_buffer(opts)
+        self.buffer = buf
+        self._native = self.recording == "native"
         self.inflight_limit_bytes = buf.inflight_limit_bytes
-        # Bound once: op() saves an attribute lookup on each of them.
-        self._ops = buf.ops
+        if self._native:
+            self.op = buf.op  # the compiled op(): one C call, no Python frame
+        else:  # bound once: op() saves an attribute lookup on each of them
+            self._ops = buf.ops
         self._batch_max_ops: int = buf.batch_max_ops
         self._wake = buf.wake
 
@@ -91,12 +123,16 @@ class Monitor:
         self._every_n = opts["every_n_steps"]
         self._capturing = self._enabled and self._start_step is None
         self._closed = False
+        self._sync_recorder()
 
         self._sender = None
         if self._enabled:
-            from profstream.producers.sender import Sender
-
-            self._sender = (sender_factory or Sender)(self)
+            if self._native:
+                from profstream.producers.native_sender import NativeSender as sender_type
+            else:
+                from profstream.producers.sender import Sender as sender_type
+            self.sender_type = sender_type
+            self._sender = (sender_factory or sender_type)(self)
             self._sender.start()
             _live_monitors.add(self)
 
@@ -139,6 +175,8 @@ class Monitor:
         self._step_start = _time_ns() if ts_ns is None else ts_ns
         self._fp_start = self._bp_end = NO_VALUE
         self._capturing = self._in_window(step)
+        if self._native:
+            self.buffer.set_state(step, self._capturing)
         return step
 
     def end_step(self, ts_ns: int | None = None) -> None:
@@ -182,10 +220,16 @@ class Monitor:
         self._start_step = self._stop_step = self._every_n = None
         self._capturing = self._enabled and not self._closed
         self._auto_watermark = False
+        self._sync_recorder()
 
     @property
     def current_step(self) -> int:
         return self._step
+
+    def _sync_recorder(self) -> None:
+        """The compiled op() reads the current step and window from the recorder."""
+        if self._native:
+            self.buffer.set_state(self._step, self._capturing)
 
     def _in_window(self, step: int) -> bool:
         start, stop, every = self._start_step, self._stop_step, self._every_n
@@ -247,6 +291,7 @@ class Monitor:
             self.end_step()
         self._closed = True
         self._capturing = False
+        self._sync_recorder()
         _live_monitors.discard(self)
         if self._sender is None:
             return True
@@ -260,7 +305,7 @@ class Monitor:
 
     def stats(self) -> dict[str, Any]:
         """Producer health: drops, buffer fill, batches sent, send latency."""
-        out = {"dropped_ops": self.dropped_ops, "dropped_samples": self.dropped_samples,
+        out = {"recording": self.recording, "dropped_ops": self.dropped_ops, "dropped_samples": self.dropped_samples,
                "buffered_ops": self.buffered_ops, "buffer_fill_ratio": self.buffer_fill_ratio,
                "buffered_samples": self.buffer.buffered_samples}
         if self._sender is not None:

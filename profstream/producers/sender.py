@@ -134,15 +134,28 @@ def sample_columns(rows: list[tuple], columns: tuple[tuple[str, Any], ...]) -> d
     return {c: np.array(v, dtype=d) for (c, d), v in zip(columns, zip(*rows))}
 
 
+def host_sample(process: psutil.Process) -> tuple | None:
+    """One host_samples row (``SECTIONS["host_samples"]``) by psutil, None when it fails:
+    host samples are best effort, a vanished /proc entry is not worth a warning."""
+    try:
+        cpu = psutil.cpu_times_percent(interval=None)
+        return (time.time_ns(), cpu.user / 100, cpu.system / 100, cpu.idle / 100, getattr(cpu, "iowait", 0.0) / 100,
+                process.cpu_percent(interval=None) / 100, process.memory_info().rss)
+    except psutil.Error:
+        return None
+
+
 class Sender(threading.Thread):
     """Builds and sends the batches of one Monitor."""
 
-    def __init__(self, monitor: Source, producer_factory=make_native_producer) -> None:
+    default_producer = staticmethod(make_native_producer)
+
+    def __init__(self, monitor: Source, producer_factory=None) -> None:
         super().__init__(name=f"profstream-sender-{monitor.run_id}-{monitor.rank}", daemon=True)
         self.m = monitor
         self.buffer = monitor.buffer
         opts = monitor.options
-        self._producer_factory = producer_factory
+        self._producer_factory = producer_factory or self.default_producer
         self._interval = opts["batch_interval_ms"] / 1000.0
         self._host_interval = opts["host_sample_interval_s"]
         self._connect_timeout = opts["connect_timeout_s"]
@@ -243,23 +256,44 @@ class Sender(threading.Thread):
             except Exception as e:
                 log.warning("profstream: closing the Kafka producer failed: %s", e)
             self._producer = None
+        ops, samples = self._drop_unsent()
+        if ops or samples:
+            self._undelivered(ops, samples, "the Monitor closed before Kafka took them")
+        lost_ops, lost_samples = self._undelivered_totals()
+        if lost_ops or lost_samples:
+            # a warning, unless Kafka was never reached: the one warning then said events are dropped
+            level = logging.WARNING if self._acked() or self._down_since is None else logging.INFO
+            log.log(level, "profstream: %d ops and %d samples of %s rank %d never reached Kafka at %s: they are "
+                    "counted as dropped", lost_ops, lost_samples, self.m.run_id,
+                    self.m.rank, self.m.options["bootstrap"])
+
+    def _drop_unsent(self) -> tuple[int, int]:
+        """Forget the batches built and not handed to Kafka; (ops, samples) of those and of
+        what is still buffered."""
         buf = self.buffer
         ops = sum(n for _v, n, _s in self._pending) + buf.buffered_ops
         samples = sum(s for _v, _n, s in self._pending) + buf.buffered_samples
-        if ops or samples:
-            self._pending.clear()
-            self._undelivered(ops, samples, "the Monitor closed before Kafka took them")
-        if self.undelivered_ops or self.undelivered_samples:
-            # a warning, unless Kafka was never reached: the one warning then said events are dropped
-            level = logging.WARNING if self._acked_batches or self._down_since is None else logging.INFO
-            log.log(level, "profstream: %d ops and %d samples of %s rank %d never reached Kafka at %s: they are "
-                    "counted as dropped", self.undelivered_ops, self.undelivered_samples, self.m.run_id,
-                    self.m.rank, self.m.options["bootstrap"])
+        self._pending.clear()
+        return ops, samples
+
+    def _undelivered_totals(self) -> tuple[int, int]:
+        return self.undelivered_ops, self.undelivered_samples
+
+    def _acked(self) -> int:
+        with self._lock:
+            return self._acked_batches
 
     def _undelivered(self, ops: int, samples: int, why: str) -> None:
         """Count events that will never reach Kafka (the next batch header carries them)."""
+        self._count_undelivered(ops, samples)
+        self._say_lost(ops, samples, why)
+
+    def _count_undelivered(self, ops: int, samples: int) -> None:
         self.undelivered_ops += ops
         self.undelivered_samples += samples
+
+    def _say_lost(self, ops: int, samples: int, why: str) -> None:
+        """One warning a minute at most; none while stopping (the close says it once)."""
         now = time.monotonic()
         if now - self._lost_said_at >= 60.0 and not self._stopping.is_set():  # at close: one summary
             self._lost_said_at = now
@@ -289,7 +323,8 @@ class Sender(threading.Thread):
         try:
             self._producer = self._producer_factory(
                 opts["bootstrap"], compression=opts["compression"],
-                bootstrap_timeout_ms=int(self._connect_timeout * 1000), on_error=self._on_client_error)
+                bootstrap_timeout_ms=int(self._connect_timeout * 1000), on_error=self._on_client_error,
+                **self._producer_options())
             if self._stopping.is_set():  # closed while we were connecting
                 self._close_producer()
                 return False
@@ -306,7 +341,15 @@ class Sender(threading.Thread):
             return False
         self._connect_backoff = 0.5
         self._mark_up()
+        self._connected()
         return True
+
+    def _producer_options(self) -> dict[str, Any]:
+        """More keyword arguments of the producer factory (NativeSender's)."""
+        return {}
+
+    def _connected(self) -> None:
+        """The producer is there (NativeSender sends through it from then on)."""
 
     def _mark_down(self, now: float, error: BaseException) -> None:
         if self._down_since is None:
@@ -322,7 +365,7 @@ class Sender(threading.Thread):
     def _mark_up(self) -> None:
         if self._warned_down:
             log.warning("profstream: Kafka at %s reachable again; %d ops dropped so far",
-                        self.m.options["bootstrap"], self.buffer.dropped_ops + self.undelivered_ops)
+                        self.m.options["bootstrap"], self.buffer.dropped_ops + self._undelivered_totals()[0])
         self._down_since = None
         self._warned_down = False
 
@@ -487,15 +530,9 @@ class Sender(threading.Thread):
             return self._inflight_bytes
 
     def _sample_host(self) -> None:
-        try:
-            cpu = psutil.cpu_times_percent(interval=None)
-            self._host_rows.append((
-                time.time_ns(), cpu.user / 100, cpu.system / 100, cpu.idle / 100,
-                getattr(cpu, "iowait", 0.0) / 100, self._process.cpu_percent(interval=None) / 100,
-                self._process.memory_info().rss,
-            ))
-        except psutil.Error:
-            pass  # host samples are best effort; a vanished /proc entry is not worth a warning
+        row = host_sample(self._process)
+        if row is not None:
+            self._host_rows.append(row)
 
     # -- control (called from other threads) ------------------------------------------
 
@@ -507,7 +544,7 @@ class Sender(threading.Thread):
             self._flush_requested += 1
             target = self._flush_requested
             self._flush_deadline = max(self._flush_deadline, deadline)
-        self.buffer.wake.set()
+        self._poke()
         with self._flush_cv:
             while self._flush_done < target:
                 left = deadline - time.monotonic()
@@ -522,9 +559,16 @@ class Sender(threading.Thread):
         holds the caller for long."""
         ok = self.flush(timeout)
         self._stopping.set()
-        self.buffer.wake.set()
+        self._poke()
         self.join(timeout=5.0)
-        return ok and not self._pending
+        return ok and not self._has_pending()
+
+    def _poke(self) -> None:
+        """Wake the thread: a flush or stop waits."""
+        self.buffer.wake.set()
+
+    def _has_pending(self) -> bool:
+        return bool(self._pending)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

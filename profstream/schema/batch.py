@@ -43,6 +43,14 @@ SECTIONS = {
     "host_samples": HOST_COLUMNS,
 }
 
+# Dictionary-coded columns: the header field that holds the dictionary -> the (section,
+# column) whose values index it. Codes are given in order of first appearance per batch.
+DICTIONARIES = {
+    "op_names": ("ops", "name_idx"),
+    "op_types": ("ops", "type_idx"),
+    "queue_names": ("queues", "name_idx"),
+}
+
 
 def dictionary_codes(values: Sequence) -> tuple[np.ndarray, dict]:
     """Dictionary encoding of a column: each value's code (int32, codes given in order of

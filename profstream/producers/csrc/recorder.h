@@ -1,0 +1,97 @@
+// The Recorder: a Monitor's events in native columns (one Store per EventBatch section),
+// written on the training thread, read by the Batcher on the sender thread without the GIL.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+
+#include "store.h"
+
+namespace ps {
+
+constexpr int64_t NO_WATERMARK = INT64_MIN;
+
+// What wakes the sender: a full batch, a step's end, a flush or stop (interrupt).
+struct Wakeup {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool woken = false;
+  std::atomic<bool> interrupt{false};
+
+  void set() {
+    {
+      std::lock_guard<std::mutex> g(mu);
+      woken = true;
+    }
+    cv.notify_all();
+  }
+  void clear() {
+    std::lock_guard<std::mutex> g(mu);
+    woken = false;
+  }
+  bool is_set() {
+    std::lock_guard<std::mutex> g(mu);
+    return woken;
+  }
+  // Until set (true) or the timeout; call without the GIL.
+  bool wait(double seconds) {
+    std::unique_lock<std::mutex> l(mu);
+    return cv.wait_for(l, std::chrono::duration<double>(seconds > 0 ? seconds : 0), [this] { return woken; });
+  }
+  void raise_interrupt() {
+    {
+      std::lock_guard<std::mutex> g(mu);
+      interrupt.store(true);
+    }
+    cv.notify_all();
+  }
+  // Sleep until `deadline` or an interrupt; call without the GIL. True if interrupted.
+  bool sleep_until(std::chrono::steady_clock::time_point deadline) {
+    std::unique_lock<std::mutex> l(mu);
+    return cv.wait_until(l, deadline, [this] { return interrupt.load(); });
+  }
+};
+
+struct Recording {
+  std::vector<SectionSpec> specs;
+  std::vector<std::unique_ptr<Store>> stores;
+  int ops = -1;       // the section op() and add_rows() fill
+  // columns of the ops section op() sets, by role
+  int c_name = -1, c_type = -1, c_kind = -1, c_stream = -1, c_step = -1, c_start = -1, c_dur = -1;
+  int64_t batch_max_ops = 8192;
+
+  // written by the recording thread only; read anywhere
+  std::atomic<int64_t> dropped_ops{0};
+  std::atomic<int64_t> dropped_samples{0};
+  std::atomic<int64_t> bad_ops{0};       // invalid values: dropped, reported in batch headers
+  std::atomic<int64_t> bad_samples{0};
+  std::atomic<int64_t> unknown_kinds{0};
+  std::atomic<int64_t> watermark{NO_WATERMARK};
+
+  // recording-thread state (GIL held)
+  bool capturing = true;
+  int64_t step = -1;
+  PyObject* first_bad_op = nullptr;      // the first invalid op row, for the one warning
+  PyObject* first_bad_sample = nullptr;
+
+  std::shared_ptr<Wakeup> wake = std::make_shared<Wakeup>();  // shared with the Wake object
+
+  ~Recording() {
+    Py_XDECREF(first_bad_op);
+    Py_XDECREF(first_bad_sample);
+  }
+};
+
+struct RecorderObject {
+  PyObject_HEAD
+  Recording* rec;
+  PyObject* wake;  // the Wake object of rec->wake
+};
+
+extern PyTypeObject RecorderType;
+extern PyTypeObject WakeType;
+
+}  // namespace ps

@@ -1,0 +1,280 @@
+"""The compiled Monitor (producers/native*, csrc/): built with the package, the same bytes
+as the pure-Python Monitor for the same events, its sender out of the GIL in the steady
+state, and the fallback to Python when it cannot load."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import time
+from importlib import resources
+from typing import Any
+
+import numpy as np
+import pytest
+from fastavro import parse_schema, schemaless_reader
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from profstream import Monitor
+from profstream.producers import monitor as monitor_module
+from profstream.producers import native, native_sender, sender
+from profstream.producers.native_sender import NativeSender
+from profstream.producers.sender import Sender
+from profstream.schema import batch as batch_schema
+from profstream.schema.batch import decode_batch
+from tests.helpers import wait_until
+
+UNREACHABLE = "127.0.0.1:1"
+
+
+class _Idle:
+    """A sender that never runs: the test builds the batches itself."""
+
+    def __init__(self, monitor: Monitor) -> None:
+        pass
+
+    def start(self) -> None:
+        pass
+
+    def flush(self, timeout: float) -> bool:
+        return True
+
+    def stop(self, timeout: float) -> bool:
+        return True
+
+    def stats(self) -> dict[str, Any]:
+        return {"undelivered_ops": 0, "undelivered_samples": 0}
+
+
+def test_the_native_monitor_is_built_with_the_package_and_loads():
+    module, why = native.load()
+    assert module is not None, f"the compiled Monitor does not load: {why}"
+    assert "librdkafka" in native.describe()
+    mon = Monitor(run_id="built", bootstrap=UNREACHABLE, sender_factory=_Idle)
+    assert mon.recording == "native" and mon.stats()["recording"] == "native"
+
+
+def _pair(**options: Any) -> tuple[Monitor, Sender, Monitor, NativeSender]:
+    """A Python and a native Monitor of the same producer, with their senders idle."""
+    common = dict(run_id="same", rank=3, world_size=8, host="host-1", device="cuda:3", bootstrap=UNREACHABLE,
+                  host_sample_interval_s=0, sender_factory=_Idle, **options)
+    py = Monitor(native=False, **common)
+    nat = Monitor(native=True, **common)
+    assert (py.recording, nat.recording) == ("python", "native")
+    nat.producer_id = py.producer_id
+    return py, Sender(py), nat, NativeSender(nat)
+
+
+def _messages(py_sender: Sender, nat_sender: NativeSender, monkeypatch) -> tuple[list[bytes], list[bytes]]:
+    """Every batch each sender builds now; the Python one stamped with the native one's sent_ns."""
+    nat = []
+    while nat_sender._core.build():
+        nat.append(nat_sender._core.take_message()[0])
+    stamps = iter([decode_batch(m).sent_ns for m in nat] + [0] * 1000)
+    py = []
+    with monkeypatch.context() as patch:
+        patch.setattr(time, "time_ns", lambda: next(stamps))
+        while py_sender._build():
+            py.append(py_sender._pending.popleft()[0])
+    return py, nat
+
+
+_NAMES = st.text(st.characters(blacklist_categories=("Cs",)), max_size=12)  # any text, NULs included
+_I64 = st.integers(-(2**63), 2**63 - 1)
+_KIND = st.one_of(st.integers(0, 5), st.sampled_from(["compute", "comm", "memcpy", "data", "warp-drive"]))
+_OP = st.tuples(_NAMES, _I64, _I64, _KIND, st.one_of(st.none(), _NAMES), st.integers(-(2**31), 2**31 - 1),
+                st.one_of(st.none(), _I64))
+_STEP = st.fixed_dictionaries({
+    "ops": st.lists(_OP, max_size=30),
+    "bulk": st.one_of(st.none(), st.lists(st.tuples(_NAMES, _I64, _I64, st.integers(0, 5)), min_size=1, max_size=40)),
+    "bulk_types": st.one_of(st.none(), _NAMES, st.just("per-op")),
+    "memory": st.lists(st.tuples(_I64, _I64, _I64), max_size=3),
+    "queues": st.lists(st.tuples(_NAMES, st.integers(0, 10**6), st.integers(-1, 10**6)), max_size=3),
+})
+
+
+def _record(mon: Monitor, steps: list[dict], t0: int = 1_700_000_000_000_000_000) -> None:
+    for s, step in enumerate(steps):
+        mon.begin_step(s, ts_ns=t0 + s * 1000)
+        for name, start, dur, kind, op_type, stream, at_step in step["ops"]:
+            mon.op(name, start, dur, kind, op_type=op_type, stream=stream, step=at_step)
+        if step["bulk"]:
+            names, starts, durs, kinds = (list(c) for c in zip(*step["bulk"]))
+            types = step["bulk_types"]
+            if types == "per-op":
+                types = [None if i % 3 == 0 else f"t{i % 4}" for i in range(len(names))]
+            mon.ops(np.array(names, dtype=object), np.array(starts, np.int64), durs, kinds=np.array(kinds, np.uint8),
+                    op_types=types, streams=s)
+        for i, (allocated, reserved, peak) in enumerate(step["memory"]):
+            mon.memory(allocated, reserved, peak, ts_ns=t0 + s * 1000 + i)
+        for i, (name, size, capacity) in enumerate(step["queues"]):
+            mon.queue(name, size, capacity, ts_ns=t0 + s * 1000 + i)
+        mon.end_step(ts_ns=t0 + s * 1000 + 999)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps=st.lists(_STEP, min_size=1, max_size=6), batch_max_ops=st.integers(1, 64))
+def test_native_batches_are_the_bytes_of_the_python_sender(steps, batch_max_ops):
+    """The same events, recorded step by step into both Monitors and sent after each step:
+    every message byte for byte the same (blocks of 5 rows, so batches span blocks)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(native, "BLOCK_ROWS", {"ops": 5})
+        patch.setattr(native, "SAMPLE_BLOCK_ROWS", 2)
+        py, py_sender, nat, nat_sender = _pair(batch_max_ops=batch_max_ops)
+        for s in range(len(steps)):
+            _record(py, steps[s:s + 1])
+            _record(nat, steps[s:s + 1])
+            got_py, got_nat = _messages(py_sender, nat_sender, patch)
+            assert len(got_nat) == len(got_py)
+            for a, b in zip(got_py, got_nat):
+                assert a == b, (decode_batch(a), decode_batch(b))
+
+
+def test_native_batches_are_the_python_bytes_at_training_scale(monkeypatch):
+    """A training run's worth, sent when the sender had fallen behind (default blocks of
+    4,096 ops, 8,192-op batches across them and across steps): 10 steps of 2,000 op() calls
+    over 50 names, then 10 steps of one 3,000-op bulk chunk over 300 names. (The Python
+    sender takes a batch's op() calls before its bulk chunks, so a batch that mixes both
+    across steps is the same set of ops in another order: not recorded here.)"""
+    py, py_sender, nat, nat_sender = _pair()
+    rng = np.random.default_rng(5)
+    steps = []
+    for s in range(20):
+        ops = [(f"aten::op_{rng.integers(50)}", int(rng.integers(1 << 60)), int(rng.integers(1 << 20)),
+                int(rng.integers(6)), None, int(rng.integers(4)), None) for _ in range(2000 if s < 10 else 0)]
+        bulk = [(f"kernel_{rng.integers(300)}", int(rng.integers(1 << 60)), 5, 0) for _ in range(3000)]
+        steps.append({"ops": ops, "bulk": bulk if s >= 10 else None, "bulk_types": "per-op", "memory": [(1, 2, 3)],
+                      "queues": [("device", 3, 8)]})
+    _record(py, steps)
+    _record(nat, steps)
+    got_py, got_nat = _messages(py_sender, nat_sender, monkeypatch)
+    assert len(got_py) == len(got_nat) == 7  # 50,000 ops in batches of 8,192
+    assert got_py == got_nat
+
+
+def test_a_batch_over_the_message_limit_splits_into_the_same_messages(monkeypatch, caplog):
+    """Bulk ops with long names, a 40 kB message limit: both senders halve the batch until
+    it fits, send the head and give the rest back, with the same bytes and warnings."""
+    caplog.set_level(logging.WARNING, logger="profstream")
+    monkeypatch.setattr(sender, "MAX_MESSAGE_BYTES", 40_000)
+    monkeypatch.setattr(native_sender, "MAX_MESSAGE_BYTES", 40_000)
+    py, py_sender, nat, nat_sender = _pair()
+    names = [f"kernel_{i:04d}_" + "x" * 200 for i in range(1000)]
+    for mon in (py, nat):
+        mon.begin_step(0, ts_ns=10)
+        mon.ops(names, np.arange(1000, dtype=np.int64), np.full(1000, 7, np.int64))
+        mon.end_step(ts_ns=20)
+    nat_messages = []
+    while nat_sender._core.build():
+        nat_messages.append(nat_sender._core.take_message()[0])
+    nat_sender._handle_events()  # the native sender's warnings come back to Python as events
+    said_native = [r.getMessage() for r in caplog.records]
+    caplog.clear()
+    stamps = iter(decode_batch(m).sent_ns for m in nat_messages)
+    monkeypatch.setattr(time, "time_ns", lambda: next(stamps))
+    py_messages = []
+    while py_sender._build():
+        py_messages.append(py_sender._pending.popleft()[0])
+    monkeypatch.undo()
+    said_python = [r.getMessage() for r in caplog.records]
+    assert len(py_messages) >= 8 and py_messages == nat_messages
+    assert all(len(m) <= 40_000 for m in nat_messages)
+    assert decode_batch(nat_messages[-1]).complete_through_step == 0
+    assert said_native == said_python and "over Kafka's 40000 byte limit" in said_native[0]
+
+
+def test_invalid_values_are_dropped_counted_and_said_once(caplog):
+    """Garbage from user code never reaches the wire: each invalid op or sample is dropped,
+    counted in the next batch header and said once."""
+    caplog.set_level(logging.WARNING, logger="profstream")
+    _py, _py_sender, nat, nat_sender = _pair()
+    nat.begin_step(0, ts_ns=1)
+    nat.op("ok", 1, 2)
+    nat.op(None, "soon", None, kind="warp-drive", stream="x", step=object())
+    nat.op("too-big", 1 << 70, 1)
+    nat.op("bad-stream", 1, 1, stream=1 << 40)
+    nat.ops(["a", "b", "c"], [1, None, 3], [1, 1, 1], kinds=["compute", "nonsense", 300])
+    nat.memory("lots", None)
+    nat.queue("q", "empty")
+    nat.end_step(ts_ns=2)
+    nat_sender._core.cycle()  # not connected: it only looks at the recorder, and says what it saw
+    nat_sender._handle_events()
+    assert nat_sender._core.build()
+    batch = decode_batch(nat_sender._core.take_message()[0])
+    assert batch.op_names == ["ok", "a"] and batch.ops["kind"].tolist() == [0, 0]
+    assert batch.dropped_ops == 5 and batch.dropped_samples == 2 and batch.n("steps") == 1
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and "non-numeric" in said[0] and "'soon'" in said[0] and "invalid values" in said[1], said
+
+
+def test_a_column_added_to_a_section_needs_no_native_code(monkeypatch):
+    """A later schema version adds an i64 op column with a fill value (as v4 adds launch_ns):
+    the native Monitor writes it from SECTIONS, COLUMN_FILL and the schema alone."""
+    schema = json.loads(resources.files("profstream.schema").joinpath("event_batch.v3.avsc").read_text())
+    schema["namespace"] = "profstream.test_native"
+    ops_fields = next(f for f in schema["fields"] if f["name"] == "ops")["type"]["fields"]
+    ops_fields.append({"name": "launch_ns", "type": "bytes", "doc": "i64"})
+    parsed = parse_schema(schema)
+    current = dict(native.CURRENT)
+    current["EventBatch"] = type(current["EventBatch"])(name="EventBatch", version=99, parsed=parsed, fingerprint=0,
+                                                        header=b"\xc3\x01" + bytes(8), upgrade=lambda r: r)
+    monkeypatch.setattr(native, "CURRENT", current)
+    monkeypatch.setitem(native.SECTIONS, "ops", batch_schema.OP_COLUMNS + (("launch_ns", batch_schema.I64),))
+    monkeypatch.setattr(batch_schema, "COLUMN_FILL", {("ops", "launch_ns"): -1}, raising=False)
+    monkeypatch.setattr(native, "_loaded", None)
+    mon = Monitor(run_id="v99", bootstrap=UNREACHABLE, host_sample_interval_s=0, sender_factory=_Idle)
+    assert mon.recording == "native"
+    mon.begin_step(0, ts_ns=1)
+    mon.op("cpu-op", 10, 5)
+    # what Monitor.ops(..., launch_ns=) of v4 hands its buffer
+    mon.buffer.add_ops(["kernel"], [20], [5], 0, None, 0, 0, launch_ns=np.array([12], np.int64))
+    mon.end_step(ts_ns=30)
+    core = NativeSender(mon)._core
+    assert core.build()
+    message = core.take_message()[0]
+    record = schemaless_reader(io.BytesIO(message[10:]), parsed, None)
+    assert np.frombuffer(record["ops"]["launch_ns"], np.int64).tolist() == [-1, 12]
+    assert np.frombuffer(record["ops"]["start_ns"], np.int64).tolist() == [10, 20]
+    monkeypatch.setattr(native, "_loaded", None)  # the next test loads against the real schema
+
+
+def test_a_native_part_that_does_not_load_leaves_the_python_monitor_and_one_warning(monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="profstream")
+    monkeypatch.setattr(native, "_loaded", (None, "test: the extension was not built"))
+    monkeypatch.setattr(monitor_module, "_said", set())
+    first = Monitor(run_id="fallback", bootstrap=UNREACHABLE, host_sample_interval_s=0, sender_factory=_Idle)
+    second = Monitor(run_id="fallback", bootstrap=UNREACHABLE, host_sample_interval_s=0, sender_factory=_Idle)
+    assert first.recording == second.recording == "python"
+    said = [r for r in caplog.records if r.name.startswith("profstream")]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING
+    assert "runs in Python" in said[0].getMessage() and "not built" in said[0].getMessage()
+    with first.step():
+        first.op("still", 1, 2)
+    assert first.buffered_ops == 1
+
+
+@pytest.mark.kafka
+def test_the_native_sender_stays_out_of_the_gil_while_nothing_needs_python(kafka_bootstrap, topics):
+    """Steps of 5 ms with ops against the real broker: the sender thread cycles (builds,
+    sends, hears acknowledgements) without coming back to Python, where it would take the
+    GIL from the training thread."""
+    mon = Monitor(run_id="gil", bootstrap=kafka_bootstrap, topic_prefix=topics.prefix, host_sample_interval_s=0.2)
+    assert mon.recording == "native"
+    assert mon.flush(30)
+    before = mon.stats()
+
+    def run_steps() -> bool:
+        for _ in range(10):
+            with mon.step():
+                for i in range(200):
+                    mon.op(f"op{i % 9}", i, 3)
+                time.sleep(0.005)  # the device, say
+        return mon.stats()["batches_acked"] - before["batches_acked"] >= 20
+
+    wait_until(run_steps, 60, "20 batches acknowledged")
+    after = mon.stats()
+    assert mon.close(timeout=30)
+    assert after["cycles"] - before["cycles"] >= 20
+    assert after["python_returns"] - before["python_returns"] <= 1, (before, after)
