@@ -79,7 +79,7 @@ def monitor_messages(cfg: SimConfig, drain: str = "phase") -> tuple[list[tuple[b
     "full" only when a Monitor holds ``batch_max_ops`` ops, and at the end (8,192-op
     batches spanning several steps, as a Sender that fell behind sends)."""
     monitors = [Monitor(run_id=cfg.run_id, rank=r, bootstrap="127.0.0.1:1", sender_factory=_NoThread,
-                        buffer_bytes=1 << 31, host_sample_interval_s=0) for r in range(cfg.ranks)]
+                        buffer_bytes=1 << 31, host_sample_interval_s=0, native=False) for r in range(cfg.ranks)]
     senders = [Sender(m) for m in monitors]
     messages: list[tuple[bytes, bytes]] = []
     truth: dict = {}
