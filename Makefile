@@ -31,12 +31,21 @@ $(TORCH_STAMP): $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[dev,torch,transformers,lightning]'
 	@touch $@
 
+# tests/test_hta_compare.py checks the device figures against Holistic Trace Analysis.
+# Installed without its declared dependencies: they include jupyterlab (~100 MB), which
+# its analyses never import; what they do import is installed beside it (about 5 s).
+HTA_STAMP := $(VENV)/.installed-hta-stamp
+$(HTA_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet --no-deps 'HolisticTraceAnalysis==0.5.0'
+	$(BIN)/python -m pip install --quiet 'networkx>=3.1' 'plotly>=5.11' 'pydot>=1.3'
+	@touch $@
+
 # The Debian packages the tests need (Java, Maven, Prometheus, Chromium, g++...): installed
 # when root or password-less sudo allows, else one line with the command; .ci/run uses it too.
 system:
 	@.ci/check-system
 
-test: system jars $(TORCH_STAMP)
+test: system jars $(TORCH_STAMP) $(HTA_STAMP)
 	$(BIN)/ruff check profstream tests $(wildcard benchmarks)
 	$(BIN)/python -m pytest -m "not mindspore and not faults" $(PYTEST_ARGS)
 

@@ -87,7 +87,7 @@ def monitor_messages(cfg: SimConfig, drain: str = "phase") -> tuple[list[tuple[b
     def build(rank: int) -> None:
         sender = senders[rank]
         while sender._build():
-            value, _ops = sender._pending.popleft()
+            value = sender._pending.popleft()[0]  # (value, ops, samples)
             messages.append((monitors[rank].key, value))
 
     plans = []

@@ -236,6 +236,29 @@ def training_run() -> Dashboard:
                            prom("topk(10, sum by (op_type) (rate(profstream_op_type_seconds_total"
                                 f"{{{RUN_RANK}}}[$__rate_interval])))", "{{op_type}}"), height=9)
                     .stacking(StackingConfig().mode(StackingMode.NORMAL)).fill_opacity(30))
+        .with_row(Row("Kernels (steps measured on the device)"))
+        .with_panel(bargauge.Panel().title("Kernel breakdown (share of device time in range)").span(8).height(8)
+                    .description("summed device op time by kind (compute, communication, memcpy, memset) "
+                                 "over the time range, as a share of their sum")
+                    .datasource(PROMETHEUS).unit("percentunit").min(0).max(1).orientation(VizOrientation.HORIZONTAL)
+                    .display_mode(BarGaugeDisplayMode.GRADIENT).reduce_options(LAST)
+                    .with_target(prom("sum by (kind) (increase(profstream_device_kind_seconds_total"
+                                      f"{{{RUN_RANK}}}[$__range])) / scalar(sum(increase("
+                                      f"profstream_device_kind_seconds_total{{{RUN_RANK}}}[$__range])))",
+                                      "{{kind}}").instant()))
+        .with_panel(bargauge.Panel().title("Top kernels (device time in range)").span(8).height(8)
+                    .description("summed device op time by kernel type over the time range; on steps whose "
+                                 "device ops carry their launch time; top K per run + other")
+                    .datasource(PROMETHEUS).unit("s").orientation(VizOrientation.HORIZONTAL)
+                    .display_mode(BarGaugeDisplayMode.GRADIENT).reduce_options(LAST)
+                    .with_target(prom("topk(10, sum by (kernel) (increase(profstream_kernel_seconds_total"
+                                      f"{{{RUN_RANK}}}[$__range])))", "{{kernel}}").instant()))
+        .with_panel(series("Host and device step time", "E - S on the host, and the step time the figures are "
+                           "measured on: the device's where the step has a device window (a lagging device "
+                           "shows the same mean, offset)", "s",
+                           prom(f"profstream_host_step_duration_seconds{{{RUN_RANK}}}", "host rank {{rank}}"),
+                           prom(f"profstream_step_duration_seconds{{{RUN_RANK}}}", "figures rank {{rank}}", "B"),
+                           width=8, height=8))
     )
 
 
@@ -328,6 +351,11 @@ def pipeline_health() -> Dashboard:
                                 "batches lost", "B"),
                            prom(f"sum(rate(profstream_late_events_total{{{inst}}}[$__rate_interval]))",
                                 "late events", "C")))
+        .with_panel(series("Device ops without a launch time",
+                           "device ops in steps measured on the device that carried no launch correlation: "
+                           "counted in the host step holding their start", "cps",
+                           prom(f"sum(rate(profstream_uncorrelated_device_ops_total{{{inst}}}[$__rate_interval]))",
+                                "uncorrelated device ops")))
         .with_panel(series("Producer buffer fill", "share of each producer's buffer in use at its latest batch: "
                            "at 1 it drops op events", "percentunit",
                            prom(f"max by (run, rank) (profstream_producer_buffer_fill_ratio{{{inst}}})",

@@ -82,3 +82,18 @@ def health_of_a_processor(step_stage=None):
     loop = SimpleNamespace(stage=SimpleNamespace(name="steps"), last_commit_s=1.0, last_poll_s=2.0, recoveries=0)
     health.bind(SimpleNamespace(lag=lambda: 0, kafka_reachable=True, loops=[loop], step_stage=step_stage))
     return health
+
+
+def scrape(port: int) -> dict[str, float]:
+    """The /metrics of a profstream endpoint on this host, as {name{labels}: value}."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from profstream.schema import (
+    COLUMN_FILL,
     CURRENT,
     SECTIONS,
     DecodeError,
@@ -23,11 +24,15 @@ from profstream.schema import (
     encode_batch,
 )
 
-GOLDEN = Path(__file__).parent / "data" / "eventbatch-v1.bin"
+DATA = Path(__file__).parent / "data"
+GOLDEN = DATA / "eventbatch-v1.bin"
 GOLDEN_V2 = Path(__file__).parent / "data" / "eventbatch-v2.bin"  # random_batch(1234, 20), world_size 8
+GOLDEN_V3 = Path(__file__).parent / "data" / "eventbatch-v3.bin"  # the same, written by v3
 
 
-def random_batch(seed: int, n_ops: int = 500) -> EventBatch:
+def random_batch(seed: int, n_ops: int = 500, launches: bool = True) -> EventBatch:
+    """A batch of random columns; ``launches``: with ops.launch_ns (v4), drawn apart so that
+    the other columns are those the older golden messages were written from."""
     rng = np.random.default_rng(seed)
     names = [f"op{i}" for i in range(17)]
     types = ["MatMul", "AllReduce", "Copy", "Softmax"]
@@ -42,6 +47,8 @@ def random_batch(seed: int, n_ops: int = 500) -> EventBatch:
         "step": rng.integers(0, 10, n_ops), "start_ns": rng.integers(0, 2**62, n_ops),
         "dur_ns": rng.integers(0, 10**9, n_ops),
     }
+    if launches:
+        b.ops["launch_ns"] = np.random.default_rng([seed, 4]).integers(-1, 2**62, n_ops)
     b.memory = {c: rng.integers(-1, 2**40, 5) for c, _ in SECTIONS["memory"]}
     b.queues = {"name_idx": rng.integers(0, 2, 7), **{c: rng.integers(-1, 2**40, 7)
                                                         for c, _ in SECTIONS["queues"][1:]}}
@@ -58,7 +65,9 @@ def assert_same_batch(a: EventBatch, b: EventBatch) -> None:
         assert getattr(a, f) == getattr(b, f), f
     for section, cols in SECTIONS.items():
         for col, dtype in cols:
-            got, want = getattr(b, section)[col], np.asarray(getattr(a, section)[col]).astype(dtype)
+            cols_a = getattr(a, section)
+            want = cols_a[col] if col in cols_a else np.full(len(cols_a[cols[0][0]]), COLUMN_FILL[section, col])
+            got, want = getattr(b, section)[col], np.asarray(want).astype(dtype)
             assert got.dtype == dtype, (section, col)
             np.testing.assert_array_equal(got, want, err_msg=f"{section}.{col}")
 
@@ -114,6 +123,9 @@ def test_processed_records_round_trip():
         "memory": {"peak": 5, "allocated": 4, "reserved": 6},
         "queues": [{"queue": "q", "min": 0, "mean": 1.5, "last": 3, "at_start": 0, "empty_ratio": 0.5}],
         "starved": True, "rolling": None, "closed_by": "watermark", "late_events": 0, "closed_ns": 99,
+        "host_step_time_ns": 12, "device_start_ns": 3, "device_end_ns": 13,
+        "kernel_types": [{"op_type": "gemm", "total_ns": 7, "count": 1}],
+        "device_kinds": [{"kind": "compute", "total_ns": 7, "count": 1}], "uncorrelated_ops": 2,
     }
     assert decode("StepMetrics", encode("StepMetrics", step)) == step
     run = {"run_id": "r", "step": 7, "ranks_reported": 2, "min_step_time_ns": 10, "median_step_time_ns": 12.0,
@@ -124,13 +136,31 @@ def test_processed_records_round_trip():
     assert decode("Alert", encode("Alert", alert)) == alert
 
 
+def test_shipped_step_metrics_v2_and_rank_checkpoint_v1_still_decode():
+    """StepMetrics v3 and RankCheckpoint v2 added fields: older records read as host
+    windows (host step time = step time, no device window, no kernels) and as a rank with
+    nothing carried into its next step."""
+    m = decode("StepMetrics", (DATA / "stepmetrics-v2.bin").read_bytes())
+    assert (m["step"], m["step_time_ns"], m["world_size"]) == (7, 10, 8)
+    assert m["host_step_time_ns"] == 10 and m["device_start_ns"] is None and m["device_end_ns"] is None
+    assert (m["kernel_types"], m["device_kinds"], m["uncorrelated_ops"]) == ([], [], 0)
+    assert decode("StepMetrics", encode("StepMetrics", m)) == m  # re-encoded as v3
+    cp = decode("RankCheckpoint", (DATA / "rankcheckpoint-v1.bin").read_bytes())
+    assert (cp["floor"], cp["watermark"], cp["producers"]) == (12, 11, {"p": 5})
+    assert cp["device_end_step"] is None and set(cp["carry"].values()) == {b""}
+    from profstream.processors.assembler import RankAssembler
+    asm = RankAssembler.restore(cp, 2.0, 0, 0.0)
+    assert asm.floor == 12 and asm.device_end is None and all(len(a) == 0 for c in asm.carry for a in c)
+
+
 def test_shipped_v1_message_still_decodes():
     """A message written before world_size existed (schema v1) must decode forever."""
     raw = GOLDEN.read_bytes()
     assert raw[2:10] != CURRENT["EventBatch"].header[2:10]  # it really is an older version
     batch = decode_batch(raw)
-    assert_same_batch(random_batch(1234, 20), batch)
+    assert_same_batch(random_batch(1234, 20, launches=False), batch)
     assert batch.world_size is None
+    assert (batch.ops["launch_ns"] == -1).all()
 
 
 def test_shipped_v2_message_still_decodes():
@@ -138,9 +168,27 @@ def test_shipped_v2_message_still_decodes():
     raw = GOLDEN_V2.read_bytes()
     assert raw[2:10] not in (CURRENT["EventBatch"].header[2:10], GOLDEN.read_bytes()[2:10])
     batch = decode_batch(raw)
-    assert_same_batch(random_batch(1234, 20), batch)
+    assert_same_batch(random_batch(1234, 20, launches=False), batch)
     assert batch.world_size == 8
-    assert_same_batch(batch, decode_batch(encode_batch(batch)))  # re-encoded as v3, unchanged
+    assert_same_batch(batch, decode_batch(encode_batch(batch)))  # re-encoded as the current version, unchanged
+
+
+def test_shipped_v3_message_still_decodes_with_no_launch_times():
+    """v4 added ops.launch_ns: a v3 message reads as ops without a launch (-1), and a
+    batch built without the column (code written for v3) encodes the same way."""
+    raw = GOLDEN_V3.read_bytes()
+    assert len({raw[2:10], GOLDEN_V2.read_bytes()[2:10], CURRENT["EventBatch"].header[2:10]}) == 3
+    batch = decode_batch(raw)
+    assert_same_batch(random_batch(1234, 20, launches=False), batch)
+    assert batch.ops["launch_ns"].tolist() == [-1] * 20
+    assert_same_batch(batch, decode_batch(encode_batch(random_batch(1234, 20, launches=False))))
+
+
+def test_launch_times_round_trip():
+    batch = random_batch(8, 30)
+    back = decode_batch(encode_batch(batch))
+    np.testing.assert_array_equal(back.ops["launch_ns"], batch.ops["launch_ns"])
+    assert back.ops["launch_ns"].min() >= -1 and (back.ops["launch_ns"] > 0).any()
 
 
 def test_op_names_with_any_characters_survive_and_a_nul_cannot_shift_the_dictionary():

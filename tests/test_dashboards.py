@@ -67,7 +67,10 @@ def _exported() -> dict[str, set[str]]:
             "overlap_ratio": 0.5, "op_count": 1, "op_types": [{"op_type": "MatMul", "total_ns": 10**7, "count": 1}],
             "memory": {"peak": 3, "allocated": 2, "reserved": 4},
             "queues": [{"queue": "q", "min": 0, "mean": 1.0, "last": 2, "at_start": 1, "empty_ratio": 0.1}],
-            "starved": True, "rolling": None, "closed_by": "watermark", "late_events": 0, "closed_ns": now_ns}
+            "starved": True, "rolling": None, "closed_by": "watermark", "late_events": 0, "closed_ns": now_ns,
+            "host_step_time_ns": 10**8, "device_start_ns": now_ns - 10**8, "device_end_ns": now_ns,
+            "kernel_types": [{"op_type": "gemm", "total_ns": 10**7, "count": 1}],
+            "device_kinds": [{"kind": "compute", "total_ns": 10**7, "count": 1}], "uncorrelated_ops": 0}
     run = {"run_id": "r", "step": 1, "ranks_reported": 1, "min_step_time_ns": 10**8, "median_step_time_ns": 1e8,
            "max_step_time_ns": 10**8, "skew": 0.0, "straggler_rank": 0, "step_times_ns": {"0": 10**8}}
     alert = {"name": "DataQueueStall", "state": "firing", "run_id": "r", "rank": 0, "step": 1, "ts_ns": now_ns,

@@ -4,16 +4,12 @@ state, and the fallback to Python when it cannot load."""
 
 from __future__ import annotations
 
-import io
-import json
 import logging
 import time
-from importlib import resources
 from typing import Any
 
 import numpy as np
 import pytest
-from fastavro import parse_schema, schemaless_reader
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -24,6 +20,7 @@ from profstream.producers.native_sender import NativeSender
 from profstream.producers.sender import Sender
 from profstream.schema import batch as batch_schema
 from profstream.schema.batch import decode_batch
+from profstream.schema.codec import CURRENT
 from tests.helpers import wait_until
 
 UNREACHABLE = "127.0.0.1:1"
@@ -88,7 +85,9 @@ _OP = st.tuples(_NAMES, _I64, _I64, _KIND, st.one_of(st.none(), _NAMES), st.inte
                 st.one_of(st.none(), _I64))
 _STEP = st.fixed_dictionaries({
     "ops": st.lists(_OP, max_size=30),
-    "bulk": st.one_of(st.none(), st.lists(st.tuples(_NAMES, _I64, _I64, st.integers(0, 5)), min_size=1, max_size=40)),
+    "bulk": st.one_of(st.none(), st.lists(st.tuples(_NAMES, _I64, _I64, st.integers(0, 5), _I64), min_size=1,
+                                          max_size=40)),
+    "bulk_launch": st.booleans(),  # with v4's launch_ns, or without (-1 for each op)
     "bulk_types": st.one_of(st.none(), _NAMES, st.just("per-op")),
     "memory": st.lists(st.tuples(_I64, _I64, _I64), max_size=3),
     "queues": st.lists(st.tuples(_NAMES, st.integers(0, 10**6), st.integers(-1, 10**6)), max_size=3),
@@ -101,12 +100,12 @@ def _record(mon: Monitor, steps: list[dict], t0: int = 1_700_000_000_000_000_000
         for name, start, dur, kind, op_type, stream, at_step in step["ops"]:
             mon.op(name, start, dur, kind, op_type=op_type, stream=stream, step=at_step)
         if step["bulk"]:
-            names, starts, durs, kinds = (list(c) for c in zip(*step["bulk"]))
+            names, starts, durs, kinds, launches = (list(c) for c in zip(*step["bulk"]))
             types = step["bulk_types"]
             if types == "per-op":
                 types = [None if i % 3 == 0 else f"t{i % 4}" for i in range(len(names))]
             mon.ops(np.array(names, dtype=object), np.array(starts, np.int64), durs, kinds=np.array(kinds, np.uint8),
-                    op_types=types, streams=s)
+                    op_types=types, streams=s, launch_ns=np.array(launches, np.int64) if step["bulk_launch"] else None)
         for i, (allocated, reserved, peak) in enumerate(step["memory"]):
             mon.memory(allocated, reserved, peak, ts_ns=t0 + s * 1000 + i)
         for i, (name, size, capacity) in enumerate(step["queues"]):
@@ -144,9 +143,10 @@ def test_native_batches_are_the_python_bytes_at_training_scale(monkeypatch):
     for s in range(20):
         ops = [(f"aten::op_{rng.integers(50)}", int(rng.integers(1 << 60)), int(rng.integers(1 << 20)),
                 int(rng.integers(6)), None, int(rng.integers(4)), None) for _ in range(2000 if s < 10 else 0)]
-        bulk = [(f"kernel_{rng.integers(300)}", int(rng.integers(1 << 60)), 5, 0) for _ in range(3000)]
-        steps.append({"ops": ops, "bulk": bulk if s >= 10 else None, "bulk_types": "per-op", "memory": [(1, 2, 3)],
-                      "queues": [("device", 3, 8)]})
+        bulk = [(f"kernel_{rng.integers(300)}", int(rng.integers(1 << 60)), 5, 0, int(rng.integers(-1, 1 << 60)))
+                for _ in range(3000)]
+        steps.append({"ops": ops, "bulk": bulk if s >= 10 else None, "bulk_types": "per-op", "bulk_launch": s % 2 == 0,
+                      "memory": [(1, 2, 3)], "queues": [("device", 3, 8)]})
     _record(py, steps)
     _record(nat, steps)
     got_py, got_nat = _messages(py_sender, nat_sender, monkeypatch)
@@ -209,35 +209,25 @@ def test_invalid_values_are_dropped_counted_and_said_once(caplog):
     assert len(said) == 2 and "non-numeric" in said[0] and "'soon'" in said[0] and "invalid values" in said[1], said
 
 
-def test_a_column_added_to_a_section_needs_no_native_code(monkeypatch):
-    """A later schema version adds an i64 op column with a fill value (as v4 adds launch_ns):
-    the native Monitor writes it from SECTIONS, COLUMN_FILL and the schema alone."""
-    schema = json.loads(resources.files("profstream.schema").joinpath("event_batch.v3.avsc").read_text())
-    schema["namespace"] = "profstream.test_native"
-    ops_fields = next(f for f in schema["fields"] if f["name"] == "ops")["type"]["fields"]
-    ops_fields.append({"name": "launch_ns", "type": "bytes", "doc": "i64"})
-    parsed = parse_schema(schema)
-    current = dict(native.CURRENT)
-    current["EventBatch"] = type(current["EventBatch"])(name="EventBatch", version=99, parsed=parsed, fingerprint=0,
-                                                        header=b"\xc3\x01" + bytes(8), upgrade=lambda r: r)
-    monkeypatch.setattr(native, "CURRENT", current)
-    monkeypatch.setitem(native.SECTIONS, "ops", batch_schema.OP_COLUMNS + (("launch_ns", batch_schema.I64),))
-    monkeypatch.setattr(batch_schema, "COLUMN_FILL", {("ops", "launch_ns"): -1}, raising=False)
-    monkeypatch.setattr(native, "_loaded", None)
-    mon = Monitor(run_id="v99", bootstrap=UNREACHABLE, host_sample_interval_s=0, sender_factory=_Idle)
-    assert mon.recording == "native"
-    mon.begin_step(0, ts_ns=1)
-    mon.op("cpu-op", 10, 5)
-    # what Monitor.ops(..., launch_ns=) of v4 hands its buffer
-    mon.buffer.add_ops(["kernel"], [20], [5], 0, None, 0, 0, launch_ns=np.array([12], np.int64))
-    mon.end_step(ts_ns=30)
-    core = NativeSender(mon)._core
-    assert core.build()
-    message = core.take_message()[0]
-    record = schemaless_reader(io.BytesIO(message[10:]), parsed, None)
-    assert np.frombuffer(record["ops"]["launch_ns"], np.int64).tolist() == [-1, 12]
-    assert np.frombuffer(record["ops"]["start_ns"], np.int64).tolist() == [10, 20]
-    monkeypatch.setattr(native, "_loaded", None)  # the next test loads against the real schema
+def test_native_batches_are_v4_with_the_launch_times_the_python_path_writes(monkeypatch):
+    """EventBatch v4's ops.launch_ns, written from SECTIONS and COLUMN_FILL with no native
+    code of its own: given by Monitor.ops(launch_ns=...), -1 for op() and for ops() without
+    it; the native message decodes as v4 to what the Python path's decodes to."""
+    assert batch_schema.COLUMN_FILL[("ops", "launch_ns")] == -1 and CURRENT["EventBatch"].version == 4
+    py, py_sender, nat, nat_sender = _pair()
+    for mon in (py, nat):
+        mon.begin_step(0, ts_ns=1)
+        mon.op("cpu-op", 10, 5)
+        mon.ops(["kernel", "memcpy"], [20, 30], [5, 6], kinds=[0, 2], launch_ns=np.array([12, -1], np.int64))
+        mon.ops(["host-bulk"], [40], [1], kinds=3)
+        mon.end_step(ts_ns=50)
+    (got_py,), (got_nat,) = _messages(py_sender, nat_sender, monkeypatch)
+    assert got_nat.startswith(CURRENT["EventBatch"].header)  # the v4 fingerprint
+    a, b = decode_batch(got_py), decode_batch(got_nat)
+    assert b.ops["launch_ns"].tolist() == [-1, 12, -1, -1]
+    assert b.ops["start_ns"].tolist() == [10, 20, 30, 40]
+    assert {c: v.tolist() for c, v in a.ops.items()} == {c: v.tolist() for c, v in b.ops.items()}
+    assert got_py == got_nat
 
 
 def test_a_native_part_that_does_not_load_leaves_the_python_monitor_and_one_warning(monkeypatch, caplog):

@@ -17,7 +17,7 @@ from profstream.processors.health import StageCounts
 from profstream.processors.runtime import Processor, StepStage
 from profstream.schema.codec import decode
 from profstream.simulate import SimConfig, expected, run_simulation
-from tests.helpers import step_records, wait_until
+from tests.helpers import scrape, step_records, wait_until
 
 
 class RunningProcessor:
@@ -217,20 +217,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _scrape(port: int) -> dict[str, float]:
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return out
-
-
 def test_health_metrics_report_what_went_through_and_idle_runs_are_freed(kafka_bootstrap, topics):
     # realtime, 10 x 50 ms: several batches per rank, so later headers carry an acknowledged latency
     cfg = SimConfig(run_id="health", ranks=2, steps=10, ops_per_step=40, seed=1, step_time_ms=50, rate="realtime")
@@ -242,7 +228,7 @@ def test_health_metrics_report_what_went_through_and_idle_runs_are_freed(kafka_b
         producer.close()
         sim = run_simulation(cfg, {"bootstrap": kafka_bootstrap, "topic_prefix": topics.prefix})
         step_records(kafka_bootstrap, topics.steps, "health", 20)
-        m = wait_until(lambda: (lambda s: s if s["profstream_steps_closed_total"] >= 20 else None)(_scrape(port)),
+        m = wait_until(lambda: (lambda s: s if s["profstream_steps_closed_total"] >= 20 else None)(scrape(port)),
                        30, "the metrics to show the run")
         assert m["profstream_events_total{family=ops}"] == sim.ops_recorded
         assert m["profstream_events_total{family=steps}"] == 20
@@ -255,10 +241,11 @@ def test_health_metrics_report_what_went_through_and_idle_runs_are_freed(kafka_b
             assert 0.0 <= m[f"profstream_producer_buffer_fill_ratio{{rank={rank},run=health}}"] <= 1.0
             assert m[f"profstream_producer_send_latency_seconds{{rank={rank},run=health}}"] > 0
         # the run goes silent: after the idle timeout its state is freed, its series with it
-        wait_until(lambda: _scrape(port)["profstream_open_runs"] == 0, 30, "the silent run to be closed")
-        assert not [k for k in _scrape(port) if "run=health" in k]
+        wait_until(lambda: scrape(port)["profstream_open_runs"] == 0, 30, "the silent run to be closed")
+        assert not [k for k in scrape(port) if "run=health" in k]
         assert processor.step_stage.ranks == {}
-        assert processor.health.runs_closed == 2
+        # counted when the transaction that closed them commits, a moment after the state went
+        wait_until(lambda: processor.health.runs_closed == 2, 30, "both idle ranks to be counted as closed")
 
 
 def test_two_processors_in_one_group_share_the_ranks_and_still_agree_across_ranks(kafka_bootstrap, topics):

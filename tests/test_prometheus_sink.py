@@ -237,3 +237,33 @@ def test_every_metric_of_the_exporter_and_the_processor_is_documented():
                 *health.collect()]
     exported = {family.name + ("_total" if family.type == "counter" else "") for family in families}
     assert exported == documented, exported ^ documented
+
+
+def test_device_windows_give_host_and_device_step_times_kernels_and_device_time_by_kind(tmp_path):
+    """StepMetrics of a lagging GPU trace (tests/kineto_traces.py): both step times, the
+    kernel breakdown by kind, and kernel types bounded to top K plus other."""
+    from collections import namedtuple
+
+    from profstream.offline.analyze import analyze
+    from tests.kineto_traces import PER_STEP, lagging_device_trace
+
+    Rec = namedtuple("Rec", "topic partition offset timestamp value")
+    steps = analyze([lagging_device_trace(steps=4).write(tmp_path / "t.json")], "gpu").steps
+    topics = Topics("dev")
+    state = ExporterState(topics, top_k=3)
+    now_ms = time.time_ns() // 10**6
+    state.handle([Rec(topics.steps, 0, i, now_ms, encode("StepMetrics", s)) for i, s in enumerate(steps)])
+    s = Scrape(state.exposition().decode())
+    rank = {"run": "gpu", "rank": "0"}
+    assert s("profstream_host_step_duration_seconds", **rank) == pytest.approx(1e-3)
+    assert s("profstream_step_duration_seconds", **rank) == pytest.approx(steps[-1]["step_time_ns"] / 1e9)
+    for kind, us in PER_STEP["kinds"].items():
+        assert s("profstream_device_kind_seconds_total", kind=kind, **rank) == pytest.approx(4 * us / 1e6)
+    kernels = {x.labels["kernel"]: x.value for x in s.all("profstream_kernel_seconds_total", **rank)}
+    assert len(kernels) == 4 and "other" in kernels  # 3 of their own, the rest summed
+    assert sum(kernels.values()) == pytest.approx(4 * sum(PER_STEP["kinds"].values()) / 1e6)
+    assert "cudaLaunchKernel" in {x.labels["op_type"] for x in s.all("profstream_op_type_seconds_total")}
+    assert not {"gemm_a_kernel", "adam_kernel"} & {x.labels["op_type"] for x in s.all("profstream_op_type_seconds_total")}
+    res = subprocess.run([prometheus_tool("promtool"), "check", "metrics"], input=s.text, capture_output=True,
+                         text=True)
+    assert res.returncode == 0, res.stdout + res.stderr

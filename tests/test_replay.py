@@ -144,7 +144,9 @@ def test_export_parquet_gives_the_live_step_metrics_and_every_op(recorded, tmp_p
     assert list(a["rolling.p95_step_time_ns"]) == [s["rolling"]["p95_step_time_ns"] for s in live_rows]
     ops = pd.read_parquet(from_steps.paths[1])
     assert len(ops) == recorded.ops == from_steps.op_rows
-    assert list(ops.columns) == ["run_id", "rank", "step", "name", "op_type", "kind", "stream", "start_ns", "dur_ns"]
+    assert list(ops.columns) == ["run_id", "rank", "step", "name", "op_type", "kind", "stream", "start_ns", "dur_ns",
+                                 "launch_ns"]
+    assert (ops["launch_ns"] == -1).all()  # the simulator's ops carry no launch time
     # every op as planned by the simulator, per (rank, step, op type): count and summed duration
     truth = {(p.rank, p.step, t): c for p in plan_run(CFG, 0) for t, c in p.truth["op_types"].items()}
     got = ops.groupby(["rank", "step", "op_type"])["dur_ns"].agg(["sum", "count"])

@@ -631,3 +631,44 @@ def test_end_to_end_from_the_raw_topic_to_files(kafka_bootstrap, topics, tmp_pat
     finally:
         consumer.close()
     assert committed == ends
+
+
+def test_a_device_window_gets_a_device_steps_track_beside_the_host_steps(tmp_path):
+    """A lagging device (tests/kineto_traces.py): the host Steps track keeps [S, E], the
+    Device steps track shows the step and its phases on the device's window, and the
+    overlap tracks cover that window; the file writer renders the same events."""
+    from profstream.integrations.ingest import load_profile
+    from profstream.integrations.ingest.batches import profile_batches
+    from profstream.offline.analyze import analyze
+    from profstream.sinks.timeline import TID_DEVICE_STEPS
+    from tests.kineto_traces import lagging_device_trace
+
+    path = lagging_device_trace(steps=4, lag=0.8, seed=3).write(tmp_path / "trace.json")
+    metrics = {s["step"]: s for s in analyze([path], "dev").steps}
+    sink = TimelineSink(tmp_path / "out", window_steps=100)
+    feed(sink, [Rec(TOPIC, 0, i, b"dev/0", encode_batch(b))
+                for i, b in enumerate(profile_batches(load_profile(path), "dev", 0))])
+    sink.close()
+    (path_out,) = files(tmp_path / "out")
+    doc = read_trace(path_out)
+    check_trace_format(doc)
+    check_nesting(doc["traceEvents"])
+    base = doc["otherData"]["base_time_ns"]
+    names = {(e["tid"], e["args"]["name"]) for e in doc["traceEvents"] if e["name"] == "thread_name"}
+    assert (TID_DEVICE_STEPS, "Device steps") in names and (TID_STEPS, "Steps") in names
+    tracks: dict = defaultdict(dict)
+    for e in doc["traceEvents"]:
+        if e["ph"] == "X" and e["tid"] < 100:
+            tracks[(e["tid"], e["args"]["step"])].setdefault(e["name"].split()[0], []).append(
+                (base + ns(e["ts"]), ns(e["dur"])))
+    for step, m in metrics.items():
+        host, device = tracks[(TID_STEPS, step)], tracks[(TID_DEVICE_STEPS, step)]
+        assert host == {"step": [(m["start_ns"], m["end_ns"] - m["start_ns"])]}  # no phases on the host's
+        assert device["step"] == [(m["device_start_ns"], m["step_time_ns"])]
+        assert [device[p][0][1] for p in ("data_wait", "fp_bp", "tail")] == [
+            m["data_wait_ns"], m["fp_bp_ns"], m["tail_ns"]]
+        assert sum(d for _, d in tracks[(TID_COMPUTE, step)]["compute"]) == m["compute_ns"]
+        assert sum(d for _, d in tracks[(TID_FREE, step)]["free"]) >= m["idle_ns"]  # free: no compute nor comm
+        for tid in (TID_COMPUTE, TID_COMM, TID_FREE):
+            for ts, dur in next(iter(tracks[(tid, step)].values()), []):
+                assert m["device_start_ns"] <= ts and ts + dur <= m["device_end_ns"]

@@ -158,6 +158,24 @@ def test_op_kinds_on_a_device_run_and_on_a_cpu_run():
     assert op_kind("c10d::allreduce_", False, "cpu_op", run_has_device=False) == COMMUNICATION
 
 
+def test_device_ops_carry_the_start_of_the_runtime_call_that_launched_them():
+    """CUPTI gives a kernel and its cudaLaunchKernel one correlation; torch ops number
+    theirs apart (the same number on an aten op means nothing)."""
+    events = [
+        RawEvent("aten::mm", 100, 50, 1, False, "cpu_op", False, correlation=41),  # an op's own number
+        RawEvent("cudaLaunchKernel", 120, 10, 1, False, "cuda_runtime", False, correlation=41),
+        RawEvent("cudaMemcpyAsync", 160, 10, 1, False, "cuda_runtime", False, correlation=42),
+        RawEvent("void gemm<float>(float*)", 900, 300, 7, True, "kernel", False, correlation=41),
+        RawEvent("Memcpy HtoD (Pageable -> Device)", 950, 20, 9, True, "gpu_memcpy", False, correlation=42),
+        RawEvent("void lost_kernel(int)", 990, 5, 7, True, "kernel", False, correlation=77),  # no launch seen
+    ]
+    cols = to_op_columns(events, run_has_device=True, offset_ns=1_000)
+    launch = dict(zip(cols.names, cols.launch_ns.tolist()))
+    assert launch == {"aten::mm": -1, "cudaMemcpyAsync": -1, "void gemm<float>(float*)": 1_120,
+                      "Memcpy HtoD (Pageable -> Device)": 1_160, "void lost_kernel(int)": -1}
+    assert to_op_columns(events[:1], run_has_device=False).launch_ns is None  # CPU runs send none
+
+
 def test_clock_offset_keeps_epoch_timestamps_and_moves_monotonic_ones():
     epoch, mono = 1_795_000_000_000_000_000, 3_000_000_000_000
     assert clock_offset_ns(epoch - 5_000_000, epoch, mono) == 0

@@ -1,4 +1,4 @@
-"""`profstream replay`, `export parquet` and `report`: tools over an archive."""
+"""`profstream replay`, `export parquet`, `report` (tools over an archive) and `analyze` (profiles, no broker)."""
 
 from __future__ import annotations
 
@@ -177,3 +177,69 @@ def report(
               f"{len(data.alerts)} alert transitions, {len(data.timeline_files)} timeline files linked",
               highlight=False)
     report_losses(data.losses)
+
+
+@app.command()
+def analyze(
+    traces: Annotated[list[Path], typer.Argument(help="profiles: Kineto/PyTorch, MindSpore or msprof timeline "
+                                                      "JSON (.json/.json.gz), one file per rank, a directory of "
+                                                      "them, or a MindSpore profiler directory")],
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="write the HTML report here")] = None,
+    parquet: Annotated[Path | None, typer.Option(help="write <run>.steps.parquet and <run>.ops.parquet into "
+                                                      "this directory")] = None,
+    run_id: Annotated[str, typer.Option(help="run id the figures carry")] = "analyze",
+    device: Annotated[str, typer.Option(help="device reported with the figures, e.g. cuda:0")] = "",
+    workers: Annotated[int | None, typer.Option(min=1, help="processes that parse a trace of 16 MiB or more "
+                                                           "(default: one per CPU; 1: one process)")] = None,
+    stall_ratio: Annotated[float, typer.Option(min=0.0, max=1.0, help="as for `profstream process`")] = 0.3,
+    stall_steps: Annotated[int, typer.Option(min=1, help="as for `profstream process`")] = 5,
+    top_k: Annotated[int, typer.Option(min=1, help="as for `profstream process`")] = 10,
+    rolling_steps: Annotated[int, typer.Option(min=1, help="as for `profstream process`")] = 100,
+) -> None:
+    """The figures of existing profiles, in one process with no broker (the processors' own code):
+    a summary per rank, and optionally the HTML report and Parquet files."""
+    from profstream.integrations.ingest import IngestError
+    from profstream.offline.analyze import analyze_to, rank_rows
+    from profstream.processors.figures import FigureOptions
+    from profstream.processors.stream import StreamOptions
+
+    check_name(run_id, "run id")
+    options = StreamOptions(figures=FigureOptions(top_k, stall_ratio, stall_steps, rolling_steps))
+    try:
+        done = analyze_to(traces, output, parquet, run_id, options, workers, device)
+    except (IngestError, OSError) as e:
+        fail(str(e))
+    result = done.result
+    print_ranks(result, rank_rows(result))
+    for r in result.ranks:
+        for note in r.profile.notes:
+            err.print(f"[yellow]note:[/yellow] {note}", highlight=False, soft_wrap=True)
+    for path in [done.report, *done.parquet]:
+        if path is not None:
+            out.print(str(path), highlight=False)
+    if not result.steps:
+        fail("no step could be computed: the profiles hold no step marks (ProfilerStep#N, Iteration N, Step N) "
+             "or no ops inside them")
+
+
+def print_ranks(result, rows: list[dict]) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"{result.run_id}: {len(result.ranks)} rank(s), {len(result.steps)} steps, "
+                        f"{result.ops:,} ops (read {result.parse_s:.2f} s, figures {result.figures_s:.2f} s)")
+    cols = ("rank", "steps", "device steps", "step ms", "host step ms", "data wait %", "util %", "overlap %",
+            "idle %", "compute %", "comm %", "memcpy %", "memset %", "uncorrelated")
+    for col in cols:
+        table.add_column(col, justify="right")
+    for r in rows:
+        if "steps" not in r:
+            table.add_row(str(r["rank"]), "0", *["—"] * (len(cols) - 2))
+            continue
+        kinds = r["kinds"]
+        table.add_row(str(r["rank"]), str(r["steps"]), str(r["device_steps"]), f"{r['mean_step_ms']:.3f}",
+                      f"{r['mean_host_step_ms']:.3f}", f"{100 * r['data_wait_share']:.1f}",
+                      f"{100 * r['utilization']:.1f}", f"{100 * r['overlap_ratio']:.1f}",
+                      f"{100 * r['idle_share']:.1f}",
+                      *(f"{100 * kinds[k]:.1f}" for k in ("compute", "communication", "memcpy", "memset")),
+                      str(r["uncorrelated_ops"]))
+    out.print(table)

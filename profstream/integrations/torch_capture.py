@@ -240,8 +240,9 @@ class OpCapture:
             cols = to_op_columns(table, self.run_has_device, self._offset(int(table.start_ns[0])), self._threads,
                                  fp_ns)
         if len(cols):
+            launches = {} if cols.launch_ns is None else {"launch_ns": cols.launch_ns}  # device runs only
             self.monitor.ops(cols.names, cols.start_ns, cols.dur_ns, cols.kinds, cols.op_types, cols.streams,
-                             step=step)
+                             step=step, **launches)
             self.ops_sent += len(cols)
 
     def _tree_columns(self, results: Any, fp_ns: int | None) -> OpColumns | None:

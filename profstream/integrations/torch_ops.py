@@ -96,6 +96,7 @@ class RawEvent(NamedTuple):
     on_device: bool
     activity: str
     annotation: bool
+    correlation: int = 0  # a device op and the runtime call that launched it share one (0: none)
 
 
 class EventTable(NamedTuple):
@@ -109,6 +110,7 @@ class EventTable(NamedTuple):
     annotation: np.ndarray
     name: Callable[[int], str]
     activity: Callable[[int], str]
+    correlation: np.ndarray | None = None  # CUPTI's launch correlation per event (0: none); device runs
 
     def __len__(self) -> int:
         return len(self.start_ns)
@@ -119,7 +121,7 @@ def table_from_raw(events: Sequence[RawEvent]) -> EventTable:
         np.array([e.start_ns for e in events], np.int64), np.array([e.dur_ns for e in events], np.int64),
         np.array([e.thread for e in events], np.int64), np.array([e.on_device for e in events], bool),
         np.array([e.annotation for e in events], bool),
-        lambda i: events[i].name, lambda i: events[i].activity)
+        lambda i: events[i].name, lambda i: events[i].activity, np.array([e.correlation for e in events], np.int64))
 
 
 def table_from_kineto(events: list[Any], run_has_device: bool) -> EventTable:
@@ -132,13 +134,15 @@ def table_from_kineto(events: list[Any], run_has_device: bool) -> EventTable:
         on_device = np.array([e.device_type() != cpu for e in events], bool)
         thread = np.array([e.device_resource_id() if d else e.start_thread_id()
                            for e, d in zip(events, on_device.tolist())], np.int64)
+        correlation = np.array([e.correlation_id() for e in events], np.int64)
     else:  # only CPU activities were recorded
         on_device = np.zeros(n, bool)
         thread = np.array([e.start_thread_id() for e in events], np.int64)
+        correlation = None
     return EventTable(
         np.array([e.start_ns() for e in events], np.int64), np.array([e.duration_ns() for e in events], np.int64),
         thread, on_device, np.array([e.is_user_annotation() for e in events], bool),
-        lambda i: events[i].name(), lambda i: str(events[i].activity_type()))
+        lambda i: events[i].name(), lambda i: str(events[i].activity_type()), correlation)
 
 
 class OpColumns(NamedTuple):
@@ -148,6 +152,7 @@ class OpColumns(NamedTuple):
     streams: np.ndarray
     start_ns: np.ndarray
     dur_ns: np.ndarray
+    launch_ns: np.ndarray | None = None  # device ops: start of the runtime call that launched them, -1 none
 
     def __len__(self) -> int:
         return len(self.names)
@@ -208,7 +213,35 @@ def to_op_columns(table: EventTable | Sequence[RawEvent], run_has_device: bool, 
         kinds[~on_device & (start + dur <= data_until_ns)] = DATA
     streams = np.array([t if d else threads.stream(t, run_has_device)
                         for t, d in zip(table.thread[keep].tolist(), on_device.tolist())], np.int32)
-    return OpColumns(names, [op_type(nm) for nm in names], kinds, streams, start, dur)
+    launch = None
+    if table.correlation is not None and on_device.any():
+        launch = np.full(len(keep), -1, np.int64)
+        found = launch_times(table, keep[on_device])
+        launch[on_device] = np.where(found >= 0, found + offset_ns, -1)
+    return OpColumns(names, [op_type(nm) for nm in names], kinds, streams, start, dur, launch)
+
+
+_LAUNCH_ACTIVITIES = ("runtime", "driver")  # cuda_runtime, cuda_driver, privateuse1_runtime...
+
+
+def launch_times(table: EventTable, device: np.ndarray) -> np.ndarray:
+    """For the device events at ``device`` (indices), the start (profiler clock) of the
+    runtime call that launched each: the CPU event of the same correlation whose activity
+    is a runtime or driver call (torch ops number their correlations apart); -1 for none.
+    Only CPU events that share a correlation with a device event are read."""
+    corr = table.correlation
+    wanted = corr[device]
+    out = np.full(len(device), -1, np.int64)
+    candidates = np.flatnonzero(~table.on_device & (corr > 0) & np.isin(corr, wanted[wanted > 0]))
+    launches = {}
+    for i in candidates.tolist():
+        c = int(corr[i])
+        if c not in launches and any(a in table.activity(i).lower() for a in _LAUNCH_ACTIVITIES):
+            launches[c] = int(table.start_ns[i])
+    for j, c in enumerate(wanted.tolist()):
+        out[j] = launches.get(c, -1)
+    return out
+
 
 
 class NodeNames:

@@ -4,7 +4,7 @@
   flattened (``memory.peak``, ``rolling.p95_step_time_ns``...); read from an archive of the
   steps topic, or computed offline from an archive of the raw topic.
 - ``<run>.ops.parquet``: one row per op from the raw archive: run, rank, step, name,
-  op_type, kind, stream, start_ns, dur_ns.
+  op_type, kind, stream, start_ns, dur_ns, launch_ns (-1: none).
 
 ``pandas.read_parquet(path)`` opens either.
 """
@@ -30,7 +30,7 @@ from profstream.offline.archive import (
 )
 from profstream.offline.record_files import RecordWriter
 from profstream.offline.replay import replay_offline
-from profstream.schema.batch import KIND_NAMES, decode_batch
+from profstream.schema.batch import KIND_NAMES, decode_batch, launch_column
 from profstream.schema.codec import DecodeError, decode
 
 ROWS_PER_GROUP = 1_000_000  # Parquet row group of the op table
@@ -40,7 +40,7 @@ ROWS_PER_GROUP = 1_000_000  # Parquet row group of the op table
 
 _OP_FIELDS = (("run_id", "string"), ("rank", "int32"), ("step", "int64"), ("name", "string"),
               ("op_type", "string"), ("kind", "string"), ("stream", "int32"), ("start_ns", "int64"),
-              ("dur_ns", "int64"))
+              ("dur_ns", "int64"), ("launch_ns", "int64"))
 
 
 def op_schema():
@@ -83,7 +83,7 @@ class OpTableWriter:
         self._chunks.append(pa.record_batch([
             pa.array([batch.run_id] * n, pa.string()), pa.array(np.full(n, batch.rank, np.int32)),
             pa.array(ops["step"]), names, types, kinds, pa.array(ops["stream"]), pa.array(ops["start_ns"]),
-            pa.array(ops["dur_ns"])], schema=self._schema))
+            pa.array(ops["dur_ns"]), pa.array(launch_column(ops))], schema=self._schema))
         self._pending += n
         self.rows += n
         if self._pending >= ROWS_PER_GROUP:

@@ -14,6 +14,8 @@ def arrow_schema(record_name: str):
     """The Arrow schema of a profstream record (``StepMetrics``, ``RunStepMetrics``, ``Alert``)."""
     import pyarrow as pa
 
+    named: dict[str, Any] = {}  # a named type used again is referred to by its full name
+
     def convert(t: Any) -> tuple[Any, bool]:  # (arrow type, nullable)
         if isinstance(t, list):
             rest = [x for x in t if x != "null"]
@@ -23,10 +25,11 @@ def arrow_schema(record_name: str):
         if isinstance(t, str):
             prim = {"string": pa.string(), "int": pa.int32(), "long": pa.int64(), "double": pa.float64(),
                     "float": pa.float32(), "boolean": pa.bool_(), "bytes": pa.binary()}
-            return prim[t], False
+            return (prim[t] if t in prim else named[t]), False
         kind = t["type"]
         if kind == "record":
-            return pa.struct([pa.field(f["name"], *convert(f["type"])) for f in t["fields"]]), False
+            named[t["name"]] = struct = pa.struct([pa.field(f["name"], *convert(f["type"])) for f in t["fields"]])
+            return struct, False
         if kind == "array":
             return pa.list_(convert(t["items"])[0]), False
         if kind == "map":

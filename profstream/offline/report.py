@@ -106,6 +106,24 @@ def rank_summary(steps: list[dict]) -> dict[str, float | int]:
     }
 
 
+DEVICE_KINDS = ("compute", "communication", "memcpy", "memset")
+
+
+def kind_shares(steps: list[dict]) -> dict[str, float]:
+    """The device's time by kind (summed op durations of compute, communication, memcpy,
+    memset: HTA's kernel breakdown) as shares of their total over ``steps``."""
+    totals = dict.fromkeys(DEVICE_KINDS, 0)
+    for s in steps:
+        for k in s["device_kinds"]:
+            totals[k["kind"]] = totals.get(k["kind"], 0) + k["total_ns"]
+    whole = sum(totals.values())
+    return {k: (v / whole if whole else 0.0) for k, v in totals.items()}
+
+
+def has_device_windows(steps: list[dict]) -> bool:
+    return any(s["device_end_ns"] is not None for s in steps)
+
+
 # -- rendering ----------------------------------------------------------------------------
 
 _CSS = """
@@ -184,6 +202,15 @@ def _per_rank_series(data: ReportData, value: Callable[[dict], float]) -> list[c
     return out
 
 
+def _step_time_series(data: ReportData) -> list[charts.Series]:
+    """Each rank's step time; with device windows also its host step time (E - S)."""
+    series = _per_rank_series(data, lambda s: _ms(s["step_time_ns"]))
+    if has_device_windows(data.steps):
+        series += [(f"{label} host", xs, ys) for label, xs, ys in
+                   _per_rank_series(data, lambda s: _ms(s["host_step_time_ns"]))]
+    return series
+
+
 def _starved_ranges(data: ReportData) -> list[tuple[int, int]]:
     return _ranges([s["step"] for s in data.steps if s["starved"]])
 
@@ -216,15 +243,40 @@ def _queue_chart(data: ReportData) -> str:
                              "batches in queue", shaded=_starved_ranges(data))
 
 
-def _op_types(data: ReportData, top: int = 15) -> str:
+def _op_types(data: ReportData, top: int = 15, field: str = "op_types", chart: str = "op-types",
+              what: str = "op type") -> str:
     totals: Counter = Counter()
     for s in data.steps:
-        for c in s["op_types"]:
+        for c in s[field]:
             totals[c["op_type"]] += c["total_ns"]
     ranks = max(len(data.ranks()), 1)
     bars = [(name, _ms(ns) / ranks) for name, ns in totals.most_common(top)]
-    return charts.bar_chart("op-types", "Time per op type, summed over the run, mean per rank", bars,
+    return charts.bar_chart(chart, f"Time per {what}, summed over the run, mean per rank", bars,
                             "ms per rank over the run")
+
+
+def _device(data: ReportData) -> str:
+    """Per rank: host and device step time, and the kernel breakdown (HTA's: the device's
+    time by kind as a share of it), then the top kernels."""
+    rows = []
+    for rank in data.ranks():
+        recs = data.of_rank(rank)
+        dev = [s for s in recs if s["device_end_ns"] is not None]
+        shares = kind_shares(recs)
+        host_ms = np.mean([s["host_step_time_ns"] for s in recs]) / 1e6
+        dev_ms = np.mean([s["step_time_ns"] for s in dev]) / 1e6 if dev else float("nan")
+        cells = [f'<td data-metric="host_step_ms" data-value="{host_ms!r}">{host_ms:.2f}</td>',
+                 f'<td data-metric="device_step_ms" data-value="{dev_ms!r}">'
+                 f'{"—" if np.isnan(dev_ms) else f"{dev_ms:.2f}"}</td>',
+                 f'<td data-metric="device_steps" data-value="{len(dev)}">{len(dev)}</td>']
+        cells += [f'<td data-metric="{k}_share" data-value="{v!r}">{v:.1%}</td>' for k, v in shares.items()]
+        rows.append(f'<tr data-rank="{rank}"><td>rank {rank}</td>{"".join(cells)}</tr>')
+    head = "".join(f"<th>{_e(t)}</th>" for t in ("host step (ms)", "device step (ms)", "device steps",
+                                                 *(f"{k} share" for k in DEVICE_KINDS)))
+    return (f'<table id="device"><tr><th>rank</th>{head}</tr>{"".join(rows)}</table>'
+            '<p class="sub">Device steps: steps measured on the device\'s own window (their device ops carry '
+            'their launch time). Shares: each kind\'s summed op time over the device\'s summed op time.</p>'
+            + _op_types(data, field="kernel_types", chart="kernels", what="device kernel type"))
 
 
 def _cross_rank(data: ReportData) -> str:
@@ -301,9 +353,8 @@ def render(data: ReportData, out_path: Path) -> str:
             f'<h2>Lost while reading the archive</h2><ul id="losses">{losses}</ul>' if losses else "",
             "<h2>Per rank</h2>", _summary_table(data),
             "<h2>Step time</h2>",
-            charts.line_chart("step-time", "Step time per rank", _per_rank_series(
-                data, lambda s: _ms(s["step_time_ns"])), "ms", shaded=_starved_ranges(data),
-                marks=_alert_marks(data)),
+            charts.line_chart("step-time", "Step time per rank", _step_time_series(data), "ms",
+                              shaded=_starved_ranges(data), marks=_alert_marks(data)),
             '<p class="sub">Shaded: steps on which a rank was starved for data. Dashed: alerts firing (red) '
             'and resolved (green), listed under Alerts.</p>',
             "<h2>Step phases</h2>", _phase_charts(data),
@@ -317,7 +368,9 @@ def render(data: ReportData, out_path: Path) -> str:
                 data, lambda s: s["memory"]["peak"] / 2**20 if s.get("memory") and s["memory"]["peak"] >= 0
                 else float("nan")), "MiB", y_min=None),
             "<h2>Data queue</h2>", _queue_chart(data),
-            "<h2>Op types</h2>", _op_types(data),
+            *(("<h2>Device: kernel breakdown</h2>", _device(data), "<h2>Host op types</h2>")
+              if has_device_windows(data.steps) else ("<h2>Op types</h2>",)),
+            _op_types(data),
             "<h2>Across ranks</h2>", _cross_rank(data),
             "<h2>Alerts</h2>", _alerts(data),
             "<h2>Timelines</h2>", _timelines(data, out_path.parent),
@@ -342,4 +395,5 @@ def write_report(data: ReportData, out_path: Path | str) -> Path:
     return out_path
 
 
-__all__ = ["ArchiveError", "ReportData", "ReportError", "gather", "rank_summary", "render", "write_report"]
+__all__ = ["ArchiveError", "ReportData", "ReportError", "gather", "has_device_windows", "kind_shares", "rank_summary",
+           "render", "write_report"]

@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from profstream.processors.model import StepEvents
-from profstream.schema.batch import EventBatch
+from profstream.processors.window import carry_past_end, step_window
+from profstream.schema.batch import NO_VALUE, EventBatch, launch_column
 
-_OP_COLS = ("kind", "type", "stream", "start_ns", "dur_ns")
+_OP_COLS = ("kind", "type", "stream", "start_ns", "dur_ns", "launch_ns")
 _MEM_COLS = ("ts_ns", "allocated", "reserved", "peak")
 _QUEUE_COLS = ("queue", "ts_ns", "size")
 
@@ -35,6 +36,13 @@ class _OpenStep:
     queues: list[dict] = field(default_factory=list)
     events: int = 0
     first_offset: int = -1  # input offset of the first batch that fed this step
+
+
+_NO_CARRY = (np.empty(0, np.int64), np.empty(0, np.int64))
+
+
+def _i64_bytes(values: np.ndarray) -> bytes:
+    return np.asarray(values, "<i8").tobytes()
 
 
 def _by_step(steps: np.ndarray, columns: dict[str, np.ndarray]):
@@ -63,6 +71,7 @@ def _concat(parts: list[dict], names: tuple[str, ...], dtypes: dict) -> dict[str
 
 
 _DTYPES = {"kind": np.uint8, "type": np.int32, "stream": np.int32, "start_ns": np.int64, "dur_ns": np.int64,
+           "launch_ns": np.int64,
            "ts_ns": np.int64, "allocated": np.int64, "reserved": np.int64, "peak": np.int64,
            "queue": np.int32, "size": np.int64}
 
@@ -89,6 +98,9 @@ class RankAssembler:
         self._type_codes: dict[str, int] = {}
         self.queue_names: list[str] = []
         self._queue_codes: dict[str, int] = {}
+        # what the next step to close needs of the last closed one (window.py)
+        self.carry: tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]] = (_NO_CARRY, _NO_CARRY)
+        self.device_end: tuple[int, int] | None = None  # (step, end of its last device op)
         # health counters (totals)
         self.late_events = 0
         self.orphan_events = 0
@@ -129,7 +141,7 @@ class RankAssembler:
             remap = np.array([self._code(self._type_codes, self.type_names, t) for t in batch.op_types],
                              dtype=np.int32)
             cols = {"kind": ops["kind"], "type": remap[ops["type_idx"]], "stream": ops["stream"],
-                    "start_ns": ops["start_ns"], "dur_ns": ops["dur_ns"]}
+                    "start_ns": ops["start_ns"], "dur_ns": ops["dur_ns"], "launch_ns": launch_column(ops)}
             for step, part in _by_step(ops["step"], cols):
                 self._bucket(step, "ops", part, len(part["kind"]))
         mem = batch.memory
@@ -222,16 +234,22 @@ class RankAssembler:
         ops = _concat(entry.ops, _OP_COLS, _DTYPES)
         mem = _concat(entry.memory, _MEM_COLS, _DTYPES)
         q = _concat(entry.queues, _QUEUE_COLS, _DTYPES)
-        return StepEvents(
+        before = self.device_end
+        ev = StepEvents(
             run_id=self.run_id, rank=self.rank, step=step, start_ns=S, end_ns=E,
             fp_start_ns=F, bp_end_ns=B, host=self.host, device=self.device,
             op_kind=ops["kind"], op_type=ops["type"], op_stream=ops["stream"],
-            op_start_ns=ops["start_ns"], op_dur_ns=ops["dur_ns"], type_names=self.type_names,
-            world_size=self.world_size,
+            op_start_ns=ops["start_ns"], op_dur_ns=ops["dur_ns"], op_launch_ns=ops["launch_ns"],
+            type_names=self.type_names, world_size=self.world_size,
             mem_ts_ns=mem["ts_ns"], mem_allocated=mem["allocated"], mem_reserved=mem["reserved"],
             mem_peak=mem["peak"], queue=q["queue"], queue_ts_ns=q["ts_ns"], queue_size=q["size"],
-            queue_names=self.queue_names,
+            queue_names=self.queue_names, carried_compute=self.carry[0], carried_comm=self.carry[1],
+            prev_device_end_ns=before[1] if before is not None and before[0] == step - 1 else NO_VALUE,
         )
+        self.carry = carry_past_end(ev)
+        window = step_window(ev)
+        self.device_end = (step, window.end_ns) if window.device else None
+        return ev
 
     @property
     def open_events(self) -> int:
@@ -247,9 +265,14 @@ class RankAssembler:
 
     def snapshot(self) -> dict:
         """The RankCheckpoint fields this assembler owns."""
+        (cs, ce), (ms, me) = self.carry
         return {"run_id": self.run_id, "rank": self.rank, "floor": self.floor, "watermark": self.watermark,
                 "host": self.host, "device": self.device, "producers": dict(self.next_seq),
-                "counters": {c: getattr(self, c) for c in self.COUNTERS}}
+                "counters": {c: getattr(self, c) for c in self.COUNTERS},
+                "carry": {"compute_start": _i64_bytes(cs), "compute_end": _i64_bytes(ce),
+                          "comm_start": _i64_bytes(ms), "comm_end": _i64_bytes(me)},
+                "device_end_step": None if self.device_end is None else self.device_end[0],
+                "device_end_ns": None if self.device_end is None else self.device_end[1]}
 
     @classmethod
     def restore(cls, checkpoint: dict, grace_s: float, partition: int, now: float) -> RankAssembler:
@@ -259,5 +282,11 @@ class RankAssembler:
         asm.next_seq = dict(checkpoint["producers"])
         for c in cls.COUNTERS:
             setattr(asm, c, checkpoint["counters"].get(c, 0))
+        carry = checkpoint["carry"]
+        asm.carry = tuple((np.frombuffer(carry[f"{kind}_start"], "<i8").astype(np.int64),
+                           np.frombuffer(carry[f"{kind}_end"], "<i8").astype(np.int64))
+                          for kind in ("compute", "comm"))
+        if checkpoint["device_end_step"] is not None:
+            asm.device_end = (checkpoint["device_end_step"], checkpoint["device_end_ns"])
         asm.last_seen = now
         return asm

@@ -11,12 +11,13 @@ from dataclasses import dataclass, field
 
 from profstream.processors.memory import memory_figures
 from profstream.processors.model import StepEvents
-from profstream.processors.optypes import op_type_costs
+from profstream.processors.optypes import device_kind_costs, kernel_type_costs, op_type_costs
 from profstream.processors.queues import queue_figures
 from profstream.processors.rolling import RollingWindow
 from profstream.processors.stalls import StallDetector, is_starved
 from profstream.processors.steptrace import step_trace
 from profstream.processors.utilization import utilization
+from profstream.processors.window import step_window, uncorrelated_ops
 
 
 @dataclass(frozen=True)
@@ -56,8 +57,9 @@ class RankFigures:
     def step_metrics(self, ev: StepEvents, closed_by: str, late_events: int) -> tuple[dict, str | None]:
         """(StepMetrics record, stall alert transition or None) of a closed step."""
         opts = self.options
-        trace = step_trace(ev)
-        util = utilization(ev)
+        window = step_window(ev)
+        trace = step_trace(ev, window)
+        util = utilization(ev, window)
         queues = queue_figures(ev)
         starved = is_starved(trace, queues, opts.stall_ratio)
         self.starved_steps += starved
@@ -68,8 +70,14 @@ class RankFigures:
             "device": ev.device,
             "step": ev.step, "start_ns": ev.start_ns, "end_ns": ev.end_ns,
             **trace, **util,
+            "host_step_time_ns": ev.step_time_ns,
+            "device_start_ns": window.start_ns if window.device else None,
+            "device_end_ns": window.end_ns if window.device else None,
             "op_count": len(ev.op_kind),
-            "op_types": op_type_costs(ev, opts.top_k),
+            "op_types": op_type_costs(ev, opts.top_k, window),
+            "kernel_types": kernel_type_costs(ev, opts.top_k, window),
+            "device_kinds": device_kind_costs(ev, window),
+            "uncorrelated_ops": uncorrelated_ops(ev, window),
             "memory": memory_figures(ev),
             "queues": queues,
             "starved": bool(starved),

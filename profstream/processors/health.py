@@ -84,10 +84,11 @@ class _Counters:
         self.run_steps = 0
         self.runs_closed = 0
         self.alerts = 0
+        self.uncorrelated_ops = 0
 
 
 _TOTALS = ("batches", "late_events", "lost_batches", "producer_dropped", "steps_closed", "run_steps",
-           "runs_closed", "alerts")
+           "runs_closed", "alerts", "uncorrelated_ops")
 
 
 class StageCounts(_Counters):
@@ -105,6 +106,7 @@ class StageCounts(_Counters):
 
     def step_closed(self, record: dict) -> None:
         self.steps_closed += 1
+        self.uncorrelated_ops += record["uncorrelated_ops"]
         if self._keep_step_ends:
             self.step_ends_ns.append(record["end_ns"])
 
@@ -161,6 +163,8 @@ class ProcessorHealth(_Counters):
             ("steps_closed", "StepMetrics produced", self.steps_closed),
             ("run_steps", "RunStepMetrics produced", self.run_steps),
             ("alerts", "alert transitions produced", self.alerts),
+            ("uncorrelated_device_ops", "device ops without a launch time in steps whose other device ops "
+             "have one: counted in the host step holding their start", self.uncorrelated_ops),
             ("transactions", "transactions committed by the step stage", self.transactions),
             ("raw_batches", "raw batches folded in", self.batches),
         ):

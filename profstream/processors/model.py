@@ -37,7 +37,13 @@ class StepEvents:
     op_stream: np.ndarray = field(default_factory=lambda: _empty(np.int32))
     op_start_ns: np.ndarray = field(default_factory=_empty)
     op_dur_ns: np.ndarray = field(default_factory=_empty)
+    op_launch_ns: np.ndarray = field(default_factory=_empty)  # host launch of a device op, -1 none
     type_names: list[str] = field(default_factory=list)
+    # compute and communication of earlier steps that ran on past their end: (start, end)
+    # unions starting at or after the previous step's E (window.carry_past_end)
+    carried_compute: tuple[np.ndarray, np.ndarray] = field(default_factory=lambda: (_empty(), _empty()))
+    carried_comm: tuple[np.ndarray, np.ndarray] = field(default_factory=lambda: (_empty(), _empty()))
+    prev_device_end_ns: int = NO_VALUE  # device end of step - 1, when it had a device window
     # memory samples
     mem_ts_ns: np.ndarray = field(default_factory=_empty)
     mem_allocated: np.ndarray = field(default_factory=_empty)
@@ -51,7 +57,14 @@ class StepEvents:
 
     @property
     def step_time_ns(self) -> int:
+        """E - S: the host step time."""
         return self.end_ns - self.start_ns
+
+    @property
+    def launched(self) -> np.ndarray:
+        """Per op: whether it carries its launch time (a device op of a device run)."""
+        launch = self.op_launch_ns
+        return launch >= 0 if len(launch) == len(self.op_kind) else np.zeros(len(self.op_kind), bool)
 
     def clipped_ops(self, kind: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(start, end) of ops (of ``kind``) clipped to [S, E]; ops outside are left out."""

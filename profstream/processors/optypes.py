@@ -1,25 +1,26 @@
-"""Operator cost per op type: summed duration and count, top K by time plus "other"."""
+"""Operator cost per op type: summed duration and count, top K by time plus "other";
+and the device's time by kind (compute, communication, memcpy, memset).
+
+On a host window (``window.py``) an op belongs to the step when its start lies in
+[S, E). On a device window the step's device ops (its kernels, copies and sets, whole)
+are listed apart from its host ops (runtime calls, CPU ops, annotations), so that the
+kernel breakdown a GPU user reads first is not mixed with the host's.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 
 from profstream.processors.model import StepEvents
+from profstream.processors.window import DEVICE_KINDS, Window, device_ops, step_window
+from profstream.schema.batch import KIND_NAMES
 
 OTHER = "other"
 
 
-def op_type_costs(ev: StepEvents, top_k: int = 10) -> list[dict[str, int | str]]:
-    """``[{op_type, total_ns, count}]`` of the step, most expensive first.
-
-    An op belongs to the step when its start lies in [S, E); it counts with its own full
-    ``dur_ns`` (not clipped), so the figures are the profiler's op durations. The ``top_k``
-    types with the largest total (ties: by name) are listed; the rest, if any, are summed
-    into one entry named "other".
-    """
+def _costs(ev: StepEvents, sel: np.ndarray, top_k: int) -> list[dict[str, int | str]]:
     if top_k < 0:
         raise ValueError("top_k must be >= 0")
-    sel = (ev.op_start_ns >= ev.start_ns) & (ev.op_start_ns < ev.end_ns)
     codes = ev.op_type[sel]
     n_types = len(ev.type_names)
     totals = np.bincount(codes, weights=ev.op_dur_ns[sel], minlength=n_types)
@@ -39,3 +40,43 @@ def op_type_costs(ev: StepEvents, top_k: int = 10) -> list[dict[str, int | str]]
         costs.append({"op_type": OTHER, "total_ns": int(totals[rest].sum()),
                       "count": int(counts[rest].sum())})
     return costs
+
+
+def _in_host_step(ev: StepEvents) -> np.ndarray:
+    return (ev.op_start_ns >= ev.start_ns) & (ev.op_start_ns < ev.end_ns)
+
+
+def op_type_costs(ev: StepEvents, top_k: int = 10, window: Window | None = None) -> list[dict[str, int | str]]:
+    """``[{op_type, total_ns, count}]`` of the step, most expensive first.
+
+    An op belongs to the step when its start lies in [S, E); it counts with its own full
+    ``dur_ns`` (not clipped), so the figures are the profiler's op durations. On a device
+    window only host ops are listed here (the device's in ``kernel_type_costs``). The
+    ``top_k`` types with the largest total (ties: by name) are listed; the rest, if any,
+    are summed into one entry named "other".
+    """
+    sel = _in_host_step(ev)
+    if (window or step_window(ev)).device:
+        sel &= ~device_ops(ev)
+    return _costs(ev, sel, top_k)
+
+
+def kernel_type_costs(ev: StepEvents, top_k: int = 10, window: Window | None = None) -> list[dict[str, int | str]]:
+    """The same for the device ops of a device window (every one the step launched,
+    whole); empty on a host window."""
+    if not (window or step_window(ev)).device:
+        return []
+    return _costs(ev, device_ops(ev), top_k)
+
+
+def device_kind_costs(ev: StepEvents, window: Window | None = None) -> list[dict[str, int | str]]:
+    """``[{kind, total_ns, count}]``: summed durations of the step's device ops per kind
+    (compute, communication, memcpy, memset; kinds without ops left out). On a device
+    window, its device ops; on a host window, the ops of those kinds that start in [S, E)."""
+    sel = device_ops(ev) if (window or step_window(ev)).device else _in_host_step(ev)
+    kinds = ev.op_kind[sel]
+    counts = np.bincount(kinds, minlength=len(KIND_NAMES))
+    # float64 weights: exact for sums below 2**53 ns (104 days), as op_type_costs
+    totals = np.bincount(kinds, weights=ev.op_dur_ns[sel], minlength=len(KIND_NAMES))
+    return [{"kind": KIND_NAMES[k], "total_ns": int(totals[k]), "count": int(counts[k])}
+            for k in DEVICE_KINDS if counts[k]]

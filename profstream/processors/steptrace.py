@@ -1,19 +1,36 @@
 """Step trace: where one step's time went between the data wait, forward/backward and tail.
 
-S and E come from the step mark. F and B come from the producer's marks when it has
-them; else F is the start of the first compute op in [S, E] (S if none) and B the end of
-the last compute op in [S, E] (E if none).
+On the host window (``window.py``), S and E come from the step mark; F and B come from
+the producer's marks when it has them, else F is the start of the first compute op in
+[S, E] (S if none) and B the end of the last compute op in [S, E] (E if none).
 
     step_time = E - S    data_wait = F - S    fp_bp = B - F    tail = E - B
+
+On a device window [W, D] the phases follow MindSpore's device-side step trace: F is the
+start of the step's first compute op (W if none), B the end of its last (D if none);
+W is the previous step's end on the device, so data_wait is the device's iteration
+interval (from the previous step's last device op to this step's forward).
+
+    step_time = D - W    data_wait = F - W    fp_bp = B - F    tail = D - B
 """
 
 from __future__ import annotations
 
 from profstream.processors.model import StepEvents
+from profstream.processors.window import Window, step_window
 from profstream.schema.batch import COMPUTE
 
 
-def step_trace(ev: StepEvents) -> dict[str, int]:
+def step_trace(ev: StepEvents, window: Window | None = None) -> dict[str, int]:
+    """The four phase figures of ``ev`` on ``window`` (default: ``step_window(ev)``)."""
+    w = window or step_window(ev)
+    if w.device:
+        sel = ev.op_kind == COMPUTE
+        start = ev.op_start_ns[sel]
+        W, D = w.start_ns, w.end_ns
+        F = int(start.min()) if len(start) else W
+        B = int((start + ev.op_dur_ns[sel]).max()) if len(start) else D
+        return {"step_time_ns": D - W, "data_wait_ns": F - W, "fp_bp_ns": B - F, "tail_ns": D - B}
     S, E = ev.start_ns, ev.end_ns
     start, end = ev.clipped_ops(COMPUTE)
     if ev.fp_start_ns >= 0:

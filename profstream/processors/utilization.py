@@ -1,28 +1,39 @@
 """Device utilization: compute, communication, their overlap and idle time of one step.
 
-Op intervals are clipped to [S, E]; overlapping ops of one kind count once (unions).
+Measured on the step's window (``window.py``): on the host window op intervals are
+clipped to [S, E] and include what earlier steps carried past their end; on a device
+window the step's device ops count whole. Overlapping ops of one kind count once (unions).
 
     utilization = |compute| / step_time      overlap = |compute ∩ comm|
-    pure_comm = |comm| - overlap             idle = step_time - |compute ∪ comm|
+    pure_comm = |comm| - overlap             idle = step_time - |busy|
     overlap_ratio = overlap / |comm| (0 without communication)
+
+busy is compute ∪ comm on the host window; on a device window every device op (copies
+and sets too), so that idle is the time no device op runs, as in Holistic Trace Analysis.
 """
 
 from __future__ import annotations
 
-from profstream.processors.intervals import intersection_length, union
+from profstream.processors.intervals import intersection_length, total, union
 from profstream.processors.model import StepEvents
+from profstream.processors.window import Window, busy_intervals, intervals, step_window
 from profstream.schema.batch import COMMUNICATION, COMPUTE
 
 
-def utilization(ev: StepEvents) -> dict[str, int | float]:
-    """Compute/communication figures of one step (ns, and ratios in [0, 1])."""
-    step_time = ev.step_time_ns
-    compute = union(*ev.clipped_ops(COMPUTE))
-    comm = union(*ev.clipped_ops(COMMUNICATION))
+def utilization(ev: StepEvents, window: Window | None = None) -> dict[str, int | float]:
+    """Compute/communication figures of one step (ns, and ratios in [0, 1]) on ``window``
+    (default: ``step_window(ev)``)."""
+    w = window or step_window(ev)
+    step_time = w.length_ns
+    compute = union(*intervals(ev, COMPUTE, w))
+    comm = union(*intervals(ev, COMMUNICATION, w))
     compute_ns = int((compute[1] - compute[0]).sum())
     comm_ns = int((comm[1] - comm[0]).sum())
     overlap_ns = intersection_length(*compute, *comm)
-    busy_ns = compute_ns + comm_ns - overlap_ns  # |compute ∪ comm|
+    if w.device:
+        busy_ns = total(*busy_intervals(ev, w))
+    else:
+        busy_ns = compute_ns + comm_ns - overlap_ns  # |compute ∪ comm|
     return {
         "compute_ns": compute_ns,
         "comm_ns": comm_ns,

@@ -30,7 +30,8 @@ SAMPLE_SHARE = 0.05
 
 
 class OpChunk(NamedTuple):
-    """The columns of one ops() call; scalar columns stay scalars."""
+    """The columns of one ops() call; scalar columns stay scalars (``launch_ns`` None:
+    no op of the chunk has a launch time)."""
 
     n: int
     names: Any
@@ -40,6 +41,7 @@ class OpChunk(NamedTuple):
     step: Any
     start_ns: Any
     dur_ns: Any
+    launch_ns: Any = None
 
 
 class Drained(NamedTuple):
@@ -64,9 +66,9 @@ def buffer_bounds(buffer_bytes: int) -> tuple[int, int, int]:
 
 
 def rows_chunk(rows: list[tuple]) -> OpChunk:
-    """op() tuples (name, op_type, kind, stream, step, start_ns, dur_ns) as one chunk."""
-    names, types, kinds, streams, steps, starts, durs = zip(*rows)
-    return OpChunk(len(rows), names, types, kinds, streams, steps, starts, durs)
+    """op() tuples (name, op_type, kind, stream, step, start_ns, dur_ns), or those and a
+    launch_ns each, as one chunk."""
+    return OpChunk(len(rows), *zip(*rows))
 
 
 class EventBuffer:
@@ -92,7 +94,7 @@ class EventBuffer:
 
     # -- recording side (the training thread) -----------------------------------------
 
-    def add_ops(self, names, start_ns, dur_ns, kinds, op_types, streams, step: int) -> None:
+    def add_ops(self, names, start_ns, dur_ns, kinds, op_types, streams, step: int, launch_ns=None) -> None:
         """Many ops at once (``Monitor.ops``): the columns are copied; what does not fit is
         dropped and counted."""
         n = len(names)
@@ -104,7 +106,7 @@ class EventBuffer:
             if not n:
                 return
         self.op_chunks.append(OpChunk(n, _copy(names, n), _copy(op_types, n), _copy(kinds, n), _copy(streams, n),
-                                      step, _copy(start_ns, n), _copy(dur_ns, n)))
+                                      step, _copy(start_ns, n), _copy(dur_ns, n), _copy(launch_ns, n)))
         self._chunk_ops_in += n
         self.update_tuple_limit()
         if self.buffered_ops >= self.batch_max_ops:

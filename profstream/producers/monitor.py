@@ -153,12 +153,18 @@ class Monitor:
             else:
                 self.buffer.dropped_ops += 1
 
-    def ops(self, names, start_ns, dur_ns, kinds=0, op_types=None, streams=0, step: int | None = None) -> None:
+    def ops(self, names, start_ns, dur_ns, kinds=0, op_types=None, streams=0, step: int | None = None,
+            launch_ns=None) -> None:
         """Record many ops at once: equal-length sequences (lists or numpy arrays); a scalar
         ``kinds``, ``op_types`` or ``streams`` applies to all. The columns are copied, so the
-        caller may reuse them. Used by integrations that get a step's ops in bulk."""
+        caller may reuse them. Used by integrations that get a step's ops in bulk.
+
+        ``launch_ns``: for device ops, the host time of the call that launched each (the
+        profiler's launch correlation resolved), -1 where there is none; the processors then
+        count a device op in the step that launched it (``step``), whenever it ran."""
         if self._capturing:
-            self.buffer.add_ops(names, start_ns, dur_ns, kinds, op_types, streams, self._step if step is None else step)
+            self.buffer.add_ops(names, start_ns, dur_ns, kinds, op_types, streams, self._step if step is None else step,
+                                launch_ns=launch_ns)
 
     # -- steps ------------------------------------------------------------------------
 

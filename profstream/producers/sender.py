@@ -62,9 +62,10 @@ def _dictionary(values) -> tuple[list[str], np.ndarray]:
 def chunk_rows(chunk: OpChunk) -> list[tuple]:
     """The inverse of rows_chunk (scalar columns repeated): for row-by-row validation."""
     n = chunk.n
+    launch = NO_VALUE if chunk.launch_ns is None else chunk.launch_ns
     col = [c if isinstance(c, (list, tuple, np.ndarray)) else [c] * n
            for c in (chunk.names, chunk.op_types, chunk.kinds, chunk.streams, chunk.step, chunk.start_ns,
-                     chunk.dur_ns)]
+                     chunk.dur_ns, launch)]
     return list(zip(*col))
 
 
@@ -92,7 +93,8 @@ def op_columns(chunks: list[OpChunk]) -> tuple[list[str], list[str], dict[str, n
     are not numbers raise ValueError/TypeError (the caller then drops them row by row)."""
     names: list = []
     types: list = []
-    parts: dict[str, list[np.ndarray]] = {c: [] for c in ("kind", "stream", "step", "start_ns", "dur_ns")}
+    parts: dict[str, list[np.ndarray]] = {c: [] for c in ("kind", "stream", "step", "start_ns", "dur_ns",
+                                                          "launch_ns")}
     unknown = 0
     for c in chunks:
         n = c.n
@@ -113,6 +115,7 @@ def op_columns(chunks: list[OpChunk]) -> tuple[list[str], list[str], dict[str, n
         parts["step"].append(_numbers(c.step, n, I64))
         parts["start_ns"].append(_numbers(c.start_ns, n, I64))
         parts["dur_ns"].append(_numbers(c.dur_ns, n, I64))
+        parts["launch_ns"].append(_numbers(NO_VALUE if c.launch_ns is None else c.launch_ns, n, I64))
     name_list, name_idx = _dictionary(names)
     type_list, type_idx = _dictionary(types)
     cols = {"name_idx": name_idx, "type_idx": type_idx}
@@ -436,7 +439,7 @@ class Sender(threading.Thread):
             names, types = batch.op_names, batch.op_types
             self.buffer.give_back(OpChunk(
                 n - keep, [names[i] for i in ops["name_idx"][keep:]], [types[i] for i in ops["type_idx"][keep:]],
-                *(ops[c][keep:].copy() for c in ("kind", "stream", "step", "start_ns", "dur_ns"))))
+                *(ops[c][keep:].copy() for c in ("kind", "stream", "step", "start_ns", "dur_ns", "launch_ns"))))
             head = {c: a[:keep] for c, a in ops.items()}
             batch.op_names, head["name_idx"] = _dictionary([names[i] for i in head["name_idx"]])
             batch.op_types, head["type_idx"] = _dictionary([types[i] for i in head["type_idx"]])

@@ -1,6 +1,7 @@
 """The event contract: Avro schemas, the single-object codec and the columnar EventBatch."""
 
 from profstream.schema.batch import (
+    COLUMN_FILL,
     COMMUNICATION,
     COMPUTE,
     DATA,
@@ -26,7 +27,7 @@ from profstream.schema.codec import (
 )
 
 __all__ = [
-    "COMMUNICATION", "COMPUTE", "CURRENT", "DATA", "HOST", "KIND_CODES", "KIND_NAMES", "MEMCPY",
+    "COLUMN_FILL", "COMMUNICATION", "COMPUTE", "CURRENT", "DATA", "HOST", "KIND_CODES", "KIND_NAMES", "MEMCPY",
     "MEMSET", "NO_VALUE", "SCHEMAS", "SECTIONS", "DecodeError", "EventBatch", "crc64_avro",
     "decode", "decode_any", "decode_batch", "encode", "encode_batch",
 ]

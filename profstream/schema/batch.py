@@ -28,7 +28,7 @@ I32, I64, U8, F64 = np.dtype("<i4"), np.dtype("<i8"), np.dtype("u1"), np.dtype("
 
 # Column layout per section: (column name, dtype). The order is the schema's.
 OP_COLUMNS = (("name_idx", I32), ("type_idx", I32), ("kind", U8), ("stream", I32),
-              ("step", I64), ("start_ns", I64), ("dur_ns", I64))
+              ("step", I64), ("start_ns", I64), ("dur_ns", I64), ("launch_ns", I64))
 MEMORY_COLUMNS = (("ts_ns", I64), ("step", I64), ("allocated", I64), ("reserved", I64), ("peak", I64))
 QUEUE_COLUMNS = (("name_idx", I32), ("ts_ns", I64), ("step", I64), ("size", I64), ("capacity", I64))
 STEP_COLUMNS = (("step", I64), ("start_ns", I64), ("end_ns", I64), ("fp_start_ns", I64), ("bp_end_ns", I64))
@@ -50,6 +50,19 @@ DICTIONARIES = {
     "op_types": ("ops", "type_idx"),
     "queue_names": ("queues", "name_idx"),
 }
+
+# Columns added to a section after it first shipped, with the value they hold where a
+# message of an older version (or an EventBatch built without them) has none. A later
+# version adds its columns here; a section added later is simply empty in older messages.
+COLUMN_FILL = {
+    ("ops", "launch_ns"): NO_VALUE,  # v4
+}
+
+
+def launch_column(ops: dict[str, np.ndarray]) -> np.ndarray:
+    """``ops["launch_ns"]``, or all -1 for ops built without it (code written for v3)."""
+    launch = ops.get("launch_ns")
+    return launch if launch is not None else np.full(len(ops["step"]), NO_VALUE, I64)
 
 
 def dictionary_codes(values: Sequence) -> tuple[np.ndarray, dict]:
@@ -164,10 +177,13 @@ _EMPTY_PACKED = {section: {"count": 0, **{col: b"" for col, _ in spec}} for sect
 def _pack(section: str, columns: dict[str, np.ndarray]) -> dict:
     spec = SECTIONS[section]
     count = len(columns[spec[0][0]])
-    if not count and not any(len(columns[col]) for col, _ in spec):
+    if not count and not any(len(columns.get(col, ())) for col, _ in spec):
         return _EMPTY_PACKED[section]  # most sections of most batches: no numpy calls
     out: dict = {"count": count}
     for col, dtype in spec:
+        if col not in columns and (section, col) in COLUMN_FILL:
+            out[col] = np.full(count, COLUMN_FILL[section, col], dtype).tobytes()
+            continue
         arr = np.asarray(columns[col])
         if len(arr) != count:
             raise ValueError(f"{section}.{col} has {len(arr)} values, expected {count}")
@@ -181,7 +197,11 @@ def _unpack(section: str, record: dict) -> dict[str, np.ndarray]:
         raise DecodeError("malformed", f"{section}.count is negative")
     out = {}
     for col, dtype in SECTIONS[section]:
-        raw = record[col]
+        raw = record.get(col)
+        if raw is None and (section, col) in COLUMN_FILL:  # a column newer than the message
+            # (count was checked against the section's first column, never a filled one)
+            out[col] = np.full(count, COLUMN_FILL[section, col], dtype)
+            continue
         if len(raw) != count * dtype.itemsize:
             raise DecodeError("malformed", f"{section}.{col} holds {len(raw)} bytes, expected {count} x {dtype.itemsize}")
         out[col] = np.frombuffer(raw, dtype)
@@ -203,7 +223,8 @@ def decode_batch(data: bytes) -> EventBatch:
     if blob and blob[-1] != 0:
         raise DecodeError("malformed", "op_names does not end with its NUL terminator")
     batch = EventBatch(**{f: record[f] for f in _HEADER_FIELDS if f != "op_names"}, op_names=OpNames(blob),
-                       **{section: _unpack(section, record[section]) for section in SECTIONS})
+                       **{section: _unpack(section, record[section]) if section in record else empty_section(section)
+                          for section in SECTIONS})  # a section newer than the message: empty
     ops = batch.ops
     if len(ops["name_idx"]) and (
         ops["name_idx"].min() < 0 or ops["name_idx"].max() >= len(batch.op_names)

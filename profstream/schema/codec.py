@@ -98,28 +98,48 @@ def names_blob(names: list[str]) -> bytes:
     return (joined + "\0").encode("utf-8", "surrogatepass")
 
 
-def _event_batch_v2_to_v3(record: dict) -> dict:
-    return {**record, "op_names": names_blob(record["op_names"])}
+def _event_batch_v3_to_v4(record: dict) -> dict:
+    ops = record["ops"]
+    # launch_ns: -1 (absent) for every op, packed i64s of all 0xFF bytes; as long as
+    # start_ns (an i64 column of the same count: decode_batch checks both against count)
+    return {**record, "ops": {**ops, "launch_ns": b"\xff" * len(ops["start_ns"])}}
 
 
-def _event_batch_v1_to_v3(record: dict) -> dict:
-    return _event_batch_v2_to_v3({**record, "world_size": None})
+def _event_batch_v2_to_v4(record: dict) -> dict:
+    return _event_batch_v3_to_v4({**record, "op_names": names_blob(record["op_names"])})
 
 
-def _add_world_size(record: dict) -> dict:
-    return {**record, "world_size": None}
+def _event_batch_v1_to_v4(record: dict) -> dict:
+    return _event_batch_v2_to_v4({**record, "world_size": None})
+
+
+def _step_metrics_v2_to_v3(record: dict) -> dict:
+    return {**record, "host_step_time_ns": record["step_time_ns"], "device_start_ns": None, "device_end_ns": None,
+            "kernel_types": [], "device_kinds": [], "uncorrelated_ops": 0}
+
+
+def _step_metrics_v1_to_v3(record: dict) -> dict:
+    return _step_metrics_v2_to_v3({**record, "world_size": None})
+
+
+def _rank_checkpoint_v1_to_v2(record: dict) -> dict:
+    return {**record, "carry": {"compute_start": b"", "compute_end": b"", "comm_start": b"", "comm_end": b""},
+            "device_end_step": None, "device_end_ns": None}
 
 
 _VERSIONS: list[SchemaVersion] = [
-    _version(_load("event_batch.avsc"), 1, _event_batch_v1_to_v3),
-    _version(_load("step_metrics.avsc"), 1, _add_world_size),
+    _version(_load("event_batch.avsc"), 1, _event_batch_v1_to_v4),
+    _version(_load("step_metrics.avsc"), 1, _step_metrics_v1_to_v3),
     _version(_load("run_step_metrics.avsc"), 1),
     _version(_load("alert.avsc"), 1),
-    _version(_load("rank_checkpoint.avsc"), 1),
+    _version(_load("rank_checkpoint.avsc"), 1, _rank_checkpoint_v1_to_v2),
     _version(_load("run_checkpoint.avsc"), 1),
-    _version(_load("event_batch.v2.avsc"), 2, _event_batch_v2_to_v3),  # + world_size
-    _version(_load("step_metrics.v2.avsc"), 2),  # + world_size
-    _version(_load("event_batch.v3.avsc"), 3),  # op_names as one blob
+    _version(_load("event_batch.v2.avsc"), 2, _event_batch_v2_to_v4),  # + world_size
+    _version(_load("step_metrics.v2.avsc"), 2, _step_metrics_v2_to_v3),  # + world_size
+    _version(_load("event_batch.v3.avsc"), 3, _event_batch_v3_to_v4),  # op_names as one blob
+    _version(_load("event_batch.v4.avsc"), 4),  # + ops.launch_ns
+    _version(_load("step_metrics.v3.avsc"), 3),  # + the device window, kernels, device time by kind
+    _version(_load("rank_checkpoint.v2.avsc"), 2),  # + carry, device end
 ]
 
 SCHEMAS: dict[int, SchemaVersion] = {v.fingerprint: v for v in _VERSIONS}

@@ -3,7 +3,7 @@ docs/metrics.md out, per run, rank and host.
 
 ``ExporterState.handle`` (the consume thread) folds records into plain numbers per run and
 rank under one lock; ``exposition`` (each scrape) writes them in the text format. Label
-cardinality is bounded: per run at most ``top_k`` op types get series of their own (the
+cardinality is bounded: per run at most ``top_k`` op types (and kernel types) get series of their own (the
 first ones seen, most expensive first, kept for the run's life so that no counter ever
 goes down; the rest are summed as "other"), a rank exports at most ``MAX_QUEUES`` queues,
 and a rank or run whose newest record is older than ``ttl_s`` is dropped with its series.
@@ -99,6 +99,9 @@ class _Rank:
     sum_s: float = 0.0
     starved: int = 0
     op_ns: dict[str, int] = field(default_factory=dict)  # admitted op type or "other" -> ns
+    host_step_s: float = 0.0  # E - S of the latest step (step_s is the device's on a device window)
+    kind_ns: dict[str, int] = field(default_factory=dict)  # device kind -> summed op ns
+    kernel_ns: dict[str, int] = field(default_factory=dict)  # admitted kernel type or "other" -> ns
 
 
 @dataclass(eq=False)
@@ -106,6 +109,7 @@ class _Run:
     seen_s: float
     ranks: dict[int, _Rank] = field(default_factory=dict)
     op_types: set[str] = field(default_factory=set)  # op types with series of their own
+    kernels: set[str] = field(default_factory=set)  # kernel types with series of their own
     stalls: dict[int, int] = field(default_factory=dict)  # rank -> 1 while DataQueueStall fires
     step: int = -1  # newest RunStepMetrics
     skew: float = 0.0
@@ -191,12 +195,10 @@ class ExporterState:
         r.buckets[bisect.bisect_left(STEP_BUCKETS, step_s)] += 1
         r.sum_s += step_s
         r.starved += m["starved"]
-        for cost in m["op_types"]:
-            op_type = cost["op_type"]
-            if op_type not in run.op_types and op_type != OTHER and len(run.op_types) < self.top_k:
-                run.op_types.add(op_type)
-            key = op_type if op_type in run.op_types else OTHER
-            r.op_ns[key] = r.op_ns.get(key, 0) + cost["total_ns"]
+        self._add_types(m["op_types"], run.op_types, r.op_ns)
+        self._add_types(m["kernel_types"], run.kernels, r.kernel_ns)
+        for cost in m["device_kinds"]:
+            r.kind_ns[cost["kind"]] = r.kind_ns.get(cost["kind"], 0) + cost["total_ns"]
         end_s = m["end_ns"] / 1e9
         fresh = max(0.0, now - end_s)
         self._fresh[bisect.bisect_left(FRESHNESS_BUCKETS, fresh)] += 1
@@ -206,6 +208,7 @@ class ExporterState:
         r.last_step = m["step"]
         r.end_s = end_s
         r.step_s = step_s
+        r.host_step_s = m["host_step_time_ns"] / 1e9
         r.phases = (m["data_wait_ns"] / 1e9, m["fp_bp_ns"] / 1e9, m["tail_ns"] / 1e9)
         r.utilization = m["utilization"]
         r.overlap_ratio = m["overlap_ratio"]
@@ -218,6 +221,16 @@ class ExporterState:
                 r.queues[q["queue"]] = (q["last"], q["empty_ratio"])
             else:
                 self.queues_over_limit += 1
+
+    def _add_types(self, costs: list[dict], admitted: set[str], into: dict[str, int]) -> None:
+        """Fold top-K type costs into a rank's counters: the first ``top_k`` types of a run
+        get series of their own for its life, the rest are summed as "other"."""
+        for cost in costs:
+            name = cost["op_type"]
+            if name not in admitted and name != OTHER and len(admitted) < self.top_k:
+                admitted.add(name)
+            key = name if name in admitted else OTHER
+            into[key] = into.get(key, 0) + cost["total_ns"]
 
     def _fold_run_step(self, m: dict, ts: float) -> None:
         run = self._run(m["run_id"], ts)
@@ -281,8 +294,10 @@ class ExporterState:
                                      for _, _, r in ranks for key, v in items(r)))
 
         p = _P
-        per_rank(p + "step_duration_seconds", "duration of the rank's latest step (end - start)",
-                 lambda run, rank, r: r.step_s)
+        per_rank(p + "step_duration_seconds", "duration of the rank's latest step (end - start; on a device "
+                 "window, the device's)", lambda run, rank, r: r.step_s)
+        per_rank(p + "host_step_duration_seconds", "host duration of the rank's latest step (end - start mark)",
+                 lambda run, rank, r: r.host_step_s)
         hist = p + "step_duration_seconds_hist"
         family(hist, "histogram", "step durations of the rank", (
             line for _, _, r in ranks for line in itertools.chain(
@@ -311,7 +326,13 @@ class ExporterState:
         per_rank(p + "starved_steps_total", "steps starved of input data", lambda run, rank, r: r.starved,
                  "counter")
         split(p + "op_type_seconds_total", "counter", "summed op durations by op type (top K per run, the rest "
-              "as other)", "op_type", lambda r: ((t, ns / 1e9) for t, ns in r.op_ns.items()))
+              "as other; host ops only where steps have device windows)", "op_type",
+              lambda r: ((t, ns / 1e9) for t, ns in r.op_ns.items()))
+        split(p + "kernel_seconds_total", "counter", "summed device op durations by kernel type, on steps with "
+              "device windows (top K per run, the rest as other)", "kernel",
+              lambda r: ((t, ns / 1e9) for t, ns in r.kernel_ns.items()))
+        split(p + "device_kind_seconds_total", "counter", "summed device op durations by kind: compute, "
+              "communication, memcpy, memset", "kind", lambda r: ((k, ns / 1e9) for k, ns in r.kind_ns.items()))
         per_run(p + "rank_skew_ratio", "(max - min) / median step time across the ranks of the run's latest "
                 "complete step", lambda run: run.skew)
         per_run(p + "straggler_rank", "rank with the largest step time in the run's latest complete step",

@@ -41,6 +41,8 @@ from profstream.processors.assembler import RankAssembler
 from profstream.processors.intervals import union
 from profstream.processors.model import StepEvents
 from profstream.processors.steptrace import step_trace
+from profstream.processors.window import Window as StepWindow
+from profstream.processors.window import intervals, step_window
 from profstream.schema.batch import COMMUNICATION, COMPUTE, KIND_NAMES, decode_batch
 from profstream.schema.codec import DecodeError
 
@@ -56,9 +58,10 @@ DEFAULT_MAX_BYTES = 20 * 1000**2
 MIN_MAX_BYTES = 16 * 1024
 DEFAULT_COMPRESSLEVEL = 1
 
-# pid = rank + 1: Perfetto treats pid 0 as the kernel's swapper. Tids 1-5 are the
+# pid = rank + 1: Perfetto treats pid 0 as the kernel's swapper. Tids 1-6 are the
 # analysis tracks; stream s is tid 100 + s (a negative stream: 2**32 + s).
 TID_STEPS, TID_COMPUTE, TID_COMM, TID_PURE_COMM, TID_FREE = 1, 2, 3, 4, 5
+TID_DEVICE_STEPS = 6  # steps measured on the device's window, beside the host's Steps
 STREAM_TID_BASE = 100
 OVERLAP_TRACKS = ((TID_COMPUTE, "compute", "Overlap: merged compute"),
                   (TID_COMM, "communication", "Overlap: merged communication"),
@@ -121,15 +124,17 @@ class StepTimeline:
     device: str = ""
 
 
-def overlap_tracks(ev: StepEvents) -> list[tuple[np.ndarray, np.ndarray]]:
+def overlap_tracks(ev: StepEvents, window: StepWindow | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
     """Merged compute, merged communication, pure communication and free time of a step,
-    as (start, end) intervals inside [S, E]: the intervals behind utilization's figures.
+    as (start, end) intervals inside its window (``processors.window``: [S, E], or the
+    device's): the intervals behind utilization's figures.
 
-    One sweep over the boundaries of both unions and of [S, E]: between two boundaries
+    One sweep over the boundaries of both unions and of the window: between two boundaries
     the time is covered by compute, by communication alone, or by neither (free)."""
-    S, E = ev.start_ns, ev.end_ns
-    compute = union(*ev.clipped_ops(COMPUTE))
-    comm = union(*ev.clipped_ops(COMMUNICATION))
+    w = window or step_window(ev)
+    S, E = w.start_ns, w.end_ns
+    compute = union(*intervals(ev, COMPUTE, w))
+    comm = union(*intervals(ev, COMMUNICATION, w))
     if E <= S:
         return [compute, comm, comm, comm]  # nothing but empty intervals
     (cs, ce), (ms, me) = compute, comm
@@ -177,16 +182,25 @@ def step_timeline(ev: StepEvents) -> StepTimeline:
         durs.append(ev.op_dur_ns)
 
     op_heads = len(heads)
-    trace = step_trace(ev)
-    F = S + trace["data_wait_ns"]
+    window = step_window(ev)
+    trace = step_trace(ev, window)
+    W, D = window.start_ns, window.end_ns  # [S, E], or the device's window
+    F = W + trace["data_wait_ns"]
     B = F + trace["fp_bp_ns"]
+    steps_tid = TID_DEVICE_STEPS if window.device else TID_STEPS
+    if window.device:  # the host step alone on Steps, the phases on Device steps
+        heads_idx.append(np.array([len(heads)]))
+        heads.append((f"step {step}", "step", TID_STEPS, None))
+        starts.append(np.array([S], np.int64))
+        durs.append(np.array([E - S], np.int64))
+        tids.add(TID_DEVICE_STEPS)
     heads_idx.append(np.arange(len(heads), len(heads) + 4))
-    heads.append((f"step {step}", "step", TID_STEPS, None))
-    heads += [(p, "step_phase", TID_STEPS, None) for p in PHASES]
-    starts.append(np.array([S, S, F, B], np.int64))
-    durs.append(np.array([E - S, F - S, B - F, E - B], np.int64))
+    heads.append((f"step {step}", "device_step" if window.device else "step", steps_tid, None))
+    heads += [(p, "step_phase", steps_tid, None) for p in PHASES]
+    starts.append(np.array([W, W, F, B], np.int64))
+    durs.append(np.array([D - W, F - W, B - F, D - B], np.int64))
 
-    for (tid, name, _), (start, end) in zip(OVERLAP_TRACKS, overlap_tracks(ev)):
+    for (tid, name, _), (start, end) in zip(OVERLAP_TRACKS, overlap_tracks(ev, window)):
         heads_idx.append(np.full(len(start), len(heads)))
         heads.append((name, "overlap", tid, None))
         starts.append(start)
@@ -213,7 +227,7 @@ def metadata_events(run_id: str, rank: int, host: str, device: str, tids: Iterab
     out = [{"ph": "M", "name": "process_name", "pid": pid,
             "args": {"name": f"{run_id} rank {rank}" + (f" ({where})" if where else "")}},
            {"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": rank}}]
-    names = {TID_STEPS: "Steps", **{t: label for t, _, label in OVERLAP_TRACKS}}
+    names = {TID_STEPS: "Steps", TID_DEVICE_STEPS: "Device steps", **{t: label for t, _, label in OVERLAP_TRACKS}}
     for order, tid in enumerate(sorted(tids, key=lambda t: (t >= STREAM_TID_BASE, t))):
         stream = tid - STREAM_TID_BASE if tid < 2**31 else tid - 2**32
         out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,

@@ -13,17 +13,15 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from profstream.kafka.topics import Topics, ensure_topics
 from profstream.stack import stack_down, stack_status, stack_up
 from tests.conftest import _prefix_for
-from tests.helpers import wait_until
+from tests.helpers import scrape, wait_until
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -120,15 +118,9 @@ class ProcessorProcess:
     def metrics(self) -> dict[str, float] | None:
         """The health metrics now, as {name{labels}: value}; None when not served."""
         try:
-            text = urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5).read().decode()
+            return scrape(self.port)
         except OSError:
             return None
-        out = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-        return out
 
     def output(self) -> str:
         return self.log.read_text()

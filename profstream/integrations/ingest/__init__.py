@@ -15,7 +15,7 @@ from __future__ import annotations
 import gzip
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +85,9 @@ def load_profile(path: str | Path, format: str = "auto", rank: int | None = None
         profile = parse_mindspore_dir(path, rank, step_trace_unit_ns, base_ns)
     if rank is not None:
         profile.rank = rank
+    clocks = profile.check_clocks()
+    if clocks is not None:  # once per file, with its name and rank: ingest and analyze print notes
+        profile.notes.append(clocks)
     return profile
 
 
@@ -125,4 +128,5 @@ def ingest(path: str | Path, monitor_options: dict[str, Any], format: str = "aut
         sent = send_profile(profile, monitor, pace, progress)
     finally:
         monitor.close()
-    return IngestResult(profile, sent)
+    # after close: what never reached Kafka is counted as dropped too
+    return IngestResult(profile, replace(sent, dropped_ops=monitor.stats()["dropped_ops"]))

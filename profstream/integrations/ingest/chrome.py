@@ -9,6 +9,10 @@ counted per category in ``Profile.unknown_categories``. Step events (``ProfilerS
 ``Iteration N``, ``Step N``) become step marks; ``[memory]`` instant events become memory
 samples. Tracks that hold figures derived from the ops (msprof's ``Overlap Analysis``,
 MindSpore's merged/pure/free tracks) are left out: the processors compute those.
+
+A device event (category ``kernel``, ``gpu_memcpy``...) whose ``args.correlation`` matches
+a host event's (the ``cudaLaunchKernel`` that launched it) gets that event's start as
+its launch time, and its type is its name without template arguments and parameters.
 """
 
 from __future__ import annotations
@@ -22,12 +26,14 @@ from profstream.integrations.ingest.chunks import columns_in_chunks
 from profstream.integrations.ingest.model import (
     I64,
     Profile,
+    kernel_type,
     kind_from_name,
     relative_base_ns,
     set_steps,
     type_from_name,
 )
 from profstream.integrations.ingest.trace_events import (
+    DEVICE_CATEGORIES,
     EventColumns,
     decode_trace,
     gc_paused,
@@ -52,7 +58,6 @@ _CATEGORIES: dict[str, int | None] = {
     "mstx": HOST,
     "trace": _SKIP, "fwdbwd": _SKIP, "ac2g": _SKIP, "async": _SKIP, "flow": _SKIP,
 }
-_DEVICE_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset", "gpu_op", "ai_core", "ai_cpu", "aicore"}
 
 # track (process or thread name) -> kind, first match wins
 _TRACKS: tuple[tuple[re.Pattern, int], ...] = (
@@ -102,7 +107,8 @@ def _profile(path: Path, cols: EventColumns, meta: dict, base_ns: int | None) ->
             thread_names[(pid, tid)] = name
 
     # kind per category, per track and per name (each decided once per distinct value)
-    has_device = any(c.lower() in _DEVICE_CATEGORIES for c in cat_ix)
+    device_cat = np.array([c.lower() in DEVICE_CATEGORIES for c in cat_ix] or [False], bool)
+    has_device = bool(device_cat.any())
     cat_kind = np.array([_category_kind(c, has_device) for c in cat_ix] or [0], np.int8)
     track_kind = np.array([_track_kind(process_names.get(p, ""), thread_names.get((p, t), ""))
                            for p, t in track_ix] or [0], np.int8)
@@ -144,13 +150,19 @@ def _profile(path: Path, cols: EventColumns, meta: dict, base_ns: int | None) ->
             profile.unknown_categories[cat_list[code] or "(none)"] += int(counts[code])
 
     profile.name_table = np.array(name_list, dtype=object)
-    profile.type_table = np.array([type_from_name(nm) for nm in name_list], dtype=object)
+    device_key = device_cat[key_cat]
+    device_name = np.zeros(len(name_list), bool)
+    device_name[key_name[device_key]] = True
+    profile.type_table = np.array([kernel_type(nm) if d else type_from_name(nm)
+                                   for nm, d in zip(name_list, device_name.tolist())], dtype=object)
     profile.op_name = key_name[op_key]
     profile.op_type = profile.op_name  # type_table is indexed by name code
     profile.op_kind = kind[op_key]
     profile.op_stream = key_track[op_key]
     profile.op_start_ns = starts_ns[sel] + base
     profile.op_dur_ns = durs_ns[sel]
+    profile.op_launch_ns = _launch_times(cols.correlation, device_key[key_code], starts_ns + base)[sel]
+    profile.op_on_device = device_key[op_key]
 
     steps_at = np.flatnonzero(is_step[key_code])
     numbers = [int(step_of_name[key_name[key_code[i]]].group(1)) for i in steps_at]
@@ -179,6 +191,24 @@ def _profile(path: Path, cols: EventColumns, meta: dict, base_ns: int | None) ->
         profile.rank = dist["rank"]
     profile.assign_steps()
     return profile
+
+
+def _launch_times(correlation: np.ndarray, on_device: np.ndarray, starts_ns: np.ndarray) -> np.ndarray:
+    """Per complete event: for a device event, the start of the first host event with its
+    correlation (the runtime call that launched it); -1 otherwise. Correlations are > 0
+    (0 and -1: none, as Holistic Trace Analysis reads them)."""
+    launch = np.full(len(correlation), -1, I64)
+    linked = correlation > 0
+    host = np.flatnonzero(linked & ~on_device)
+    device = np.flatnonzero(linked & on_device)
+    if not len(host) or not len(device):
+        return launch
+    order = host[np.argsort(correlation[host], kind="stable")]  # file order among equal ids
+    ids, first = np.unique(correlation[order], return_index=True)
+    at = np.minimum(np.searchsorted(ids, correlation[device]), len(ids) - 1)
+    found = ids[at] == correlation[device]
+    launch[device[found]] = starts_ns[order[first[at[found]]]]
+    return launch
 
 
 def _category_kind(cat: str, has_device: bool) -> int:

@@ -56,6 +56,11 @@ def find_profiler_dir(path: Path) -> tuple[Path, list[Path]]:
                       f"expected {EXPECTED}")
 
 
+def rank_of(step_trace_file: Path) -> int:
+    """The rank a ``step_trace_raw_<rank>_detail_time.csv`` belongs to."""
+    return int(_STEP_FILE.match(step_trace_file.name).group(1))
+
+
 def parse_mindspore_dir(path: Path, rank: int | None = None, unit_ns: float = 1.0,
                         base_ns: int | None = None) -> Profile:
     """Read the step trace, operator statistics and data-queue files of one rank.

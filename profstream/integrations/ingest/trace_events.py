@@ -20,15 +20,20 @@ import numpy as np
 
 from profstream.integrations.ingest.model import I64, IngestError
 
+# Categories of events that ran on a device (GPU, NPU): their ops may carry a launch correlation.
+DEVICE_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset", "gpu_op", "ai_core", "ai_cpu", "aicore"})
+
 EXPECTED = "a Chrome trace JSON file (an object with traceEvents, or an array of trace events)"
 
 
 class EventArgs(msgspec.Struct, gc=False):
-    """The args ingest reads: a metadata event's name, a [memory] event's totals."""
+    """The args ingest reads: a metadata event's name, a [memory] event's totals, the
+    correlation that links a device op to the runtime call that launched it."""
 
     name: Any = None
     allocated: Any = msgspec.field(default=None, name="Total Allocated")
     reserved: Any = msgspec.field(default=None, name="Total Reserved")
+    correlation: Any = None
 
 
 class TraceEvent(msgspec.Struct, gc=False):
@@ -124,7 +129,8 @@ def _tolerant(path: Path, raw: bytes) -> tuple[list[TraceEvent], dict[str, Any]]
 def _tolerant_args(args) -> EventArgs | None:
     if not isinstance(args, dict):
         return None
-    return EventArgs(args.get("name"), args.get("Total Allocated"), args.get("Total Reserved"))
+    return EventArgs(args.get("name"), args.get("Total Allocated"), args.get("Total Reserved"),
+                     args.get("correlation"))
 
 
 def is_plain(path: Path) -> bool:
@@ -153,6 +159,7 @@ class EventColumns:
     ts_us: np.ndarray  # per complete event (float64)
     dur_us: np.ndarray
     metadata: list[tuple[str, Any, Any, str]]  # (process_name | thread_name, pid, tid, name)
+    correlation: np.ndarray  # per complete event: its args.correlation (int64), -1 without one
     mem_ts_us: np.ndarray  # [memory] samples (float64, int64, int64; reserved -1 when absent)
     mem_allocated: np.ndarray
     mem_reserved: np.ndarray
@@ -162,7 +169,8 @@ class EventColumns:
 def scan_events(path: Path, events: list[TraceEvent]) -> EventColumns:
     """The one pass over the decoded events: a hashed key each (phase, name, category and
     track are coded later from the distinct keys), the timestamps of the complete events,
-    and the few metadata and memory events."""
+    their launch correlations when the trace has device events, and the few metadata and
+    memory events."""
     # setdefault in the comprehension: building a list of a million tuples first costs 1.6x as much
     key_ix: dict = {}
     setdefault = key_ix.setdefault
@@ -176,6 +184,10 @@ def scan_events(path: Path, events: list[TraceEvent]) -> EventColumns:
         dur_us = _floats([e.dur for e in events])[complete]
     except (TypeError, ValueError):
         raise IngestError(f"{path}: an event's ts or dur is not a number: expected {EXPECTED}") from None
+    if any(k[0] == "X" and isinstance(k[2], str) and k[2].lower() in DEVICE_CATEGORIES for k in keys):
+        correlation = _correlations([events[i] for i in complete.tolist()])
+    else:  # no device events: nothing to correlate (a CPU trace pays no pass for it)
+        correlation = np.full(len(complete), -1, I64)
 
     metadata = []
     mem_ts, mem_alloc, mem_resv = [], [], []
@@ -194,8 +206,16 @@ def scan_events(path: Path, events: list[TraceEvent]) -> EventColumns:
             mem_ts.append(e.ts)
             mem_alloc.append(args.allocated)
             mem_resv.append(args.reserved if isinstance(args.reserved, int) else -1)
-    return EventColumns(keys, all_code[complete], ts_us, dur_us, metadata, np.array(mem_ts, np.float64),
+    return EventColumns(keys, all_code[complete], ts_us, dur_us, metadata, correlation, np.array(mem_ts, np.float64),
                         np.array(mem_alloc, I64), np.array(mem_resv, I64), begin_end)
+
+
+def _correlations(events: list[TraceEvent]) -> np.ndarray:
+    values = [c if (a := e.args) is not None and (c := a.correlation) is not None else -1 for e in events]
+    try:
+        return np.array(values, I64)
+    except (TypeError, ValueError, OverflowError):  # a string or float somewhere: the odd ones are -1
+        return np.array([v if type(v) is int and 0 <= v < 2**63 else -1 for v in values], I64)
 
 
 def merge_columns(parts: list[EventColumns]) -> EventColumns:
@@ -212,5 +232,5 @@ def merge_columns(parts: list[EventColumns]) -> EventColumns:
         return np.concatenate([getattr(part, name) for part in parts])
 
     return EventColumns(list(key_ix), np.concatenate(codes), joined("ts_us"), joined("dur_us"),
-                        [m for part in parts for m in part.metadata], joined("mem_ts_us"),
+                        [m for part in parts for m in part.metadata], joined("correlation"), joined("mem_ts_us"),
                         joined("mem_allocated"), joined("mem_reserved"), sum(part.begin_end for part in parts))

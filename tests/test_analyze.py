@@ -1,0 +1,84 @@
+"""``profstream analyze``: existing profiles to figures in one process, no broker; the same
+figures as ingesting the profile to Kafka and running the live processor on it."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from profstream.cli import app
+from profstream.integrations.ingest import ingest
+from profstream.offline.analyze import analyze
+from profstream.processors.figures import FigureOptions
+from profstream.processors.stream import StreamOptions
+from tests.helpers import step_records
+from tests.kineto_traces import PER_STEP, lagging_device_trace
+from tests.test_processor import RunningProcessor
+
+
+def test_analyze_a_directory_of_ranks_prints_them_and_writes_report_and_parquet(tmp_path):
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    lagging_device_trace(steps=5, rank=0).write(traces / "rank0.json")
+    lagging_device_trace(steps=5, rank=1, lag=0.3, seed=4).write(traces / "rank1.json.gz")
+    report, parquet = tmp_path / "out" / "report.html", tmp_path / "pq"
+    result = CliRunner().invoke(app, ["analyze", str(traces), "-o", str(report), "--parquet", str(parquet),
+                                      "--run-id", "gpu-run"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert any("gpu-run: 2 rank(s), 10 steps" in line for line in lines)
+    rows = [line.split("│") for line in lines if line.startswith("│")]
+    assert [r[1].strip() for r in rows] == ["0", "1"]
+    assert [r[3].strip() for r in rows] == ["5", "5"]  # every step measured on the device's window
+    assert rows[0][10].strip() == f"{100 * 770 / 1300:.1f}"  # compute share of the device's op time
+
+    page = report.read_text()
+    assert "Device: kernel breakdown" in page and 'data-metric="compute_share"' in page
+    steps = pd.read_parquet(parquet / "gpu-run.steps.parquet")
+    assert len(steps) == 10 and set(steps["rank"]) == {0, 1}
+    assert (steps["host_step_time_ns"] == 1_000_000).all() and steps["device_end_ns"].notna().all()
+    assert (steps.loc[steps["rank"] == 0, "compute_ns"] == PER_STEP["compute"] * 1000).all()
+    ops = pd.read_parquet(parquet / "gpu-run.ops.parquet")
+    kernels = ops[ops["kind"] != "host"]
+    assert len(kernels) == 2 * 5 * 6 and (kernels["launch_ns"] > 0).all()
+    assert (ops.loc[ops["kind"] == "host", "launch_ns"] == -1).all()
+    # a kernel's launch lies in the host step it is counted in, its run in the next one
+    assert (kernels["launch_ns"] < kernels["start_ns"]).all()
+
+
+def test_analyze_gives_the_figures_of_ingest_through_kafka_and_the_live_processor(kafka_bootstrap, topics,
+                                                                                   tmp_path):
+    path = lagging_device_trace(steps=6, rank=2, seed=9, uncorrelated=(4,)).write(tmp_path / "trace.json")
+    options = FigureOptions(top_k=5)
+    offline = analyze([path], "same-run", StreamOptions(figures=options))
+    with RunningProcessor(kafka_bootstrap, topics, figure_options=options):
+        sent = ingest(path, {"bootstrap": kafka_bootstrap, "run_id": "same-run", "topic_prefix": topics.prefix})
+        live = step_records(kafka_bootstrap, topics.steps, "same-run", 6)
+    assert sent.sent.flushed and sent.sent.dropped_ops == 0
+    assert len(offline.steps) == 6
+
+    def comparable(s: dict) -> dict:  # but wall clock, producer defaults (host, device) and world size
+        return {k: v for k, v in s.items() if k not in ("closed_ns", "world_size", "host", "device")}
+
+    assert [comparable(s) for s in sorted(live, key=lambda s: s["step"])] == [comparable(s) for s in offline.steps]
+    assert sum(s["uncorrelated_ops"] for s in live) == 1
+
+
+@pytest.mark.parametrize("case", ["not a trace", "same rank twice", "empty directory"])
+def test_bad_input_is_one_line_that_names_the_file(tmp_path, case):
+    if case == "not a trace":
+        bad = tmp_path / "notes.json"
+        bad.write_text("hello")
+        args, expected = [str(bad)], str(bad)
+    elif case == "same rank twice":
+        a = lagging_device_trace(steps=2, rank=0).write(tmp_path / "a.json")
+        b = lagging_device_trace(steps=2, rank=0).write(tmp_path / "b.json")
+        args, expected = [str(a), str(b)], "both rank 0"
+    else:
+        (tmp_path / "empty").mkdir()
+        args, expected = [str(tmp_path / "empty")], "no trace files"
+    result = CliRunner().invoke(app, ["analyze", *args])
+    assert result.exit_code == 2
+    assert "error:" in result.output and expected in result.output.replace("\n", "")
+    assert "Traceback" not in result.output
