@@ -7,6 +7,29 @@ namespace ps {
 
 namespace {
 
+// add_rows converts the numeric columns of this many rows at a time (recorder.h: scratch).
+constexpr Py_ssize_t CHUNK_ROWS = 256;
+
+// An exact int's value; false when it does not fit 64 bits. On CPython 3.11 ints of up to
+// three 30-bit digits under 2^63 (timestamps in ns are three) are read without a call.
+inline bool exact_int(PyObject* v, int64_t* out) {
+#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000 && PYLONG_BITS_IN_DIGIT == 30
+  Py_ssize_t size = Py_SIZE(v);
+  const digit* d = reinterpret_cast<PyLongObject*>(v)->ob_digit;
+  Py_ssize_t digits = size < 0 ? -size : size;
+  if (digits <= 3 && (digits < 3 || d[2] < 8)) {
+    int64_t m = digits == 0 ? 0 : static_cast<int64_t>(d[0]);
+    if (digits >= 2) m |= static_cast<int64_t>(d[1]) << 30;
+    if (digits == 3) m |= static_cast<int64_t>(d[2]) << 60;
+    *out = size < 0 ? -m : m;
+    return true;
+  }
+#endif
+  int overflow = 0;
+  *out = PyLong_AsLongLongAndOverflow(v, &overflow);  // an exact int: no error but overflow
+  return !overflow;
+}
+
 inline void bump(std::atomic<int64_t>& counter, int64_t by = 1) {  // one writer: no read-modify-write
   counter.store(counter.load(std::memory_order_relaxed) + by, std::memory_order_relaxed);
 }
@@ -102,6 +125,11 @@ bool parse_layout(PyObject* layout, Recording* rec) {
       spec.dicts.push_back(DictSpec{field, column, blob != 0});
     }
     Py_DECREF(dseq);
+    if (ok && spec.cols.size() > MAX_COLUMNS) {
+      PyErr_Format(PyExc_ValueError, "section %s has %zu columns, more than the %zu a section may have", name,
+                   spec.cols.size(), MAX_COLUMNS);
+      ok = false;
+    }
     for (const ColumnSpec& c : spec.cols) {
       if (ok && (c.dict >= static_cast<int>(spec.dicts.size()) || (c.dict >= 0 && c.type != I32))) {
         PyErr_Format(PyExc_ValueError, "column %s.%s: bad dictionary", name, c.name.c_str());
@@ -143,7 +171,7 @@ struct Source {
   Py_buffer view{};
   bool has_view = false;
   char fmt = 0;
-  Block* code_block = nullptr;  // a scalar's dictionary code, per block
+  uint64_t code_epoch = 0;  // a scalar's dictionary code, for the block of that epoch
   int32_t code = -1;
 
   ~Source() {
@@ -208,6 +236,59 @@ struct Source {
       return PyLong_FromLongLong(x);
     }
     return nullptr;
+  }
+
+  // The value of row i as a borrowed object: SCALAR and ITEMS only (nullptr otherwise).
+  PyObject* borrowed(Py_ssize_t i) const {
+    if (kind == SCALAR) return scalar;
+    if (kind == ITEMS && i < len) return items[i];
+    return nullptr;
+  }
+
+  // The values of rows [from, to) of numeric column c into out[0, to - from) (a double's
+  // bits for F64); a row without a valid value is marked in bad, one that gave a name
+  // the column does not know (an unknown op kind) in unknown.
+  void convert(const ColumnSpec& c, Py_ssize_t from, Py_ssize_t to, int64_t* out, uint8_t* bad,
+               uint8_t* unknown) const {
+    Py_ssize_t n = to - from;
+    if (kind == NONE || kind == SCALAR) {
+      int64_t x = c.fill_int;
+      double d = c.fill_float;
+      bool unk = false;
+      bool ok = kind == NONE ? c.has_fill : c.type == F64 ? to_double(scalar, &d) : to_column_int(c, scalar, &x, &unk);
+      if (c.type == F64) std::memcpy(&x, &d, 8);
+      for (Py_ssize_t k = 0; k < n; ++k) {
+        out[k] = x;
+        bad[k] |= !ok;
+        unknown[k] |= unk;
+      }
+      return;
+    }
+    if (kind == BUFFER && c.type == I64 && view.itemsize == 8 && (fmt == 'q' || fmt == 'l')) {  // int64 arrays
+      const char* p = static_cast<const char*>(view.buf);
+      for (Py_ssize_t k = 0; k < n; ++k) {
+        if (from + k < len) std::memcpy(&out[k], p + (from + k) * view.strides[0], 8);
+        else bad[k] = 1;
+      }
+      return;
+    }
+    for (Py_ssize_t k = 0; k < n; ++k) {
+      Py_ssize_t i = from + k;
+      if (kind == ITEMS && i + 8 < len) __builtin_prefetch(items[i + 8]);  // the objects, not just their pointers
+      int64_t x = 0;
+      double d = 0;
+      bool unk = false, ok;
+      if (kind == ITEMS && i < len && c.type != F64 && PyLong_CheckExact(items[i])) {
+        ok = exact_int(items[i], &x) &&
+             (c.type == I64 || (c.type == I32 ? x >= INT32_MIN && x <= INT32_MAX : x >= 0 && x <= 255));
+      } else {
+        ok = number(c, i, &x, &d, &unk);
+      }
+      if (c.type == F64) std::memcpy(&x, &d, 8);
+      out[k] = x;
+      bad[k] |= !ok;
+      unknown[k] |= unk;
+    }
   }
 
   bool read_int(Py_ssize_t i, int64_t* out) const {
@@ -464,8 +545,8 @@ static PyObject* Recorder_op(RecorderObject* self, PyObject* const* args, Py_ssi
     bump(r->dropped_ops);
     Py_RETURN_NONE;
   }
-  int32_t name = s.code(b, spec.cols[r->c_name].dict, a[0]);
-  int32_t type = name < 0 ? -1 : s.code(b, spec.cols[r->c_type].dict, a[4] && a[4] != Py_None ? a[4] : a[0]);
+  int32_t name = s.cached_code(b, spec.cols[r->c_name].dict, a[0]);
+  int32_t type = name < 0 ? -1 : s.cached_code(b, spec.cols[r->c_type].dict, a[4] && a[4] != Py_None ? a[4] : a[0]);
   if (type < 0) {
     PyErr_Clear();
     bad_op(r, a);
@@ -493,6 +574,11 @@ static PyObject* Recorder_op(RecorderObject* self, PyObject* const* args, Py_ssi
 // (a sequence, a numeric buffer or one scalar for all rows). Columns not given take their
 // fill value; a None in a dictionary column takes the value of fallback[column] at that row.
 // What does not fit is dropped and counted; rows with invalid values are counted as bad.
+//
+// Column by column where it can: the numeric columns of CHUNK_ROWS rows are converted one
+// column at a time (a tight loop each), then each row takes its dictionary codes (through
+// the store's identity cache: one compare for a str object seen before) and is written;
+// the rows of a block are published at once.
 static PyObject* Recorder_add_rows(RecorderObject* self, PyObject* args) {
   int section;
   Py_ssize_t n;
@@ -528,79 +614,83 @@ static PyObject* Recorder_add_rows(RecorderObject* self, PyObject* args) {
       if (f != nullptr && PyUnicode_Check(f)) fall[i] = column_index(spec, PyUnicode_AsUTF8(f));
     }
   }
-  std::vector<int64_t> ints(ncols);
-  std::vector<double> floats(ncols);
-  std::vector<int32_t> codes(ncols);
-  for (Py_ssize_t row_i = 0; row_i < n; ++row_i) {
-    bool ok = true, unknown = false;
-    for (size_t i = 0; ok && i < ncols; ++i) {
-      const ColumnSpec& c = spec.cols[i];
-      if (c.dict >= 0) continue;
-      if (src[i].kind == Source::NONE) {
-        ok = c.has_fill;
-        ints[i] = c.fill_int;
-        floats[i] = c.fill_float;
-      } else {
-        ok = src[i].number(c, row_i, &ints[i], &floats[i], &unknown);
+  int dict_cols[MAX_COLUMNS], ndict = 0;
+  for (size_t i = 0; i < ncols; ++i)
+    if (spec.cols[i].dict >= 0) dict_cols[ndict++] = static_cast<int>(i);
+  std::vector<int64_t>& values = r->scratch;  // [column][row of the chunk]; a double's bits for F64
+  values.resize(ncols * CHUNK_ROWS);
+  uint8_t bad_rows[CHUNK_ROWS], unknown_rows[CHUNK_ROWS];
+  int32_t codes[MAX_COLUMNS];
+  Block* b = nullptr;
+  int64_t pos = 0, pending = 0;  // the next row of b; rows written and not yet published
+  for (Py_ssize_t from = 0; from < n; from += CHUNK_ROWS) {
+    Py_ssize_t to = n - from < CHUNK_ROWS ? n : from + CHUNK_ROWS;
+    std::memset(bad_rows, 0, static_cast<size_t>(to - from));
+    std::memset(unknown_rows, 0, static_cast<size_t>(to - from));
+    for (size_t i = 0; i < ncols; ++i)
+      if (spec.cols[i].dict < 0) src[i].convert(spec.cols[i], from, to, &values[i * CHUNK_ROWS], bad_rows, unknown_rows);
+    for (Py_ssize_t row_i = from; row_i < to; ++row_i) {
+      Py_ssize_t k = row_i - from;
+      for (int j = 0; j < ndict; ++j)
+        if (PyObject* ahead = src[dict_cols[j]].borrowed(row_i + 8)) __builtin_prefetch(ahead);
+      bool ok = !bad_rows[k];
+      if (ok && (b == nullptr || pos == b->capacity)) {
+        if (b != nullptr && pending) s.publish_rows(b, pos, pending);
+        pending = 0;
+        b = s.slot(&pos);
+        if (b == nullptr) {
+          bump(dropped);
+          continue;
+        }
       }
-    }
-    int64_t row = 0;
-    Block* b = ok ? s.slot(&row) : nullptr;
-    if (ok && b == nullptr) {
-      bump(dropped);
-      continue;
-    }
-    for (size_t i = 0; ok && i < ncols; ++i) {
-      const ColumnSpec& c = spec.cols[i];
-      if (c.dict < 0) continue;
-      Source& from = src[i];
-      if (from.kind == Source::SCALAR && from.scalar != Py_None && from.code_block == b) {
-        codes[i] = from.code;
+      for (int j = 0; ok && j < ndict; ++j) {
+        int i = dict_cols[j];
+        const ColumnSpec& c = spec.cols[i];
+        Source& col = src[i];
+        if (col.kind == Source::SCALAR && col.scalar != Py_None && col.code_epoch == b->epoch) {
+          codes[i] = col.code;
+          continue;
+        }
+        PyObject* v = col.borrowed(row_i);
+        PyObject* owned = nullptr;
+        if ((v == nullptr || v == Py_None) && fall[i] >= 0) v = owned = src[fall[i]].object(row_i);
+        if (v == nullptr || v == Py_None) {
+          Py_XDECREF(owned);
+          ok = false;
+          break;
+        }
+        codes[i] = s.cached_code(b, c.dict, v);
+        Py_XDECREF(owned);
+        if (codes[i] < 0) {
+          PyErr_Clear();
+          ok = false;
+        } else if (col.kind == Source::SCALAR) {
+          col.code_epoch = b->epoch;
+          col.code = codes[i];
+        }
+      }
+      if (!ok) {
+        bump(bad);
+        if (*first_bad == nullptr) {
+          PyObject* rowobj = PyTuple_New(static_cast<Py_ssize_t>(ncols));
+          for (size_t i = 0; rowobj && i < ncols; ++i) {
+            PyObject* v = src[i].object(row_i);
+            PyTuple_SET_ITEM(rowobj, i, v ? v : (Py_INCREF(Py_None), Py_None));
+          }
+          note_first(first_bad, rowobj);
+          Py_XDECREF(rowobj);
+          PyErr_Clear();
+        }
         continue;
       }
-      PyObject* v = from.object(row_i);
-      if ((v == nullptr || v == Py_None) && fall[i] >= 0) {
-        Py_XDECREF(v);
-        v = src[fall[i]].object(row_i);
-      }
-      if (v == nullptr || v == Py_None) {
-        Py_XDECREF(v);
-        ok = false;
-        break;
-      }
-      codes[i] = s.code(b, c.dict, v);
-      Py_DECREF(v);
-      if (codes[i] < 0) {
-        PyErr_Clear();
-        ok = false;
-      } else if (from.kind == Source::SCALAR) {
-        from.code_block = b;
-        from.code = codes[i];
-      }
+      if (unknown_rows[k] && is_ops) bump(r->unknown_kinds);
+      for (int j = 0; j < ndict; ++j) values[dict_cols[j] * CHUNK_ROWS + k] = codes[dict_cols[j]];
+      for (size_t i = 0; i < ncols; ++i) write_int(b->cols[i], spec.cols[i].width, pos, values[i * CHUNK_ROWS + k]);
+      ++pos;
+      ++pending;
     }
-    if (!ok) {
-      bump(bad);
-      if (*first_bad == nullptr) {
-        PyObject* rowobj = PyTuple_New(static_cast<Py_ssize_t>(ncols));
-        for (size_t i = 0; rowobj && i < ncols; ++i) {
-          PyObject* v = src[i].object(row_i);
-          PyTuple_SET_ITEM(rowobj, i, v ? v : (Py_INCREF(Py_None), Py_None));
-        }
-        note_first(first_bad, rowobj);
-        Py_XDECREF(rowobj);
-        PyErr_Clear();
-      }
-      continue;
-    }
-    if (unknown && is_ops) bump(r->unknown_kinds);
-    for (size_t i = 0; i < ncols; ++i) {
-      const ColumnSpec& c = spec.cols[i];
-      if (c.dict >= 0) write_int(b->cols[i], 4, row, codes[i]);
-      else if (c.type == F64) std::memcpy(b->cols[i] + row * 8, &floats[i], 8);
-      else write_int(b->cols[i], c.width, row, ints[i]);
-    }
-    s.publish(b, row);
   }
+  if (b != nullptr && pending) s.publish_rows(b, pos, pending);
   if (is_ops && s.buffered() >= r->batch_max_ops) r->wake->set();
   Py_RETURN_NONE;
 }
@@ -626,9 +716,9 @@ static PyObject* Recorder_add_sample(RecorderObject* self, PyObject* const* args
   PyObject* row = args[1];
   Py_ssize_t given = PyTuple_GET_SIZE(row);
   size_t ncols = spec.cols.size();
-  int64_t ints[16];
-  double floats[16];
-  bool ok = ncols <= 16;
+  int64_t ints[MAX_COLUMNS];
+  double floats[MAX_COLUMNS];
+  bool ok = ncols <= MAX_COLUMNS;
   bool unknown = false;
   for (size_t i = 0; ok && i < ncols; ++i) {
     const ColumnSpec& c = spec.cols[i];

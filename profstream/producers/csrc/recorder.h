@@ -62,6 +62,7 @@ struct Recording {
   // columns of the ops section op() sets, by role
   int c_name = -1, c_type = -1, c_kind = -1, c_stream = -1, c_step = -1, c_start = -1, c_dur = -1;
   int64_t batch_max_ops = 8192;
+  std::vector<int64_t> scratch;  // add_rows' converted columns (recording thread)
 
   // written by the recording thread only; read anywhere
   std::atomic<int64_t> dropped_ops{0};

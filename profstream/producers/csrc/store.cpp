@@ -8,10 +8,14 @@ namespace ps {
 
 Store::Store(const SectionSpec& s) : spec(s) {
   for (const DictSpec& d : spec.dicts) blob_nul_check_ = blob_nul_check_ || d.blob;
+  ids_.assign(spec.dicts.size(), std::vector<IdEntry>(ID_SLOTS));
   tail_ = head_ = allocate();
+  tail_->epoch = next_epoch();
 }
 
 Store::~Store() {
+  for (std::vector<IdEntry>& table : ids_)
+    for (IdEntry& e : table) Py_XDECREF(e.obj);
   for (Block* b : all_) {
     for (char* c : b->cols) std::free(c);
     for (Dictionary& d : b->dicts) {
@@ -43,7 +47,37 @@ Block* Store::allocate() {
   return b;
 }
 
+void Store::remember(IdEntry* set, Block* b, PyObject* value, int32_t code) {
+  // The way that holds this object already (with an older block's code) is updated; else
+  // the object goes into way 0, way 0's entry moves to way 1 and way 1's is let go.
+  IdEntry* e = set[0].obj == value ? &set[0] : set[1].obj == value ? &set[1] : nullptr;
+  PyObject* evicted = nullptr;
+  if (e == nullptr) {
+    evicted = set[1].obj;
+    set[1] = set[0];
+    Py_INCREF(value);
+    set[0].obj = value;
+    e = &set[0];
+  }
+  e->epoch = b->epoch;
+  e->code = code;
+  Py_XDECREF(evicted);  // an exact str: its deallocation runs no Python code
+}
+
+uint32_t Store::next_epoch() {
+  if (++epochs_ == 0) {  // wrapped (after 2^32 blocks): no entry may match a new block's epoch
+    for (std::vector<IdEntry>& table : ids_)
+      for (IdEntry& e : table) {
+        Py_CLEAR(e.obj);
+        e.epoch = 0;
+      }
+    epochs_ = 1;
+  }
+  return epochs_;
+}
+
 void Store::reset(Block* b) {
+  b->epoch = next_epoch();
   b->count.store(0, std::memory_order_relaxed);
   b->next.store(nullptr, std::memory_order_relaxed);
   for (Dictionary& d : b->dicts) {
@@ -248,23 +282,6 @@ bool to_double(PyObject* v, double* out) {
   }
   *out = d;
   return true;
-}
-
-void write_int(char* col, int width, int64_t row, int64_t value) {
-  switch (width) {
-    case 1: {
-      uint8_t x = static_cast<uint8_t>(value);
-      std::memcpy(col + row, &x, 1);
-      break;
-    }
-    case 4: {
-      int32_t x = static_cast<int32_t>(value);
-      std::memcpy(col + row * 4, &x, 4);
-      break;
-    }
-    default:
-      std::memcpy(col + row * 8, &value, 8);
-  }
 }
 
 }  // namespace ps

@@ -20,6 +20,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -27,6 +28,8 @@
 namespace ps {
 
 enum ColType : uint8_t { I32 = 0, I64 = 1, U8 = 2, F64 = 3 };
+
+constexpr size_t MAX_COLUMNS = 16;  // of one section
 
 inline int width_of(ColType t) { return t == I32 ? 4 : t == U8 ? 1 : 8; }
 
@@ -70,11 +73,24 @@ struct Dictionary {
 
 struct Block {
   int64_t capacity = 0;
+  uint32_t epoch = 0;  // unique per store and per use of the block (writer): what IdEntry checks
   std::atomic<int64_t> count{0};
   std::atomic<Block*> next{nullptr};
   std::vector<char*> cols;
   std::vector<Dictionary> dicts;
 };
+
+// The last code given to a str object, by object identity: a hit skips the dictionary's
+// hash lookup (and the compare of an equal string that is another object). Two-way set
+// associative, the way replaced is the older one; each entry holds a reference to its
+// str, so the address cannot be reused by another object while the entry stands. Writer
+// only (GIL held).
+struct IdEntry {
+  PyObject* obj = nullptr;
+  uint32_t epoch = 0;  // of the block the code belongs to
+  int32_t code = -1;
+};
+constexpr size_t ID_SLOTS = 4096;  // per dictionary, in sets of two ways
 
 // One run of rows of one block: [from, to).
 struct Segment {
@@ -101,9 +117,22 @@ class Store {
   // The code of `value` (a str) in the block's dictionary `d`, added when new; -1 and a
   // Python error set when it cannot be encoded.
   int32_t code(Block* b, int d, PyObject* value);
-  void publish(Block* b, int64_t row) {
-    b->count.store(row + 1, std::memory_order_release);
-    written_.store(written_.load(std::memory_order_relaxed) + 1, std::memory_order_release);
+  // code(), through the identity cache for exact str objects.
+  int32_t cached_code(Block* b, int d, PyObject* value) {
+    if (!PyUnicode_CheckExact(value)) return code(b, d, value);
+    uintptr_t h = (reinterpret_cast<uintptr_t>(value) >> 4) * 0x9E3779B97F4A7C15ull;
+    IdEntry* set = &ids_[d][(h >> 40) & (ID_SLOTS - 2)];  // two ways: set[0], set[1]
+    for (int w = 0; w < 2; ++w)
+      if (set[w].obj == value && set[w].epoch == b->epoch) return set[w].code;
+    int32_t c = code(b, d, value);
+    if (c >= 0) remember(set, b, value, c);
+    return c;
+  }
+  void publish(Block* b, int64_t row) { publish_rows(b, row + 1, 1); }
+  // Rows up to `count` of block `b` are written, `added` of them since the last publish.
+  void publish_rows(Block* b, int64_t count, int64_t added) {
+    b->count.store(count, std::memory_order_release);
+    written_.store(written_.load(std::memory_order_relaxed) + added, std::memory_order_release);
   }
 
   // -- reader (no GIL) ----------------------------------------------------------------
@@ -119,6 +148,8 @@ class Store {
  private:
   Block* allocate();
   void reset(Block* b);  // GIL held
+  void remember(IdEntry* set, Block* b, PyObject* value, int32_t code);
+  uint32_t next_epoch();
 
   Block* tail_ = nullptr;  // writer
   Block* head_ = nullptr;  // reader
@@ -129,6 +160,8 @@ class Store {
   std::vector<Block*> free_;
   std::vector<Block*> all_;
   bool blob_nul_check_ = false;
+  uint32_t epochs_ = 0;                    // writer
+  std::vector<std::vector<IdEntry>> ids_;  // per dictionary (writer)
 };
 
 // Value conversion of one Python value for a column; false (no Python error left set)
@@ -136,6 +169,21 @@ class Store {
 bool to_int64(PyObject* v, int64_t* out);
 bool to_column_int(const ColumnSpec& c, PyObject* v, int64_t* out, bool* unknown_name);
 bool to_double(PyObject* v, double* out);
-void write_int(char* col, int width, int64_t row, int64_t value);
+inline void write_int(char* col, int width, int64_t row, int64_t value) {
+  switch (width) {
+    case 1: {
+      uint8_t x = static_cast<uint8_t>(value);
+      std::memcpy(col + row, &x, 1);
+      break;
+    }
+    case 4: {
+      int32_t x = static_cast<int32_t>(value);
+      std::memcpy(col + row * 4, &x, 4);
+      break;
+    }
+    default:
+      std::memcpy(col + row * 8, &value, 8);
+  }
+}
 
 }  // namespace ps
