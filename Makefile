@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install jars demo system test test-faults test-mindspore test-fast lint bench stack-up stack-down clean dashboards
+.PHONY: install jars demo system test test-faults test-mindspore test-fast lint bench stack-up stack-down clean dashboards gpu-check
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "profstream needs Python 3.11+: install it or run make PYTHON=python3.11")'
@@ -53,6 +53,13 @@ test: system jars $(TORCH_STAMP) $(HTA_STAMP)
 # processors killed, the Monitor flushed and closed across outages (tests/faults, ~5 min).
 test-faults: jars
 	$(BIN)/python -m pytest -m faults tests/faults $(PYTEST_ARGS)
+
+# The GPU path on a machine with an NVIDIA GPU, from a fresh copy: builds the environment,
+# then a real bf16 training job under profstream run with its checks, the HTA comparison,
+# overhead and sampler figures as one JSON summary (benchmarks/gpu_check.py; exit 2 and one
+# line where there is no CUDA GPU).
+gpu-check: system jars $(TORCH_STAMP) $(HTA_STAMP)
+	$(BIN)/python benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 # The MindSpore callback against a real MindSpore (CPU wheel, ~800 MB), in a virtual
 # environment of its own so that the main one keeps its torch and numpy: docs/mindspore.md.

@@ -259,6 +259,47 @@ def training_run() -> Dashboard:
                            prom(f"profstream_host_step_duration_seconds{{{RUN_RANK}}}", "host rank {{rank}}"),
                            prom(f"profstream_step_duration_seconds{{{RUN_RANK}}}", "figures rank {{rank}}", "B"),
                            width=8, height=8))
+        .with_row(Row("Device counters (NVML, per device)"))
+        .with_panel(ratio_series("GPU and memory utilization", "share of time a kernel ran (gpu) and device memory "
+                                 "was read or written (memory), mean over each step's samples; needs no op capture",
+                                 prom(f"profstream_device_gpu_utilization_ratio{{{RUN_RANK}}}",
+                                      "gpu {{device}} rank {{rank}}"),
+                                 prom(f"profstream_device_memory_utilization_ratio{{{RUN_RANK}}}",
+                                      "memory {{device}} rank {{rank}}", "B"), width=8))
+        .with_panel(series("Power", "power drawn (mean and peak of each step) against the enforced limit", "watt",
+                           prom(f"profstream_device_power_watts{{{RUN_RANK}}}", "mean {{device}} rank {{rank}}"),
+                           prom(f"profstream_device_power_peak_watts{{{RUN_RANK}}}", "peak {{device}} rank {{rank}}",
+                                "B"),
+                           prom(f"max by (device) (profstream_device_power_limit_watts{{{RUN_RANK}}})",
+                                "limit {{device}}", "C"), width=8))
+        .with_panel(series("Temperature and SM clock", "highest GPU temperature of each step (left) and its mean "
+                           "SM clock: a clock that drops as the temperature rises is thermal throttling", "celsius",
+                           prom(f"profstream_device_temperature_celsius{{{RUN_RANK}}}",
+                                "temperature {{device}} rank {{rank}}"),
+                           prom(f"profstream_device_sm_clock_hertz{{{RUN_RANK}}} / 1e6",
+                                "SM MHz {{device}} rank {{rank}}", "B"), width=8)
+                    .override_by_query("B", [DynamicConfigValue(id_val="unit", value="rotmhz"),
+                                             DynamicConfigValue(id_val="custom.axisPlacement",
+                                                                value=AxisPlacement.RIGHT)]))
+        .with_panel(statetimeline.Panel().title("Throttled (DeviceThrottled)").span(8).height(8)
+                    .description("clocks held down for power (power cap, power brake) or temperature in a step; "
+                                 "DeviceThrottled fires after 5 minutes of it")
+                    .datasource(PROMETHEUS)
+                    .with_target(prom(f"max by (device, reason) (profstream_device_throttled{{{RUN_RANK}}})",
+                                      "{{device}} {{reason}}"))
+                    .mappings([ValueMap(options={"0": ValueMappingResult(text="full clocks", color="green"),
+                                                 "1": ValueMappingResult(text="throttled", color="red")})]))
+        .with_panel(series("Device memory used", "device memory in use by every process on the device (highest "
+                           "in each step) against its size", "bytes",
+                           prom(f"profstream_device_memory_used_bytes{{{RUN_RANK}}}", "used {{device}} rank {{rank}}"),
+                           prom(f"max by (device) (profstream_device_memory_total_bytes{{{RUN_RANK}}})",
+                                "total {{device}}", "B"), width=8))
+        .with_panel(series("PCIe and NVLink throughput", "bytes per second by direction, mean over each step",
+                           "Bps",
+                           prom(f"profstream_device_pcie_bytes_per_second{{{RUN_RANK}}}",
+                                "PCIe {{direction}} {{device}} rank {{rank}}"),
+                           prom(f"profstream_device_nvlink_bytes_per_second{{{RUN_RANK}}}",
+                                "NVLink {{direction}} {{device}} rank {{rank}}", "B"), width=8))
     )
 
 

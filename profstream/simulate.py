@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from profstream.devices.backend import DeviceSample
 from profstream.schema.batch import COMMUNICATION, COMPUTE
 
 FORWARD_TYPES = ("MatMul", "LayerNorm", "Softmax", "GeLU", "Add", "Conv2D")
@@ -22,6 +23,8 @@ COMM_TYPE = "AllReduce"
 OPTIMIZER_TYPE = "AdamW"
 QUEUE_NAME = "device_queue"
 QUEUE_CAPACITY = 8
+DEVICE_MEMORY = 80_000_000_000
+HW_THERMAL_SLOWDOWN = 0x40  # NVML clock event reason
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,8 @@ class SimConfig:
     leak_bytes_per_step: int = 0
     start_ns: int | None = None  # virtual clock origin (default: now)
     rate: str = "max"  # "max": as fast as possible; "realtime": steps take their virtual time
+    device_counters: bool = False  # two device counter samples per step (rank r on cuda:r)
+    throttle: tuple[int, int] | None = None  # inclusive step range with thermal throttling (and hot)
 
     def __post_init__(self) -> None:
         if self.ranks < 1 or self.steps < 1 or self.ops_per_step < 4:
@@ -52,6 +57,8 @@ class SimConfig:
             raise ValueError("rate must be 'max' or 'realtime'")
         if self.stall is not None and self.stall[0] > self.stall[1]:
             raise ValueError("stall range A:B needs A <= B")
+        if self.throttle is not None and self.throttle[0] > self.throttle[1]:
+            raise ValueError("throttle range A:B needs A <= B")
 
     def is_stalled(self, step: int) -> bool:
         return self.stall is not None and self.stall[0] <= step <= self.stall[1]
@@ -74,6 +81,7 @@ class StepPlan:
     memory: list[tuple[int, int, int, int]]  # (ts_ns, allocated, reserved, peak)
     queue: list[tuple[int, int]]  # (ts_ns, size)
     truth: dict = field(default_factory=dict)
+    devices: list[tuple[int, DeviceSample]] = field(default_factory=list)  # (ts_ns, sample)
 
 
 def _split(total: int, parts: int, rng: np.random.Generator) -> list[int]:
@@ -147,7 +155,48 @@ def plan_step(cfg: SimConfig, rank: int, step: int, start_ns: int) -> StepPlan:
     plan = StepPlan(rank, step, S, E, F, B, names, types, kinds, streams, starts, durs,
                     memory, queue)
     plan.truth = _truth(plan, comm_total, allocated, reserved, peak)
+    if cfg.device_counters:
+        plan.devices = _device_samples(cfg, plan, rng)
+        plan.truth["device"] = _device_truth(plan.devices)
     return plan
+
+
+def _device_samples(cfg: SimConfig, plan: StepPlan, rng: np.random.Generator) -> list[tuple[int, DeviceSample]]:
+    """Two readings of the rank's device, at 1/3 and 2/3 of the step; a throttled step is
+    hot, slower clocked and flagged with HW_THERMAL_SLOWDOWN."""
+    S, E = plan.start_ns, plan.end_ns
+    hot = cfg.throttle is not None and cfg.throttle[0] <= plan.step <= cfg.throttle[1]
+    util = plan.truth["utilization"]
+    out = []
+    for k in (1, 2):
+        out.append((S + (E - S) * k // 3, DeviceSample(
+            device=plan.rank, gpu_util=round(util * rng.uniform(0.95, 1.0), 3), mem_util=round(rng.uniform(0.2, 0.4), 3),
+            mem_used=plan.memory[0][2] + k * 1_000_000, mem_total=DEVICE_MEMORY,
+            power_w=round(rng.uniform(250, 650), 1), power_limit_w=700.0,
+            temperature_c=float(rng.integers(86, 92) if hot else rng.integers(55, 70)),
+            sm_clock_mhz=1410.0 if hot else 1980.0, throttle_reasons=HW_THERMAL_SLOWDOWN if hot else 0,
+            pcie_rx=float(rng.integers(1, 4) * 10**9), pcie_tx=float(rng.integers(1, 4) * 10**8),
+            nvlink_rx=float(rng.integers(10, 40) * 10**9), nvlink_tx=float(rng.integers(10, 40) * 10**9))))
+    return out
+
+
+def _device_truth(samples: list[tuple[int, DeviceSample]]) -> dict:
+    """The device figures of a step's samples, by direct arithmetic."""
+    values = [s for _, s in samples]
+
+    def mean(name: str) -> float:
+        return sum(getattr(s, name) for s in values) / len(values)
+
+    reasons = 0
+    for s in values:
+        reasons |= s.throttle_reasons
+    return {"samples": len(values), "gpu_util": mean("gpu_util"), "mem_util": mean("mem_util"),
+            "mem_used_peak": max(s.mem_used for s in values), "mem_total": DEVICE_MEMORY,
+            "power_w": mean("power_w"), "power_peak_w": max(s.power_w for s in values), "power_limit_w": 700.0,
+            "temperature_max_c": max(s.temperature_c for s in values), "sm_clock_mhz": mean("sm_clock_mhz"),
+            "throttle_reasons": reasons, "throttled_power": False, "throttled_thermal": bool(reasons),
+            "pcie_rx": mean("pcie_rx"), "pcie_tx": mean("pcie_tx"), "nvlink_rx": mean("nvlink_rx"),
+            "nvlink_tx": mean("nvlink_tx")}
 
 
 def _truth(plan: StepPlan, comm_total: int, allocated: int, reserved: int, peak: int) -> dict:
@@ -238,6 +287,8 @@ def record_phase(monitor, plan: StepPlan, phase: str) -> None:
         monitor.queue(QUEUE_NAME, size, QUEUE_CAPACITY, ts_ns=ts)
     for ts, alloc, reserved, peak in plan.memory[1:]:
         monitor.memory(alloc, reserved, peak, ts_ns=ts)
+    for ts, sample in plan.devices:
+        monitor.device_sample(sample, ts_ns=ts, step=plan.step)
     monitor.end_step(plan.end_ns)
 
 
@@ -275,7 +326,9 @@ def run_simulation(cfg: SimConfig, monitor_options: dict | None = None, progress
     opts["run_id"] = cfg.run_id
     opts["world_size"] = cfg.ranks
     opts.setdefault("host_sample_interval_s", 0)
-    monitors = [Monitor(rank=r, **opts) for r in range(cfg.ranks)]
+    opts.setdefault("device_interval_ms", 0)  # simulated counters only, never the machine's
+    devices = [opts.get("device", f"cuda:{r}" if cfg.device_counters else "cpu") for r in range(cfg.ranks)]
+    monitors = [Monitor(rank=r, **{**opts, "device": devices[r]}) for r in range(cfg.ranks)]
     wall0 = time.monotonic()
     origin = cfg.start_ns if cfg.start_ns is not None else time.time_ns()
     steps = ops = 0

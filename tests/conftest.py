@@ -57,6 +57,25 @@ def kafka_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         stack_down(state_dir=state_dir)
 
 
+@pytest.fixture(scope="session")
+def _nvml_library(tmp_path_factory: pytest.TempPathFactory):
+    from tests.nvml import build
+
+    return build(tmp_path_factory.mktemp("nvml-double"))
+
+
+@pytest.fixture
+def nvml(_nvml_library, monkeypatch: pytest.MonkeyPatch):
+    """NVML without a GPU (tests/nvml.py): one device at default values, loaded by pynvml
+    for this test; ``nvml.environment()`` gives a child process the same double."""
+    from tests.nvml import NvmlDouble
+
+    double = NvmlDouble(_nvml_library)
+    double.reset(1)
+    double.install(monkeypatch)
+    return double
+
+
 def _prefix_for(node_name: str) -> str:
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", node_name).strip("-.") or "test"
     return f"t-{name[:60]}-{uuid.uuid4().hex[:8]}"

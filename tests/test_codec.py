@@ -23,16 +23,19 @@ from profstream.schema import (
     encode,
     encode_batch,
 )
+from profstream.schema.codec import VERSIONS, encode_step_metrics
 
 DATA = Path(__file__).parent / "data"
 GOLDEN = DATA / "eventbatch-v1.bin"
 GOLDEN_V2 = Path(__file__).parent / "data" / "eventbatch-v2.bin"  # random_batch(1234, 20), world_size 8
 GOLDEN_V3 = Path(__file__).parent / "data" / "eventbatch-v3.bin"  # the same, written by v3
+GOLDEN_V4 = DATA / "eventbatch-v4.bin"  # the same with launch times, written by v4
 
 
-def random_batch(seed: int, n_ops: int = 500, launches: bool = True) -> EventBatch:
-    """A batch of random columns; ``launches``: with ops.launch_ns (v4), drawn apart so that
-    the other columns are those the older golden messages were written from."""
+def random_batch(seed: int, n_ops: int = 500, launches: bool = True, devices: bool = True) -> EventBatch:
+    """A batch of random columns; ``launches``: with ops.launch_ns (v4), ``devices``: with
+    device samples (v5), each drawn apart so that the other columns are those the older
+    golden messages were written from."""
     rng = np.random.default_rng(seed)
     names = [f"op{i}" for i in range(17)]
     types = ["MatMul", "AllReduce", "Copy", "Softmax"]
@@ -55,6 +58,11 @@ def random_batch(seed: int, n_ops: int = 500, launches: bool = True) -> EventBat
     b.steps = {c: rng.integers(-1, 2**62, 3) for c, _ in SECTIONS["steps"]}
     b.host_samples = {c: (rng.random(4) if d.kind == "f" else rng.integers(0, 2**40, 4))
                       for c, d in SECTIONS["host_samples"]}
+    if devices:
+        drng = np.random.default_rng([seed, 5])
+        b.device_samples = {c: (drng.random(6) if d.kind == "f" else drng.integers(-1, 2**40, 6))
+                            for c, d in SECTIONS["device_samples"]}
+        b.device_samples["gpu_util"][2] = np.nan  # a value the device does not report
     return b
 
 
@@ -114,6 +122,13 @@ def test_fingerprints_agree_with_fastavro(name):
     assert crc64_avro(canonical.encode()) == sv.fingerprint
 
 
+DEVICE_FIGURES = {"device": "cuda:0", "samples": 2, "gpu_util": 0.9, "mem_util": None, "mem_used_peak": 10,
+                  "mem_total": 80, "power_w": 300.5, "power_peak_w": 310.0, "power_limit_w": 700.0,
+                  "temperature_max_c": 61.0, "sm_clock_mhz": 1980.0, "throttle_reasons": 4,
+                  "throttled_power": True, "throttled_thermal": False, "pcie_rx": 1e9, "pcie_tx": 2e9,
+                  "nvlink_rx": None, "nvlink_tx": None}
+
+
 def test_processed_records_round_trip():
     step = {
         "run_id": "r", "rank": 1, "world_size": 8, "host": "h", "device": "cpu", "step": 7, "start_ns": 1, "end_ns": 11,
@@ -126,6 +141,7 @@ def test_processed_records_round_trip():
         "host_step_time_ns": 12, "device_start_ns": 3, "device_end_ns": 13,
         "kernel_types": [{"op_type": "gemm", "total_ns": 7, "count": 1}],
         "device_kinds": [{"kind": "compute", "total_ns": 7, "count": 1}], "uncorrelated_ops": 2,
+        "devices": [DEVICE_FIGURES],
     }
     assert decode("StepMetrics", encode("StepMetrics", step)) == step
     run = {"run_id": "r", "step": 7, "ranks_reported": 2, "min_step_time_ns": 10, "median_step_time_ns": 12.0,
@@ -144,7 +160,8 @@ def test_shipped_step_metrics_v2_and_rank_checkpoint_v1_still_decode():
     assert (m["step"], m["step_time_ns"], m["world_size"]) == (7, 10, 8)
     assert m["host_step_time_ns"] == 10 and m["device_start_ns"] is None and m["device_end_ns"] is None
     assert (m["kernel_types"], m["device_kinds"], m["uncorrelated_ops"]) == ([], [], 0)
-    assert decode("StepMetrics", encode("StepMetrics", m)) == m  # re-encoded as v3
+    assert m["devices"] == []
+    assert decode("StepMetrics", encode("StepMetrics", m)) == m  # re-encoded as the current version
     cp = decode("RankCheckpoint", (DATA / "rankcheckpoint-v1.bin").read_bytes())
     assert (cp["floor"], cp["watermark"], cp["producers"]) == (12, 11, {"p": 5})
     assert cp["device_end_step"] is None and set(cp["carry"].values()) == {b""}
@@ -158,7 +175,7 @@ def test_shipped_v1_message_still_decodes():
     raw = GOLDEN.read_bytes()
     assert raw[2:10] != CURRENT["EventBatch"].header[2:10]  # it really is an older version
     batch = decode_batch(raw)
-    assert_same_batch(random_batch(1234, 20, launches=False), batch)
+    assert_same_batch(random_batch(1234, 20, launches=False, devices=False), batch)
     assert batch.world_size is None
     assert (batch.ops["launch_ns"] == -1).all()
 
@@ -168,7 +185,7 @@ def test_shipped_v2_message_still_decodes():
     raw = GOLDEN_V2.read_bytes()
     assert raw[2:10] not in (CURRENT["EventBatch"].header[2:10], GOLDEN.read_bytes()[2:10])
     batch = decode_batch(raw)
-    assert_same_batch(random_batch(1234, 20, launches=False), batch)
+    assert_same_batch(random_batch(1234, 20, launches=False, devices=False), batch)
     assert batch.world_size == 8
     assert_same_batch(batch, decode_batch(encode_batch(batch)))  # re-encoded as the current version, unchanged
 
@@ -179,9 +196,41 @@ def test_shipped_v3_message_still_decodes_with_no_launch_times():
     raw = GOLDEN_V3.read_bytes()
     assert len({raw[2:10], GOLDEN_V2.read_bytes()[2:10], CURRENT["EventBatch"].header[2:10]}) == 3
     batch = decode_batch(raw)
-    assert_same_batch(random_batch(1234, 20, launches=False), batch)
+    assert_same_batch(random_batch(1234, 20, launches=False, devices=False), batch)
     assert batch.ops["launch_ns"].tolist() == [-1] * 20
-    assert_same_batch(batch, decode_batch(encode_batch(random_batch(1234, 20, launches=False))))
+    assert_same_batch(batch, decode_batch(encode_batch(random_batch(1234, 20, launches=False, devices=False))))
+
+
+def test_shipped_v4_message_still_decodes_with_no_device_samples():
+    raw = GOLDEN_V4.read_bytes()
+    assert len({raw[2:10], GOLDEN_V3.read_bytes()[2:10], CURRENT["EventBatch"].header[2:10]}) == 3
+    batch = decode_batch(raw)
+    assert_same_batch(random_batch(1234, 20, devices=False), batch)
+    assert batch.n("device_samples") == 0 and batch.world_size == 8 and (batch.ops["launch_ns"] > 0).any()
+
+
+def test_a_batch_without_device_samples_is_written_as_v4_so_older_processors_read_it():
+    batch = random_batch(1234, 20, devices=False)
+    batch.world_size = 8
+    assert encode_batch(batch) == GOLDEN_V4.read_bytes()  # byte for byte what v4 wrote
+    with_devices = random_batch(1234, 20)
+    data = encode_batch(with_devices)
+    assert data[:10] == CURRENT["EventBatch"].header and CURRENT["EventBatch"].version == 5
+    back = decode_batch(data)
+    assert_same_batch(with_devices, back)
+    assert np.isnan(back.device_samples["gpu_util"][2]) and back.n("device_samples") == 6
+
+
+def test_step_metrics_v3_still_decode_and_steps_without_device_figures_are_written_as_v3():
+    stored = (DATA / "stepmetrics-v3.bin").read_bytes()
+    m = decode("StepMetrics", stored)
+    assert m["devices"] == [] and m["kernel_types"] == [{"op_type": "gemm", "total_ns": 7, "count": 1}]
+    assert encode_step_metrics(m) == stored  # byte for byte what v3 wrote
+    assert encode_step_metrics(m)[:10] == VERSIONS[("StepMetrics", 3)].header
+    with_devices = {**m, "devices": [DEVICE_FIGURES]}
+    data = encode_step_metrics(with_devices)
+    assert data[:10] == CURRENT["StepMetrics"].header and CURRENT["StepMetrics"].version == 4
+    assert decode("StepMetrics", data) == with_devices
 
 
 def test_launch_times_round_trip():

@@ -70,7 +70,12 @@ def _exported() -> dict[str, set[str]]:
             "starved": True, "rolling": None, "closed_by": "watermark", "late_events": 0, "closed_ns": now_ns,
             "host_step_time_ns": 10**8, "device_start_ns": now_ns - 10**8, "device_end_ns": now_ns,
             "kernel_types": [{"op_type": "gemm", "total_ns": 10**7, "count": 1}],
-            "device_kinds": [{"kind": "compute", "total_ns": 10**7, "count": 1}], "uncorrelated_ops": 0}
+            "device_kinds": [{"kind": "compute", "total_ns": 10**7, "count": 1}], "uncorrelated_ops": 0,
+            "devices": [{"device": "cuda:0", "samples": 2, "gpu_util": 0.9, "mem_util": 0.3, "mem_used_peak": 10,
+                         "mem_total": 80, "power_w": 300.0, "power_peak_w": 310.0, "power_limit_w": 700.0,
+                         "temperature_max_c": 61.0, "sm_clock_mhz": 1980.0, "throttle_reasons": 0x20,
+                         "throttled_power": False, "throttled_thermal": True, "pcie_rx": 1e9, "pcie_tx": 2e9,
+                         "nvlink_rx": 3e9, "nvlink_tx": 4e9}]}
     run = {"run_id": "r", "step": 1, "ranks_reported": 1, "min_step_time_ns": 10**8, "median_step_time_ns": 1e8,
            "max_step_time_ns": 10**8, "skew": 0.0, "straggler_rank": 0, "step_times_ns": {"0": 10**8}}
     alert = {"name": "DataQueueStall", "state": "firing", "run_id": "r", "rank": 0, "step": 1, "ts_ns": now_ns,
@@ -207,7 +212,10 @@ def test_the_training_run_dashboard_has_the_promised_panels_and_annotations():
     exprs = "\n".join(_exprs(dashboard))
     for metric in ("profstream_step_duration_seconds", "profstream_step_phase_seconds",
                    "profstream_device_utilization_ratio", "profstream_comm_overlap_ratio", "profstream_memory_bytes",
-                   "profstream_queue_size", "profstream_starved_steps_total", "profstream_op_type_seconds_total"):
+                   "profstream_queue_size", "profstream_starved_steps_total", "profstream_op_type_seconds_total",
+                   "profstream_device_gpu_utilization_ratio", "profstream_device_power_watts",
+                   "profstream_device_temperature_celsius", "profstream_device_throttled",
+                   "profstream_device_memory_used_bytes", "profstream_device_nvlink_bytes_per_second"):
         assert metric in exprs, metric
     stacked = [p for p in _panels(dashboard) if p["title"].startswith("Step phases")]
     assert stacked and stacked[0]["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] == "normal"

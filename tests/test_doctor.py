@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
-import textwrap
-
-import pytest
 
 from profstream import doctor
 from profstream.doctor import FAIL, INFO, OK, WARN, run_checks
@@ -85,26 +81,9 @@ def test_no_nvml_is_information_unless_gpu_checks_are_asked_for(monkeypatch):
     assert finding.status == FAIL and "NVIDIA driver" in finding.fix
 
 
-@pytest.fixture
-def nvml_double(tmp_path):
-    """A stand-in for NVIDIA's libnvidia-ml (no GPU here): the four calls doctor makes,
-    reporting two GPUs."""
-    compiler = shutil.which("gcc") or shutil.which("cc")
-    if compiler is None:
-        pytest.fail("no C compiler: apt-get install g++ (.ci/check-system does)")
-    source = tmp_path / "nvml.c"
-    source.write_text(textwrap.dedent("""
-        int nvmlInit_v2(void) { return 0; }
-        int nvmlDeviceGetCount_v2(unsigned int *count) { *count = 2; return 0; }
-        int nvmlShutdown(void) { return 0; }
-    """))
-    library = tmp_path / "libnvidia-ml.so.1"
-    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(library), str(source)], check=True, timeout=60)
-    return library
-
-
-def test_gpu_checks_pass_where_nvml_sees_gpus(monkeypatch, nvml_double):
-    monkeypatch.setattr(doctor, "NVML_LIBRARY", str(nvml_double))
+def test_gpu_checks_pass_where_nvml_sees_gpus(monkeypatch, nvml):
+    nvml.reset(devices=2)
+    monkeypatch.setattr(doctor, "NVML_LIBRARY", str(nvml.library))
     finding = doctor.check_nvml(gpu=True)
     assert (finding.status, finding.found) == (OK, "2 GPUs visible")
 

@@ -14,13 +14,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from profstream import Monitor
+from profstream.devices.backend import DeviceSample
 from profstream.producers import monitor as monitor_module
 from profstream.producers import native, native_sender, sender
 from profstream.producers.native_sender import NativeSender
 from profstream.producers.sender import Sender
 from profstream.schema import batch as batch_schema
 from profstream.schema.batch import decode_batch
-from profstream.schema.codec import CURRENT
+from profstream.schema.codec import CURRENT, VERSIONS
 from tests.helpers import wait_until
 
 UNREACHABLE = "127.0.0.1:1"
@@ -67,13 +68,15 @@ def _pair(**options: Any) -> tuple[Monitor, Sender, Monitor, NativeSender]:
 def _messages(py_sender: Sender, nat_sender: NativeSender, monkeypatch) -> tuple[list[bytes], list[bytes]]:
     """Every batch each sender builds now; the Python one stamped with the native one's sent_ns."""
     nat = []
-    while nat_sender._core.build():
-        nat.append(nat_sender._core.take_message()[0])
+    nat_sender._send_foreign()  # device samples: by the Python encoder, before the native batch
+    while (message := nat_sender._core.take_message()) is not None or nat_sender._core.build():
+        if message is not None:
+            nat.append(message[0])
     stamps = iter([decode_batch(m).sent_ns for m in nat] + [0] * 1000)
     py = []
     with monkeypatch.context() as patch:
         patch.setattr(time, "time_ns", lambda: next(stamps))
-        while py_sender._build():
+        while py_sender._pending or py_sender._build():  # a build may queue device batches too
             py.append(py_sender._pending.popleft()[0])
     return py, nat
 
@@ -91,6 +94,8 @@ _STEP = st.fixed_dictionaries({
     "bulk_types": st.one_of(st.none(), _NAMES, st.just("per-op")),
     "memory": st.lists(st.tuples(_I64, _I64, _I64), max_size=3),
     "queues": st.lists(st.tuples(_NAMES, st.integers(0, 10**6), st.integers(-1, 10**6)), max_size=3),
+    "devices": st.lists(st.tuples(st.integers(0, 7), st.floats(allow_infinity=False), st.integers(-1, 2**62)),
+                        max_size=3),  # v5, in batches of their own
 })
 
 
@@ -110,6 +115,8 @@ def _record(mon: Monitor, steps: list[dict], t0: int = 1_700_000_000_000_000_000
             mon.memory(allocated, reserved, peak, ts_ns=t0 + s * 1000 + i)
         for i, (name, size, capacity) in enumerate(step["queues"]):
             mon.queue(name, size, capacity, ts_ns=t0 + s * 1000 + i)
+        for i, (device, util, used) in enumerate(step.get("devices", ())):
+            mon.device_sample(DeviceSample(device, gpu_util=util, mem_used=used), ts_ns=t0 + s * 1000 + i)
         mon.end_step(ts_ns=t0 + s * 1000 + 999)
 
 
@@ -213,7 +220,7 @@ def test_native_batches_are_v4_with_the_launch_times_the_python_path_writes(monk
     """EventBatch v4's ops.launch_ns, written from SECTIONS and COLUMN_FILL with no native
     code of its own: given by Monitor.ops(launch_ns=...), -1 for op() and for ops() without
     it; the native message decodes as v4 to what the Python path's decodes to."""
-    assert batch_schema.COLUMN_FILL[("ops", "launch_ns")] == -1 and CURRENT["EventBatch"].version == 4
+    assert batch_schema.COLUMN_FILL[("ops", "launch_ns")] == -1 and native.plain_version().version == 4
     py, py_sender, nat, nat_sender = _pair()
     for mon in (py, nat):
         mon.begin_step(0, ts_ns=1)
@@ -222,12 +229,56 @@ def test_native_batches_are_v4_with_the_launch_times_the_python_path_writes(monk
         mon.ops(["host-bulk"], [40], [1], kinds=3)
         mon.end_step(ts_ns=50)
     (got_py,), (got_nat,) = _messages(py_sender, nat_sender, monkeypatch)
-    assert got_nat.startswith(CURRENT["EventBatch"].header)  # the v4 fingerprint
+    assert got_nat.startswith(VERSIONS[("EventBatch", 4)].header)  # the v4 fingerprint
     a, b = decode_batch(got_py), decode_batch(got_nat)
     assert b.ops["launch_ns"].tolist() == [-1, 12, -1, -1]
     assert b.ops["start_ns"].tolist() == [10, 20, 30, 40]
     assert {c: v.tolist() for c, v in a.ops.items()} == {c: v.tolist() for c, v in b.ops.items()}
     assert got_py == got_nat
+
+
+def test_device_samples_go_by_the_python_encoder_before_the_batch_that_completes_their_step(monkeypatch):
+    """EventBatch v5's device samples, a section the native encoder does not write: the
+    native Monitor records them in Python, sends them as the Python path does (batches of
+    their own, v5, the same bytes), and holds the watermark back until they are queued,
+    so that a processor never sees their step complete before them."""
+    py, py_sender, nat, nat_sender = _pair()
+    for mon in (py, nat):
+        mon.begin_step(0, ts_ns=1)
+        mon.op("cpu-op", 10, 5)
+        mon.device_sample(DeviceSample(3, gpu_util=0.5, mem_used=1 << 30, throttle_reasons=4), ts_ns=20)
+        mon.end_step(ts_ns=50)
+    assert nat.buffer.foreign.buffered_samples == 1 and not nat.buffer.empty
+    assert nat_sender._core.build()  # the native batch first, as a racing sender thread might
+    held = decode_batch(nat_sender._core.take_message()[0])
+    assert held.n("ops") == 1 and held.complete_through_step is None  # step 0 waits for its device sample
+    nat_sender._send_foreign()
+    assert nat_sender._core.build()
+    device_message, _, samples = nat_sender._core.take_message()
+    released = decode_batch(nat_sender._core.take_message()[0])
+    assert samples == 1 and released.complete_through_step == 0 and nat.buffer.empty
+    assert device_message.startswith(CURRENT["EventBatch"].header) and CURRENT["EventBatch"].version >= 5
+    got = decode_batch(device_message)
+    assert got.producer_id == nat.producer_id + sender.DEVICE_PRODUCER_SUFFIX and got.n("ops") == 0
+    assert got.device_samples["device"].tolist() == [3] and got.device_samples["throttle_reasons"].tolist() == [4]
+    monkeypatch.setattr(time, "time_ns", lambda: got.sent_ns)
+    assert py_sender._build()
+    assert py_sender._pending.popleft()[0] == device_message  # what the Python Monitor sends
+
+
+def test_a_buffer_part_the_native_sender_does_not_know_makes_the_monitor_python(monkeypatch):
+    """A later section recorded in Python (a new part of EventBuffer.drain) that the native
+    sender would not send: the native path refuses to load, so nothing is lost unseen."""
+    from collections import namedtuple
+
+    from profstream.producers import buffer
+
+    monkeypatch.setattr(native, "Drained", namedtuple("Drained", [*buffer.Drained._fields, "collectives"]))
+    monkeypatch.setattr(native, "_loaded", None)
+    module, why = native.load()
+    assert module is None and "collectives" in why
+    monkeypatch.setattr(monitor_module, "_said", set())
+    assert Monitor(run_id="later", bootstrap=UNREACHABLE, sender_factory=_Idle).recording == "python"
 
 
 def test_a_native_part_that_does_not_load_leaves_the_python_monitor_and_one_warning(monkeypatch, caplog):

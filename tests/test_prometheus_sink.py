@@ -267,3 +267,28 @@ def test_device_windows_give_host_and_device_step_times_kernels_and_device_time_
     res = subprocess.run([prometheus_tool("promtool"), "check", "metrics"], input=s.text, capture_output=True,
                          text=True)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_device_counters_are_series_per_device_and_a_throttled_step_shows_its_reason(kafka_bootstrap, topics):
+    cfg = SimConfig(run_id="hot", ranks=2, steps=6, ops_per_step=20, device_counters=True, throttle=(5, 5), seed=7)
+    truth, last = expected(cfg), cfg.steps - 1
+    with RunningProcessor(kafka_bootstrap, topics), exporter(kafka_bootstrap, topics) as url:
+        sim(kafka_bootstrap, topics, cfg)
+        s = wait_until(_steps_seen(url, "hot", 2, last), 60, "every rank's last step in the scrape")
+    for rank in range(2):
+        t, lab = truth[(rank, last)]["device"], {"run": "hot", "rank": str(rank), "device": f"cuda:{rank}"}
+        p = "profstream_device_"
+        assert s(p + "gpu_utilization_ratio", **lab) == pytest.approx(t["gpu_util"], rel=1e-12)
+        assert s(p + "memory_used_bytes", **lab) == t["mem_used_peak"]
+        assert s(p + "power_peak_watts", **lab) == t["power_peak_w"]
+        assert s(p + "temperature_celsius", **lab) == t["temperature_max_c"]
+        assert s(p + "sm_clock_hertz", **lab) == pytest.approx(t["sm_clock_mhz"] * 1e6, rel=1e-12)
+        assert s(p + "throttled", reason="thermal", **lab) == 1
+        assert s(p + "throttled", reason="power", **lab) == 0
+        assert s(p + "nvlink_bytes_per_second", direction="rx", **lab) == pytest.approx(t["nvlink_rx"], rel=1e-12)
+        # one device per rank: no other device label
+        assert {x.labels["device"] for x in s.all(p + "power_watts", run="hot", rank=str(rank))} == {f"cuda:{rank}"}
+    assert s("profstream_sink_devices_over_limit_total") == 0
+    res = subprocess.run([prometheus_tool("promtool"), "check", "metrics"], input=s.text, capture_output=True,
+                         text=True, timeout=30)
+    assert res.returncode == 0 and res.stdout + res.stderr == "", res.stdout + res.stderr

@@ -21,7 +21,7 @@ from profstream.sinks.archive import run_archive
 from tests.helpers import chromium, render_in_chromium, topic_size, wait_until
 
 CFG = SimConfig(run_id="postmortem", ranks=3, steps=40, ops_per_step=60, seed=21, stall=(10, 19),
-                straggler_rank=2, leak_bytes_per_step=1 << 20)
+                straggler_rank=2, leak_bytes_per_step=1 << 20, device_counters=True, throttle=(30, 33))
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +109,22 @@ def test_the_report_shows_the_simulators_figures_and_the_stall(archive, tmp_path
                   *(f"phases-rank-{r}" for r in range(CFG.ranks))):
         assert chart in page.charts, chart
     assert "AllReduce" in page.series and "rank 2" in page.series
+
+
+def test_the_report_has_a_device_counter_section_with_the_simulators_readings(archive, tmp_path):
+    page, text = _report(archive, tmp_path / "report.html")
+    truth = expected(CFG)
+    for rank in range(CFG.ranks):
+        dev = [truth[(rank, s)]["device"] for s in range(CFG.steps)]
+        assert re.search(rf'<tr data-rank="{rank}" data-device="cuda:{rank}">', text)
+        assert page.summary[(rank, "counter_steps")] == CFG.steps
+        assert page.summary[(rank, "gpu_util")] == pytest.approx(np.mean([d["gpu_util"] for d in dev]), rel=1e-12)
+        assert page.summary[(rank, "power_peak_w")] == max(d["power_peak_w"] for d in dev)
+        assert page.summary[(rank, "temperature_max_c")] == max(d["temperature_max_c"] for d in dev)
+        assert page.summary[(rank, "throttled_thermal_steps")] == 4  # steps 30-33
+        assert page.summary[(rank, "throttled_power_steps")] == 0
+    assert "throttled steps: 30–33" in text
+    assert "device-util" in page.charts and "device-temperature" in page.charts
 
 
 def test_the_report_needs_no_network_and_links_timelines_relatively(archive, tmp_path):

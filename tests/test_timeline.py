@@ -26,6 +26,7 @@ from profstream.schema.batch import (
     COMPUTE,
     I32,
     I64,
+    SECTIONS,
     U8,
     EventBatch,
     decode_batch,
@@ -78,6 +79,10 @@ def _columns(cfg: SimConfig, plan, lo: int, hi: int, types: list[str], last: boo
                           "reserved": mem[:, 2], "peak": mem[:, 3]}
         part["queues"] = {"name_idx": np.zeros(len(q), I32), "ts_ns": q[:, 0], "step": np.full(len(q), plan.step, I64),
                           "size": q[:, 1], "capacity": np.full(len(q), QUEUE_CAPACITY, I64)}
+        if plan.devices:
+            rows = [(ts, plan.step, *sample) for ts, sample in plan.devices]
+            part["device_samples"] = {col: np.array([r[i] for r in rows], dtype)
+                                      for i, (col, dtype) in enumerate(SECTIONS["device_samples"])}
     return part
 
 
@@ -88,7 +93,7 @@ def _batch(cfg: SimConfig, rank: int, seq: int, parts: list[dict], types: list[s
     first_name = np.cumsum([0] + [len(p["op_names"]) for p in parts])  # name indexes into the joined names
     b.ops = {k: np.concatenate([p["ops"][k] + (first_name[i] if k == "name_idx" else 0) for i, p in enumerate(parts)])
              for k in parts[0]["ops"]}
-    for section in ("steps", "memory", "queues"):
+    for section in ("steps", "memory", "queues", "device_samples"):
         cols = [p[section] for p in parts if section in p]
         if cols:
             setattr(b, section, {k: np.concatenate([c[k] for c in cols]) for k in cols[0]})
@@ -672,3 +677,28 @@ def test_a_device_window_gets_a_device_steps_track_beside_the_host_steps(tmp_pat
         for tid in (TID_COMPUTE, TID_COMM, TID_FREE):
             for ts, dur in next(iter(tracks[(tid, step)].values()), []):
                 assert m["device_start_ns"] <= ts and ts + dur <= m["device_end_ns"]
+
+
+def test_device_counters_are_counter_tracks_per_device_with_the_values_read(tmp_path):
+    cfg = SimConfig(run_id="dev", ranks=2, steps=4, ops_per_step=20, seed=5, device_counters=True, throttle=(2, 2))
+    sink = TimelineSink(tmp_path)
+    feed(sink, sim_records(cfg))
+    sink.close()
+    got: dict = defaultdict(list)
+    for p in files(tmp_path):
+        doc = read_trace(p)
+        check_trace_format(doc)
+        rank = doc["otherData"]["rank"]
+        for e in doc["traceEvents"]:
+            if e["ph"] == "C" and e["name"].startswith("cuda:"):
+                got[(rank, e["name"])].append((doc["otherData"]["base_time_ns"] + ns(e["ts"]), e["args"]))
+    for plan in plan_run(cfg, ORIGIN):
+        for ts, s in plan.devices:
+            d = f"cuda:{plan.rank}"
+            for name, args in ((f"{d} power", {"watts": s.power_w}), (f"{d} temperature", {"celsius": s.temperature_c}),
+                               (f"{d} utilization", {"gpu %": pytest.approx(s.gpu_util * 100),
+                                                     "memory %": pytest.approx(s.mem_util * 100)}),
+                               (f"{d} NVLink", {"rx bytes/s": s.nvlink_rx, "tx bytes/s": s.nvlink_tx}),
+                               (f"{d} throttled", {"power": 0, "thermal": int(plan.step == 2)})):
+                assert (ts, args) in got[(plan.rank, name)], (plan.rank, plan.step, name)
+    assert all(len(v) == 2 * cfg.steps for v in got.values())  # two readings per step, none twice

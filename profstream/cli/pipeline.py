@@ -21,7 +21,7 @@ from profstream.config import check_name
 
 
 def sim_config(run_id, ranks, steps, ops_per_step, step_time_ms, comm_share, seed, stall, straggler,
-                straggler_factor, leak_bytes_per_step, rate):
+                straggler_factor, leak_bytes_per_step, rate, device_counters=False, throttle=None):
     from profstream.simulate import SimConfig
 
     check_name(run_id, "run id")
@@ -30,7 +30,8 @@ def sim_config(run_id, ranks, steps, ops_per_step, step_time_ms, comm_share, see
                          step_time_ms=step_time_ms, comm_share=comm_share, seed=seed,
                          stall=parse_range(stall, "--stall"), straggler_rank=straggler,
                          straggler_factor=straggler_factor, leak_bytes_per_step=leak_bytes_per_step,
-                         rate=rate)
+                         rate=rate, device_counters=device_counters or throttle is not None,
+                         throttle=parse_range(throttle, "--throttle"))
     except ValueError as e:
         fail(str(e))
 
@@ -51,13 +52,17 @@ def simulate(
     straggler_factor: Annotated[float, typer.Option(min=1.0)] = 1.5,
     leak_bytes_per_step: Annotated[int, typer.Option(min=0, help="inject a memory leak")] = 0,
     rate: Annotated[str, typer.Option(help="realtime: steps take their time; max: as fast as possible")] = "max",
+    device_counters: Annotated[bool, typer.Option(help="two device counter samples per step, rank r on "
+                                                       "cuda:r")] = False,
+    throttle: Annotated[str | None, typer.Option(help="thermal throttling on steps A:B (inclusive); implies "
+                                                      "--device-counters")] = None,
     topic_prefix: PrefixOpt = "profstream",
 ) -> None:
     """Simulate a training run through the real Monitor (deterministic for a seed)."""
     from profstream.simulate import run_simulation
 
     cfg = sim_config(run_id, ranks, steps, ops_per_step, step_time_ms, comm_share, seed, stall, straggler,
-                      straggler_factor, leak_bytes_per_step, rate)
+                      straggler_factor, leak_bytes_per_step, rate, device_counters, throttle)
     boot, _ = connect(bootstrap)
     progress, advance = step_progress(cfg.ranks * cfg.steps, "simulate")
     with progress:

@@ -21,6 +21,17 @@ PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e
 Series = tuple[str, np.ndarray, np.ndarray]
 
 
+def step_ranges(steps: Sequence[int]) -> list[tuple[int, int]]:
+    """Consecutive step numbers as inclusive ranges (for ``shaded``)."""
+    out: list[tuple[int, int]] = []
+    for s in sorted(set(steps)):
+        if out and s == out[-1][1] + 1:
+            out[-1] = (out[-1][0], s)
+        else:
+            out.append((s, s))
+    return out
+
+
 def _esc(text: object) -> str:
     return html.escape(str(text), quote=True)
 

@@ -25,6 +25,7 @@ from profstream.config import check_name
 from profstream.offline import charts
 from profstream.offline.archive import ArchiveError, Loss, Tally, archive_files
 from profstream.offline.replay import default_workers, replay_offline
+from profstream.offline.report_devices import device_counter_section
 from profstream.processors.stream import StreamOptions
 
 MAX_RANK_PANELS = 8  # per-rank stacked phase charts; the rest are in the tables
@@ -162,17 +163,6 @@ def _ms(ns: float) -> float:
     return ns / 1e6
 
 
-def _ranges(steps: list[int]) -> list[tuple[int, int]]:
-    """Consecutive step numbers as inclusive ranges."""
-    out: list[tuple[int, int]] = []
-    for s in sorted(set(steps)):
-        if out and s == out[-1][1] + 1:
-            out[-1] = (out[-1][0], s)
-        else:
-            out.append((s, s))
-    return out
-
-
 def _time(ns: int) -> str:
     return datetime.fromtimestamp(ns / 1e9, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
@@ -212,7 +202,7 @@ def _step_time_series(data: ReportData) -> list[charts.Series]:
 
 
 def _starved_ranges(data: ReportData) -> list[tuple[int, int]]:
-    return _ranges([s["step"] for s in data.steps if s["starved"]])
+    return charts.step_ranges([s["step"] for s in data.steps if s["starved"]])
 
 
 def _phase_charts(data: ReportData) -> str:
@@ -368,6 +358,7 @@ def render(data: ReportData, out_path: Path) -> str:
                 data, lambda s: s["memory"]["peak"] / 2**20 if s.get("memory") and s["memory"]["peak"] >= 0
                 else float("nan")), "MiB", y_min=None),
             "<h2>Data queue</h2>", _queue_chart(data),
+            *(("<h2>Device counters</h2>", section) if (section := device_counter_section(data.steps)) else ()),
             *(("<h2>Device: kernel breakdown</h2>", _device(data), "<h2>Host op types</h2>")
               if has_device_windows(data.steps) else ("<h2>Op types</h2>",)),
             _op_types(data),

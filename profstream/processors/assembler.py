@@ -20,11 +20,12 @@ import numpy as np
 
 from profstream.processors.model import StepEvents
 from profstream.processors.window import carry_past_end, step_window
-from profstream.schema.batch import NO_VALUE, EventBatch, launch_column
+from profstream.schema.batch import NO_VALUE, SECTIONS, EventBatch, launch_column
 
 _OP_COLS = ("kind", "type", "stream", "start_ns", "dur_ns", "launch_ns")
 _MEM_COLS = ("ts_ns", "allocated", "reserved", "peak")
 _QUEUE_COLS = ("queue", "ts_ns", "size")
+_DEVICE_COLS = tuple(col for col, _ in SECTIONS["device_samples"])
 
 
 @dataclass
@@ -34,6 +35,7 @@ class _OpenStep:
     ops: list[dict] = field(default_factory=list)
     memory: list[dict] = field(default_factory=list)
     queues: list[dict] = field(default_factory=list)
+    devices: list[dict] = field(default_factory=list)
     events: int = 0
     first_offset: int = -1  # input offset of the first batch that fed this step
 
@@ -74,6 +76,7 @@ _DTYPES = {"kind": np.uint8, "type": np.int32, "stream": np.int32, "start_ns": n
            "launch_ns": np.int64,
            "ts_ns": np.int64, "allocated": np.int64, "reserved": np.int64, "peak": np.int64,
            "queue": np.int32, "size": np.int64}
+_DEVICE_DTYPES = dict(SECTIONS["device_samples"])
 
 
 class RankAssembler:
@@ -157,6 +160,10 @@ class RankAssembler:
             cols = {"queue": remap[q["name_idx"]], "ts_ns": q["ts_ns"], "size": q["size"]}
             for step, part in _by_step(q["step"], cols):
                 self._bucket(step, "queues", part, len(part["ts_ns"]))
+        dev = batch.device_samples
+        if len(dev["step"]):
+            for step, part in _by_step(dev["step"], dev):
+                self._bucket(step, "devices", part, len(part["ts_ns"]))
         st = batch.steps
         for i in range(len(st["step"])):
             step = int(st["step"][i])
@@ -234,6 +241,7 @@ class RankAssembler:
         ops = _concat(entry.ops, _OP_COLS, _DTYPES)
         mem = _concat(entry.memory, _MEM_COLS, _DTYPES)
         q = _concat(entry.queues, _QUEUE_COLS, _DTYPES)
+        dev = _concat(entry.devices, _DEVICE_COLS, _DEVICE_DTYPES)
         before = self.device_end
         ev = StepEvents(
             run_id=self.run_id, rank=self.rank, step=step, start_ns=S, end_ns=E,
@@ -245,6 +253,7 @@ class RankAssembler:
             mem_peak=mem["peak"], queue=q["queue"], queue_ts_ns=q["ts_ns"], queue_size=q["size"],
             queue_names=self.queue_names, carried_compute=self.carry[0], carried_comm=self.carry[1],
             prev_device_end_ns=before[1] if before is not None and before[0] == step - 1 else NO_VALUE,
+            device_samples=dev,
         )
         self.carry = carry_past_end(ev)
         window = step_window(ev)

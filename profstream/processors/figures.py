@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from profstream.processors.devices import device_figures
 from profstream.processors.memory import memory_figures
 from profstream.processors.model import StepEvents
 from profstream.processors.optypes import device_kind_costs, kernel_type_costs, op_type_costs
@@ -85,5 +86,6 @@ class RankFigures:
             "closed_by": closed_by,
             "late_events": late_events,
             "closed_ns": time.time_ns(),
+            "devices": device_figures(ev),
         }
         return record, transition

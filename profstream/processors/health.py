@@ -22,6 +22,8 @@ from profstream.schema.codec import DecodeError
 # Step freshness in seconds, here and in the exporter (sinks/prometheus.py): fine below the
 # 100 ms and 200 ms targets, coarse up to the PipelineLagging alert's 5 s and beyond.
 FRESHNESS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.25, 0.5, 1.0, 2.0, 2.5, 5.0, 10.0, 30.0)
+# The raw sections counted in profstream_events_total{family} (host samples are not folded in).
+EVENT_FAMILIES = ("ops", "memory", "queues", "steps", "device_samples")
 
 
 class Watched(Protocol):
@@ -75,7 +77,7 @@ class _Counters:
 
     def _zero(self) -> None:
         self.batches = 0
-        self.events: Counter = Counter()  # by family: ops, memory, queues, steps
+        self.events: Counter = Counter()  # by family (EVENT_FAMILIES)
         self.decode_errors: Counter = Counter()  # by reason
         self.late_events = 0
         self.lost_batches = 0
@@ -148,7 +150,7 @@ class ProcessorHealth(_Counters):
     def collect(self):
         p = "profstream_"
         events = CounterMetricFamily(p + "events", "events folded in, by family", labels=["family"])
-        for family in ("ops", "memory", "queues", "steps"):
+        for family in EVENT_FAMILIES:
             events.add_metric([family], self.events[family])
         yield events
         errors = CounterMetricFamily(p + "decode_errors", "raw messages sent to the dead-letter topic, by reason",

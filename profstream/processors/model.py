@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from profstream.schema.batch import NO_VALUE
+from profstream.schema.batch import NO_VALUE, empty_section
 
 _I64 = np.int64
 
@@ -54,6 +54,8 @@ class StepEvents:
     queue_ts_ns: np.ndarray = field(default_factory=_empty)
     queue_size: np.ndarray = field(default_factory=_empty)
     queue_names: list[str] = field(default_factory=list)
+    # device counter samples: the columns of schema.batch.DEVICE_COLUMNS
+    device_samples: dict[str, np.ndarray] = field(default_factory=lambda: empty_section("device_samples"))
 
     @property
     def step_time_ns(self) -> int:

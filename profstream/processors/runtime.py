@@ -25,12 +25,12 @@ from profstream.kafka.topics import Topics
 from profstream.processors.assembler import RankAssembler
 from profstream.processors.checkpoint import MAX_OUTAGE_S, Output, TransactionalLoop
 from profstream.processors.figures import FigureOptions, RankFigures
-from profstream.processors.health import ProcessorHealth, StageCounts
+from profstream.processors.health import EVENT_FAMILIES, ProcessorHealth, StageCounts
 from profstream.processors.lag import LagProbe
 from profstream.processors.ranks import rank_figures
 from profstream.processors.stalls import stall_alert
 from profstream.schema.batch import decode_batch
-from profstream.schema.codec import DecodeError, decode, encode
+from profstream.schema.codec import DecodeError, decode, encode, encode_step_metrics
 
 log = logging.getLogger("profstream.processor")
 
@@ -137,7 +137,7 @@ class StepStage:
             self._changed.add(ident)
             h = self.counts
             h.batches += 1
-            for section in ("ops", "memory", "queues", "steps"):
+            for section in EVENT_FAMILIES:
                 h.events[section] += batch.n(section)
             h.late_events += asm.late_events - before[0]
             h.lost_batches += asm.lost_batches - before[1]
@@ -168,7 +168,7 @@ class StepStage:
         record, transition = rank.figures.step_metrics(ev, reason, rank.assembler.late_events)
         key = f"{ev.run_id}/{ev.rank}".encode()
         part = run_partition(ev.run_id, self.steps_partitions)
-        out = [Output(self.topics.steps, key, encode("StepMetrics", record), part)]
+        out = [Output(self.topics.steps, key, encode_step_metrics(record), part)]
         self.counts.step_closed(record)
         if transition is not None:
             self.counts.alerts += 1

@@ -5,6 +5,8 @@ atomic), the Sender's thread drains (``popleft``). Bounded: ``buffer_bytes`` is 
 into counts of events; when op events would pass theirs they are dropped and counted,
 and step marks, memory and queue samples have a reserve of their own. ``Monitor.op``
 appends to ``ops`` itself (the hot path); everything else goes through the methods here.
+Device counter samples come from a second writer, the device sampler's thread: they have
+a deque and a drop counter of their own.
 
 Order matters for the watermark: ``drain`` reads it first, then takes step marks,
 samples and ops. Every event recorded before the watermark moved is then in the drained
@@ -54,7 +56,8 @@ class Drained(NamedTuple):
     ops: list[OpChunk]
     more_ops: bool  # ops beyond ``ops`` are still buffered
     dropped_ops: int  # totals so far
-    dropped_samples: int
+    dropped_samples: int  # device samples included
+    devices: list[tuple]
 
 
 def buffer_bounds(buffer_bytes: int) -> tuple[int, int, int]:
@@ -86,9 +89,11 @@ class EventBuffer:
         self.marks: deque = deque()
         self.memory: deque = deque()
         self.queues: deque = deque()
+        self.devices: deque = deque()  # device counter samples (the device sampler's thread)
         # Monotonic counters, written by the recording thread only.
         self.dropped_ops = 0
         self.dropped_samples = 0
+        self.dropped_device_samples = 0  # written by the device sampler's thread only
         self.watermark: int | None = None  # every event of steps <= watermark is buffered or sent
         self.wake = threading.Event()  # set when a batch is worth sending now
 
@@ -120,6 +125,14 @@ class EventBuffer:
         else:
             self.dropped_samples += 1
 
+    def add_device_sample(self, row: tuple) -> None:
+        """One device counter sample (ts_ns, step, *DeviceSample), or dropped and counted
+        when their reserve is full."""
+        if len(self.devices) < self.max_samples:
+            self.devices.append(row)
+        else:
+            self.dropped_device_samples += 1
+
     # -- draining side (the Sender's thread) -------------------------------------------
 
     def drain(self, max_ops: int) -> Drained:
@@ -129,9 +142,10 @@ class EventBuffer:
         marks = _take(self.marks)
         memory = _take(self.memory)
         queues = _take(self.queues)
+        devices = _take(self.devices)
         ops = self.take_ops(max_ops)
         return Drained(watermark, marks, memory, queues, ops, self.buffered_ops > 0,
-                       self.dropped_ops, self.dropped_samples)
+                       self.dropped_ops, self.dropped_samples + self.dropped_device_samples, devices)
 
     def take_ops(self, limit: int) -> list[OpChunk]:
         """Up to ``limit`` buffered ops, op() tuples first, then ops() chunks (split if needed)."""
@@ -174,7 +188,7 @@ class EventBuffer:
 
     @property
     def buffered_samples(self) -> int:
-        return len(self.marks) + len(self.memory) + len(self.queues)
+        return len(self.marks) + len(self.memory) + len(self.queues) + len(self.devices)
 
     @property
     def fill_ratio(self) -> float:
@@ -183,7 +197,7 @@ class EventBuffer:
     @property
     def empty(self) -> bool:
         """Whether nothing is waiting for the Sender."""
-        return not (self.ops or self.op_chunks or self.marks or self.memory or self.queues)
+        return not (self.ops or self.op_chunks or self.marks or self.memory or self.queues or self.devices)
 
 
 def _take(buf: deque, limit: int | None = None) -> list:

@@ -22,6 +22,7 @@ import weakref
 from typing import Any
 
 from profstream.config import MONITOR_OPTIONS, resolve
+from profstream.devices.backend import DeviceSample
 from profstream.kafka.topics import Topics
 from profstream.producers.buffer import EventBuffer
 from profstream.schema.batch import NO_VALUE
@@ -126,6 +127,7 @@ class Monitor:
         self._sync_recorder()
 
         self._sender = None
+        self._device_sampler = None
         if self._enabled:
             if self._native:
                 from profstream.producers.native_sender import NativeSender as sender_type
@@ -135,6 +137,10 @@ class Monitor:
             self._sender = (sender_factory or sender_type)(self)
             self._sender.start()
             _live_monitors.add(self)
+            from profstream.devices.sampler import start_sampler
+
+            # on a thread of its own; None (one information line) where no counters can be read
+            self._device_sampler = start_sampler(opts, self.device_sample)
 
     # -- hot path ---------------------------------------------------------------------
 
@@ -263,6 +269,21 @@ class Monitor:
             self.buffer.add_sample(self.buffer.queues, (name, _time_ns() if ts_ns is None else ts_ns,
                                                         self._step if step is None else step, size, capacity))
 
+    def device_sample(self, sample: DeviceSample, ts_ns: int | None = None, step: int | None = None) -> None:
+        """Record one reading of a device's counters (``profstream.devices.DeviceSample``).
+
+        The device sampler calls this from its thread every ``device_interval_ms``; a
+        backend of one's own, or a simulator, may too. ``step`` defaults to the step open
+        now, else the next one."""
+        if self._enabled:
+            self.buffer.add_device_sample((_time_ns() if ts_ns is None else ts_ns,
+                                           self.sample_step if step is None else step, *sample))
+
+    @property
+    def sample_step(self) -> int:
+        """The step a sample taken now belongs to: the open step, else the next one."""
+        return self._step if self._step_start is not None else self._next_step
+
     # -- lifecycle --------------------------------------------------------------------
 
     @property
@@ -271,7 +292,7 @@ class Monitor:
 
     @property
     def dropped_samples(self) -> int:
-        return self.buffer.dropped_samples
+        return self.buffer.dropped_samples + self.buffer.dropped_device_samples
 
     @property
     def buffered_ops(self) -> int:
@@ -299,6 +320,8 @@ class Monitor:
         self._capturing = False
         self._sync_recorder()
         _live_monitors.discard(self)
+        if self._device_sampler is not None:  # its last samples go with the final flush
+            self._device_sampler.stop(min(timeout, 5.0))
         if self._sender is None:
             return True
         return self._sender.stop(timeout)
@@ -314,6 +337,8 @@ class Monitor:
         out = {"recording": self.recording, "dropped_ops": self.dropped_ops, "dropped_samples": self.dropped_samples,
                "buffered_ops": self.buffered_ops, "buffer_fill_ratio": self.buffer_fill_ratio,
                "buffered_samples": self.buffer.buffered_samples}
+        if self._device_sampler is not None:
+            out.update(self._device_sampler.stats())
         if self._sender is not None:
             out.update(self._sender.stats())
             # dropped: by the full buffer, and what never reached Kafka (purged at close, refused)

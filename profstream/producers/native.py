@@ -10,11 +10,21 @@ bytes (docs/monitor.md, "Native recording and sending").
 
 The native code knows no schema. ``layout()`` describes the sections and their columns
 from ``schema.batch.SECTIONS`` (with ``COLUMN_FILL`` where a version adds columns, and
-``DICTIONARIES``); ``batch_plan()`` walks the current EventBatch schema's fields and says,
-for each, whether it is constant for the Monitor (encoded here once with fastavro), one
-of the header values that change per batch, a dictionary or a section. A new column or
-section needs no native code; a header field that changes per batch and is not one of
-``DYNAMIC_FIELDS`` does (``UnsupportedSchema`` names it, and the Monitor runs in Python).
+``DICTIONARIES``); ``batch_plan()`` walks the fields of the EventBatch version it writes
+and says, for each, whether it is constant for the Monitor (encoded here once with
+fastavro), one of the header values that change per batch, a dictionary or a section. A
+new column or section needs no native code; a header field that changes per batch and is
+not one of ``DYNAMIC_FIELDS`` does (``UnsupportedSchema`` names it, and the Monitor runs
+in Python).
+
+The version it writes is the one the Python encoder writes for a batch without the
+sections only some batches carry (``plain_version``: v4 while device samples, v5, travel
+in batches of their own). The rows of every other section (``foreign_sections``: device
+samples now) are recorded in a Python ``EventBuffer`` beside the native columns
+(``NativeBuffer.foreign``) and sent by the Python encoder from the native sender's thread
+(``native_sender``); the native Batcher holds the watermark back while they wait. A
+buffer whose ``drain`` returns a part the native sender does not know makes ``load()``
+refuse, and the Monitor runs in Python: such rows are never dropped unseen.
 """
 
 from __future__ import annotations
@@ -27,10 +37,17 @@ from typing import Any
 
 from fastavro import parse_schema, schemaless_writer
 
-from profstream.producers.buffer import buffer_bounds
+from profstream.producers.buffer import Drained, EventBuffer, buffer_bounds
 from profstream.schema import batch as batch_schema
-from profstream.schema.batch import DICTIONARIES, HOST, KIND_CODES, SECTIONS
-from profstream.schema.codec import CURRENT
+from profstream.schema.batch import (
+    DICTIONARIES,
+    HOST,
+    KIND_CODES,
+    SECTIONS,
+    EventBatch,
+    encode_batch,
+)
+from profstream.schema.codec import SCHEMAS, SchemaVersion
 
 # Rows per preallocated block of a section's columns: ops come by the thousand, samples
 # a few per step. A block has its own name dictionaries, so the Recorder's cache of the
@@ -43,6 +60,11 @@ DYNAMIC_FIELDS = {"seq": "long", "sent_ns": "long", "dropped_ops": "long", "drop
                   "complete_through_step": ["null", "long"], "buffer_fill_ratio": "double",
                   "send_latency_ns": "long"}
 _DTYPES = {"<i4": "i4", "<i8": "i8", "|u1": "u1", "<f8": "f8"}
+
+# The parts of EventBuffer.drain() the native sender handles: ops and samples are recorded
+# natively, device samples sent by the Python encoder (native_sender._send_foreign).
+KNOWN_DRAINED = {"watermark", "marks", "memory", "queues", "ops", "more_ops", "dropped_ops", "dropped_samples",
+                 "devices"}
 
 _loaded: tuple[Any, str] | None = None
 _lock = threading.Lock()
@@ -73,6 +95,9 @@ def _load() -> tuple[Any, str]:
         _native.load_librdkafka(path)
     except OSError as e:
         return None, f"librdkafka could not be opened: {e}"
+    unknown = sorted(set(Drained._fields) - KNOWN_DRAINED)
+    if unknown:
+        return None, f"the native sender does not send the buffer's {', '.join(unknown)} (they would be lost)"
     try:  # this schema and layout, checked once: a field the encoder cannot write falls back here
         plan = batch_plan({"run_id": "r", "host": "", "rank": 0, "world_size": None, "device": "cpu",
                            "producer_id": ""})
@@ -110,11 +135,31 @@ def describe() -> str:
     return f"librdkafka {module.load_librdkafka(librdkafka_path())}" if module else "not loaded"
 
 
+def plain_version() -> SchemaVersion:
+    """The EventBatch version the Python encoder writes for a batch of ops and samples alone
+    (none of the sections only some batches carry): the one the native encoder writes."""
+    message = encode_batch(EventBatch(run_id="", rank=0))
+    return SCHEMAS[int.from_bytes(message[2:10], "little")]
+
+
+def native_sections() -> list[str]:
+    """The sections the native Recorder records and the Batcher writes, in SECTIONS order."""
+    fields = {f["name"] for f in plain_version().parsed["fields"]}
+    return [s for s in SECTIONS if s in fields]
+
+
+def foreign_sections() -> list[str]:
+    """The sections recorded and sent in Python beside the native ones (device samples)."""
+    native = native_sections()
+    return [s for s in SECTIONS if s not in native]
+
+
 def layout(max_ops: int, max_samples: int) -> list[tuple]:
-    """The sections of an EventBatch as the native Recorder takes them."""
+    """The native sections of an EventBatch as the native Recorder takes them."""
     fill = getattr(batch_schema, "COLUMN_FILL", {})  # columns added by later versions, if any
     out = []
-    for section, columns in SECTIONS.items():
+    for section in native_sections():
+        columns = SECTIONS[section]
         names = [c for c, _ in columns]
         dicts = [(field, names.index(col), _wire(field) == "names_blob")
                  for field, (sec, col) in DICTIONARIES.items() if sec == section]
@@ -134,7 +179,7 @@ def layout(max_ops: int, max_samples: int) -> list[tuple]:
 
 
 def _field(name: str) -> dict:
-    for f in CURRENT["EventBatch"].parsed["fields"]:
+    for f in plain_version().parsed["fields"]:
         if f["name"] == name:
             return f
     raise UnsupportedSchema(f"the EventBatch schema has no field {name!r}")
@@ -157,10 +202,10 @@ def _avro(kind: Any, value: Any) -> bytes:
 
 
 def batch_plan(constants: dict[str, Any]) -> list[tuple]:
-    """The native encoder's steps for the current EventBatch schema: ``constants`` are the
-    header fields that never change for one Monitor (run_id, rank...)."""
-    sv = CURRENT["EventBatch"]
-    index = {section: i for i, section in enumerate(SECTIONS)}
+    """The native encoder's steps for the EventBatch version it writes (``plain_version``):
+    ``constants`` are the header fields that never change for one Monitor (run_id, rank...)."""
+    sv = plain_version()
+    index = {section: i for i, section in enumerate(native_sections())}
     steps: list[tuple] = [("raw", sv.header)]
     for field in sv.parsed["fields"]:
         name, kind = field["name"], field["type"]
@@ -177,7 +222,7 @@ def batch_plan(constants: dict[str, Any]) -> list[tuple]:
             section, column = DICTIONARIES[name]
             dicts = [f for f, (s, _c) in DICTIONARIES.items() if s == section]
             steps.append((_wire(name), index[section], dicts.index(name)))
-        elif name in SECTIONS:
+        elif name in index:
             got = [(f["name"], f["type"]) for f in kind["fields"]]
             want = [("count", "int")] + [(c, "bytes") for c, _ in SECTIONS[name]]
             if got != want:
@@ -215,7 +260,11 @@ class _NativeBufferMethods:
     def __init__(self, buffer_bytes: int, batch_max_ops: int) -> None:
         self.inflight_limit_bytes, self.max_ops, self.max_samples = buffer_bounds(buffer_bytes)
         super().__init__(layout(self.max_ops, self.max_samples), "ops", batch_max_ops)  # type: ignore[call-arg]
-        sections = list(SECTIONS)
+        # the sections the native encoder does not write, recorded here and sent by the
+        # Python encoder: Monitor methods of theirs (add_device_sample...) reach it through
+        # __getattr__
+        self.foreign = EventBuffer(buffer_bytes, batch_max_ops)
+        sections = native_sections()
         self.ops_section = sections.index("ops")
         self.marks, self.memory, self.queues = (sections.index(s) for s in ("steps", "memory", "queues"))
         self.host = sections.index("host_samples")
@@ -233,9 +282,29 @@ class _NativeBufferMethods:
     def buffered_ops(self) -> int:
         return self.buffered_rows(self.ops_section)  # type: ignore[attr-defined]
 
+    def __getattr__(self, name: str) -> Any:
+        """What the Python buffer has and this one does not: the recording methods and
+        counters of the foreign sections (``add_device_sample``, ``dropped_device_samples``).
+        Their ``add_*`` methods also tell the native sender that rows wait for it."""
+        if name == "foreign":  # not set yet
+            raise AttributeError(name)
+        found = getattr(self.foreign, name)
+        if not (name.startswith("add_") and callable(found)):
+            return found
+        noted = self.foreign_recorded  # type: ignore[attr-defined]
+
+        def add(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return found(*args, **kwargs)
+            finally:
+                noted()  # after the row is in: the sender reads this count before taking rows
+
+        return add
+
     @property
     def buffered_samples(self) -> int:
-        return sum(self.buffered_rows(s) for s in (self.marks, self.memory, self.queues))  # type: ignore[attr-defined]
+        return (sum(self.buffered_rows(s) for s in (self.marks, self.memory, self.queues))  # type: ignore[attr-defined]
+                + self.foreign.buffered_samples)
 
     @property
     def fill_ratio(self) -> float:
@@ -244,7 +313,7 @@ class _NativeBufferMethods:
     @property
     def empty(self) -> bool:
         """Whether nothing is waiting for the Sender."""
-        return not (self.buffered_ops or self.buffered_samples)
+        return not (self.buffered_ops or self.buffered_samples) and self.foreign.empty
 
 
 _TYPE_FALLBACK = {"type_idx": "name_idx"}  # an op type of None is the op's name

@@ -6,7 +6,10 @@ cycle: it waits for the batch interval or a wake-up, builds, sends and hears the
 acknowledgements without taking the GIL once. It comes back to Python only for what
 Python does: connecting (and topic creation), a flush or stop, a log line to write (an
 outage, lost events, invalid values), host samples where /proc cannot be read, and every
-``STEADY_S`` seconds. Everything else, and every rule, is ``sender.Sender``'s.
+``STEADY_S`` seconds, and rows of the sections the native encoder does not write (device
+samples: ``native.foreign_sections``), which the Python encoder sends from here, queued
+before the next native batch (the Batcher holds the watermark back while they wait).
+Everything else, and every rule, is ``sender.Sender``'s.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class NativeSender(Sender):
                                   "host": opts["host"], "device": opts["device"], "producer_id": m.producer_id})
         self._core = module.Batcher(buf, plan, MAX_MESSAGE_BYTES, m.inflight_limit_bytes, self._interval,
                                     self._host_interval or 0.0, buf.host)
+        self._foreign_taken = 0  # foreign rows recorded and taken (buffer.foreign_recorded_count)
 
     # -- thread -----------------------------------------------------------------------
 
@@ -68,6 +72,7 @@ class NativeSender(Sender):
             core.clear_interrupt()  # before reading what a flush or stop asks
             stopping = self._stopping.is_set()
             try:
+                self._send_foreign()
                 if cycle or stopping:
                     self._cycle()
                 self._handle_events()
@@ -94,7 +99,30 @@ class NativeSender(Sender):
     def _cycle(self) -> None:
         if self._producer is None:
             self._connect(time.monotonic())
+        self._send_foreign()
         self._core.cycle()  # host samples even while Kafka is away
+
+    def _send_foreign(self) -> None:
+        """The rows of the sections the native encoder does not write (device samples), as
+        the Python Sender sends them, queued before the next native batch, which may
+        complete their steps: the Batcher holds the watermark back until they are taken."""
+        buf = self.buffer
+        recorded = buf.foreign_recorded_count  # before taking: every row it counts is in
+        if recorded == self._foreign_taken:
+            return
+        drained = buf.foreign.drain(0)
+        if drained.devices:
+            self._last_latency_ns = self._core.stats()["send_latency_ns"]
+            self._queue_device_batches(drained.devices)
+        buf.foreign_taken(recorded, buf.foreign.dropped_device_samples)
+        self._foreign_taken = recorded
+
+    def _queue_message(self, value: bytes, ops: int, samples: int) -> None:
+        self._core.enqueue(value, ops, samples)
+
+    def _drained_fill_ratio(self) -> float:  # device batches go before the batch that takes the ops
+        buf = self.buffer
+        return max(0, buf.buffered_ops - min(buf.batch_max_ops, self._ops_limit)) / buf.max_ops
 
     def _handle_events(self) -> None:
         """What the native thread left for Python: log lines, outages, host samples."""

@@ -40,6 +40,12 @@ from profstream.schema.batch import (
 
 log = logging.getLogger("profstream.monitor")
 
+# Device counter samples travel in batches of their own, under a producer id of their own
+# (seq counts per producer id): written as EventBatch v5, where the Monitor's other batches
+# stay v4, so a processor older than v5 loses nothing but the device counters.
+DEVICE_PRODUCER_SUFFIX = ".devices"
+DEVICE_ROWS_PER_BATCH = 4096  # ~0.5 MB encoded: under Kafka's message limit
+
 
 class Source(Protocol):
     """What the Sender reads of the Monitor it sends for."""
@@ -164,6 +170,7 @@ class Sender(threading.Thread):
         self._connect_timeout = opts["connect_timeout_s"]
         self._producer = None
         self._seq = 0
+        self._device_seq = 0
         self._sent_watermark: int | None = None
         self._reported_dropped_ops = 0
         self._reported_dropped_samples = 0
@@ -377,8 +384,10 @@ class Sender(threading.Thread):
     def _build(self) -> bool:
         """Drain one batch from the buffers into self._pending. False if nothing to send."""
         m, buf = self.m, self.buffer
-        watermark, marks, memory, queues, ops, more_ops, dropped_ops, dropped_samples = buf.drain(
+        watermark, marks, memory, queues, ops, more_ops, dropped_ops, dropped_samples, devices = buf.drain(
             min(buf.batch_max_ops, self._ops_limit))
+        if devices:  # before the batch that may move the watermark past their steps
+            self._queue_device_batches(devices)
         # what never reached Kafka is reported downstream with what the buffer dropped
         total_dropped_ops = dropped_ops + self.undelivered_ops
         total_dropped_samples = dropped_samples + self.undelivered_samples
@@ -389,7 +398,7 @@ class Sender(threading.Thread):
         if not (marks or memory or queues or host or ops or dropped_ops or dropped_samples) and (
             watermark == self._sent_watermark
         ):
-            return False
+            return bool(devices)
         batch = EventBatch(
             run_id=m.run_id, rank=m.rank, world_size=m.options["world_size"], host=m.options["host"],
             device=m.options["device"],
@@ -426,8 +435,36 @@ class Sender(threading.Thread):
         self._reported_dropped_samples = total_dropped_samples
         self._sent_watermark = batch.complete_through_step
         self._seq += 1
-        self._pending.append((value, batch.n("ops"), len(marks) + len(memory) + len(queues)))
+        self._queue_message(value, batch.n("ops"), len(marks) + len(memory) + len(queues))
         return True
+
+    def _queue_device_batches(self, rows: list[tuple]) -> None:
+        """Device counter samples into batches of their own (DEVICE_PRODUCER_SUFFIX);
+        samples with values that are not numbers are dropped and counted."""
+        m = self.m
+        for i in range(0, len(rows), DEVICE_ROWS_PER_BATCH):
+            part = rows[i:i + DEVICE_ROWS_PER_BATCH]
+            batch = EventBatch(
+                run_id=m.run_id, rank=m.rank, world_size=m.options["world_size"], host=m.options["host"],
+                device=m.options["device"], producer_id=m.producer_id + DEVICE_PRODUCER_SUFFIX,
+                seq=self._device_seq, sent_ns=time.time_ns(), buffer_fill_ratio=self._drained_fill_ratio(),
+                send_latency_ns=self._last_latency_ns)
+            try:
+                batch.device_samples = sample_columns(part, SECTIONS["device_samples"])
+                value = encode_batch(batch)
+            except (ValueError, TypeError, OverflowError) as e:  # from Monitor.device_sample's caller
+                self._undelivered(0, len(part), f"device samples with values that are not numbers: {e}")
+                continue
+            self._device_seq += 1
+            self._queue_message(value, 0, len(part))
+
+    def _drained_fill_ratio(self) -> float:
+        """The buffer's fill once this cycle's batch has taken its ops."""
+        return self.buffer.fill_ratio
+
+    def _queue_message(self, value: bytes, ops: int, samples: int) -> None:
+        """A built message, to be sent after those built before it."""
+        self._pending.append((value, ops, samples))
 
     def _shrink(self, batch: EventBatch, size: int) -> bytes:
         """A batch over Kafka's message limit (long op names, say): give its second half of

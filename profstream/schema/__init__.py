@@ -5,6 +5,7 @@ from profstream.schema.batch import (
     COMMUNICATION,
     COMPUTE,
     DATA,
+    DEVICE_COLUMNS,
     HOST,
     KIND_CODES,
     KIND_NAMES,
@@ -27,7 +28,7 @@ from profstream.schema.codec import (
 )
 
 __all__ = [
-    "COLUMN_FILL", "COMMUNICATION", "COMPUTE", "CURRENT", "DATA", "HOST", "KIND_CODES", "KIND_NAMES", "MEMCPY",
+    "COLUMN_FILL", "COMMUNICATION", "COMPUTE", "CURRENT", "DATA", "DEVICE_COLUMNS", "HOST", "KIND_CODES", "KIND_NAMES", "MEMCPY",
     "MEMSET", "NO_VALUE", "SCHEMAS", "SECTIONS", "DecodeError", "EventBatch", "crc64_avro",
     "decode", "decode_any", "decode_batch", "encode", "encode_batch",
 ]

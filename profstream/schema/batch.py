@@ -34,6 +34,11 @@ QUEUE_COLUMNS = (("name_idx", I32), ("ts_ns", I64), ("step", I64), ("size", I64)
 STEP_COLUMNS = (("step", I64), ("start_ns", I64), ("end_ns", I64), ("fp_start_ns", I64), ("bp_end_ns", I64))
 HOST_COLUMNS = (("ts_ns", I64), ("cpu_user", F64), ("cpu_system", F64), ("cpu_idle", F64),
                 ("cpu_iowait", F64), ("process_cpu", F64), ("rss_bytes", I64))
+# Device counters (v5): -1 in an i64 column, NaN in an f64 one, where the device has no value.
+DEVICE_COLUMNS = (("ts_ns", I64), ("step", I64), ("device", I32), ("gpu_util", F64), ("mem_util", F64),
+                  ("mem_used", I64), ("mem_total", I64), ("power_w", F64), ("power_limit_w", F64),
+                  ("temperature_c", F64), ("sm_clock_mhz", F64), ("throttle_reasons", I64),
+                  ("pcie_rx", F64), ("pcie_tx", F64), ("nvlink_rx", F64), ("nvlink_tx", F64))
 
 SECTIONS = {
     "ops": OP_COLUMNS,
@@ -41,7 +46,12 @@ SECTIONS = {
     "queues": QUEUE_COLUMNS,
     "steps": STEP_COLUMNS,
     "host_samples": HOST_COLUMNS,
+    "device_samples": DEVICE_COLUMNS,
 }
+# A batch without device samples is written as the version before them, which every
+# processor since v4 reads: producers with device counters off stay readable by older
+# processors (docs/events.md#versions).
+WITHOUT_DEVICE_SAMPLES_VERSION = 4
 
 # Dictionary-coded columns: the header field that holds the dictionary -> the (section,
 # column) whose values index it. Codes are given in order of first appearance per batch.
@@ -153,6 +163,7 @@ class EventBatch:
     queues: dict[str, np.ndarray] = _empty("queues")
     steps: dict[str, np.ndarray] = _empty("steps")
     host_samples: dict[str, np.ndarray] = _empty("host_samples")
+    device_samples: dict[str, np.ndarray] = _empty("device_samples")
 
     @property
     def key(self) -> bytes:
@@ -213,7 +224,8 @@ def encode_batch(batch: EventBatch) -> bytes:
     record["op_names"] = names_blob(batch.op_names)
     for section in SECTIONS:
         record[section] = _pack(section, getattr(batch, section))
-    return encode("EventBatch", record)
+    version = None if record["device_samples"]["count"] else WITHOUT_DEVICE_SAMPLES_VERSION
+    return encode("EventBatch", record, version)
 
 
 def decode_batch(data: bytes) -> EventBatch:

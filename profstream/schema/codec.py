@@ -122,6 +122,10 @@ def _step_metrics_v1_to_v3(record: dict) -> dict:
     return _step_metrics_v2_to_v3({**record, "world_size": None})
 
 
+def _step_metrics_v3_to_v4(record: dict) -> dict:
+    return {**record, "devices": []}
+
+
 def _rank_checkpoint_v1_to_v2(record: dict) -> dict:
     return {**record, "carry": {"compute_start": b"", "compute_end": b"", "comm_start": b"", "comm_end": b""},
             "device_end_step": None, "device_end_ns": None}
@@ -129,32 +133,49 @@ def _rank_checkpoint_v1_to_v2(record: dict) -> dict:
 
 _VERSIONS: list[SchemaVersion] = [
     _version(_load("event_batch.avsc"), 1, _event_batch_v1_to_v4),
-    _version(_load("step_metrics.avsc"), 1, _step_metrics_v1_to_v3),
+    _version(_load("step_metrics.avsc"), 1, lambda r: _step_metrics_v3_to_v4(_step_metrics_v1_to_v3(r))),
     _version(_load("run_step_metrics.avsc"), 1),
     _version(_load("alert.avsc"), 1),
     _version(_load("rank_checkpoint.avsc"), 1, _rank_checkpoint_v1_to_v2),
     _version(_load("run_checkpoint.avsc"), 1),
     _version(_load("event_batch.v2.avsc"), 2, _event_batch_v2_to_v4),  # + world_size
-    _version(_load("step_metrics.v2.avsc"), 2, _step_metrics_v2_to_v3),  # + world_size
+    _version(_load("step_metrics.v2.avsc"), 2,
+             lambda r: _step_metrics_v3_to_v4(_step_metrics_v2_to_v3(r))),  # + world_size
     _version(_load("event_batch.v3.avsc"), 3, _event_batch_v3_to_v4),  # op_names as one blob
     _version(_load("event_batch.v4.avsc"), 4),  # + ops.launch_ns
-    _version(_load("step_metrics.v3.avsc"), 3),  # + the device window, kernels, device time by kind
+    _version(_load("step_metrics.v3.avsc"), 3, _step_metrics_v3_to_v4),  # + the device window, kernels, device time by kind
     _version(_load("rank_checkpoint.v2.avsc"), 2),  # + carry, device end
+    # EventBatch v4 messages read with device_samples empty (decode_batch: a newer section)
+    _version(_load("event_batch.v5.avsc"), 5),  # + device_samples
+    _version(_load("step_metrics.v4.avsc"), 4),  # + devices
 ]
 
 SCHEMAS: dict[int, SchemaVersion] = {v.fingerprint: v for v in _VERSIONS}
+VERSIONS: dict[tuple[str, int], SchemaVersion] = {(v.name, v.version): v for v in _VERSIONS}
 CURRENT: dict[str, SchemaVersion] = {}
 for _v in _VERSIONS:
     CURRENT[_v.name] = _v
 
 
-def encode(name: str, record: dict) -> bytes:
-    """Encode ``record`` with the current schema ``name`` as a single-object message."""
-    sv = CURRENT[name]
+def encode(name: str, record: dict, version: int | None = None) -> bytes:
+    """Encode ``record`` with the current schema ``name`` (or its ``version``, for a record
+    that an older version holds whole: readers of that version can then read it) as a
+    single-object message."""
+    sv = CURRENT[name] if version is None else VERSIONS[(name, version)]
     out = io.BytesIO()
     out.write(sv.header)
     schemaless_writer(out, sv.parsed, record)
     return out.getvalue()
+
+
+# Steps without device figures are written as StepMetrics v3, which consumers from before v4
+# read whole (the exporter, sinks and tools of an older release keep working).
+STEP_METRICS_WITHOUT_DEVICES_VERSION = 3
+
+
+def encode_step_metrics(record: dict) -> bytes:
+    """A StepMetrics record as its message: v4 with device figures, else v3."""
+    return encode("StepMetrics", record, None if record.get("devices") else STEP_METRICS_WITHOUT_DEVICES_VERSION)
 
 
 def decode_any(data: bytes) -> tuple[str, dict]:

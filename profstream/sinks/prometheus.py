@@ -30,6 +30,7 @@ from profstream.metrics_server import serve_metrics
 from profstream.processors.health import FRESHNESS_BUCKETS
 from profstream.processors.stalls import stall_state
 from profstream.schema.codec import DecodeError, decode
+from profstream.sinks.device_metrics import MAX_DEVICES, device_lines, fold_devices
 
 log = logging.getLogger("profstream.sink.prometheus")
 
@@ -102,6 +103,7 @@ class _Rank:
     host_step_s: float = 0.0  # E - S of the latest step (step_s is the device's on a device window)
     kind_ns: dict[str, int] = field(default_factory=dict)  # device kind -> summed op ns
     kernel_ns: dict[str, int] = field(default_factory=dict)  # admitted kernel type or "other" -> ns
+    devices: dict[str, dict] = field(default_factory=dict)  # device -> DeviceFigures of its latest step
 
 
 @dataclass(eq=False)
@@ -136,6 +138,7 @@ class ExporterState:
         self.stale_records = 0
         self.expired: Counter = Counter()  # "run", "rank"
         self.queues_over_limit = 0
+        self.devices_over_limit = 0
         self.source: Any = None  # the SinkLoop: its lag is kept on its own thread
         self._fresh = [0] * (len(FRESHNESS_BUCKETS) + 1)
         self._fresh_sum = 0.0
@@ -221,6 +224,7 @@ class ExporterState:
                 r.queues[q["queue"]] = (q["last"], q["empty_ratio"])
             else:
                 self.queues_over_limit += 1
+        self.devices_over_limit += fold_devices(r.devices, m.get("devices", ()))
 
     def _add_types(self, costs: list[dict], admitted: set[str], into: dict[str, int]) -> None:
         """Fold top-K type costs into a rank's counters: the first ``top_k`` types of a run
@@ -338,6 +342,7 @@ class ExporterState:
         per_run(p + "straggler_rank", "rank with the largest step time in the run's latest complete step",
                 lambda run: run.straggler)
         per_run(p + "run_ranks_reported", "ranks in the run's latest complete step", lambda run: run.ranks_reported)
+        out.extend(device_lines(p, ranks, _num))
         return "".join(out).encode()
 
     def _health(self) -> list:
@@ -359,6 +364,8 @@ class ExporterState:
                                 value=self.stale_records),
             CounterMetricFamily(p + "queues_over_limit", f"queue figures not exported: rank already had "
                                 f"{MAX_QUEUES} queues", value=self.queues_over_limit),
+            CounterMetricFamily(p + "devices_over_limit", f"device figures not exported: rank already had "
+                                f"{MAX_DEVICES} devices", value=self.devices_over_limit),
             GaugeMetricFamily(p + "consumer_lag_messages", "records on the input topics not yet consumed",
                               value=self.source.lag if self.source is not None else 0),
             GaugeMetricFamily(p + "runs", "runs with series", value=len(self._runs)),

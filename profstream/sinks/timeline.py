@@ -45,6 +45,7 @@ from profstream.processors.window import Window as StepWindow
 from profstream.processors.window import intervals, step_window
 from profstream.schema.batch import COMMUNICATION, COMPUTE, KIND_NAMES, decode_batch
 from profstream.schema.codec import DecodeError
+from profstream.sinks.timeline_devices import device_counter_events
 
 try:  # ISA-L deflate: same gzip format, ~3x the speed of zlib at level 1
     from isal import isal_zlib as _deflate
@@ -214,6 +215,7 @@ def step_timeline(ev: StepEvents) -> StepTimeline:
                 counters.append(({"ph": "C", "name": f"memory {what}", "pid": pid, "args": {"bytes": value}}, ts))
     for q, ts, size in zip(ev.queue.tolist(), ev.queue_ts_ns.tolist(), ev.queue_size.tolist()):
         counters.append(({"ph": "C", "name": f"queue {ev.queue_names[q]}", "pid": pid, "args": {"size": size}}, ts))
+    counters += device_counter_events(ev, pid)
 
     return StepTimeline(ev.run_id, ev.rank, step, S, heads, np.concatenate(heads_idx),
                         np.concatenate(starts, dtype=np.int64), np.concatenate(durs, dtype=np.int64),

@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cinttypes>
 #include <cstdio>
+#include <cstring>
 #include <deque>
 #include <mutex>
 #include <string>
@@ -141,6 +142,8 @@ class Core : public DeliverySink {
   bool build() {
     Recording* r = rec;
     int64_t watermark = r->watermark.load(std::memory_order_acquire);  // before the rows
+    // rows the Python encoder sends have not gone yet: the watermark waits for them
+    if (r->foreign_waiting()) watermark = sent_watermark;
     size_t ns = r->stores.size();
     takes.resize(ns);
     int64_t rows = 0;
@@ -154,7 +157,7 @@ class Core : public DeliverySink {
     int64_t left = ops.buffered() - takes[r->ops].count;
     // what never reached Kafka is reported downstream with what the buffer dropped
     int64_t dropped_ops = r->dropped_ops.load() + undelivered_ops.load();
-    int64_t dropped_samples = r->dropped_samples.load() + undelivered_samples.load();
+    int64_t dropped_samples = r->dropped_samples.load() + r->foreign_dropped.load() + undelivered_samples.load();
     int64_t bad_ops = r->bad_ops.load(), bad_samples = r->bad_samples.load();
     Header h;
     h.dropped_ops = dropped_ops - reported_dropped_ops + bad_ops - reported_bad_ops;
@@ -304,7 +307,7 @@ class Core : public DeliverySink {
   void run(Clock::time_point deadline) {
     Wakeup& w = *rec->wake;
     for (;;) {
-      if (w.interrupt.load() || has_events.load()) return;
+      if (w.interrupt.load() || has_events.load() || rec->foreign_waiting()) return;
       bool woken;
       {
         std::unique_lock<std::mutex> l(w.mu);
@@ -316,7 +319,7 @@ class Core : public DeliverySink {
       // as each message costs librdkafka's threads ~0.35 ms of CPU
       if (woken && w.sleep_until(last_cycle + interval)) return;
       cycle();
-      if (Clock::now() >= deadline) return;
+      if (Clock::now() >= deadline || rec->foreign_waiting()) return;
     }
   }
 };
@@ -437,6 +440,24 @@ static PyObject* Batcher_take_message(BatcherObject* self, PyObject*) {
   return out;
 }
 
+// enqueue(message, ops, samples): a message built in Python (rows of a section the native
+// encoder does not write), sent in order with the native ones. On the sender thread.
+static PyObject* Batcher_enqueue(BatcherObject* self, PyObject* args) {
+  Py_buffer data;
+  long long ops, samples;
+  if (!PyArg_ParseTuple(args, "y*LL", &data, &ops, &samples)) return nullptr;
+  char* copy = static_cast<char*>(std::malloc(data.len > 0 ? static_cast<size_t>(data.len) : 1));
+  if (copy == nullptr) {
+    PyBuffer_Release(&data);
+    return PyErr_NoMemory();
+  }
+  std::memcpy(copy, data.buf, static_cast<size_t>(data.len));
+  self->core->pending.push_back(Pending{copy, static_cast<size_t>(data.len), ops, samples});
+  self->core->pending_count.fetch_add(1);
+  PyBuffer_Release(&data);
+  Py_RETURN_NONE;
+}
+
 static PyObject* Batcher_drop_pending(BatcherObject* self, PyObject*) {
   Core* c = self->core;
   int64_t ops = 0, samples = 0;
@@ -526,6 +547,8 @@ static PyMethodDef Batcher_methods[] = {
     {"build", reinterpret_cast<PyCFunction>(Batcher_build), METH_NOARGS, "Build one batch; False if nothing to send."},
     {"take_message", reinterpret_cast<PyCFunction>(Batcher_take_message), METH_NOARGS,
      "The oldest built message, unsent: (bytes, ops, samples), or None."},
+    {"enqueue", reinterpret_cast<PyCFunction>(Batcher_enqueue), METH_VARARGS,
+     "Send this message (bytes, ops, samples) after those built before it."},
     {"drop_pending", reinterpret_cast<PyCFunction>(Batcher_drop_pending), METH_NOARGS,
      "Forget the built, unsent messages; returns their (ops, samples)."},
     {"pending", reinterpret_cast<PyCFunction>(Batcher_pending), METH_NOARGS, "(messages, ops, samples) built, unsent."},

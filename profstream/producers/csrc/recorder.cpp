@@ -761,6 +761,22 @@ static PyObject* Recorder_add_sample(RecorderObject* self, PyObject* const* args
   Py_RETURN_NONE;
 }
 
+// foreign_recorded(): one row of a section recorded in Python (any thread; GIL held).
+static PyObject* Recorder_foreign_recorded(RecorderObject* self, PyObject*) {
+  self->rec->foreign_recorded.fetch_add(1, std::memory_order_release);
+  Py_RETURN_NONE;
+}
+
+// foreign_taken(recorded, dropped): the Python sender took every row recorded up to the
+// count `recorded` (read before it took them), and the buffer has dropped `dropped` in all.
+static PyObject* Recorder_foreign_taken(RecorderObject* self, PyObject* args) {
+  long long recorded, dropped;
+  if (!PyArg_ParseTuple(args, "LL", &recorded, &dropped)) return nullptr;
+  self->rec->foreign_dropped.store(dropped, std::memory_order_relaxed);
+  self->rec->foreign_taken.store(recorded, std::memory_order_release);
+  Py_RETURN_NONE;
+}
+
 static PyObject* Recorder_set_state(RecorderObject* self, PyObject* args) {
   long long step;
   int capturing;
@@ -796,6 +812,8 @@ static PyMethodDef Recorder_methods[] = {
     {"add_sample", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(Recorder_add_sample)), METH_FASTCALL,
      nullptr},
     {"set_state", reinterpret_cast<PyCFunction>(Recorder_set_state), METH_VARARGS, nullptr},
+    {"foreign_recorded", reinterpret_cast<PyCFunction>(Recorder_foreign_recorded), METH_NOARGS, nullptr},
+    {"foreign_taken", reinterpret_cast<PyCFunction>(Recorder_foreign_taken), METH_VARARGS, nullptr},
     {"buffered_rows", reinterpret_cast<PyCFunction>(Recorder_buffered), METH_VARARGS, nullptr},
     {"first_bad", reinterpret_cast<PyCFunction>(Recorder_take_first_bad), METH_NOARGS, nullptr},
     {nullptr, nullptr, 0, nullptr}};
@@ -809,6 +827,7 @@ COUNTER_GETTER(dropped_samples)
 COUNTER_GETTER(bad_ops)
 COUNTER_GETTER(bad_samples)
 COUNTER_GETTER(unknown_kinds)
+COUNTER_GETTER(foreign_recorded)
 
 static int Recorder_set_dropped_ops(RecorderObject* self, PyObject* v, void*) {
   int64_t x;
@@ -854,6 +873,7 @@ static PyGetSetDef Recorder_getset[] = {
     {"bad_ops", reinterpret_cast<getter>(Recorder_get_bad_ops), nullptr, nullptr, nullptr},
     {"bad_samples", reinterpret_cast<getter>(Recorder_get_bad_samples), nullptr, nullptr, nullptr},
     {"unknown_kinds", reinterpret_cast<getter>(Recorder_get_unknown_kinds), nullptr, nullptr, nullptr},
+    {"foreign_recorded_count", reinterpret_cast<getter>(Recorder_get_foreign_recorded), nullptr, nullptr, nullptr},
     {"watermark", reinterpret_cast<getter>(Recorder_get_watermark), reinterpret_cast<setter>(Recorder_set_watermark),
      nullptr, nullptr},
     {"wake", reinterpret_cast<getter>(Recorder_get_wake), nullptr, nullptr, nullptr},

@@ -71,6 +71,16 @@ struct Recording {
   std::atomic<int64_t> bad_samples{0};
   std::atomic<int64_t> unknown_kinds{0};
   std::atomic<int64_t> watermark{NO_WATERMARK};
+  // Rows of sections the native encoder does not write (device samples...), recorded in
+  // Python and sent by the Python encoder: recorded (any thread, GIL held) and handed to
+  // it (the sender thread). While some wait, the Batcher holds the watermark back and
+  // returns to Python, so that they go out before the batch that completes their steps.
+  std::atomic<int64_t> foreign_recorded{0};
+  std::atomic<int64_t> foreign_taken{0};
+  std::atomic<int64_t> foreign_dropped{0};  // their drops, for the batch headers
+  bool foreign_waiting() const {
+    return foreign_recorded.load(std::memory_order_acquire) > foreign_taken.load(std::memory_order_acquire);
+  }
 
   // recording-thread state (GIL held)
   bool capturing = true;
