@@ -162,10 +162,12 @@ def training_run() -> Dashboard:
     return (
         dashboard("profstream-training-run", "profstream / Training run",
                   "Per-step figures of one run, per rank: step time and its phases, device utilization and "
-                  "overlap, memory, data queues, top op types. Annotations: run start/end and alerts.")
+                  "overlap, memory, data queues, top op types. Annotations: run start/end, alerts and op "
+                  "captures (linking their timeline files).")
         .with_variable(datasource_variable()).with_variable(run_variable()).with_variable(rank_variable())
         .annotation(tag_annotations("Alerts", "red", [TAG, "alert", "run:$run"]))
         .annotation(tag_annotations("Run start and end", "blue", [TAG, "run", "run:$run"]))
+        .annotation(tag_annotations("Op captures", "purple", [TAG, "capture", "run:$run"]))
         .with_row(Row("Step time"))
         .with_panel(single("Last step", "highest step closed by the processors", "none",
                            prom(f"max(profstream_last_step{{{RUN_RANK}}})", "last step"), width=4))
@@ -312,6 +314,7 @@ def cluster() -> Dashboard:
         .with_variable(datasource_variable()).with_variable(run_variable()).with_variable(rank_variable())
         .annotation(tag_annotations("Alerts", "red", [TAG, "alert", "run:$run"]))
         .annotation(tag_annotations("Run start and end", "blue", [TAG, "run", "run:$run"]))
+        .annotation(tag_annotations("Op captures", "purple", [TAG, "capture", "run:$run"]))
         .with_panel(single("Rank skew", "(max - min) / median step time of the last step across ranks",
                            "percentunit", prom(f"profstream_rank_skew_ratio{{{RUN}}}", "skew"), width=6)
                     .thresholds(thresholds((None, "green"), (0.1, "orange"), (0.3, "red"))))

@@ -172,6 +172,14 @@ MONITOR_OPTIONS: tuple[Option, ...] = (
            "an integer >= 0", optional=True),
     Option("every_n_steps", "int", None, "capture ops only on every n-th step from start_step",
            _positive, "an integer >= 1", optional=True),
+    Option("scheduled_capture", "bool", True,
+           "capture ops on the steps of start_step / stop_step / every_n_steps (false: only on the steps "
+           "capture requests ask for)"),
+    Option("control", "bool", True,
+           "read capture requests for this run from <topic_prefix>.control (a thread with its own Kafka "
+           "consumer; docs/capture.md)"),
+    Option("capture_max_steps", "int", 100, "most steps one capture request may capture (more is refused)",
+           _positive, "an integer >= 1"),
     Option("compression", "str", "lz4", "Kafka compression codec", lambda v: v in COMPRESSIONS,
            "one of " + ", ".join(COMPRESSIONS)),
     Option("host_sample_interval_s", "float", 1.0, "seconds between host CPU/RSS samples (0: off)",

@@ -104,5 +104,7 @@ def test_alertmanager_example_is_valid_and_pages_only_for_critical_alerts():
         return out.stdout.strip()
 
     assert receiver("alertname=RunSilent", "severity=critical", "run=r1") == "ml-oncall-pager"
-    assert receiver("alertname=DataQueueStall", "severity=warning", "run=r1") == "ml-team"
+    # run alerts that ask for an op capture reach the people too
+    assert receiver("alertname=DataQueueStall", "severity=warning", "run=r1") == "profstream-capture,ml-team"
+    assert receiver("alertname=RankStraggler", "severity=warning", "run=r1") == "profstream-capture,ml-team"
     assert receiver("alertname=PipelineLagging", "severity=warning") == "profstream-operators"

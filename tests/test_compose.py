@@ -60,7 +60,7 @@ def _depends(service: dict) -> dict[str, str]:
 
 def test_the_stack_has_every_part_and_pins_its_images():
     assert set(SERVICES) == {"kafka", "processor", "sink-prometheus", "sink-grafana", "sink-archive", "sink-timeline",
-                             "prometheus", "alertmanager", "grafana"}
+                             "autocapture", "prometheus", "alertmanager", "grafana"}
     assert SERVICES["kafka"]["image"].startswith("apache/kafka:3.9")
     assert SERVICES["kafka"]["environment"]["KAFKA_PROCESS_ROLES"] == "broker,controller"  # KRaft
     for name, service in SERVICES.items():
@@ -93,7 +93,7 @@ def test_dependencies_exist_have_no_cycle_and_wait_for_health_where_health_is_ch
         visit(name)
     # the order a user needs: broker, then processor (it creates the topics), then the sinks
     assert _depends(SERVICES["processor"]) == {"kafka": "service_healthy"}
-    for sink in ("sink-prometheus", "sink-grafana", "sink-archive", "sink-timeline"):
+    for sink in ("sink-prometheus", "sink-grafana", "sink-archive", "sink-timeline", "autocapture"):
         assert _depends(SERVICES[sink])["processor"] == "service_healthy"
     assert _depends(SERVICES["sink-grafana"])["grafana"] == "service_healthy"
 
@@ -212,3 +212,17 @@ def test_the_grafana_sink_reaches_grafana_without_showing_its_password():
     grafana = Grafana.from_options(environ={"PROFSTREAM_GRAFANA_URL": url,
                                             "PROFSTREAM_GRAFANA_TOKEN": _interpolate(env["PROFSTREAM_GRAFANA_TOKEN"])})
     assert grafana.display_url == "http://grafana:3000"
+
+
+def test_alertmanager_s_capture_route_reaches_the_autocapture_webhook_with_the_mounted_policy():
+    config = yaml.safe_load((ROOT / "deploy" / "alertmanager.yml").read_text())
+    (route,) = [r for r in config["route"]["routes"] if r["receiver"] == "profstream-capture"]
+    assert route["continue"] is True  # the people get the alerts too
+    (receiver,) = [r for r in config["receivers"] if r["name"] == "profstream-capture"]
+    url = urlsplit(receiver["webhook_configs"][0]["url"])
+    service = SERVICES[url.hostname]
+    args = _command(service)
+    assert args[:2] == ["profstream", "autocapture"] and int(_option(args, "--webhook-port")) == url.port
+    assert url.path == "/alerts" and f"{url.port}:{url.port}" in service["ports"]
+    assert _mounts(service)[_option(args, "--policy")] == "./deploy/autocapture.yml"
+    assert f"localhost:{url.port}/healthz" in " ".join(service["healthcheck"]["test"])

@@ -176,7 +176,8 @@ def test_without_nvml_a_gpu_monitor_says_so_in_one_information_line_and_starts_n
     lines = [line for line in done.stderr.splitlines() if "profstream" in line and "kafka" not in line]
     assert lines == ["INFO profstream.devices profstream: device counters are off: no NVML library "
                      "(libnvidia-ml.so.1): no NVIDIA driver on this machine"], done.stderr
-    assert "threads: ['sender']" in done.stdout and "closed: True" in done.stdout
+    # the Sender and the capture request reader run; no device sampler thread
+    assert "threads: ['control', 'sender']" in done.stdout and "closed: True" in done.stdout
 
 
 def test_a_gpu_monitor_streams_device_counters_that_become_figures_of_its_steps(nvml, kafka_bootstrap, topics):

@@ -370,6 +370,57 @@ def test_runs_and_alerts_become_annotations_with_grafanas_documented_bodies(sink
                                         "single-object marker C3 01)"]
 
 
+def test_a_finished_capture_is_a_region_tagged_with_its_alert_and_linking_its_timeline(sinks):
+    from profstream.control.records import new_request, new_status
+
+    feed = Feed()
+    t0 = 1_700_000_000_000
+    request = new_request("r1", steps=3, reason="RankStraggler firing on rank 3 (Alertmanager)")
+    statuses = [new_status(request, "armed", 3),
+                new_status(request, "finished", 3, first_step=40, last_step=42, ops=900,
+                           window_start_ns=(t0 + 10) * MS, window_end_ns=(t0 + 310) * MS),
+                new_status(request, "refused", 0, reason="busy: capture already running")]
+    with GrafanaDouble() as grafana:
+        sink = sinks(grafana.url, timeline_url="http://files:8080/timeline/")
+        sink.handle([feed("p.control", "CaptureRequest", request)]
+                    + [feed("p.control", "CaptureStatus", s) for s in statuses])
+        (body,) = wait_until(grafana.annotation_bodies, 10, "the capture's annotation")
+    assert grafana.violations == []
+    assert (body["time"], body["timeEnd"]) == (t0 + 10, t0 + 310)
+    assert body["tags"] == ["profstream", "capture", "run:r1", "rank:3", "RankStraggler"]
+    assert body["text"].startswith("ops captured on rank 3, steps 40-42 (900 ops) for RankStraggler firing")
+    assert '<a href="http://files:8080/timeline/r1/rank-3/steps-40-42.json.gz">timeline</a>' in body["text"]
+    dashboard = json.loads((ROOT / "dashboards" / "training-run.json").read_text())
+    queries = [{t.replace("$run", "r1") for t in a["target"]["tags"]} for a in dashboard["annotations"]["list"]]
+    assert any(q <= set(body["tags"]) for q in queries)  # it shows on the run's dashboard
+
+
+def test_an_alerts_region_links_the_timeline_of_the_capture_it_asked_for(sinks):
+    from profstream.control.records import new_request, new_status
+
+    feed = Feed()
+    t0 = 1_700_000_000_000
+    straggler = {**alert("r1", 3, 40, "firing", t0), "name": "RankStraggler"}
+    other = {**alert("r1", 5, 40, "firing", t0), "name": "DataQueueStall"}  # asked for no capture
+    request = new_request("r1", steps=3, reason="RankStraggler firing on rank 3 (autocapture)")
+    finished = new_status(request, "finished", 3, first_step=41, last_step=43, ops=900,
+                          window_start_ns=(t0 + 10) * MS, window_end_ns=(t0 + 310) * MS)
+    with GrafanaDouble() as grafana:
+        sink = sinks(grafana.url, timeline_url="http://files:8080/timeline")
+        sink.handle([feed("p.alerts", "Alert", straggler), feed("p.alerts", "Alert", other),
+                     feed("p.control", "CaptureRequest", request), feed("p.control", "CaptureStatus", finished),
+                     feed("p.alerts", "Alert", {**straggler, "state": "resolved", "ts_ns": (t0 + 900) * MS}),
+                     feed("p.alerts", "Alert", {**other, "state": "resolved", "ts_ns": (t0 + 900) * MS})])
+        bodies = wait_until(lambda: (lambda b: b if len(b) >= 5 else None)(grafana.annotation_bodies()), 10,
+                            "two alerts firing and resolved, one capture")
+    assert grafana.violations == []
+    resolved = {b["tags"][2]: b for b in bodies if "resolved" in b["tags"]}
+    link = '<a href="http://files:8080/timeline/r1/rank-3/steps-41-43.json.gz">timeline</a>'
+    assert resolved["RankStraggler"]["text"].endswith(f"; captured: {link}")
+    assert (resolved["RankStraggler"]["time"], resolved["RankStraggler"]["timeEnd"]) == (t0, t0 + 900)
+    assert "captured" not in resolved["DataQueueStall"]["text"]
+
+
 def test_a_refused_token_warns_once_keeps_consuming_and_posts_everything_once_accepted(sinks, caplog):
     feed = Feed()
     t0 = 1_700_000_000_000

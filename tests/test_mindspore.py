@@ -90,3 +90,21 @@ def test_a_bad_option_value_logs_one_warning_and_training_goes_on(caplog):
     assert callback.steps_marked == 0
     warnings = [r.getMessage() for r in caplog.records if r.name.startswith("profstream")]
     assert len(warnings) == 1 and "every-n-steps=0" in warnings[0], warnings
+
+
+def test_a_capture_request_is_refused_with_what_to_do_and_training_goes_on(kafka_bootstrap, topics):
+    from profstream.control.client import follow, send_request
+    from profstream.control.records import new_request
+    from profstream.integrations.mindspore import CAPTURE_UNAVAILABLE
+
+    callback = ProfstreamCallback(run_id="ms-asked", bootstrap=kafka_bootstrap, topic_prefix=topics.prefix)
+    request = new_request("ms-asked", steps=2)
+    send_request(kafka_bootstrap, topics, request)
+    from tests.helpers import wait_until
+
+    wait_until(lambda: callback.monitor.stats()["captures_refused"] == 1, 30, "the rank's answer")
+    _fast_train(callback, n=12)
+    progress = follow(kafka_bootstrap, topics, request, timeout=30)
+    assert callback.steps_marked == 12
+    assert progress.ranks[0]["state"] == "refused"
+    assert progress.ranks[0]["reason"] == f"unavailable: {CAPTURE_UNAVAILABLE}"

@@ -589,7 +589,8 @@ def test_the_prefetch_queue_of_a_multi_worker_loader_is_sampled_at_each_step(kaf
     import profstream.torch as pst
 
     steps, slow = 24, range(6, 14)
-    model, optimizer, loader = make(steps, slow=slow, delay_s=0.4, workers=2, hidden=1024)
+    # 0.8 s a slow batch: two workers cannot keep up even when a loaded box slows the steps
+    model, optimizer, loader = make(steps, slow=slow, delay_s=0.8, workers=2, hidden=1024)
     options = _options(kafka_bootstrap, topics, "torch-queue")
     with RunningProcessor(kafka_bootstrap, topics):
         with pst.instrument(model, optimizer, loader, capture_ops=False, **options):

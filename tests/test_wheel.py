@@ -13,7 +13,8 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGE_DATA = ("profstream/schema/event_batch.avsc", "profstream/stack/pom.xml", "profstream/integrations/torch_tree.cpp",
+PACKAGE_DATA = ("profstream/schema/event_batch.avsc", "profstream/schema/capture_request.avsc",
+                "profstream/stack/pom.xml", "profstream/integrations/torch_tree.cpp",
                 "profstream/integrations/transformers.py", "profstream/integrations/lightning.py")
 
 
@@ -64,3 +65,8 @@ def test_the_wheel_installs_alone_and_its_doctor_runs(tmp_path, kafka_bootstrap,
     assert "answers" in rows["broker"] and " ok " in rows["topics"]
     assert "not installed" in rows["torch"]  # the base install pulls no torch
     assert "pip install 'profstream[torch]'" in rows["torch"]
+    # the docker image's install: `profstream autocapture --policy` reads its YAML file
+    done = _run(venv / "bin" / "python", "-c", "import sys; from profstream.control.policy import CapturePolicy; "
+                "print(CapturePolicy.load(sys.argv[1]).min_interval_s)", ROOT / "deploy" / "autocapture.yml",
+                cwd=elsewhere, env=env)
+    assert done.stdout.strip() == "600.0"

@@ -101,21 +101,25 @@ def sink_grafana(
                                                             "ended")] = 60.0,
     max_pending: Annotated[int, typer.Option(min=1, help="annotations kept while Grafana is down (the "
                                                          "oldest are dropped beyond)")] = 10000,
+    timeline_url: Annotated[str, typer.Option(help="URL where the --out of `profstream sink timeline` is served: "
+                                                   "capture annotations link their timeline file there")] = "",
 ) -> None:
-    """Annotate Grafana: run start and end, alerts firing and resolved (steps and alerts topics in)."""
+    """Annotate Grafana: run start and end, alerts firing and resolved, op captures (steps, alerts and control
+    topics in)."""
     from profstream.sinks.grafana import Grafana, GrafanaAnnotationSink
     from profstream.sinks.runner import run_sink
 
     grafana = Grafana.from_options(url, token)
     boot, topics = connect(bootstrap, topic_prefix)
-    sink = GrafanaAnnotationSink(grafana, run_idle_s=run_idle_s, max_pending=max_pending)
+    sink = GrafanaAnnotationSink(grafana, run_idle_s=run_idle_s, max_pending=max_pending, timeline_url=timeline_url)
 
     def started() -> None:
-        err.print(f"annotating Grafana at {grafana.display_url} from {topics.steps} and {topics.alerts} ({boot}, "
-                  f"group {group_id}); Ctrl-C stops", highlight=False, soft_wrap=True)
+        err.print(f"annotating Grafana at {grafana.display_url} from {topics.steps}, {topics.alerts} and "
+                  f"{topics.control} ({boot}, group {group_id}); Ctrl-C stops", highlight=False, soft_wrap=True)
 
     try:
-        run_sink(boot, [topics.steps, topics.alerts], group_id, sink, stop_on_signals(), ready=started)
+        run_sink(boot, [topics.steps, topics.alerts, topics.control], group_id, sink, stop_on_signals(),
+                 ready=started)
     except RuntimeError as e:  # a topic missing
         fail(str(e))
 
@@ -126,7 +130,7 @@ def sink_archive(
     bootstrap: BootstrapOpt = None,
     topic_prefix: PrefixOpt = "profstream",
     topics: Annotated[str, typer.Option(help="comma-separated topics to archive, by their name after the "
-                                             "prefix")] = "raw,steps",
+                                             "prefix")] = "raw,steps,control",
     group_id: Annotated[str, typer.Option(help="consumer group of the archive sink")] = "profstream-archive",
     instance_id: Annotated[str, typer.Option(help="stable across restarts (static group membership)")] = "0",
     codec: Annotated[str, typer.Option(help="zstandard, deflate or null")] = "zstandard",
@@ -174,7 +178,8 @@ def sink_timeline(
                                                 "split into more files)")] = "20MB",
     group_id: Annotated[str, typer.Option(help="consumer group of the timeline sink")] = "profstream-timeline",
 ) -> None:
-    """Write Perfetto / chrome://tracing timelines from the raw topic (<out>/<run>/rank-<r>/steps-<a>-<b>.json.gz)."""
+    """Write Perfetto / chrome://tracing timelines from the raw topic (<out>/<run>/rank-<r>/steps-<a>-<b>.json.gz);
+    the steps of a capture request get a file of their own."""
     from profstream.config import PARSERS
     from profstream.sinks.runner import run_sink
     from profstream.sinks.timeline import TimelineSink
@@ -186,7 +191,7 @@ def sink_timeline(
     boot, topics = connect(bootstrap, topic_prefix)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
-        sink = TimelineSink(out_dir, window_steps=window_steps, max_bytes=size)
+        sink = TimelineSink(out_dir, window_steps=window_steps, max_bytes=size, control_topic=topics.control)
     except ConfigError as e:
         fail(str(e))
     except OSError as e:
@@ -197,7 +202,7 @@ def sink_timeline(
                   highlight=False, soft_wrap=True)
 
     try:
-        run_sink(boot, [topics.raw], group_id, sink, stop_on_signals(), ready=started)
+        run_sink(boot, [topics.raw, topics.control], group_id, sink, stop_on_signals(), ready=started)
     except RuntimeError as e:  # a topic missing
         fail(str(e))
     except OSError as e:

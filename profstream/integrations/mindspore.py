@@ -14,6 +14,10 @@ Where the marks come from (``Model.train``'s loop fetches a batch, then calls
   optimizer in one call, so a callback cannot see the end of backward: tail is 0 and
   fp_bp holds the whole network call.
 
+Capture requests (docs/capture.md) are refused with ``unavailable`` and the reason
+``CAPTURE_UNAVAILABLE``: the callback records no op, so it cannot capture them on request
+(a Monitor given to it keeps whatever its owner records).
+
 Steps are MindSpore's ``cur_step_num`` (1-based; in sink mode one step per sink).
 ``start_step`` / ``stop_step`` (inclusive) limit the steps marked, as the profilers' step
 windows do. In dataset sink mode the device queue (``DatasetHelper.get_mbuf_queue_size``,
@@ -41,6 +45,8 @@ from profstream.producers.monitor import Monitor
 log = logging.getLogger("profstream.mindspore")
 
 DEVICE_QUEUE = "device_queue"
+CAPTURE_UNAVAILABLE = ("the MindSpore callback streams step marks, the data queue and memory, not ops: run "
+                       "MindSpore's Profiler on the steps and `profstream ingest` its output directory")
 
 
 class ProfstreamCallback(Callback):
@@ -65,6 +71,8 @@ class ProfstreamCallback(Callback):
             if monitor is None:
                 self.monitor = Monitor(**checked)
                 checked = self.monitor.options
+                if self.monitor.capture_plan is not None:  # this callback records no op: say so to requests
+                    self.monitor.capture_plan.unavailable = CAPTURE_UNAVAILABLE
             self.start_step, self.stop_step = checked.get("start_step"), checked.get("stop_step")
         self.queue_name = queue_name
         self.steps_marked = 0

@@ -161,10 +161,11 @@ class TorchInstrumentation:
             monitor = Monitor(**opts)
         self.monitor = monitor
         if self.capture_ops and getattr(monitor, "_enabled", True):
-            o = monitor.options
-            window = OpWindow(o["start_step"], o["stop_step"], o["every_n_steps"])
+            window = OpWindow.of(monitor.options)
             _hand_op_window_to_producer(monitor)
             self.capture = OpCapture(monitor, window, self.cuda, self._fail, self.compiled_walk)
+        elif getattr(monitor, "capture_plan", None) is not None:
+            monitor.capture_plan.unavailable = "op capture is off in this process (capture_ops=False)"
         if not self.cuda:
             self._rss = RssReader()
 
@@ -259,6 +260,8 @@ class TorchInstrumentation:
         capture = self.capture
         if capture is not None:
             capture.failed = True
+            if capture.plan is not None:
+                capture.plan.close(f"profiling is off after an internal error ({exc!r})")
             if threading.current_thread() is not capture.worker:  # else at the next hook
                 self._stop_profiler_after_failure()
 

@@ -50,6 +50,13 @@ class OpWindow:
     def __init__(self, start: int | None, stop: int | None, every: int | None) -> None:
         self.start, self.stop, self.every = start, stop, every
 
+    @classmethod
+    def of(cls, options: dict) -> OpWindow:
+        """The window of Monitor options (none with scheduled_capture false)."""
+        if not options.get("scheduled_capture", True):
+            return cls(None, -1, None)
+        return cls(options["start_step"], options["stop_step"], options["every_n_steps"])
+
     def __contains__(self, step: int) -> bool:
         if self.start is not None and step < self.start:
             return False
@@ -62,13 +69,24 @@ class OpWindow:
         return self.stop is not None and step > self.stop
 
 
+# What the profiler records on the steps of the schedule (capture requests bring their own).
+SCHEDULED = {"activities": frozenset(("cpu", "cuda")), "record_shapes": False, "profile_memory": False,
+             "with_stack": False}
+
+
 class OpCapture:
-    """Drives one torch.profiler through the window and feeds its ops to a Monitor."""
+    """Drives one torch.profiler through the window and the capture requests of the
+    Monitor's ``capture_plan``, and feeds the ops to the Monitor."""
 
     def __init__(self, monitor: Any, window: OpWindow, run_has_device: bool, on_error: Any,
                  compiled_walk: bool = True) -> None:
         self.monitor = monitor
         self.window = window
+        self.plan = getattr(monitor, "capture_plan", None)
+        if self.plan is not None:
+            self.plan.activities = frozenset(("cpu", "cuda") if run_has_device else ("cpu",))
+        self._settings: dict | None = None  # what the running profiler records
+        self._upcoming_settings: dict | None = None  # what the upcoming step records (None: nothing)
         self.run_has_device = run_has_device
         self.on_error = on_error  # called with the exception: on the worker, or out of the profiler's callback
         self.failed = False
@@ -114,17 +132,35 @@ class OpCapture:
         self._saving = ended if ended is not None and ended == self._recording else None
         self._upcoming = upcoming
         self._saving_fp_ns = ended_fp_ns
+        settings = self._settings_for(ended, upcoming)
+        self._upcoming_settings = settings
         if self._profiler is None:
-            if upcoming is not None and upcoming in self.window and not self.failed:
-                self._start_profiler()
-        elif self.failed or (upcoming is not None and self.window.over(upcoming)):
-            self.stop()
+            if settings is not None and not self.failed:
+                self._start_profiler(settings)
+        elif self.failed or (settings is not None and settings != self._settings) or (
+                settings is None and upcoming is not None and self.window.over(upcoming)):
+            self.stop()  # hands over `ended`; a request with other settings gets a profiler of its own
+            if settings is not None and not self.failed:
+                self._start_profiler(settings)
         else:
             self._profiler.step()  # saves `ended` if it was recorded, records `upcoming` if in window
         if ended is not None and ended != self._saving:
             self._put((ended, None, None))  # not captured: the watermark may pass it
         self._saving = None
         self._report_error()
+
+    def _settings_for(self, ended: int | None, upcoming: int | None) -> dict | None:
+        """What the profiler records on step ``upcoming``: a capture request's settings,
+        the schedule's, or None (not captured)."""
+        plan = self.plan
+        if plan is not None:
+            if ended is not None:
+                plan.ended(ended, time.time_ns())
+            if upcoming is not None and not self.failed:
+                armed = plan.claim(upcoming)
+                if armed is not None:
+                    return armed.settings
+        return SCHEDULED if upcoming is not None and upcoming in self.window else None
 
     @property
     def running(self) -> bool:
@@ -156,8 +192,10 @@ class OpCapture:
             self.drain(timeout)
             self._work.put(_STOP)
             self.worker.join(timeout)
+        if self.plan is not None:
+            self.plan.close("op capture closed (the instrumentation was removed)")
 
-    def _start_profiler(self) -> None:
+    def _start_profiler(self, settings: dict) -> None:
         import warnings
 
         from torch.profiler import ProfilerActivity, profile
@@ -167,17 +205,21 @@ class OpCapture:
         # Kineto prints two lines on stderr per cycle (profiler_start / profiler_stop, at
         # its highest level): off unless the user chose a level. Read when kineto starts.
         os.environ.setdefault("KINETO_LOG_LEVEL", "6")
-        activities = [ProfilerActivity.CPU]
-        if self.run_has_device:
+        wanted = settings["activities"]
+        activities = [ProfilerActivity.CPU] if "cpu" in wanted or not self.run_has_device else []
+        if self.run_has_device and "cuda" in wanted:
             activities.append(ProfilerActivity.CUDA)
-        self._profiler = profile(activities=activities, schedule=self._schedule, on_trace_ready=self._trace_ready)
+        self._profiler = profile(activities=activities, schedule=self._schedule, on_trace_ready=self._trace_ready,
+                                 record_shapes=settings["record_shapes"], profile_memory=settings["profile_memory"],
+                                 with_stack=settings["with_stack"])
+        self._settings = settings
         self._profiler.start()
 
     def _schedule(self, _profiler_step: int) -> Any:
         from torch.profiler import ProfilerAction
 
         step = self._upcoming
-        if step is not None and step in self.window:
+        if step is not None and self._upcoming_settings is not None:
             self._recording = step
             return ProfilerAction.RECORD_AND_SAVE
         self._recording = None
@@ -221,22 +263,26 @@ class OpCapture:
         """Send the ops of a recorded step (``results`` None: not captured) and move the
         watermark past it."""
         try:
-            if results is not None and not self.failed:
-                self._send_ops(step, results, fp_ns)
+            sent = self._send_ops(step, results, fp_ns) if results is not None and not self.failed else 0
             self.monitor.complete_through(step)
+            if self.plan is not None:
+                self.plan.captured(step, sent)
         except Exception as e:  # internal error: capture switches off, training goes on
             self.failed = True
+            if self.plan is not None:
+                self.plan.close(f"op capture failed: {e!r}")
             if self.worker is None:
                 self._error = self._error or e
             else:
                 self.on_error(e)
 
-    def _send_ops(self, step: int, results: Any, fp_ns: int | None) -> None:
+    def _send_ops(self, step: int, results: Any, fp_ns: int | None) -> int:
+        """Send the ops of a recorded step; returns how many."""
         cols = None if self.run_has_device else self._tree_columns(results, fp_ns)
         if cols is None:
             table = table_from_kineto(results.events(), self.run_has_device)
             if not len(table):
-                return
+                return 0
             cols = to_op_columns(table, self.run_has_device, self._offset(int(table.start_ns[0])), self._threads,
                                  fp_ns)
         if len(cols):
@@ -244,6 +290,7 @@ class OpCapture:
             self.monitor.ops(cols.names, cols.start_ns, cols.dur_ns, cols.kinds, cols.op_types, cols.streams,
                              step=step, **launches)
             self.ops_sent += len(cols)
+        return len(cols)
 
     def _tree_columns(self, results: Any, fp_ns: int | None) -> OpColumns | None:
         """The ops of a CPU-only step from the profiler's event tree: the outermost ops

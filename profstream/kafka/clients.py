@@ -192,6 +192,11 @@ def make_native_consumer(bootstrap: str, group_id: str, **overrides: Any) -> con
     its own C threads, ahead of the application: kafka-python's Python fetcher was what
     two processors in one group waited on (docs/benchmarks.md section 6).
     ``overrides`` are librdkafka property names."""
+    return confluent_kafka.Consumer(native_consumer_config(bootstrap, group_id, **overrides))
+
+
+def native_consumer_config(bootstrap: str, group_id: str, **overrides: Any) -> dict[str, Any]:
+    """The configuration of :func:`make_native_consumer`, for callers that add callbacks."""
     config = dict(
         _native_common(bootstrap),
         **{"group.id": group_id,
@@ -207,7 +212,7 @@ def make_native_consumer(bootstrap: str, group_id: str, **overrides: Any) -> con
            # messages ahead of the loop, and keeps a processor's RSS well under its target
            "queued.max.messages.kbytes": 16 * 1024})
     config.update(overrides)
-    return confluent_kafka.Consumer(config)
+    return config
 
 
 def make_consumer(bootstrap: str, *topics: str, group_id: str | None = None, **overrides: Any) -> KafkaConsumer:

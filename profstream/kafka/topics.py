@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from profstream.kafka.limits import TOPIC_MAX_MESSAGE_BYTES
 
-BASE_TOPICS = ("raw", "steps", "run", "alerts", "dlq", "state", "run-state")
+BASE_TOPICS = ("raw", "steps", "run", "alerts", "dlq", "state", "run-state", "control")
 # Changelogs of the processors' checkpoints (docs/exactly-once.md): compacted, and
 # partitioned like the topic whose state they hold (state like raw, run-state like steps).
 COMPACTED = {"state": "raw", "run-state": "steps"}
@@ -42,7 +42,7 @@ def validate_prefix(prefix: str) -> str:
 
 @dataclass(frozen=True)
 class Topics:
-    """The five topics of one profstream deployment: ``<prefix>.raw`` etc."""
+    """The topics of one profstream deployment: ``<prefix>.raw`` etc. (``BASE_TOPICS``)."""
 
     prefix: str = DEFAULT_PREFIX
 
@@ -76,6 +76,11 @@ class Topics:
     @property
     def run_state(self) -> str:
         return self._name("run-state")
+
+    @property
+    def control(self) -> str:
+        """Capture requests and their statuses, keyed by run (docs/capture.md)."""
+        return self._name("control")
 
     def all(self) -> list[str]:
         return [self._name(base) for base in BASE_TOPICS]

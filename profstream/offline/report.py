@@ -24,6 +24,7 @@ import numpy as np
 from profstream.config import check_name
 from profstream.offline import charts
 from profstream.offline.archive import ArchiveError, Loss, Tally, archive_files
+from profstream.offline.captures import Capture, archived_captures, render_captures
 from profstream.offline.replay import default_workers, replay_offline
 from profstream.offline.report_devices import device_counter_section
 from profstream.processors.stream import StreamOptions
@@ -46,6 +47,8 @@ class ReportData:
     messages: int = 0
     events: int = 0
     timeline_files: list[Path] = field(default_factory=list)
+    timeline_dir: Path | None = None
+    captures: list[Capture] = field(default_factory=list)  # capture requests of the run (archived control topic)
 
     @cached_property
     def by_rank(self) -> dict[int, list[dict]]:
@@ -83,7 +86,9 @@ def gather(archive: Path | str, run_id: str, timeline_dir: Path | None = None, w
     data.run_steps.sort(key=lambda r: r["step"])
     data.alerts.sort(key=lambda a: (a["ts_ns"], -1 if a["rank"] is None else a["rank"]))  # rank: None = the run
     data.losses, data.messages, data.events = list(result.losses), result.messages, result.events
+    data.captures = archived_captures(archive, run_id, on_loss)
     if timeline_dir is not None:
+        data.timeline_dir = Path(timeline_dir)
         root = Path(timeline_dir) / run_id
         data.timeline_files = sorted(root.glob("rank-*/*.json.gz")) if root.is_dir() else []
     return data
@@ -364,6 +369,7 @@ def render(data: ReportData, out_path: Path) -> str:
             _op_types(data),
             "<h2>Across ranks</h2>", _cross_rank(data),
             "<h2>Alerts</h2>", _alerts(data),
+            "<h2>Captures</h2>", render_captures(data.captures, data.by_rank, data.timeline_dir, out_path.parent),
             "<h2>Timelines</h2>", _timelines(data, out_path.parent),
         ])
     made = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")

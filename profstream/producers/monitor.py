@@ -78,6 +78,42 @@ class _StepContext:
         self._monitor.end_step()
 
 
+class _CountingOps:
+    """The op() deque while a capture request records: counts what is appended."""
+
+    __slots__ = ("_ops", "n")
+
+    def __init__(self, ops) -> None:
+        self._ops = ops
+        self.n = 0
+
+    def append(self, row: tuple) -> None:
+        self.n += 1
+        self._ops.append(row)
+
+    def __len__(self) -> int:
+        return len(self._ops)
+
+
+class _CountingRecorder:
+    """What _CountingOps counts, for the native Monitor: the ops rows its recorder took
+    since the count was last set (op() and ops() alike; rows dropped or invalid are not)."""
+
+    __slots__ = ("_buffer", "_base")
+
+    def __init__(self, buffer) -> None:
+        self._buffer = buffer
+        self._base = buffer.recorded_rows(buffer.ops_section)
+
+    @property
+    def n(self) -> int:
+        return self._buffer.recorded_rows(self._buffer.ops_section) - self._base
+
+    @n.setter
+    def n(self, value: int) -> None:
+        self._base = self._buffer.recorded_rows(self._buffer.ops_section) - value
+
+
 class Monitor:
     """Records op, memory, queue and step events of one rank and streams them to Kafka.
 
@@ -122,9 +158,19 @@ class Monitor:
         self._start_step = opts["start_step"]
         self._stop_step = opts["stop_step"]
         self._every_n = opts["every_n_steps"]
-        self._capturing = self._enabled and self._start_step is None
+        self._scheduled: bool = opts["scheduled_capture"]
+        self._capturing = self._enabled and self._scheduled and self._start_step is None
         self._closed = False
         self._sync_recorder()
+
+        # Capture requests (docs/capture.md): read by a thread of their own, taken up at
+        # step boundaries by the Monitor's gate, or by an integration after defer_ops().
+        self.capture_plan = self._plan_gate = self._control = self._counting = None
+        if self._enabled and opts["control"]:
+            from profstream.producers.control import start_control
+
+            self.capture_plan, self._control = start_control(self)
+            self._plan_gate = self.capture_plan
 
         self._sender = None
         self._device_sampler = None
@@ -171,6 +217,8 @@ class Monitor:
         if self._capturing:
             self.buffer.add_ops(names, start_ns, dur_ns, kinds, op_types, streams, self._step if step is None else step,
                                 launch_ns=launch_ns)
+            if self._counting is not None and not self._native:  # the native count is the recorder's
+                self._counting.n += len(names)
 
     # -- steps ------------------------------------------------------------------------
 
@@ -187,6 +235,8 @@ class Monitor:
         self._step_start = _time_ns() if ts_ns is None else ts_ns
         self._fp_start = self._bp_end = NO_VALUE
         self._capturing = self._in_window(step)
+        if self._plan_gate is not None and self._plan_gate.claim(step) is not None:
+            self._capture_requested()
         if self._native:
             self.buffer.set_state(step, self._capturing)
         return step
@@ -196,9 +246,11 @@ class Monitor:
         if self._step_start is None:
             return
         buf = self.buffer
-        buf.add_sample(buf.marks, (self._step, self._step_start, _time_ns() if ts_ns is None else ts_ns,
-                                   self._fp_start, self._bp_end))
+        end_ns = _time_ns() if ts_ns is None else ts_ns
+        buf.add_sample(buf.marks, (self._step, self._step_start, end_ns, self._fp_start, self._bp_end))
         self._step_start = None
+        if self._counting is not None:
+            self._requested_step_ended(end_ns)
         if self._auto_watermark:
             buf.watermark = self._step
             self._wake.set()  # the step is complete: send it now rather than at the next interval
@@ -230,8 +282,10 @@ class Monitor:
         and step ends no longer move the watermark. The caller applies the window itself and
         calls ``complete_through(step)`` once a step's ops are recorded."""
         self._start_step = self._stop_step = self._every_n = None
+        self._scheduled = True
         self._capturing = self._enabled and not self._closed
         self._auto_watermark = False
+        self._plan_gate = None  # the integration takes capture requests up itself (capture_plan)
         self._sync_recorder()
 
     @property
@@ -244,6 +298,8 @@ class Monitor:
             self.buffer.set_state(self._step, self._capturing)
 
     def _in_window(self, step: int) -> bool:
+        if not self._scheduled:
+            return False
         start, stop, every = self._start_step, self._stop_step, self._every_n
         if start is not None and step < start:
             return False
@@ -252,6 +308,28 @@ class Monitor:
         if every is not None and (step - (start or 0)) % every:
             return False
         return True
+
+    def _capture_requested(self) -> None:
+        """The step that begins is one a capture request asks for: record its ops, and
+        count them for the request's status (``op()`` goes through a counting deque
+        while a request captures, and only then)."""
+        self._capturing = True
+        if self._counting is None:
+            if self._native:  # op() is the recorder's: its rows are counted there
+                self._counting = _CountingRecorder(self.buffer)
+            else:
+                self._ops = self._counting = _CountingOps(self.buffer.ops)
+
+    def _requested_step_ended(self, end_ns: int) -> None:
+        plan, counting = self.capture_plan, self._counting
+        plan.ended(self._step, end_ns)
+        n, counting.n = counting.n, 0
+        current = plan.current
+        plan.captured(self._step, n)
+        if plan.current is not current or current is None:  # the request is over
+            if not self._native:
+                self._ops = self.buffer.ops
+            self._counting = None
 
     # -- samples ----------------------------------------------------------------------
 
@@ -322,6 +400,9 @@ class Monitor:
         _live_monitors.discard(self)
         if self._device_sampler is not None:  # its last samples go with the final flush
             self._device_sampler.stop(min(timeout, 5.0))
+        if self._control is not None:
+            self.capture_plan.close("the Monitor closed")
+            self._control.stop(timeout)
         if self._sender is None:
             return True
         return self._sender.stop(timeout)
@@ -339,6 +420,8 @@ class Monitor:
                "buffered_samples": self.buffer.buffered_samples}
         if self._device_sampler is not None:
             out.update(self._device_sampler.stats())
+        if self._control is not None:
+            out.update(self._control.stats())
         if self._sender is not None:
             out.update(self._sender.stats())
             # dropped: by the full buffer, and what never reached Kafka (purged at close, refused)

@@ -283,10 +283,10 @@ class _NativeBufferMethods:
         return self.buffered_rows(self.ops_section)  # type: ignore[attr-defined]
 
     def __getattr__(self, name: str) -> Any:
-        """What the Python buffer has and this one does not: the recording methods and
-        counters of the foreign sections (``add_device_sample``, ``dropped_device_samples``).
+        """The recording methods and drop counters of the foreign sections, from the Python
+        buffer (``add_device_sample``, ``dropped_device_samples``): nothing else of it.
         Their ``add_*`` methods also tell the native sender that rows wait for it."""
-        if name == "foreign":  # not set yet
+        if name == "foreign" or not name.startswith(("add_", "dropped_")):  # never its op deques
             raise AttributeError(name)
         found = getattr(self.foreign, name)
         if not (name.startswith("add_") and callable(found)):

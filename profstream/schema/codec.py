@@ -148,6 +148,8 @@ _VERSIONS: list[SchemaVersion] = [
     # EventBatch v4 messages read with device_samples empty (decode_batch: a newer section)
     _version(_load("event_batch.v5.avsc"), 5),  # + device_samples
     _version(_load("step_metrics.v4.avsc"), 4),  # + devices
+    _version(_load("capture_request.avsc"), 1),  # the control topic (docs/capture.md)
+    _version(_load("capture_status.avsc"), 1),
 ]
 
 SCHEMAS: dict[int, SchemaVersion] = {v.fingerprint: v for v in _VERSIONS}

@@ -78,11 +78,12 @@ _TOPIC_RE = re.compile(r"[A-Za-z0-9._-]+")
 # -- layout ------------------------------------------------------------------------------
 
 def run_of_key(key: bytes | None) -> str:
-    """The run directory of a message: its key before the last "/", if that is a valid name."""
+    """The run directory of a message: its key before the last "/" (the whole key when it has none,
+    as on the control topic), if that is a valid name."""
     if not key:
         return UNKNOWN_RUN
     try:
-        run = key.rpartition(b"/")[0].decode()
+        run = (key.rpartition(b"/")[0] if b"/" in key else key).decode()  # the control topic's key is the run
         return check_name(run, "run id")
     except (UnicodeDecodeError, ConfigError):
         return UNKNOWN_RUN

@@ -9,7 +9,11 @@ processed topics into annotations (``POST /api/annotations``), tagged ``profstre
   so a restarted sink does not post it again);
 - run end: a run that sent no StepMetrics for ``run_idle_s``; a run that sends steps
   again afterwards gets a "resumed" annotation;
-- alerts: firing as a point, resolved as a region from firing to resolution.
+- alerts: firing as a point, resolved as a region from firing to resolution that links
+  the timeline of a capture the alert asked for (autocapture) when one finished meanwhile;
+- op captures (the control topic, docs/capture.md): a region over the captured steps of
+  each rank that finished one, tagged ``capture``, ``run:``, ``rank:`` and the alert that
+  asked for it, linking the captured window's timeline file.
 
 A worker thread posts; ``handle`` only queues. When Grafana is unreachable or refuses the
 credentials the sink logs one warning per outage, keeps up to ``max_pending`` annotations
@@ -20,8 +24,10 @@ yet posted, so after a crash those records are read again (annotations are at le
 
 from __future__ import annotations
 
+import html
 import json
 import logging
+import re
 import threading
 import time
 from collections import Counter, OrderedDict, deque
@@ -231,8 +237,12 @@ class GrafanaAnnotationSink:
 
     def __init__(self, grafana: Grafana, run_idle_s: float = 60.0, max_pending: int = 10_000,
                  backoff_s: tuple[float, float] = (0.5, 30.0), close_timeout_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, timeline_url: str = "") -> None:
         self.grafana = grafana
+        self.timeline_url = timeline_url.rstrip("/")  # where the timeline sink's --out is served, if anywhere
+        self._request_reasons: OrderedDict[str, str] = OrderedDict()
+        # (run, rank, alert) -> link to the timeline of a capture that alert asked for
+        self._captured: OrderedDict[tuple, str] = OrderedDict()
         self.run_idle_s = run_idle_s
         self.max_pending = max_pending
         self.backoff_min, self.backoff_max = backoff_s
@@ -283,6 +293,10 @@ class GrafanaAnnotationSink:
                     annotation = self._step(value)
                 elif name == "Alert":
                     annotation = self._alert(value)
+                elif name == "CaptureRequest":
+                    _bounded_put(self._request_reasons, value["request_id"], value["reason"], 10_000)
+                elif name == "CaptureStatus":
+                    annotation = self._capture(value)
                 if annotation is not None:
                     annotation.source = (tp, rec.offset)
                     self._pending.setdefault(tp, deque()).append(rec.offset)
@@ -325,10 +339,34 @@ class GrafanaAnnotationSink:
         if state == "firing":
             _bounded_put(self._firing, key, ts_ms, 10_000)
             return Annotation(ts_ms, tags, text)
+        captured = self._captured.get(key) or self._captured.get((run_id, None, name))
+        if captured:  # the alert's region links the detail captured because of it
+            text += f"; captured: {captured}"
         since = self._firing.pop(key, None)
         if since is None or since > ts_ms:
             return Annotation(ts_ms, tags, text)
         return Annotation(since, tags, text, time_end_ms=ts_ms)
+
+    def _capture(self, st: dict) -> Annotation | None:
+        """A finished capture of one rank: a region over its steps, linking its timeline."""
+        if st["state"] != "finished" or st["rank"] is None or st["window_start_ns"] is None:
+            return None
+        run_id, rank, first, last = st["run_id"], st["rank"], st["first_step"], st["last_step"]
+        reason = self._request_reasons.get(st["request_id"], "")
+        asked_by = re.match(r"(\w+) firing\b", reason)  # autocapture's reasons: "<alert> firing on rank ..."
+        alert = asked_by.group(1) if asked_by else None
+        path = f"{run_id}/rank-{rank}/steps-{first}-{last}.json.gz"
+        link = (f'<a href="{html.escape(self.timeline_url)}/{html.escape(path)}">timeline</a>' if self.timeline_url
+                else f"timeline: {html.escape(path)} under the timeline sink's --out")
+        if alert:
+            _bounded_put(self._captured, (run_id, rank, alert), link, 10_000)
+            _bounded_put(self._captured, (run_id, None, alert), link, 10_000)
+        text = (f"ops captured on rank {rank}, steps {first}-{last} ({st['ops']} ops)"
+                + (f" for {html.escape(reason)}" if reason else "") + f"; {link}"
+                + (f" ({html.escape(st['reason'])})" if st["reason"] else ""))
+        tags = [TAG, "capture", f"run:{run_id}", f"rank:{rank}"] + ([alert] if alert else [])
+        end = st["window_end_ns"] if st["window_end_ns"] is not None else st["ts_ns"]
+        return Annotation(_ms(st["window_start_ns"]), tags, text, time_end_ms=_ms(end))
 
     def _enqueue(self, annotation: Annotation) -> None:
         if len(self._queue) >= self.max_pending:

@@ -494,6 +494,19 @@ def written_floor(rank_dir: Path) -> int | None:
     return None if last is None else last + 1
 
 
+def window_files(out_dir: str | os.PathLike, run_id: str, rank: int, first: int, last: int) -> list[Path]:
+    """The files of ``<out_dir>/<run_id>/rank-<rank>`` holding any of steps ``first``..``last``, in step order."""
+    rank_dir = Path(out_dir) / run_id / f"rank-{int(rank)}"
+    if not rank_dir.is_dir():
+        return []
+    found = []
+    for p in rank_dir.iterdir():
+        m = _FILE_RE.match(p.name)
+        if m is not None and int(m.group(1)) <= last and int(m.group(2)) >= first:
+            found.append((int(m.group(1)), int(m.group(3) or 0), p))
+    return [p for _lo, _part, p in sorted(found)]
+
+
 class TimelineWriter:
     """Writes windows of steps of one run and rank as gzip Chrome trace files, atomically."""
 
@@ -658,7 +671,8 @@ class TimelineSink:
 
     def __init__(self, out_dir: str | os.PathLike, window_steps: int = DEFAULT_WINDOW_STEPS,
                  max_bytes: int = DEFAULT_MAX_BYTES, grace_s: float = 2.0, idle_timeout_s: float = 60.0,
-                 compresslevel: int = DEFAULT_COMPRESSLEVEL, clock=time.monotonic) -> None:
+                 compresslevel: int = DEFAULT_COMPRESSLEVEL, clock=time.monotonic,
+                 control_topic: str | None = None) -> None:
         if window_steps < 1:
             raise ConfigError(f"window_steps {window_steps}: use at least 1")
         self.writer = TimelineWriter(out_dir, max_bytes, compresslevel)
@@ -675,6 +689,9 @@ class TimelineSink:
         self.rejected_steps = 0
         self.steps_written = 0
         self.ops_written = 0
+        # Captures that started (docs/capture.md): their steps get a file of their own.
+        self.control_topic = control_topic
+        self._captures: dict[tuple[str, int], tuple[int, int]] = {}
 
     @property
     def files_written(self) -> int:
@@ -720,6 +737,9 @@ class TimelineSink:
     # -- inside -----------------------------------------------------------------------
 
     def _fold(self, rec, now: float) -> tuple[str, int] | None:
+        if rec.topic == self.control_topic:
+            self._capture_status(rec.value)
+            return None
         try:
             batch = decode_batch(rec.value)
         except DecodeError as e:
@@ -762,14 +782,52 @@ class TimelineSink:
                 if rank.assembler.floor is not None:
                     self._floors[ident] = rank.assembler.floor
                 del self.ranks[ident]
+                self._captures.pop(ident, None)
+
+    def _capture_status(self, value: bytes) -> None:
+        """A capture that started on a rank: its steps first..last become a file of their own."""
+        from profstream.control.records import STARTED, STATUS, decode_control
+
+        try:
+            name, status = decode_control(value)
+        except DecodeError:
+            return  # the guard (profstream autocapture) dead-letters those
+        if name == STATUS and status["state"] == STARTED and status["rank"] is not None:
+            ident = (status["run_id"], status["rank"])
+            first, last = status["first_step"], status["last_step"]
+            self._captures[ident] = (first, last)
+            if ident in self.ranks:  # the status may come after some of the captured steps: cut them out now
+                self._cut(ident, first)
+                if self._cut(ident, last + 1):
+                    del self._captures[ident]
+
+    def _cut(self, ident: tuple[str, int], step: int) -> bool:
+        """Write the window's steps before ``step`` as a file and keep the others; True
+        when the window holds ``step`` or later ones."""
+        rank = self.ranks[ident]
+        window = rank.window
+        if not window.steps or window.steps[-1].timeline.step < step:
+            return False
+        if window.steps[0].timeline.step < step:
+            head, tail = Window(), Window()
+            for p, offset in zip(window.steps, window.first_offsets):
+                (head if p.timeline.step < step else tail).append(p, offset)
+            rank.window = head
+            self._flush(ident)
+            rank.window = tail
+        return True
 
     def _add(self, ident: tuple[str, int], ev: StepEvents, first_offset: int) -> None:
         rank = self.ranks[ident]
         p = rank.window.prepare(step_timeline(ev))
-        if rank.window.steps and not self.writer.fits(rank.window, p):
-            self._flush(ident)  # the size cap closes the window before this step
+        capture = self._captures.get(ident)
+        if rank.window.steps and (not self.writer.fits(rank.window, p) or (capture and ev.step == capture[0])):
+            self._flush(ident)  # the size cap, or a capture's first step, closes the window before this step
         rank.window.append(p, first_offset)
-        if len(rank.window.steps) >= self.window_steps or not self.writer.fits(rank.window):
+        if capture is not None and ev.step >= capture[1]:
+            del self._captures[ident]
+            self._flush(ident)  # the capture's last step
+        elif len(rank.window.steps) >= self.window_steps or not self.writer.fits(rank.window):
             self._flush(ident)  # N steps, or one step bigger than the cap (split into parts)
 
     def _flush(self, ident: tuple[str, int]) -> None:

@@ -797,6 +797,18 @@ static PyObject* Recorder_buffered(RecorderObject* self, PyObject* args) {
   return PyLong_FromLongLong(r->stores[section < 0 ? r->ops : section]->buffered());
 }
 
+// recorded_rows(section): rows the section has taken since the recorder began.
+static PyObject* Recorder_recorded(RecorderObject* self, PyObject* args) {
+  int section;
+  if (!PyArg_ParseTuple(args, "i", &section)) return nullptr;
+  Recording* r = self->rec;
+  if (section < 0 || section >= static_cast<int>(r->stores.size())) {
+    PyErr_SetString(PyExc_IndexError, "no such section");
+    return nullptr;
+  }
+  return PyLong_FromLongLong(r->stores[section]->written());
+}
+
 static PyObject* Recorder_take_first_bad(RecorderObject* self, PyObject*) {
   Recording* r = self->rec;
   PyObject* out = Py_BuildValue("(OO)", r->first_bad_op ? r->first_bad_op : Py_None,
@@ -815,6 +827,7 @@ static PyMethodDef Recorder_methods[] = {
     {"foreign_recorded", reinterpret_cast<PyCFunction>(Recorder_foreign_recorded), METH_NOARGS, nullptr},
     {"foreign_taken", reinterpret_cast<PyCFunction>(Recorder_foreign_taken), METH_VARARGS, nullptr},
     {"buffered_rows", reinterpret_cast<PyCFunction>(Recorder_buffered), METH_VARARGS, nullptr},
+    {"recorded_rows", reinterpret_cast<PyCFunction>(Recorder_recorded), METH_VARARGS, nullptr},
     {"first_bad", reinterpret_cast<PyCFunction>(Recorder_take_first_bad), METH_NOARGS, nullptr},
     {nullptr, nullptr, 0, nullptr}};
 

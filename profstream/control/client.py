@@ -1,0 +1,197 @@
+"""Sending capture requests and following their statuses (``profstream capture``).
+
+``send_request`` puts a request on the control topic; ``CaptureProgress`` folds the
+statuses of one request into a state per rank and says when every rank it waits for has
+finished or refused; ``follow`` reads them as they come; ``recent_requests`` lists the
+requests of the last hours with what became of them. kafka-python: nothing here runs in a
+training process.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from profstream.control.records import (
+    FINISHED,
+    REFUSED,
+    REQUEST,
+    STATUS,
+    control_key,
+    control_partition,
+    decode_control,
+    encode_request,
+    listed_ranks,
+)
+from profstream.kafka.clients import make_consumer, make_producer
+from profstream.kafka.topics import Topics
+from profstream.schema.codec import DecodeError
+
+TERMINAL = (FINISHED, REFUSED)
+SETTLE_S = 3.0  # for "all ranks" of a run that does not say its world size: wait this long for more
+
+
+def send_request(bootstrap: str, topics: Topics, request: dict, timeout: float = 10.0) -> int:
+    """Put ``request`` on the control topic (key: its run); returns its offset."""
+    from kafka.errors import KafkaTimeoutError
+
+    producer = make_producer(bootstrap)
+    try:
+        meta = producer.send(topics.control, encode_request(request), control_key(request["run_id"]))
+        return meta.get(timeout=timeout).offset
+    except KafkaTimeoutError:  # no metadata for the topic: it does not exist
+        raise LookupError(_no_topic(bootstrap, topics)) from None
+    finally:
+        producer.close(timeout=5)
+
+
+def _no_topic(bootstrap: str, topics: Topics) -> str:
+    return (f"topic {topics.control} does not exist on {bootstrap}: start a processor or a Monitor of this version "
+            "(they create it), or check --topic-prefix")
+
+
+@dataclass
+class CaptureProgress:
+    """What the statuses of one request say so far."""
+
+    request: dict
+    ranks: dict[int, dict] = field(default_factory=dict)  # rank -> its latest status
+    whole: dict | None = None  # a status for the whole request (rank None): a service refused it
+    world_size: int | None = None
+    last_new_rank: float = 0.0
+    times: dict[int, dict[str, int]] = field(default_factory=dict)  # rank -> state -> its status's ts_ns
+
+    def add(self, status: dict, now: float | None = None) -> bool:
+        """Fold one status in; False when it is not of this request."""
+        if status["request_id"] != self.request["request_id"]:
+            return False
+        if status["rank"] is None:
+            self.whole = status
+            return True
+        rank = status["rank"]
+        if rank not in self.ranks:
+            self.last_new_rank = time.monotonic() if now is None else now
+        self.times.setdefault(rank, {}).setdefault(status["state"], status["ts_ns"])
+        previous = self.ranks.get(rank)
+        if previous is None or previous["state"] not in TERMINAL:  # a terminal state stays
+            self.ranks[rank] = status
+        if status["world_size"] is not None:
+            self.world_size = status["world_size"]
+        return True
+
+    def expected(self) -> list[int] | None:
+        """The ranks to wait for: those asked, else every rank of the world size, else
+        None (unknown: the ranks that answer)."""
+        asked = listed_ranks(self.request["ranks"])
+        if asked is not None:
+            return asked
+        if self.world_size is not None:
+            return list(range(self.world_size))
+        return None
+
+    def done(self, now: float | None = None) -> bool:
+        if self.whole is not None and self.whole["state"] == REFUSED:
+            return True
+        expected = self.expected()
+        if expected is None:
+            now = time.monotonic() if now is None else now
+            return bool(self.ranks) and all(s["state"] in TERMINAL for s in self.ranks.values()) and (
+                now - self.last_new_rank >= SETTLE_S)
+        return all(r in self.ranks and self.ranks[r]["state"] in TERMINAL for r in expected)
+
+    def missing(self) -> list[int]:
+        """Ranks waited for that have not said finished or refused."""
+        expected = self.expected() or sorted(self.ranks)
+        return [r for r in expected if r not in self.ranks or self.ranks[r]["state"] not in TERMINAL]
+
+    def finished(self) -> dict[int, dict]:
+        return {r: s for r, s in sorted(self.ranks.items()) if s["state"] == FINISHED}
+
+
+def _control_consumer(bootstrap: str, topics: Topics, run_id: str | None, since_ms: int):
+    """A group-less consumer of the control partition of ``run_id`` (all partitions when
+    None), from the first record at or after ``since_ms``."""
+    from kafka import TopicPartition
+
+    consumer = make_consumer(bootstrap, group_id=None)
+    parts = sorted(consumer.partitions_for_topic(topics.control) or ())
+    if not parts:
+        consumer.close()
+        raise LookupError(_no_topic(bootstrap, topics))
+    if run_id is not None:
+        parts = [control_partition(run_id, len(parts))]
+    tps = [TopicPartition(topics.control, p) for p in parts]
+    consumer.assign(tps)
+    found = consumer.offsets_for_times(dict.fromkeys(tps, since_ms))
+    ends = consumer.end_offsets(tps)
+    for tp in tps:
+        at = found.get(tp)
+        consumer.seek(tp, at.offset if at is not None else ends[tp])
+    return consumer, ends
+
+
+def _polls(consumer, run_id: str | None, poll_ms: int = 200) -> Iterator[list[tuple[str, dict]]]:
+    """The decodable (name, record) pairs of ``run_id`` of each poll (an empty list: none came)."""
+    key = control_key(run_id) if run_id is not None else None
+    while True:
+        got = []
+        for records in consumer.poll(timeout_ms=poll_ms).values():
+            for rec in records:
+                if key is not None and rec.key != key:
+                    continue
+                try:
+                    got.append(decode_control(rec.value))
+                except DecodeError:
+                    continue
+        yield got
+
+
+def follow(bootstrap: str, topics: Topics, request: dict, timeout: float,
+           on_change: Callable[[CaptureProgress], None] | None = None,
+           stop: Callable[[], bool] | None = None) -> CaptureProgress:
+    """Read the statuses of ``request`` until it is done, ``timeout`` passes or ``stop()``."""
+    progress = CaptureProgress(request)
+    consumer, _ends = _control_consumer(bootstrap, topics, request["run_id"], request["requested_ns"] // 10**6 - 1000)
+    deadline = time.monotonic() + timeout
+    try:
+        for got in _polls(consumer, request["run_id"]):
+            changed = [record for name, record in got if name == STATUS and progress.add(record)]
+            if on_change is not None and (changed or not got):  # also refreshed when idle (the time shown)
+                on_change(progress)
+            if progress.done() or time.monotonic() >= deadline or (stop is not None and stop()):
+                return progress
+    finally:
+        consumer.close()
+    return progress
+
+
+@dataclass
+class RequestSummary:
+    request: dict
+    progress: CaptureProgress
+
+
+def recent_requests(bootstrap: str, topics: Topics, since_s: float, run_id: str | None = None) -> list[RequestSummary]:
+    """The requests of the last ``since_s`` seconds (of ``run_id``, or of every run), oldest
+    first, each with its statuses so far."""
+    consumer, ends = _control_consumer(bootstrap, topics, run_id, int((time.time() - since_s) * 1000))
+    by_id: dict[str, RequestSummary] = {}
+    orphans: list[dict] = []
+    try:
+        deadline = time.monotonic() + 30.0
+        for got in _polls(consumer, run_id):
+            for name, record in got:
+                if name == REQUEST:
+                    by_id.setdefault(record["request_id"], RequestSummary(record, CaptureProgress(record)))
+                else:
+                    orphans.append(record)
+            if all(consumer.position(tp) >= end for tp, end in ends.items()) or time.monotonic() >= deadline:
+                break
+    finally:
+        consumer.close()
+    for status in orphans:
+        summary = by_id.get(status["request_id"])
+        if summary is not None:
+            summary.progress.add(status, now=0.0)
+    return sorted(by_id.values(), key=lambda s: s.request["requested_ns"])

@@ -1,0 +1,151 @@
+"""``AutoCaptureService``: ``AutoCapture`` between Kafka and Alertmanager's webhook.
+
+One group-less consumer reads, from positions found by time (no committed state: a
+restart rebuilds everything): the run topic from ``run_ttl_s`` ago (which runs are alive,
+their stragglers), the control topic from 24 hours ago (the automatic requests that the
+rate limits count, then new requests to guard) and, unless it only serves the webhook,
+the alerts topic from ``ALERTS_LOOKBACK_S`` ago (DataQueueStall comes from the processors
+there; StepTimeRegression and RankStraggler are Prometheus rules and come through the
+webhook). As the guard (``profstream autocapture``; not ``profstream webhook``, which may
+run beside it) it refuses requests for unknown runs and sends undecodable control records
+to the dead-letter topic with their reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from kafka import TopicPartition
+
+from profstream.control.autocapture import AutoCapture, Outcome
+from profstream.control.policy import DAY_S, CapturePolicy
+from profstream.control.records import control_key, decode_control, encode_request, encode_status
+from profstream.kafka.clients import make_consumer, make_producer
+from profstream.kafka.topics import Topics
+from profstream.processors.runtime import dead_letter
+from profstream.schema.codec import DecodeError, decode
+
+log = logging.getLogger("profstream.autocapture")
+
+ALERTS_LOOKBACK_S = 60.0
+
+
+class AutoCaptureService:
+    """Runs until ``stop`` is set; ``serve_webhook(port)`` adds Alertmanager's receiver."""
+
+    def __init__(self, bootstrap: str, topics: Topics, policy: CapturePolicy, read_alerts: bool = True,
+                 guard: bool = True, on_outcome: Callable[[Outcome], None] | None = None) -> None:
+        self.bootstrap = bootstrap
+        self.topics = topics
+        self.read_alerts = read_alerts
+        self.guard = guard  # one guard per deployment: `profstream webhook` beside `autocapture` leaves it
+        self.on_outcome = on_outcome
+        self._producer = make_producer(bootstrap)
+        self.auto = AutoCapture(policy, self)
+        self._server = None
+        self.dead_letters = 0
+        self.requests_sent = 0
+
+    # -- Outlet -----------------------------------------------------------------------------
+
+    def send_request(self, request: dict) -> None:
+        self._producer.send(self.topics.control, encode_request(request), control_key(request["run_id"]))
+        self._producer.flush(timeout=10)
+        self.requests_sent += 1
+
+    def send_status(self, status: dict) -> None:
+        self._producer.send(self.topics.control, encode_status(status), control_key(status["run_id"]))
+        self._producer.flush(timeout=10)
+
+    # -- inputs -----------------------------------------------------------------------------
+
+    def serve_webhook(self, port: int, addr: str = "0.0.0.0") -> str:
+        """Alertmanager's receiver on ``port`` (OSError if it cannot be bound); its URL."""
+        from profstream.control.webhook import serve_webhook
+
+        self._server = serve_webhook(addr, port, self.webhook_alert)
+        return f"http://{addr if addr not in ('0.0.0.0', '::') else 'localhost'}:{self._server.server_port}/alerts"
+
+    def webhook_alert(self, name: str, run_id: str, rank: int | None, state: str) -> Outcome:
+        return self._report(self.auto.alert(name, run_id, rank, state, "Alertmanager"))
+
+    def _report(self, outcome: Outcome) -> Outcome:
+        if self.on_outcome is not None:
+            self.on_outcome(outcome)
+        return outcome
+
+    def run(self, stop: threading.Event, ready: Callable[[], None] | None = None) -> None:
+        consumer = make_consumer(self.bootstrap, group_id=None)
+        try:
+            live_from = self._assign(consumer)
+            if ready is not None:
+                ready()
+            while not stop.is_set():
+                for records in consumer.poll(timeout_ms=200).values():
+                    for rec in records:
+                        self._handle(rec, live_from)
+                for outcome in self.auto.tick():
+                    self._report(outcome)
+        finally:
+            consumer.close()
+            if self._server is not None:
+                self._server.shutdown()
+            self._producer.close(timeout=5)
+
+    def _assign(self, consumer) -> dict[TopicPartition, int]:
+        """Assign every partition of the input topics at its start by time; returns the
+        control topic's end offsets now: records from there on are live."""
+        now_ms = int(time.time() * 1000)
+        starts = {self.topics.run: now_ms - int(self.auto.policy.run_ttl_s * 1000),
+                  self.topics.control: now_ms - int(DAY_S * 1000)}
+        if self.read_alerts:
+            starts[self.topics.alerts] = now_ms - int(ALERTS_LOOKBACK_S * 1000)
+        tps: dict[TopicPartition, int] = {}
+        for topic, since_ms in starts.items():
+            parts = consumer.partitions_for_topic(topic)
+            if not parts:
+                raise RuntimeError(f"topic {topic} does not exist: start a processor (it creates the topics) or "
+                                   "check --topic-prefix")
+            for p in parts:
+                tps[TopicPartition(topic, p)] = since_ms
+        consumer.assign(list(tps))
+        found = consumer.offsets_for_times(tps)
+        ends = consumer.end_offsets(list(tps))
+        for tp in tps:
+            at = found.get(tp)
+            consumer.seek(tp, at.offset if at is not None else ends[tp])
+        return {tp: end for tp, end in ends.items() if tp.topic == self.topics.control}
+
+    def _handle(self, rec, live_from: dict[TopicPartition, int]) -> None:
+        topic = rec.topic
+        if topic == self.topics.run:
+            try:
+                self.auto.run_step(decode("RunStepMetrics", rec.value))
+            except DecodeError:
+                pass  # the processors' own output: its dead letters are theirs
+        elif topic == self.topics.alerts:
+            try:
+                a = decode("Alert", rec.value)
+            except DecodeError:
+                return
+            self._report(self.auto.alert(a["name"], a["run_id"], a["rank"], a["state"], "alerts topic"))
+        elif topic == self.topics.control:
+            live = self.guard and rec.offset >= live_from.get(TopicPartition(topic, rec.partition), 0)
+            try:
+                name, record = decode_control(rec.value)
+            except DecodeError as e:
+                if live:
+                    self._dead_letter(rec, e)
+                return
+            self.auto.control(name, record, live)
+
+    def _dead_letter(self, rec, error: DecodeError) -> None:
+        out = dead_letter(self.topics.dlq, rec, error)
+        self._producer.send(out.topic, value=out.value, key=out.key, headers=out.headers)
+        self._producer.flush(timeout=10)
+        self.dead_letters += 1
+        log.warning("autocapture: an undecodable record on %s/%d/%d went to %s (%s)", rec.topic, rec.partition,
+                    rec.offset, self.topics.dlq, error)

@@ -1,0 +1,295 @@
+"""``ControlReader``: the training process's thread that reads capture requests.
+
+One thread per Monitor, with its own librdkafka consumer and no consumer-group state: it
+assigns itself the one partition of ``<prefix>.control`` that carries its run (the key's
+murmur2 partition, as every Kafka producer computes it), from the offset of the moment
+the Monitor was made, and never commits. Requests for its run and rank are checked and
+offered to the ``CapturePlan``; the statuses that come back (armed, refused, and the
+started / finished ones the training thread queues) are sent by a producer made at the
+first status. Nothing here runs on the training thread; a broker outage means no
+captures, counted in ``Monitor.stats()`` (``control_connected``, ``control_outages``) and
+logged at INFO level (the Sender already warns once per outage).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from typing import Any, Protocol
+
+import confluent_kafka
+
+from profstream.control.records import (
+    ARMED,
+    REFUSED,
+    REQUEST,
+    check_request,
+    control_key,
+    control_partition,
+    decode_control,
+    encode_status,
+    new_status,
+    rank_in,
+)
+from profstream.kafka.clients import make_native_producer, native_consumer_config
+from profstream.kafka.topics import Topics
+from profstream.producers.capture_plan import CapturePlan
+from profstream.schema.codec import DecodeError
+
+log = logging.getLogger("profstream.monitor")
+
+IDLE_POLL_S = 0.5  # poll timeout while nothing is asked: the thread wakes twice a second
+BUSY_POLL_S = 0.05  # while a capture is armed or running: its statuses leave within this
+SEEN_REQUESTS = 1024  # request ids remembered, so that a request is handled once
+
+
+class Owner(Protocol):
+    """What the reader reads of the Monitor it serves."""
+
+    options: dict[str, Any]
+    run_id: str
+    rank: int
+    producer_id: str
+    topics: Topics
+
+
+class ControlReader(threading.Thread):
+    """Reads the capture requests of one rank and sends their statuses."""
+
+    def __init__(self, owner: Owner, plan: CapturePlan, since_ms: int | None = None) -> None:
+        super().__init__(name=f"profstream-control-{owner.run_id}-{owner.rank}", daemon=True)
+        self.owner = owner
+        self.plan = plan
+        self.topic = owner.topics.control
+        self.key = control_key(owner.run_id)
+        self.since_ms = int(time.time() * 1000) if since_ms is None else since_ms
+        opts = owner.options
+        self._servers = opts["bootstrap"]
+        self._connect_timeout = opts["connect_timeout_s"]
+        self._stopping = threading.Event()
+        self._consumer: confluent_kafka.Consumer | None = None
+        self._producer: Any = None
+        self._seen: OrderedDict[str, None] = OrderedDict()
+        self._next_connect = 0.0
+        self._backoff = 0.5
+        self._down_since: float | None = None
+        self._next_probe = 0.0
+        self._warned_down = False
+        # counters (read by Monitor.stats)
+        self.requests = 0  # requests for this rank
+        self.armed = 0
+        self.refused = 0  # by this thread, on arrival (the plan counts the training thread's)
+        self.undecodable = 0
+        self.statuses_sent = 0
+        self.statuses_undelivered = 0
+        self.outages = 0
+
+    # -- thread -------------------------------------------------------------------------
+
+    def run(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                if self._consumer is None and not self._connect():
+                    self._stopping.wait(0.1)
+                else:
+                    self._read()
+                self._send_statuses()
+            except Exception:  # a bug here must not end the reader silently
+                log.exception("profstream control reader: unexpected error; continuing")
+                self._stopping.wait(1.0)
+        self._close_clients()
+
+    def _read(self) -> None:
+        plan = self.plan
+        busy = plan.current is not None or bool(plan.offers) or bool(plan.outbox)
+        consumer = self._consumer
+        msg = consumer.poll(BUSY_POLL_S if busy else IDLE_POLL_S)
+        while msg is not None:
+            error = msg.error()
+            if error is None:
+                self._handle(msg.key(), msg.value())
+                self._mark_up()
+            elif error.code() != confluent_kafka.KafkaError._PARTITION_EOF:
+                self._mark_down(confluent_kafka.KafkaException(error))
+            msg = consumer.poll(0)
+        if self._down_since is not None and time.monotonic() >= self._next_probe:
+            self._next_probe = time.monotonic() + 2.0
+            try:  # librdkafka reconnects by itself; this only tells when it has
+                consumer.list_topics(self.topic, timeout=1.0)
+                self._mark_up()
+            except confluent_kafka.KafkaException:
+                pass
+
+    def _handle(self, key: bytes | None, value: bytes | None) -> None:
+        if key != self.key:  # another run on the same partition
+            return
+        try:
+            name, record = decode_control(value)
+        except DecodeError as e:
+            self.undecodable += 1
+            if self.undecodable == 1:
+                log.warning("profstream: skipping undecodable messages on %s for run %s (first: %s); "
+                            "`profstream autocapture` sends them to the dead-letter topic", self.topic,
+                            self.owner.run_id, e)
+            return
+        if name != REQUEST or record["run_id"] != self.owner.run_id:
+            return
+        rid = record["request_id"]
+        if rid in self._seen:
+            return
+        self._seen[rid] = None
+        while len(self._seen) > SEEN_REQUESTS:
+            self._seen.popitem(last=False)
+        if not rank_in(record["ranks"], self.owner.rank):
+            return
+        self.requests += 1
+        reason = check_request(record) or self.plan.offer(record)
+        if reason is None:
+            self.armed += 1
+            self._send(new_status(record, ARMED, self.owner.rank, **self._who()))
+        else:
+            self.refused += 1
+            self._send(new_status(record, REFUSED, self.owner.rank, reason=reason, **self._who()))
+
+    def _send_statuses(self) -> None:
+        outbox = self.plan.outbox
+        while outbox:
+            state, cur, reason, ts_ns = outbox.popleft()
+            self._send(new_status(cur.request, state, self.owner.rank, reason=reason, ts_ns=ts_ns,
+                                  **self.plan.status_fields(state, cur), **self._who()))
+        if self._producer is not None:
+            self._producer.poll()
+
+    def _who(self) -> dict[str, Any]:
+        return {"world_size": self.owner.options.get("world_size"), "host": self.owner.options.get("host", "")}
+
+    def _send(self, status: dict) -> None:
+        if self._producer is None:
+            try:
+                self._producer = make_native_producer(self._servers, compression=None,
+                                                      bootstrap_timeout_ms=int(self._connect_timeout * 1000))
+            except Exception as e:
+                self.statuses_undelivered += 1
+                self._mark_down(e)
+                return
+        try:
+            self._producer.send(self.topic, encode_status(status), self.key, self._on_delivery)
+            self.statuses_sent += 1
+        except (BufferError, confluent_kafka.KafkaException) as e:
+            self.statuses_undelivered += 1
+            self._mark_down(e)
+
+    def _on_delivery(self, error: Exception | None) -> None:
+        if error is not None:
+            self.statuses_undelivered += 1
+            self.statuses_sent -= 1
+
+    # -- connection ---------------------------------------------------------------------
+
+    def _connect(self) -> bool:
+        now = time.monotonic()
+        if now < self._next_connect:
+            return False
+        consumer = None
+        try:
+            # never subscribes or commits: the group id is required by librdkafka, unused by the broker
+            config = native_consumer_config(self._servers, f"profstream-control-{self.owner.producer_id}",
+                                            **{"queued.max.messages.kbytes": 1024, "fetch.max.bytes": 1 << 20,
+                                               "max.partition.fetch.bytes": 1 << 20})
+            config["error_cb"] = self._on_client_error
+            consumer = confluent_kafka.Consumer(config)
+            meta = consumer.list_topics(self.topic, timeout=self._connect_timeout)
+            topic = meta.topics.get(self.topic)
+            if topic is None or topic.error is not None or not topic.partitions:
+                raise LookupError(f"topic {self.topic} does not exist yet")
+            partition = control_partition(self.owner.run_id, len(topic.partitions))
+            (tp,) = consumer.offsets_for_times(
+                [confluent_kafka.TopicPartition(self.topic, partition, self.since_ms)], timeout=self._connect_timeout)
+            if tp.error is not None:
+                raise confluent_kafka.KafkaException(tp.error)
+            if tp.offset < 0:  # nothing written since: from the end as of now, as a number (a logical
+                # OFFSET_END would be resolved later, past requests written meanwhile)
+                tp.offset = consumer.get_watermark_offsets(tp, timeout=self._connect_timeout)[1]
+            consumer.assign([tp])
+        except Exception as e:  # broker down, topic not made yet: try again later
+            if consumer is not None:
+                consumer.close()
+            self._next_connect = now + self._backoff
+            self._backoff = min(self._backoff * 2, 30.0)
+            if not isinstance(e, LookupError):
+                self._mark_down(e)
+            return False
+        self._consumer = consumer
+        self._backoff = 0.5
+        self._mark_up()
+        return True
+
+    def _on_client_error(self, error: confluent_kafka.KafkaError) -> None:
+        if error.code() == confluent_kafka.KafkaError._ALL_BROKERS_DOWN:
+            self._mark_down(confluent_kafka.KafkaException(error))
+
+    def _mark_down(self, error: BaseException) -> None:
+        if self._down_since is None:
+            self._down_since = time.monotonic()
+            self.outages += 1
+        if not self._warned_down and not self._stopping.is_set():
+            # info: the Sender's one warning per outage already says that Kafka is down
+            self._warned_down = True
+            log.info("profstream: capture requests for run %s cannot be read from %s (%s: %s); no captures "
+                        "on request until Kafka answers again", self.owner.run_id, self._servers,
+                        type(error).__name__, error)
+
+    def _mark_up(self) -> None:
+        if self._down_since is None:
+            return
+        if self._warned_down:
+            log.info("profstream: capture requests for run %s are read again", self.owner.run_id)
+        self._down_since = None
+        self._warned_down = False
+
+    def _close_clients(self) -> None:
+        self._send_statuses()
+        if self._producer is not None:
+            try:
+                if not self._producer.close(timeout=2.0):
+                    log.warning("profstream: capture statuses of run %s rank %d not delivered at close",
+                                self.owner.run_id, self.owner.rank)
+            except Exception as e:
+                log.warning("profstream: closing the capture status producer failed: %s", e)
+            self._producer = None
+        if self._consumer is not None:
+            try:
+                self._consumer.close()
+            except Exception as e:
+                log.warning("profstream: closing the capture request consumer failed: %s", e)
+            self._consumer = None
+
+    # -- other threads --------------------------------------------------------------------
+
+    def stop(self, timeout: float) -> None:
+        """Send what the plan still has to say and close both clients; waits at most
+        ``timeout`` (3 s at most: a reader cut off from Kafka has nothing to deliver)."""
+        self._stopping.set()
+        self.join(min(timeout, 3.0))
+
+    @property
+    def connected(self) -> bool:
+        return self._consumer is not None and self._down_since is None
+
+    def stats(self) -> dict[str, Any]:
+        plan = self.plan
+        return {"control_connected": self.connected, "control_outages": self.outages,
+                "capture_requests": self.requests, "captures_started": plan.started,
+                "captures_finished": plan.finished, "captures_refused": plan.refused + self.refused,
+                "control_undecodable": self.undecodable, "statuses_undelivered": self.statuses_undelivered}
+
+
+def start_control(owner: Owner, since_ms: int | None = None) -> tuple[CapturePlan, ControlReader]:
+    """The plan of ``owner``'s rank and its reader thread, started."""
+    opts = owner.options
+    plan = CapturePlan(owner.rank, opts["capture_max_steps"])
+    reader = ControlReader(owner, plan, since_ms)
+    reader.start()
+    return plan, reader
