@@ -622,7 +622,34 @@ static PyObject* Recorder_add_rows(RecorderObject* self, PyObject* args) {
   uint8_t bad_rows[CHUNK_ROWS], unknown_rows[CHUNK_ROWS];
   int32_t codes[MAX_COLUMNS];
   Block* b = nullptr;
-  int64_t pos = 0, pending = 0;  // the next row of b; rows written and not yet published
+  int64_t pos = 0;  // the next row of b
+  // the chunk's valid rows that go to b from row pos - nkeep on, written column by column
+  // (one tight loop per column) when the chunk ends or b is full, then published
+  uint16_t keep[CHUNK_ROWS];
+  int nkeep = 0;
+  auto write_kept = [&]() {
+    if (nkeep == 0) return;
+    int64_t at = pos - nkeep;
+    for (size_t i = 0; i < ncols; ++i) {
+      const int64_t* v = &values[i * CHUNK_ROWS];
+      char* col = b->cols[i];
+      switch (spec.cols[i].width) {
+        case 1:
+          for (int t = 0; t < nkeep; ++t) col[at + t] = static_cast<char>(v[keep[t]]);
+          break;
+        case 4:
+          for (int t = 0; t < nkeep; ++t) {
+            int32_t x = static_cast<int32_t>(v[keep[t]]);
+            std::memcpy(col + (at + t) * 4, &x, 4);
+          }
+          break;
+        default:
+          for (int t = 0; t < nkeep; ++t) std::memcpy(col + (at + t) * 8, &v[keep[t]], 8);
+      }
+    }
+    s.publish_rows(b, pos, nkeep);
+    nkeep = 0;
+  };
   for (Py_ssize_t from = 0; from < n; from += CHUNK_ROWS) {
     Py_ssize_t to = n - from < CHUNK_ROWS ? n : from + CHUNK_ROWS;
     std::memset(bad_rows, 0, static_cast<size_t>(to - from));
@@ -631,12 +658,14 @@ static PyObject* Recorder_add_rows(RecorderObject* self, PyObject* args) {
       if (spec.cols[i].dict < 0) src[i].convert(spec.cols[i], from, to, &values[i * CHUNK_ROWS], bad_rows, unknown_rows);
     for (Py_ssize_t row_i = from; row_i < to; ++row_i) {
       Py_ssize_t k = row_i - from;
-      for (int j = 0; j < ndict; ++j)
-        if (PyObject* ahead = src[dict_cols[j]].borrowed(row_i + 8)) __builtin_prefetch(ahead);
+      for (int j = 0; j < ndict; ++j)  // a later row's name and its cache entry: random in memory
+        if (PyObject* ahead = src[dict_cols[j]].borrowed(row_i + 8)) {
+          __builtin_prefetch(ahead);
+          __builtin_prefetch(s.id_set(spec.cols[dict_cols[j]].dict, ahead));
+        }
       bool ok = !bad_rows[k];
       if (ok && (b == nullptr || pos == b->capacity)) {
-        if (b != nullptr && pending) s.publish_rows(b, pos, pending);
-        pending = 0;
+        if (b != nullptr) write_kept();
         b = s.slot(&pos);
         if (b == nullptr) {
           bump(dropped);
@@ -685,12 +714,11 @@ static PyObject* Recorder_add_rows(RecorderObject* self, PyObject* args) {
       }
       if (unknown_rows[k] && is_ops) bump(r->unknown_kinds);
       for (int j = 0; j < ndict; ++j) values[dict_cols[j] * CHUNK_ROWS + k] = codes[dict_cols[j]];
-      for (size_t i = 0; i < ncols; ++i) write_int(b->cols[i], spec.cols[i].width, pos, values[i * CHUNK_ROWS + k]);
+      keep[nkeep++] = static_cast<uint16_t>(k);
       ++pos;
-      ++pending;
     }
+    if (b != nullptr) write_kept();
   }
-  if (b != nullptr && pending) s.publish_rows(b, pos, pending);
   if (is_ops && s.buffered() >= r->batch_max_ops) r->wake->set();
   Py_RETURN_NONE;
 }

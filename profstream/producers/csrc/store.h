@@ -120,13 +120,17 @@ class Store {
   // code(), through the identity cache for exact str objects.
   int32_t cached_code(Block* b, int d, PyObject* value) {
     if (!PyUnicode_CheckExact(value)) return code(b, d, value);
-    uintptr_t h = (reinterpret_cast<uintptr_t>(value) >> 4) * 0x9E3779B97F4A7C15ull;
-    IdEntry* set = &ids_[d][(h >> 40) & (ID_SLOTS - 2)];  // two ways: set[0], set[1]
+    IdEntry* set = id_set(d, value);  // two ways: set[0], set[1]
     for (int w = 0; w < 2; ++w)
       if (set[w].obj == value && set[w].epoch == b->epoch) return set[w].code;
     int32_t c = code(b, d, value);
     if (c >= 0) remember(set, b, value, c);
     return c;
+  }
+  // Where cached_code will look for `value` (a row or two ahead: add_rows prefetches it).
+  IdEntry* id_set(int d, PyObject* value) {
+    uintptr_t h = (reinterpret_cast<uintptr_t>(value) >> 4) * 0x9E3779B97F4A7C15ull;
+    return &ids_[d][(h >> 40) & (ID_SLOTS - 2)];
   }
   void publish(Block* b, int64_t row) { publish_rows(b, row + 1, 1); }
   // Rows up to `count` of block `b` are written, `added` of them since the last publish.
