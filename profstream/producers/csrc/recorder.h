@@ -102,6 +102,27 @@ struct RecorderObject {
   PyObject* wake;  // the Wake object of rec->wake
 };
 
+// Shared by recorder.cpp and columns.cpp (recording thread, GIL held).
+inline void bump(std::atomic<int64_t>& counter, int64_t by = 1) {  // one writer: no read-modify-write
+  counter.store(counter.load(std::memory_order_relaxed) + by, std::memory_order_relaxed);
+}
+
+inline int column_index(const SectionSpec& s, const char* name) {
+  for (size_t i = 0; i < s.cols.size(); ++i)
+    if (s.cols[i].name == name) return static_cast<int>(i);
+  return -1;
+}
+
+inline void note_first(PyObject** slot, PyObject* row) {
+  if (*slot == nullptr && row != nullptr) {
+    Py_INCREF(row);
+    *slot = row;
+  }
+}
+
+// Recorder.add_rows (columns.cpp): n rows of a section from {column: values}.
+PyObject* add_rows(Recording* r, int section, Py_ssize_t n, PyObject* columns, PyObject* fallback);
+
 extern PyTypeObject RecorderType;
 extern PyTypeObject WakeType;
 
