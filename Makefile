@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install jars demo system test test-faults test-mindspore test-fast lint bench stack-up stack-down clean dashboards gpu-check
+.PHONY: install jars demo system test test-faults test-multiproc test-mindspore test-fast lint bench stack-up stack-down clean dashboards gpu-check
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "profstream needs Python 3.11+: install it or run make PYTHON=python3.11")'
@@ -47,12 +47,17 @@ system:
 
 test: system jars $(TORCH_STAMP) $(HTA_STAMP)
 	$(BIN)/ruff check profstream tests $(wildcard benchmarks)
-	$(BIN)/python -m pytest -m "not mindspore and not faults" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not mindspore and not faults and not multiproc" $(PYTEST_ARGS)
 
 # The fault suite: a broker of its own stopped, killed and restarted under a streaming run,
 # processors killed, the Monitor flushed and closed across outages (tests/faults, ~5 min).
 test-faults: jars
 	$(BIN)/python -m pytest -m faults tests/faults $(PYTEST_ARGS)
+
+# Real distributed jobs: torch.distributed (gloo, CPU) processes launched through
+# `profstream run`, their collectives matched across ranks (tests/test_multiproc.py, ~1 min).
+test-multiproc: jars $(TORCH_STAMP)
+	$(BIN)/python -m pytest -m multiproc tests/test_multiproc.py $(PYTEST_ARGS)
 
 # The GPU path on a machine with an NVIDIA GPU, from a fresh copy: builds the environment,
 # then a real bf16 training job under profstream run with its checks, the HTA comparison,

@@ -349,6 +349,21 @@ def cluster() -> Dashboard:
                     .orientation(VizOrientation.HORIZONTAL).display_mode(BarGaugeDisplayMode.BASIC)
                     .reduce_options(LAST)
                     .with_target(prom(f"profstream_last_step{{{RUN_RANK}}}", "rank {{rank}}").instant()))
+        .with_row(Row("Collectives (matched across ranks)"))
+        .with_panel(series("Wait vs transfer per rank", "per rank, the latest step's time in collectives waiting "
+                           "for the last rank to arrive, and transferring once all had", "s",
+                           prom(f"profstream_collective_wait_seconds{{{RUN_RANK}}}", "wait {{rank}}"),
+                           prom(f"profstream_collective_transfer_seconds{{{RUN_RANK}}}", "transfer {{rank}}", "B")))
+        .with_panel(series("Bus bandwidth by collective", "algbw x NCCL's factor for the collective and group "
+                           "size (0 without message sizes: --collective-bytes)", "Bps",
+                           prom(f"profstream_collective_busbw_bytes_per_second{{{RUN}}}", "{{collective}}")))
+        .with_panel(statetimeline.Panel().title("Late rank over time").span(12).height(8)
+                    .description("the rank the others waited for most in their collectives (-1: none waited)")
+                    .datasource(PROMETHEUS)
+                    .with_target(prom(f"profstream_collective_late_rank{{{RUN}}}", "late rank")))
+        .with_panel(ratio_series("Held by the late rank", "longest wait of one rank for the late rank / median "
+                                 "step time (CollectiveWaitHigh at 20 %)",
+                                 prom(f"profstream_collective_late_rank_held_ratio{{{RUN}}}", "held")))
     )
 
 

@@ -172,6 +172,9 @@ MONITOR_OPTIONS: tuple[Option, ...] = (
            "an integer >= 0", optional=True),
     Option("every_n_steps", "int", None, "capture ops only on every n-th step from start_step",
            _positive, "an integer >= 1", optional=True),
+    Option("collective_bytes", "bool", False,
+           "record tensor shapes in captured steps so that collectives carry their message size (bandwidth "
+           "figures); torch.profiler's record_shapes, a cost on every captured op"),
     Option("scheduled_capture", "bool", True,
            "capture ops on the steps of start_step / stop_step / every_n_steps (false: only on the steps "
            "capture requests ask for)"),

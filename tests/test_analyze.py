@@ -49,7 +49,8 @@ def test_analyze_a_directory_of_ranks_prints_them_and_writes_report_and_parquet(
 
 def test_analyze_gives_the_figures_of_ingest_through_kafka_and_the_live_processor(kafka_bootstrap, topics,
                                                                                    tmp_path):
-    path = lagging_device_trace(steps=6, rank=2, seed=9, uncorrelated=(4,)).write(tmp_path / "trace.json")
+    path = _with_collectives(lagging_device_trace(steps=6, rank=2, seed=9, uncorrelated=(4,))).write(
+        tmp_path / "trace.json")  # with a collective call per step: Monitor.collective against the raw batches
     options = FigureOptions(top_k=5)
     offline = analyze([path], "same-run", StreamOptions(figures=options))
     with RunningProcessor(kafka_bootstrap, topics, figure_options=options):
@@ -63,6 +64,7 @@ def test_analyze_gives_the_figures_of_ingest_through_kafka_and_the_live_processo
 
     assert [comparable(s) for s in sorted(live, key=lambda s: s["step"])] == [comparable(s) for s in offline.steps]
     assert sum(s["uncorrelated_ops"] for s in live) == 1
+    assert [s["collectives"]["count"] for s in live] == [1] * 6
 
 
 @pytest.mark.parametrize("case", ["not a trace", "same rank twice", "empty directory"])
@@ -82,3 +84,37 @@ def test_bad_input_is_one_line_that_names_the_file(tmp_path, case):
     assert result.exit_code == 2
     assert "error:" in result.output and expected in result.output.replace("\n", "")
     assert "Traceback" not in result.output
+
+
+def _with_collectives(trace, late_us: float = 0.0):
+    """The trace's NCCL kernels and a host record_param_comms per step as torch.distributed
+    records them (all_reduce of 1 Mi floats on the default group, Seq = the step); the
+    kernels of this rank start ``late_us`` later (and end where they did)."""
+    for e in list(trace.events):
+        if e["ph"] == "X" and e["name"].startswith("ncclKernel"):
+            seq = len([x for x in trace.events if x.get("name") == "record_param_comms"])
+            comms = {"Collective name": "allreduce", "Seq": seq, "Process Group Name": "0", "Group size": 2,
+                     "In msg nelems": 1 << 20, "Out msg nelems": 1 << 20, "dtype": "Float"}
+            e["args"].update(comms)
+            e["ts"], e["dur"] = round(e["ts"] + late_us, 3), round(e["dur"] - late_us, 3)
+            trace.host("record_param_comms", "cpu_op", e["ts"] - 400.0, 2.0, **comms)  # the host's: not the timing
+    return trace
+
+
+def test_analyze_matches_the_nccl_calls_of_kineto_traces_across_ranks(tmp_path):
+    # rank 1's all-reduce kernels start 300 us after rank 0's: rank 0 waits 300 us a step
+    paths = [_with_collectives(lagging_device_trace(steps=4, rank=r), late_us=300.0 * r).write(tmp_path / f"r{r}.json")
+             for r in (0, 1)]
+    result = analyze(paths, run_id="nccl")
+    assert [r.profile.collectives[0][:4] for r in result.ranks] == [("allreduce", "0", "Float", 0)] * 2
+    assert len(result.run_steps) == 4
+    for run in result.run_steps:
+        assert run["collectives_matched"] == 1 and run["unmatched_collectives"] == []
+        assert run["late_rank"] == 1 and run["late_rank_held_ns"] == 300_000
+        ranks = {c["rank"]: c for c in run["collective_ranks"]}
+        assert (ranks[0]["wait_ns"], ranks[1]["wait_ns"]) == (300_000, 0)
+        assert ranks[0]["transfer_ns"] == ranks[1]["transfer_ns"] == 180_000  # [800, 980) us of the step's device time
+        (ar,) = run["by_collective"]
+        assert ar["bytes"] == 2 * 4 << 20 and ar["algbw_bytes_per_s"] == pytest.approx(ar["bytes"] / 360e-6)
+    steps = {(s["rank"], s["step"]): s for s in result.steps}
+    assert all(steps[(0, run["step"])]["collectives"]["count"] == 1 for run in result.run_steps)

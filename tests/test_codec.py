@@ -32,9 +32,10 @@ GOLDEN_V3 = Path(__file__).parent / "data" / "eventbatch-v3.bin"  # the same, wr
 GOLDEN_V4 = DATA / "eventbatch-v4.bin"  # the same with launch times, written by v4
 
 
-def random_batch(seed: int, n_ops: int = 500, launches: bool = True, devices: bool = True) -> EventBatch:
+def random_batch(seed: int, n_ops: int = 500, launches: bool = True, devices: bool = True,
+                 collectives: bool = True) -> EventBatch:
     """A batch of random columns; ``launches``: with ops.launch_ns (v4), ``devices``: with
-    device samples (v5), each drawn apart so that the other columns are those the older
+    device samples (v5), ``collectives``: with collective rows (v6), each drawn apart so that the other columns are those the older
     golden messages were written from."""
     rng = np.random.default_rng(seed)
     names = [f"op{i}" for i in range(17)]
@@ -63,13 +64,18 @@ def random_batch(seed: int, n_ops: int = 500, launches: bool = True, devices: bo
         b.device_samples = {c: (drng.random(6) if d.kind == "f" else drng.integers(-1, 2**40, 6))
                             for c, d in SECTIONS["device_samples"]}
         b.device_samples["gpu_util"][2] = np.nan  # a value the device does not report
+    if collectives:
+        crng = np.random.default_rng([seed, 6])
+        b.collective_names = ["all_reduce", "0", "Float", "all_gather"]
+        b.collectives = {c: crng.integers(0, len(b.collective_names), 5) if c.endswith("_idx")
+                         else crng.integers(-1, 2**40, 5) for c, _ in SECTIONS["collectives"]}
     return b
 
 
 def assert_same_batch(a: EventBatch, b: EventBatch) -> None:
     for f in ("run_id", "rank", "host", "device", "producer_id", "seq", "sent_ns", "dropped_ops",
               "dropped_samples", "complete_through_step", "buffer_fill_ratio", "send_latency_ns",
-              "op_names", "op_types", "queue_names"):
+              "op_names", "op_types", "queue_names", "collective_names"):
         assert getattr(a, f) == getattr(b, f), f
     for section, cols in SECTIONS.items():
         for col, dtype in cols:
@@ -142,10 +148,20 @@ def test_processed_records_round_trip():
         "kernel_types": [{"op_type": "gemm", "total_ns": 7, "count": 1}],
         "device_kinds": [{"kind": "compute", "total_ns": 7, "count": 1}], "uncorrelated_ops": 2,
         "devices": [DEVICE_FIGURES],
+        "collectives": {"names": ["all_reduce", "0"], "count": 1, "name_idx": b"\0" * 4, "group_idx": b"\1\0\0\0",
+                        "group_size": b"\2\0\0\0", "seq": b"\4" + b"\0" * 7, "bytes": b"\xa0\x0f" + b"\0" * 6,
+                        "start_ns": b"\2" + b"\0" * 7, "end_ns": b"\5" + b"\0" * 7},
     }
     assert decode("StepMetrics", encode("StepMetrics", step)) == step
     run = {"run_id": "r", "step": 7, "ranks_reported": 2, "min_step_time_ns": 10, "median_step_time_ns": 12.0,
-           "max_step_time_ns": 14, "skew": 1 / 3, "straggler_rank": 1, "step_times_ns": {"0": 10, "1": 14}}
+           "max_step_time_ns": 14, "skew": 1 / 3, "straggler_rank": 1, "step_times_ns": {"0": 10, "1": 14},
+           "collectives_matched": 1, "late_rank": 1, "late_rank_held_ns": 3,
+           "collective_ranks": [{"rank": 0, "wait_ns": 3, "transfer_ns": 1, "slowest_collective": "all_reduce",
+                                 "slowest_ns": 4}],
+           "by_collective": [{"collective": "all_reduce", "calls": 1, "bytes": 8000, "transfer_ns": 2,
+                              "algbw_bytes_per_s": 4e12, "busbw_bytes_per_s": 4e12}],
+           "unmatched_collectives": [{"collective": "broadcast", "group": "0", "seq": 5, "arrived": [0],
+                                      "missing": [1], "expected": 2}]}
     assert decode("RunStepMetrics", encode("RunStepMetrics", run)) == run
     alert = {"name": "DataQueueStall", "state": "firing", "run_id": "r", "rank": 0, "step": 24, "ts_ns": 5,
              "summary": "starved", "evidence": {"data_wait_ns": 3.0}}
@@ -175,7 +191,7 @@ def test_shipped_v1_message_still_decodes():
     raw = GOLDEN.read_bytes()
     assert raw[2:10] != CURRENT["EventBatch"].header[2:10]  # it really is an older version
     batch = decode_batch(raw)
-    assert_same_batch(random_batch(1234, 20, launches=False, devices=False), batch)
+    assert_same_batch(random_batch(1234, 20, launches=False, devices=False, collectives=False), batch)
     assert batch.world_size is None
     assert (batch.ops["launch_ns"] == -1).all()
 
@@ -185,7 +201,7 @@ def test_shipped_v2_message_still_decodes():
     raw = GOLDEN_V2.read_bytes()
     assert raw[2:10] not in (CURRENT["EventBatch"].header[2:10], GOLDEN.read_bytes()[2:10])
     batch = decode_batch(raw)
-    assert_same_batch(random_batch(1234, 20, launches=False, devices=False), batch)
+    assert_same_batch(random_batch(1234, 20, launches=False, devices=False, collectives=False), batch)
     assert batch.world_size == 8
     assert_same_batch(batch, decode_batch(encode_batch(batch)))  # re-encoded as the current version, unchanged
 
@@ -196,26 +212,26 @@ def test_shipped_v3_message_still_decodes_with_no_launch_times():
     raw = GOLDEN_V3.read_bytes()
     assert len({raw[2:10], GOLDEN_V2.read_bytes()[2:10], CURRENT["EventBatch"].header[2:10]}) == 3
     batch = decode_batch(raw)
-    assert_same_batch(random_batch(1234, 20, launches=False, devices=False), batch)
+    assert_same_batch(random_batch(1234, 20, launches=False, devices=False, collectives=False), batch)
     assert batch.ops["launch_ns"].tolist() == [-1] * 20
-    assert_same_batch(batch, decode_batch(encode_batch(random_batch(1234, 20, launches=False, devices=False))))
+    assert_same_batch(batch, decode_batch(encode_batch(random_batch(1234, 20, launches=False, devices=False, collectives=False))))
 
 
 def test_shipped_v4_message_still_decodes_with_no_device_samples():
     raw = GOLDEN_V4.read_bytes()
     assert len({raw[2:10], GOLDEN_V3.read_bytes()[2:10], CURRENT["EventBatch"].header[2:10]}) == 3
     batch = decode_batch(raw)
-    assert_same_batch(random_batch(1234, 20, devices=False), batch)
+    assert_same_batch(random_batch(1234, 20, devices=False, collectives=False), batch)
     assert batch.n("device_samples") == 0 and batch.world_size == 8 and (batch.ops["launch_ns"] > 0).any()
 
 
 def test_a_batch_without_device_samples_is_written_as_v4_so_older_processors_read_it():
-    batch = random_batch(1234, 20, devices=False)
+    batch = random_batch(1234, 20, devices=False, collectives=False)
     batch.world_size = 8
     assert encode_batch(batch) == GOLDEN_V4.read_bytes()  # byte for byte what v4 wrote
-    with_devices = random_batch(1234, 20)
+    with_devices = random_batch(1234, 20, collectives=False)
     data = encode_batch(with_devices)
-    assert data[:10] == CURRENT["EventBatch"].header and CURRENT["EventBatch"].version == 5
+    assert data[:10] == VERSIONS[("EventBatch", 5)].header  # v5 readers read it whole
     back = decode_batch(data)
     assert_same_batch(with_devices, back)
     assert np.isnan(back.device_samples["gpu_util"][2]) and back.n("device_samples") == 6
@@ -229,7 +245,7 @@ def test_step_metrics_v3_still_decode_and_steps_without_device_figures_are_writt
     assert encode_step_metrics(m)[:10] == VERSIONS[("StepMetrics", 3)].header
     with_devices = {**m, "devices": [DEVICE_FIGURES]}
     data = encode_step_metrics(with_devices)
-    assert data[:10] == CURRENT["StepMetrics"].header and CURRENT["StepMetrics"].version == 4
+    assert data[:10] == VERSIONS[("StepMetrics", 4)].header  # v4 readers read it whole
     assert decode("StepMetrics", data) == with_devices
 
 

@@ -77,7 +77,14 @@ def _exported() -> dict[str, set[str]]:
                          "throttled_power": False, "throttled_thermal": True, "pcie_rx": 1e9, "pcie_tx": 2e9,
                          "nvlink_rx": 3e9, "nvlink_tx": 4e9}]}
     run = {"run_id": "r", "step": 1, "ranks_reported": 1, "min_step_time_ns": 10**8, "median_step_time_ns": 1e8,
-           "max_step_time_ns": 10**8, "skew": 0.0, "straggler_rank": 0, "step_times_ns": {"0": 10**8}}
+           "max_step_time_ns": 10**8, "skew": 0.0, "straggler_rank": 0, "step_times_ns": {"0": 10**8},
+           "collectives_matched": 1, "late_rank": 0, "late_rank_held_ns": 10,
+           "collective_ranks": [{"rank": 0, "wait_ns": 1, "transfer_ns": 2, "slowest_collective": "all_reduce",
+                                 "slowest_ns": 3}],
+           "by_collective": [{"collective": "all_reduce", "calls": 1, "bytes": 8, "transfer_ns": 2,
+                              "algbw_bytes_per_s": 4e9, "busbw_bytes_per_s": 4e9}],
+           "unmatched_collectives": [{"collective": "all_reduce", "group": "0", "seq": 2, "arrived": [0],
+                                      "missing": [1], "expected": 2}]}
     alert = {"name": "DataQueueStall", "state": "firing", "run_id": "r", "rank": 0, "step": 1, "ts_ns": now_ns,
              "summary": "s", "evidence": {}}
     exporter = ExporterState(topics)

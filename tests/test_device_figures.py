@@ -168,10 +168,11 @@ def test_summed_over_steps_compute_comm_overlap_and_idle_equal_the_totals_over_t
            if f.kind == STEPS]
     assert [s["step"] for s in out] == list(range(len(bounds)))
 
-    covered = np.zeros(N + 80, bool)
+    world = max(t, N + 70)  # six steps of up to 52 ns reach past the ops' N + 70
+    covered = np.zeros(world, bool)
     for a, b in bounds:
         covered[a:b] = True
-    masks = {COMPUTE: np.zeros(N + 80, bool), COMMUNICATION: np.zeros(N + 80, bool)}
+    masks = {COMPUTE: np.zeros(world, bool), COMMUNICATION: np.zeros(world, bool)}
     for kind, start, dur in ops:
         masks[kind][start:start + dur] = True
     compute, comm = masks[COMPUTE] & covered, masks[COMMUNICATION] & covered

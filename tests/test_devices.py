@@ -23,7 +23,7 @@ from profstream.processors.stream import RawMessage, figures
 from profstream.producers.monitor import Monitor
 from profstream.producers.sender import DEVICE_PRODUCER_SUFFIX
 from profstream.schema import decode, decode_batch
-from profstream.schema.codec import CURRENT, VERSIONS
+from profstream.schema.codec import VERSIONS
 from tests.helpers import topic_size, wait_until
 from tests.nvml import NOT_SUPPORTED, UNKNOWN
 
@@ -195,8 +195,8 @@ def test_a_gpu_monitor_streams_device_counters_that_become_figures_of_its_steps(
     total = topic_size(kafka_bootstrap, topics.raw)
     messages = read_topic(kafka_bootstrap, topics.raw, lambda m: True, total, 30, decode=bytes)
     assert len(messages) == total
-    device_batches = [m for m in messages if m[:10] == CURRENT["EventBatch"].header]
-    others = [m for m in messages if m[:10] != CURRENT["EventBatch"].header]
+    device_batches = [m for m in messages if m[:10] == VERSIONS[("EventBatch", 5)].header]  # v5: device samples
+    others = [m for m in messages if m[:10] != VERSIONS[("EventBatch", 5)].header]
     assert device_batches and others
     assert all(m[:10] == VERSIONS[("EventBatch", 4)].header for m in others)  # older processors read them
     assert {decode_batch(m).producer_id for m in device_batches} == {mon.producer_id + DEVICE_PRODUCER_SUFFIX}

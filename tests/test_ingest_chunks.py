@@ -141,3 +141,13 @@ def test_a_worker_that_dies_sends_the_file_to_one_process(tmp_path, monkeypatch,
         assert not parsed_in_chunks(path)
     assert "exited with code -9" in caplog.text
     assert both(path).steps == 4
+
+
+def test_collective_calls_found_in_any_chunk_are_those_of_one_process(tmp_path):
+    from tests.kineto_traces import lagging_device_trace
+    from tests.test_analyze import _with_collectives
+
+    path = _with_collectives(lagging_device_trace(steps=8)).write(tmp_path / "nccl.json")
+    assert parsed_in_chunks(path)
+    profile = both(path)
+    assert [c[3] for c in profile.collectives] == list(range(8)) and profile.collective_step.tolist() == list(range(1, 9))

@@ -21,7 +21,7 @@ from profstream.producers.native_sender import NativeSender
 from profstream.producers.sender import Sender
 from profstream.schema import batch as batch_schema
 from profstream.schema.batch import decode_batch
-from profstream.schema.codec import CURRENT, VERSIONS
+from profstream.schema.codec import VERSIONS
 from tests.helpers import wait_until
 
 UNREACHABLE = "127.0.0.1:1"
@@ -66,13 +66,14 @@ def _pair(**options: Any) -> tuple[Monitor, Sender, Monitor, NativeSender]:
 
 
 def _messages(py_sender: Sender, nat_sender: NativeSender, monkeypatch) -> tuple[list[bytes], list[bytes]]:
-    """Every batch each sender builds now; the Python one stamped with the native one's sent_ns."""
+    """Every batch each sender builds now; the Python one stamped with the native one's sent_ns
+    (but for the native Monitor's batches of collective calls, which the Python one does not write)."""
     nat = []
-    nat_sender._send_foreign()  # device samples: by the Python encoder, before the native batch
+    nat_sender._send_foreign()  # device samples, collectives: by the Python encoder, before the native batch
     while (message := nat_sender._core.take_message()) is not None or nat_sender._core.build():
         if message is not None:
             nat.append(message[0])
-    stamps = iter([decode_batch(m).sent_ns for m in nat] + [0] * 1000)
+    stamps = iter([b.sent_ns for b in map(decode_batch, nat) if not _of_collectives(b)] + [0] * 1000)
     py = []
     with monkeypatch.context() as patch:
         patch.setattr(time, "time_ns", lambda: next(stamps))
@@ -96,7 +97,40 @@ _STEP = st.fixed_dictionaries({
     "queues": st.lists(st.tuples(_NAMES, st.integers(0, 10**6), st.integers(-1, 10**6)), max_size=3),
     "devices": st.lists(st.tuples(st.integers(0, 7), st.floats(allow_infinity=False), st.integers(-1, 2**62)),
                         max_size=3),  # v5, in batches of their own
+    "collectives": st.lists(st.tuples(_NAMES, _NAMES, _NAMES, _I64, _I64, _I64, _I64, _I64, st.integers(0, 2**31 - 1)),
+                            max_size=3),  # v6: the native Monitor's in batches of their own
 })
+
+
+def _of_collectives(batch: batch_schema.EventBatch) -> bool:
+    return batch.producer_id.endswith(sender.COLLECTIVE_PRODUCER_SUFFIX)
+
+
+def _collective_rows(batches: list[batch_schema.EventBatch]) -> list[tuple]:
+    """Every collective call of ``batches``, names decoded, in the order sent."""
+    rows = []
+    for b in batches:
+        c, names = b.collectives, b.collective_names
+        rows += [(names[n], names[g], names[d], *rest) for n, g, d, *rest in zip(
+            *(c[k].tolist() for k in ("name_idx", "group_idx", "dtype_idx")),
+            *(c[k].tolist() for k, _ in batch_schema.SECTIONS["collectives"][3:]))]
+    return rows
+
+
+def _apart(py: list[bytes], nat: list[bytes]) -> tuple[list[bytes], list[bytes], list[tuple], list[tuple]]:
+    """The messages of both senders with the collective calls taken out (the Python sender's
+    batches re-encoded without them: the version and bytes the native encoder writes), and
+    the calls each sent."""
+    py_batches, nat_batches = [decode_batch(m) for m in py], [decode_batch(m) for m in nat]
+    py_calls = _collective_rows(py_batches)
+    stripped = []
+    for message, b in zip(py, py_batches):
+        if b.n("collectives"):
+            b.collectives, b.collective_names = batch_schema.empty_section("collectives"), []
+            message = batch_schema.encode_batch(b)
+        stripped.append(message)
+    rest = [m for m, b in zip(nat, nat_batches) if not _of_collectives(b)]
+    return stripped, rest, py_calls, _collective_rows([b for b in nat_batches if _of_collectives(b)])
 
 
 def _record(mon: Monitor, steps: list[dict], t0: int = 1_700_000_000_000_000_000) -> None:
@@ -117,6 +151,8 @@ def _record(mon: Monitor, steps: list[dict], t0: int = 1_700_000_000_000_000_000
             mon.queue(name, size, capacity, ts_ns=t0 + s * 1000 + i)
         for i, (device, util, used) in enumerate(step.get("devices", ())):
             mon.device_sample(DeviceSample(device, gpu_util=util, mem_used=used), ts_ns=t0 + s * 1000 + i)
+        for name, group, dtype, seq, start, dur, n_in, n_out, size in step.get("collectives", ()):
+            mon.collective(name, group, seq, start, dur, size, in_bytes=n_in, out_bytes=n_out, dtype=dtype)
         mon.end_step(ts_ns=t0 + s * 1000 + 999)
 
 
@@ -124,7 +160,9 @@ def _record(mon: Monitor, steps: list[dict], t0: int = 1_700_000_000_000_000_000
 @given(steps=st.lists(_STEP, min_size=1, max_size=6), batch_max_ops=st.integers(1, 64))
 def test_native_batches_are_the_bytes_of_the_python_sender(steps, batch_max_ops):
     """The same events, recorded step by step into both Monitors and sent after each step:
-    every message byte for byte the same (blocks of 5 rows, so batches span blocks)."""
+    every message byte for byte the same (blocks of 5 rows, so batches span blocks), but
+    that the native Monitor sends the collective calls in batches of their own: the same
+    calls, and the Python batches without them are the native ones byte for byte."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(native, "BLOCK_ROWS", {"ops": 5})
         patch.setattr(native, "SAMPLE_BLOCK_ROWS", 2)
@@ -132,10 +170,11 @@ def test_native_batches_are_the_bytes_of_the_python_sender(steps, batch_max_ops)
         for s in range(len(steps)):
             _record(py, steps[s:s + 1])
             _record(nat, steps[s:s + 1])
-            got_py, got_nat = _messages(py_sender, nat_sender, patch)
+            got_py, got_nat, py_calls, nat_calls = _apart(*_messages(py_sender, nat_sender, patch))
             assert len(got_nat) == len(got_py)
             for a, b in zip(got_py, got_nat):
                 assert a == b, (decode_batch(a), decode_batch(b))
+            assert nat_calls == py_calls and len(py_calls) == len(steps[s]["collectives"])
 
 
 def test_native_batches_are_the_python_bytes_at_training_scale(monkeypatch):
@@ -237,6 +276,22 @@ def test_native_batches_are_v4_with_the_launch_times_the_python_path_writes(monk
     assert got_py == got_nat
 
 
+def _held_until_queued(nat: Monitor, nat_sender: NativeSender) -> bytes:
+    """One step of one op and one row recorded in Python beside it: the native batch built
+    first (as a racing sender thread might) waits with the step's watermark until the row's
+    batch of its own is queued, and is released after it. Returns that row's message."""
+    assert nat.buffer.foreign.buffered_samples == 1 and not nat.buffer.empty
+    assert nat_sender._core.build()
+    held = decode_batch(nat_sender._core.take_message()[0])
+    assert held.n("ops") == 1 and held.complete_through_step is None  # step 0 waits for the row
+    nat_sender._send_foreign()
+    assert nat_sender._core.build()
+    message, _, samples = nat_sender._core.take_message()
+    released = decode_batch(nat_sender._core.take_message()[0])
+    assert samples == 1 and released.complete_through_step == 0 and nat.buffer.empty
+    return message
+
+
 def test_device_samples_go_by_the_python_encoder_before_the_batch_that_completes_their_step(monkeypatch):
     """EventBatch v5's device samples, a section the native encoder does not write: the
     native Monitor records them in Python, sends them as the Python path does (batches of
@@ -248,22 +303,51 @@ def test_device_samples_go_by_the_python_encoder_before_the_batch_that_completes
         mon.op("cpu-op", 10, 5)
         mon.device_sample(DeviceSample(3, gpu_util=0.5, mem_used=1 << 30, throttle_reasons=4), ts_ns=20)
         mon.end_step(ts_ns=50)
-    assert nat.buffer.foreign.buffered_samples == 1 and not nat.buffer.empty
-    assert nat_sender._core.build()  # the native batch first, as a racing sender thread might
-    held = decode_batch(nat_sender._core.take_message()[0])
-    assert held.n("ops") == 1 and held.complete_through_step is None  # step 0 waits for its device sample
-    nat_sender._send_foreign()
-    assert nat_sender._core.build()
-    device_message, _, samples = nat_sender._core.take_message()
-    released = decode_batch(nat_sender._core.take_message()[0])
-    assert samples == 1 and released.complete_through_step == 0 and nat.buffer.empty
-    assert device_message.startswith(CURRENT["EventBatch"].header) and CURRENT["EventBatch"].version >= 5
+    device_message = _held_until_queued(nat, nat_sender)
+    assert device_message.startswith(VERSIONS[("EventBatch", 5)].header)
     got = decode_batch(device_message)
     assert got.producer_id == nat.producer_id + sender.DEVICE_PRODUCER_SUFFIX and got.n("ops") == 0
     assert got.device_samples["device"].tolist() == [3] and got.device_samples["throttle_reasons"].tolist() == [4]
     monkeypatch.setattr(time, "time_ns", lambda: got.sent_ns)
     assert py_sender._build()
     assert py_sender._pending.popleft()[0] == device_message  # what the Python Monitor sends
+
+
+def test_collective_calls_go_in_batches_of_their_own_before_the_batch_that_completes_their_step(monkeypatch):
+    """EventBatch v6's collective calls (Monitor.collective) on the native Monitor: recorded
+    in Python, sent by the Python encoder in v6 batches of their own, the watermark held
+    back until they are queued; the processors get the calls the Python Monitor sends."""
+    py, py_sender, nat, nat_sender = _pair()
+    for mon in (py, nat):
+        mon.begin_step(0, ts_ns=1)
+        mon.op("all_reduce", 10, 5, "comm")
+        mon.collective("all_reduce", "0", 7, 10, 5, 8, in_bytes=4096, out_bytes=4096, dtype="Float")
+        mon.end_step(ts_ns=50)
+    calls_message = _held_until_queued(nat, nat_sender)
+    assert calls_message.startswith(VERSIONS[("EventBatch", 6)].header)
+    calls = decode_batch(calls_message)
+    assert calls.producer_id == nat.producer_id + sender.COLLECTIVE_PRODUCER_SUFFIX and calls.seq == 0
+    assert calls.complete_through_step is None and calls.n("ops") == calls.n("steps") == 0
+    assert py_sender._build()
+    python_batch = decode_batch(py_sender._pending.popleft()[0])
+    assert _collective_rows([calls]) == _collective_rows([python_batch]) == [
+        ("all_reduce", "0", "Float", 0, 7, 10, 5, 4096, 4096, 8)]
+
+
+def test_collective_calls_the_native_buffer_cannot_hold_are_dropped_and_counted():
+    """The samples' reserve full: Monitor.collective drops and counts, never blocks or raises;
+    the next native batch reports the drops."""
+    _py, _py_sender, nat, nat_sender = _pair()
+    nat.begin_step(0, ts_ns=1)
+    limit = nat.buffer.foreign.max_samples
+    for i in range(limit + 3):
+        nat.collective("all_reduce", "0", i, 10, 5, 2)
+    nat.end_step(ts_ns=50)
+    nat_sender._send_foreign()
+    assert nat_sender._core.build()
+    sent = [decode_batch(m[0]) for m in iter(nat_sender._core.take_message, None)]
+    assert sum(b.n("collectives") for b in sent) == limit
+    assert sum(b.dropped_samples for b in sent) == 3 and sent[-1].complete_through_step == 0
 
 
 def test_a_buffer_part_the_native_sender_does_not_know_makes_the_monitor_python(monkeypatch):
@@ -273,10 +357,10 @@ def test_a_buffer_part_the_native_sender_does_not_know_makes_the_monitor_python(
 
     from profstream.producers import buffer
 
-    monkeypatch.setattr(native, "Drained", namedtuple("Drained", [*buffer.Drained._fields, "collectives"]))
+    monkeypatch.setattr(native, "Drained", namedtuple("Drained", [*buffer.Drained._fields, "later_section"]))
     monkeypatch.setattr(native, "_loaded", None)
     module, why = native.load()
-    assert module is None and "collectives" in why
+    assert module is None and "later_section" in why
     monkeypatch.setattr(monitor_module, "_said", set())
     assert Monitor(run_id="later", bootstrap=UNREACHABLE, sender_factory=_Idle).recording == "python"
 

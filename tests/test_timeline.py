@@ -19,6 +19,7 @@ import profstream.sinks.timeline as timeline
 from profstream.config import ConfigError
 from profstream.kafka.clients import make_consumer
 from profstream.processors.assembler import RankAssembler
+from profstream.processors.collectives import CollectiveCall, calls_of, step_collectives
 from profstream.processors.model import StepEvents
 from profstream.processors.utilization import utilization
 from profstream.schema.batch import (
@@ -51,7 +52,9 @@ from profstream.sinks.timeline import (
     TimelineWriter,
     timeline_events,
 )
+from profstream.sinks.timeline_collectives import TID_COLLECTIVES
 from tests.helpers import wait_until
+from tests.test_collectives import _rank_batch
 
 Rec = namedtuple("Rec", "topic partition offset key value")
 TOPIC = "t.raw"
@@ -702,3 +705,51 @@ def test_device_counters_are_counter_tracks_per_device_with_the_values_read(tmp_
                                (f"{d} throttled", {"power": 0, "thermal": int(plan.step == 2)})):
                 assert (ts, args) in got[(plan.rank, name)], (plan.rank, plan.step, name)
     assert all(len(v) == 2 * cfg.steps for v in got.values())  # two readings per step, none twice
+
+
+def test_each_collective_is_split_into_wait_and_transfer_on_the_collectives_track(tmp_path):
+    # three ranks; rank 2 enters step 0's all_reduce 40 ms after rank 0 and 30 ms after rank 1;
+    # rank 2 never makes the broadcast; in step 1 all arrive together
+    calls = {0: [("all_reduce", 0, 1, 10, 50), ("broadcast", 0, 2, 70, 5), ("all_reduce", 1, 3, 110, 10)],
+             1: [("all_reduce", 0, 1, 20, 40), ("broadcast", 0, 2, 70, 5), ("all_reduce", 1, 3, 110, 10)],
+             2: [("all_reduce", 0, 1, 50, 10), ("all_reduce", 1, 3, 110, 10)]}
+    sink = TimelineSink(tmp_path)
+    sink.handle([Rec(TOPIC, 0, r, None, _rank_batch(r, [0, 1], c, run_id="coll")) for r, c in calls.items()])
+    sink.close()
+    got: dict = defaultdict(list)
+    for p in files(tmp_path):
+        doc = read_trace(p)
+        check_trace_format(doc)
+        rank, base = doc["otherData"]["rank"], doc["otherData"]["base_time_ns"]
+        assert {"ph": "M", "name": "thread_name", "pid": rank + 1, "tid": TID_COLLECTIVES,
+                "args": {"name": "Collectives: wait / transfer"}} in doc["traceEvents"]
+        for e in doc["traceEvents"]:
+            if e["ph"] == "X" and e["tid"] == TID_COLLECTIVES:
+                got[rank].append((e["args"]["step"], e["name"], e["cat"], ns(e["ts"]) + base, ns(e["dur"])))
+    ms = 1_000_000
+    assert sorted(got[0]) == [(0, "all_reduce", "collective_transfer", 50 * ms, 10 * ms),
+                              (0, "broadcast (not matched)", "collective", 70 * ms, 5 * ms),
+                              (0, "wait for rank 2 (all_reduce)", "collective_wait", 10 * ms, 40 * ms),
+                              (1, "all_reduce", "collective_transfer", 110 * ms, 10 * ms)]
+    assert sorted(got[1])[2] == (0, "wait for rank 2 (all_reduce)", "collective_wait", 20 * ms, 30 * ms)
+    assert sorted(got[2]) == [(0, "all_reduce", "collective_transfer", 50 * ms, 10 * ms),
+                              (1, "all_reduce", "collective_transfer", 110 * ms, 10 * ms)]
+    # the wait slices add up to the processors' wait per rank
+    figures = step_collectives({r: calls_of([CollectiveCall(c, "0", 3, seq, 4000, start * ms, (start + dur) * ms)
+                                             for c, step, seq, start, dur in cs if step == 0])
+                                for r, cs in calls.items()}, range(3))
+    waits = {r["rank"]: r["wait_ns"] for r in figures["collective_ranks"]}
+    for rank in range(3):
+        assert sum(d for step, _, cat, _, d in got[rank] if cat == "collective_wait" and step == 0) == waits[rank]
+
+
+def test_a_call_not_yet_seen_on_every_rank_is_one_unsplit_slice(tmp_path):
+    # rank 1's batch reaches the sink after rank 0's steps were written: no split for rank 0
+    sink = TimelineSink(tmp_path, window_steps=1)
+    sink.handle([Rec(TOPIC, 0, 0, None, _rank_batch(0, [0], [("all_reduce", 0, 1, 10, 50)], world=2, run_id="lag"))])
+    sink.handle([Rec(TOPIC, 0, 1, None, _rank_batch(1, [0], [("all_reduce", 0, 1, 40, 20)], world=2, run_id="lag"))])
+    sink.close()
+    names = {read_trace(p)["otherData"]["rank"]: [e["name"] for e in read_trace(p)["traceEvents"]
+                                                  if e["ph"] == "X" and e["tid"] == TID_COLLECTIVES]
+             for p in files(tmp_path)}
+    assert names == {0: ["all_reduce (not matched)"], 1: ["all_reduce"]}

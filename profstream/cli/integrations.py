@@ -80,12 +80,15 @@ def run(
     every_n_steps: Annotated[int | None, typer.Option(help="capture ops on every n-th step")] = None,
     capture_ops: Annotated[bool | None, typer.Option("--capture-ops/--no-capture-ops",
                                                      help="op capture with torch.profiler (default: on)")] = None,
+    collective_bytes: Annotated[bool | None, typer.Option(
+        "--collective-bytes", help="record tensor shapes so collectives carry their message size (bandwidth)")] = None,
 ) -> None:
     """Profile a PyTorch training script without changing it: profstream run -- python train.py ARGS (docs/torch.md)."""
     from profstream.integrations.launch import run_profiled
 
     options = {"bootstrap": resolve_bootstrap(bootstrap), "run_id": run_id, "topic_prefix": topic_prefix,
-               "start_step": start_step, "stop_step": stop_step, "every_n_steps": every_n_steps}
+               "start_step": start_step, "stop_step": stop_step, "every_n_steps": every_n_steps,
+               "collective_bytes": collective_bytes}
     try:
         code = run_profiled(command, options, {"capture_ops": capture_ops})
     except FileNotFoundError:

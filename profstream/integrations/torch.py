@@ -163,7 +163,8 @@ class TorchInstrumentation:
         if self.capture_ops and getattr(monitor, "_enabled", True):
             window = OpWindow.of(monitor.options)
             _hand_op_window_to_producer(monitor)
-            self.capture = OpCapture(monitor, window, self.cuda, self._fail, self.compiled_walk)
+            self.capture = OpCapture(monitor, window, self.cuda, self._fail, self.compiled_walk,
+                                     collective_bytes=monitor.options.get("collective_bytes", False))
         elif getattr(monitor, "capture_plan", None) is not None:
             monitor.capture_plan.unavailable = "op capture is off in this process (capture_ops=False)"
         if not self.cuda:

@@ -28,6 +28,12 @@ from typing import Any
 import numpy as np
 
 from profstream.integrations import torch_native
+from profstream.integrations.torch_collectives import (
+    GroupCount,
+    collective_rows,
+    default_group_count,
+    message_sizes,
+)
 from profstream.integrations.torch_ops import (
     HostThreads,
     NodeNames,
@@ -79,7 +85,7 @@ class OpCapture:
     Monitor's ``capture_plan``, and feeds the ops to the Monitor."""
 
     def __init__(self, monitor: Any, window: OpWindow, run_has_device: bool, on_error: Any,
-                 compiled_walk: bool = True) -> None:
+                 compiled_walk: bool = True, collective_bytes: bool = False) -> None:
         self.monitor = monitor
         self.window = window
         self.plan = getattr(monitor, "capture_plan", None)
@@ -98,6 +104,8 @@ class OpCapture:
         self._recording: int | None = None  # the step being recorded now
         self._saving: int | None = None  # the step whose trace is handed over next
         self._saving_fp_ns: int | None = None
+        self._saving_count: GroupCount | None = None  # the process group's calls at the saved step's end
+        self.collective_bytes = collective_bytes  # record shapes: collectives carry their message sizes
         self._threads = HostThreads()
         self._node_names = NodeNames()
         # CPU-only runs read the event tree: compiled once it is built and has read a
@@ -132,6 +140,7 @@ class OpCapture:
         self._saving = ended if ended is not None and ended == self._recording else None
         self._upcoming = upcoming
         self._saving_fp_ns = ended_fp_ns
+        self._saving_count = default_group_count() if self._saving is not None else None
         settings = self._settings_for(ended, upcoming)
         self._upcoming_settings = settings
         if self._profiler is None:
@@ -145,7 +154,7 @@ class OpCapture:
         else:
             self._profiler.step()  # saves `ended` if it was recorded, records `upcoming` if in window
         if ended is not None and ended != self._saving:
-            self._put((ended, None, None))  # not captured: the watermark may pass it
+            self._put((ended, None, None, None))  # not captured: the watermark may pass it
         self._saving = None
         self._report_error()
 
@@ -160,7 +169,9 @@ class OpCapture:
                 armed = plan.claim(upcoming)
                 if armed is not None:
                     return armed.settings
-        return SCHEDULED if upcoming is not None and upcoming in self.window else None
+        if upcoming is None or upcoming not in self.window:
+            return None
+        return {**SCHEDULED, "record_shapes": True} if self.collective_bytes else SCHEDULED
 
     @property
     def running(self) -> bool:
@@ -229,7 +240,7 @@ class OpCapture:
         step = self._saving
         results = getattr(prof.profiler, "kineto_results", None)
         if step is not None and results is not None:
-            self._put((step, results, self._saving_fp_ns))
+            self._put((step, results, self._saving_fp_ns, self._saving_count))
             self.steps_captured += 1
 
     def _put(self, item: tuple) -> None:
@@ -259,11 +270,11 @@ class OpCapture:
                 if self._work.empty():
                     self._idle.set()
 
-    def _convert(self, step: int, results: Any, fp_ns: int | None) -> None:
+    def _convert(self, step: int, results: Any, fp_ns: int | None, count: GroupCount | None) -> None:
         """Send the ops of a recorded step (``results`` None: not captured) and move the
         watermark past it."""
         try:
-            sent = self._send_ops(step, results, fp_ns) if results is not None and not self.failed else 0
+            sent = self._send_ops(step, results, fp_ns, count) if results is not None and not self.failed else 0
             self.monitor.complete_through(step)
             if self.plan is not None:
                 self.plan.captured(step, sent)
@@ -276,8 +287,9 @@ class OpCapture:
             else:
                 self.on_error(e)
 
-    def _send_ops(self, step: int, results: Any, fp_ns: int | None) -> int:
-        """Send the ops of a recorded step; returns how many."""
+    def _send_ops(self, step: int, results: Any, fp_ns: int | None, count: GroupCount | None) -> int:
+        """Send the ops of a recorded step (and its collective calls, numbered by ``count``);
+        returns how many ops."""
         cols = None if self.run_has_device else self._tree_columns(results, fp_ns)
         if cols is None:
             table = table_from_kineto(results.events(), self.run_has_device)
@@ -290,7 +302,16 @@ class OpCapture:
             self.monitor.ops(cols.names, cols.start_ns, cols.dur_ns, cols.kinds, cols.op_types, cols.streams,
                              step=step, **launches)
             self.ops_sent += len(cols)
+            if count is not None:
+                self._send_collectives(step, results, cols, count)
         return len(cols)
+
+    def _send_collectives(self, step: int, results: Any, cols: OpColumns, count: GroupCount) -> None:
+        """The step's collective calls, numbered in their process group (torch_collectives)."""
+        sizes = message_sizes(results.events()) if self.collective_bytes else None
+        for row in collective_rows(cols.names, cols.start_ns, cols.dur_ns, count, sizes):
+            self.monitor.collective(row.collective, row.group, row.seq, row.start_ns, row.dur_ns, row.group_size,
+                                    row.in_bytes, row.out_bytes, row.dtype, step=step)
 
     def _tree_columns(self, results: Any, fp_ns: int | None) -> OpColumns | None:
         """The ops of a CPU-only step from the profiler's event tree: the outermost ops

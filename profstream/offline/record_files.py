@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from profstream.processors.collectives import readable_calls
 from profstream.schema.codec import CURRENT
 
 
@@ -79,6 +80,8 @@ class RecordWriter:
     def write(self, record: dict) -> None:
         self.rows += 1
         if self.fmt == "jsonl":
+            if isinstance(record.get("collectives"), dict):  # StepMetrics v5: packed columns -> one dict a call
+                record = {**record, "collectives": readable_calls(record["collectives"])}
             self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
             return
         self._pending.append(record)

@@ -26,6 +26,7 @@ from profstream.offline import charts
 from profstream.offline.archive import ArchiveError, Loss, Tally, archive_files
 from profstream.offline.captures import Capture, archived_captures, render_captures
 from profstream.offline.replay import default_workers, replay_offline
+from profstream.offline.report_collectives import communication_section
 from profstream.offline.report_devices import device_counter_section
 from profstream.processors.stream import StreamOptions
 
@@ -368,6 +369,7 @@ def render(data: ReportData, out_path: Path) -> str:
               if has_device_windows(data.steps) else ("<h2>Op types</h2>",)),
             _op_types(data),
             "<h2>Across ranks</h2>", _cross_rank(data),
+            "<h2>Communication across ranks</h2>", communication_section(data.run_steps),
             "<h2>Alerts</h2>", _alerts(data),
             "<h2>Captures</h2>", render_captures(data.captures, data.by_rank, data.timeline_dir, out_path.parent),
             "<h2>Timelines</h2>", _timelines(data, out_path.parent),

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from profstream.processors.collectives import CALL_COLUMNS, Calls
 from profstream.processors.model import StepEvents
 from profstream.processors.window import carry_past_end, step_window
 from profstream.schema.batch import NO_VALUE, SECTIONS, EventBatch, launch_column
@@ -25,6 +26,8 @@ from profstream.schema.batch import NO_VALUE, SECTIONS, EventBatch, launch_colum
 _OP_COLS = ("kind", "type", "stream", "start_ns", "dur_ns", "launch_ns")
 _MEM_COLS = ("ts_ns", "allocated", "reserved", "peak")
 _QUEUE_COLS = ("queue", "ts_ns", "size")
+_CALL_COLS = tuple(c for c, _ in CALL_COLUMNS)
+_CALL_DTYPES = dict(CALL_COLUMNS)
 _DEVICE_COLS = tuple(col for col, _ in SECTIONS["device_samples"])
 
 
@@ -35,6 +38,7 @@ class _OpenStep:
     ops: list[dict] = field(default_factory=list)
     memory: list[dict] = field(default_factory=list)
     queues: list[dict] = field(default_factory=list)
+    collectives: list[dict] = field(default_factory=list)
     devices: list[dict] = field(default_factory=list)
     events: int = 0
     first_offset: int = -1  # input offset of the first batch that fed this step
@@ -101,6 +105,9 @@ class RankAssembler:
         self._type_codes: dict[str, int] = {}
         self.queue_names: list[str] = []
         self._queue_codes: dict[str, int] = {}
+        self.collective_names: list[str] = []  # collective and group names of this rank's calls
+        self._collective_codes: dict[str, int] = {}
+        self._collective_remaps: dict[tuple[str, ...], np.ndarray] = {}  # a batch's names -> their codes
         # what the next step to close needs of the last closed one (window.py)
         self.carry: tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]] = (_NO_CARRY, _NO_CARRY)
         self.device_end: tuple[int, int] | None = None  # (step, end of its last device op)
@@ -160,6 +167,20 @@ class RankAssembler:
             cols = {"queue": remap[q["name_idx"]], "ts_ns": q["ts_ns"], "size": q["size"]}
             for step, part in _by_step(q["step"], cols):
                 self._bucket(step, "queues", part, len(part["ts_ns"]))
+        c = batch.collectives
+        if len(c["step"]):
+            names = tuple(batch.collective_names)
+            remap = self._collective_remaps.get(names)
+            if remap is None:  # a rank's batches mostly carry the same few names
+                if len(self._collective_remaps) >= 64:
+                    self._collective_remaps.clear()
+                remap = self._collective_remaps[names] = np.array(
+                    [self._code(self._collective_codes, self.collective_names, n) for n in names], dtype=np.int32)
+            cols = {"name_idx": remap[c["name_idx"]], "group_idx": remap[c["group_idx"]],
+                    "group_size": c["group_size"], "seq": c["seq"], "bytes": np.maximum(c["in_bytes"], c["out_bytes"]),
+                    "start_ns": c["start_ns"], "end_ns": c["start_ns"] + c["dur_ns"]}
+            for step, part in _by_step(c["step"], cols):
+                self._bucket(step, "collectives", part, len(part["seq"]))
         dev = batch.device_samples
         if len(dev["step"]):
             for step, part in _by_step(dev["step"], dev):
@@ -253,6 +274,7 @@ class RankAssembler:
             mem_peak=mem["peak"], queue=q["queue"], queue_ts_ns=q["ts_ns"], queue_size=q["size"],
             queue_names=self.queue_names, carried_compute=self.carry[0], carried_comm=self.carry[1],
             prev_device_end_ns=before[1] if before is not None and before[0] == step - 1 else NO_VALUE,
+            collectives=Calls(self.collective_names, _concat(entry.collectives, _CALL_COLS, _CALL_DTYPES)),
             device_samples=dev,
         )
         self.carry = carry_past_end(ev)

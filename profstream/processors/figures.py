@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from profstream.processors.collectives import NO_CALLS, pack_calls
 from profstream.processors.devices import device_figures
 from profstream.processors.memory import memory_figures
 from profstream.processors.model import StepEvents
@@ -86,6 +87,7 @@ class RankFigures:
             "closed_by": closed_by,
             "late_events": late_events,
             "closed_ns": time.time_ns(),
+            "collectives": pack_calls(ev.collectives) if ev.collectives is not None else NO_CALLS,
             "devices": device_figures(ev),
         }
         return record, transition

@@ -23,7 +23,7 @@ from profstream.schema.codec import DecodeError
 # 100 ms and 200 ms targets, coarse up to the PipelineLagging alert's 5 s and beyond.
 FRESHNESS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.25, 0.5, 1.0, 2.0, 2.5, 5.0, 10.0, 30.0)
 # The raw sections counted in profstream_events_total{family} (host samples are not folded in).
-EVENT_FAMILIES = ("ops", "memory", "queues", "steps", "device_samples")
+EVENT_FAMILIES = ("ops", "memory", "queues", "steps", "device_samples", "collectives")
 
 
 class Watched(Protocol):

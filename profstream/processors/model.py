@@ -7,6 +7,7 @@ The runtime gathers a step's events from any number of batches into one ``StepEv
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -54,6 +55,9 @@ class StepEvents:
     queue_ts_ns: np.ndarray = field(default_factory=_empty)
     queue_size: np.ndarray = field(default_factory=_empty)
     queue_names: list[str] = field(default_factory=list)
+    # collective calls (processors/collectives.Calls: names and columns), matched across
+    # ranks by the run stage; None: none
+    collectives: Any = None
     # device counter samples: the columns of schema.batch.DEVICE_COLUMNS
     device_samples: dict[str, np.ndarray] = field(default_factory=lambda: empty_section("device_samples"))
 

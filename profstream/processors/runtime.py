@@ -24,13 +24,20 @@ from profstream.kafka.limits import DEAD_LETTER_ROOM_BYTES, MAX_MESSAGE_BYTES
 from profstream.kafka.topics import Topics
 from profstream.processors.assembler import RankAssembler
 from profstream.processors.checkpoint import MAX_OUTAGE_S, Output, TransactionalLoop
+from profstream.processors.collectives import check_calls, packed_step_collectives
 from profstream.processors.figures import FigureOptions, RankFigures
 from profstream.processors.health import EVENT_FAMILIES, ProcessorHealth, StageCounts
 from profstream.processors.lag import LagProbe
 from profstream.processors.ranks import rank_figures
 from profstream.processors.stalls import stall_alert
 from profstream.schema.batch import decode_batch
-from profstream.schema.codec import DecodeError, decode, encode, encode_step_metrics
+from profstream.schema.codec import (
+    DecodeError,
+    decode,
+    encode,
+    encode_run_step_metrics,
+    encode_step_metrics,
+)
 
 log = logging.getLogger("profstream.processor")
 
@@ -193,6 +200,7 @@ class _RunState:
     world_size: int | None = None  # from the producers, when they know it
     floor: int | None = None  # every step below has been emitted
     pending: dict[int, dict[int, int]] = field(default_factory=dict)  # step -> rank -> step_time_ns
+    calls: dict[int, dict[int, dict]] = field(default_factory=dict)  # step -> rank -> its collective calls (packed)
     first_offset: dict[int, int] = field(default_factory=dict)  # step -> input offset
     first_seen: dict[int, float] = field(default_factory=dict)
     last_seen: float = 0.0
@@ -267,6 +275,12 @@ class RunStage:
             run.first_offset[step] = rec.offset
             run.first_seen[step] = now
         run.pending[step][m["rank"]] = m["step_time_ns"]
+        if m["collectives"]["count"]:
+            try:
+                check_calls(m["collectives"])
+                run.calls.setdefault(step, {})[m["rank"]] = m["collectives"]
+            except ValueError:  # a StepMetrics of another writer: its step counts, its calls do not
+                self.counts.decode_errors["malformed"] += 1
         return []
 
     def ready(self, now: float) -> list[Output]:
@@ -277,7 +291,8 @@ class RunStage:
                 reported = run.pending[step]
                 if len(reported) < expected and now - run.first_seen[step] < self.grace_s:
                     break
-                out.append(self._emit(run_id, step, reported))
+                everyone = range(run.world_size) if run.world_size else sorted(run.ranks)
+                out.append(self._emit(run_id, step, reported, run.calls.pop(step, {}), everyone))
                 del run.pending[step], run.first_offset[step], run.first_seen[step]
                 run.floor = step + 1
                 self._changed.add(run_id)
@@ -287,12 +302,14 @@ class RunStage:
                 out.append(Output(self.state_topic, run_id.encode(), None, run.partition))
         return out
 
-    def _emit(self, run_id: str, step: int, step_times: dict[int, int]) -> Output:
+    def _emit(self, run_id: str, step: int, step_times: dict[int, int], calls: dict[int, dict],
+              everyone: Iterable[int]) -> Output:
         figures = rank_figures(step_times)
         record = {"run_id": run_id, "step": step, **figures,
-                  "step_times_ns": {str(r): t for r, t in sorted(step_times.items())}}
+                  "step_times_ns": {str(r): t for r, t in sorted(step_times.items())},
+                  **packed_step_collectives(calls, list(everyone))}
         self.counts.run_steps += 1
-        return Output(self.topics.run, run_id.encode(), encode("RunStepMetrics", record), None)
+        return Output(self.topics.run, run_id.encode(), encode_run_step_metrics(record), None)
 
 
 class Processor:

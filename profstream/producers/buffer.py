@@ -58,6 +58,7 @@ class Drained(NamedTuple):
     dropped_ops: int  # totals so far
     dropped_samples: int  # device samples included
     devices: list[tuple]
+    collectives: list[tuple]  # (name, group, dtype, step, seq, start_ns, dur_ns, in, out, group_size)
 
 
 def buffer_bounds(buffer_bytes: int) -> tuple[int, int, int]:
@@ -90,6 +91,7 @@ class EventBuffer:
         self.memory: deque = deque()
         self.queues: deque = deque()
         self.devices: deque = deque()  # device counter samples (the device sampler's thread)
+        self.collectives: deque = deque()
         # Monotonic counters, written by the recording thread only.
         self.dropped_ops = 0
         self.dropped_samples = 0
@@ -118,12 +120,17 @@ class EventBuffer:
             self.wake.set()
 
     def add_sample(self, samples: deque, row: tuple) -> None:
-        """One step mark, memory or queue sample into ``samples`` (``marks``, ``memory`` or
-        ``queues``), or dropped and counted when their reserve is full."""
+        """One step mark, memory, queue or collective sample into ``samples`` (``marks``,
+        ``memory``, ``queues`` or ``collectives``), or dropped and counted when their reserve is full."""
         if len(samples) < self.max_samples:
             samples.append(row)
         else:
             self.dropped_samples += 1
+
+    def add_collective(self, row: tuple) -> None:
+        """One collective call (``Drained.collectives``' columns), or dropped and counted
+        when the samples' reserve is full."""
+        self.add_sample(self.collectives, row)
 
     def add_device_sample(self, row: tuple) -> None:
         """One device counter sample (ts_ns, step, *DeviceSample), or dropped and counted
@@ -143,9 +150,10 @@ class EventBuffer:
         memory = _take(self.memory)
         queues = _take(self.queues)
         devices = _take(self.devices)
+        collectives = _take(self.collectives)
         ops = self.take_ops(max_ops)
         return Drained(watermark, marks, memory, queues, ops, self.buffered_ops > 0,
-                       self.dropped_ops, self.dropped_samples + self.dropped_device_samples, devices)
+                       self.dropped_ops, self.dropped_samples + self.dropped_device_samples, devices, collectives)
 
     def take_ops(self, limit: int) -> list[OpChunk]:
         """Up to ``limit`` buffered ops, op() tuples first, then ops() chunks (split if needed)."""
@@ -188,7 +196,7 @@ class EventBuffer:
 
     @property
     def buffered_samples(self) -> int:
-        return len(self.marks) + len(self.memory) + len(self.queues) + len(self.devices)
+        return len(self.marks) + len(self.memory) + len(self.queues) + len(self.devices) + len(self.collectives)
 
     @property
     def fill_ratio(self) -> float:
@@ -197,7 +205,8 @@ class EventBuffer:
     @property
     def empty(self) -> bool:
         """Whether nothing is waiting for the Sender."""
-        return not (self.ops or self.op_chunks or self.marks or self.memory or self.queues or self.devices)
+        return not (self.ops or self.op_chunks or self.marks or self.memory or self.queues or self.devices
+                    or self.collectives)
 
 
 def _take(buf: deque, limit: int | None = None) -> list:

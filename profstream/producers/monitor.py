@@ -347,6 +347,18 @@ class Monitor:
             self.buffer.add_sample(self.buffer.queues, (name, _time_ns() if ts_ns is None else ts_ns,
                                                         self._step if step is None else step, size, capacity))
 
+    def collective(self, collective: str, group: str, seq: int, start_ns: int, dur_ns: int, group_size: int,
+                   in_bytes: int = NO_VALUE, out_bytes: int = NO_VALUE, dtype: str = "",
+                   step: int | None = None) -> None:
+        """Record this rank's part in a collective call (all_reduce, all_gather...): its
+        process group, the call's sequence number in that group, and its message sizes.
+        The processors match the call across the run's ranks by (group, seq); record the
+        op itself with ``op``/``ops`` as usual (kind communication)."""
+        if self._capturing:
+            self.buffer.add_collective((
+                collective, group, dtype, self._step if step is None else step, seq, start_ns, dur_ns, in_bytes,
+                out_bytes, group_size))
+
     def device_sample(self, sample: DeviceSample, ts_ns: int | None = None, step: int | None = None) -> None:
         """Record one reading of a device's counters (``profstream.devices.DeviceSample``).
 

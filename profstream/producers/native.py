@@ -18,9 +18,9 @@ not one of ``DYNAMIC_FIELDS`` does (``UnsupportedSchema`` names it, and the Moni
 in Python).
 
 The version it writes is the one the Python encoder writes for a batch without the
-sections only some batches carry (``plain_version``: v4 while device samples, v5, travel
+sections only some batches carry (``plain_version``: v4, while device samples, v5, travel
 in batches of their own). The rows of every other section (``foreign_sections``: device
-samples now) are recorded in a Python ``EventBuffer`` beside the native columns
+samples and collective calls, v6, now) are recorded in a Python ``EventBuffer`` beside the native columns
 (``NativeBuffer.foreign``) and sent by the Python encoder from the native sender's thread
 (``native_sender``); the native Batcher holds the watermark back while they wait. A
 buffer whose ``drain`` returns a part the native sender does not know makes ``load()``
@@ -62,9 +62,10 @@ DYNAMIC_FIELDS = {"seq": "long", "sent_ns": "long", "dropped_ops": "long", "drop
 _DTYPES = {"<i4": "i4", "<i8": "i8", "|u1": "u1", "<f8": "f8"}
 
 # The parts of EventBuffer.drain() the native sender handles: ops and samples are recorded
-# natively, device samples sent by the Python encoder (native_sender._send_foreign).
+# natively, device samples and collective calls sent by the Python encoder
+# (native_sender._send_foreign).
 KNOWN_DRAINED = {"watermark", "marks", "memory", "queues", "ops", "more_ops", "dropped_ops", "dropped_samples",
-                 "devices"}
+                 "devices", "collectives"}
 
 _loaded: tuple[Any, str] | None = None
 _lock = threading.Lock()
@@ -149,7 +150,8 @@ def native_sections() -> list[str]:
 
 
 def foreign_sections() -> list[str]:
-    """The sections recorded and sent in Python beside the native ones (device samples)."""
+    """The sections recorded and sent in Python beside the native ones (device samples,
+    collective calls)."""
     native = native_sections()
     return [s for s in SECTIONS if s not in native]
 
@@ -261,7 +263,7 @@ class _NativeBufferMethods:
         self.inflight_limit_bytes, self.max_ops, self.max_samples = buffer_bounds(buffer_bytes)
         super().__init__(layout(self.max_ops, self.max_samples), "ops", batch_max_ops)  # type: ignore[call-arg]
         # the sections the native encoder does not write, recorded here and sent by the
-        # Python encoder: Monitor methods of theirs (add_device_sample...) reach it through
+        # Python encoder: Monitor methods of theirs (add_device_sample, add_collective) reach it through
         # __getattr__
         self.foreign = EventBuffer(buffer_bytes, batch_max_ops)
         sections = native_sections()
@@ -284,7 +286,8 @@ class _NativeBufferMethods:
 
     def __getattr__(self, name: str) -> Any:
         """The recording methods and drop counters of the foreign sections, from the Python
-        buffer (``add_device_sample``, ``dropped_device_samples``): nothing else of it.
+        buffer (``add_device_sample``, ``add_collective``, ``dropped_device_samples``):
+        nothing else of it.
         Their ``add_*`` methods also tell the native sender that rows wait for it."""
         if name == "foreign" or not name.startswith(("add_", "dropped_")):  # never its op deques
             raise AttributeError(name)

@@ -7,8 +7,9 @@ acknowledgements without taking the GIL once. It comes back to Python only for w
 Python does: connecting (and topic creation), a flush or stop, a log line to write (an
 outage, lost events, invalid values), host samples where /proc cannot be read, and every
 ``STEADY_S`` seconds, and rows of the sections the native encoder does not write (device
-samples: ``native.foreign_sections``), which the Python encoder sends from here, queued
-before the next native batch (the Batcher holds the watermark back while they wait).
+samples, collective calls: ``native.foreign_sections``), which the Python encoder sends from
+here in batches of their own, queued before the next native batch (the Batcher holds the
+watermark back while they wait), so no step is complete on the wire before them.
 Everything else, and every rule, is ``sender.Sender``'s.
 """
 
@@ -23,7 +24,14 @@ import confluent_kafka
 from profstream.kafka.clients import monitor_producer_settings
 from profstream.kafka.limits import MAX_MESSAGE_BYTES
 from profstream.producers import native
-from profstream.producers.sender import Sender, Source, host_sample
+from profstream.producers.sender import (
+    COLLECTIVE_PRODUCER_SUFFIX,
+    COLLECTIVE_ROWS_PER_BATCH,
+    Sender,
+    Source,
+    fill_collectives,
+    host_sample,
+)
 from profstream.schema.batch import KIND_CODES
 
 log = logging.getLogger("profstream.monitor")
@@ -103,18 +111,23 @@ class NativeSender(Sender):
         self._core.cycle()  # host samples even while Kafka is away
 
     def _send_foreign(self) -> None:
-        """The rows of the sections the native encoder does not write (device samples), as
-        the Python Sender sends them, queued before the next native batch, which may
-        complete their steps: the Batcher holds the watermark back until they are taken."""
+        """The rows of the sections the native encoder does not write (device samples,
+        collective calls) in batches of their own, by the Python Sender's code, queued
+        before the next native batch, which may complete their steps: the Batcher holds the
+        watermark back until they are taken."""
         buf = self.buffer
         recorded = buf.foreign_recorded_count  # before taking: every row it counts is in
         if recorded == self._foreign_taken:
             return
         drained = buf.foreign.drain(0)
-        if drained.devices:
+        if drained.devices or drained.collectives:
             self._last_latency_ns = self._core.stats()["send_latency_ns"]
+        if drained.devices:
             self._queue_device_batches(drained.devices)
-        buf.foreign_taken(recorded, buf.foreign.dropped_device_samples)
+        if drained.collectives:
+            self._queue_side_batches(drained.collectives, COLLECTIVE_PRODUCER_SUFFIX, COLLECTIVE_ROWS_PER_BATCH,
+                                     fill_collectives, "collective calls with values out of range")
+        buf.foreign_taken(recorded, drained.dropped_samples)  # the Python buffer's drops of every kind
         self._foreign_taken = recorded
 
     def _queue_message(self, value: bytes, ops: int, samples: int) -> None:

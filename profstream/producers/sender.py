@@ -45,6 +45,10 @@ log = logging.getLogger("profstream.monitor")
 # stay v4, so a processor older than v5 loses nothing but the device counters.
 DEVICE_PRODUCER_SUFFIX = ".devices"
 DEVICE_ROWS_PER_BATCH = 4096  # ~0.5 MB encoded: under Kafka's message limit
+# The native Monitor (native_sender) sends collective calls the same way, as EventBatch v6
+# batches of their own: its compiled encoder writes v4 alone (docs/monitor.md).
+COLLECTIVE_PRODUCER_SUFFIX = ".collectives"
+COLLECTIVE_ROWS_PER_BATCH = 1024  # their names travel with them: a smaller batch
 
 
 class Source(Protocol):
@@ -154,6 +158,23 @@ def host_sample(process: psutil.Process) -> tuple | None:
         return None
 
 
+def collective_columns(rows: list[tuple]) -> tuple[list[str], dict[str, np.ndarray]]:
+    """Collective sample tuples (``EventBuffer.collectives``) as collective_names and the
+    collectives section: the three names share one dictionary."""
+    names, codes = _dictionary([v for row in rows for v in row[:3]])
+    cols = sample_columns([row[3:] for row in rows], SECTIONS["collectives"][3:])
+    return names, {"name_idx": codes[0::3], "group_idx": codes[1::3], "dtype_idx": codes[2::3], **cols}
+
+
+def _fill_device_samples(batch: EventBatch, rows: list[tuple]) -> None:
+    batch.device_samples = sample_columns(rows, SECTIONS["device_samples"])
+
+
+def fill_collectives(batch: EventBatch, rows: list[tuple]) -> None:
+    """Collective sample tuples into ``batch``'s collectives section and collective_names."""
+    batch.collective_names, batch.collectives = collective_columns(rows)
+
+
 class Sender(threading.Thread):
     """Builds and sends the batches of one Monitor."""
 
@@ -170,7 +191,7 @@ class Sender(threading.Thread):
         self._connect_timeout = opts["connect_timeout_s"]
         self._producer = None
         self._seq = 0
-        self._device_seq = 0
+        self._side_seq = {DEVICE_PRODUCER_SUFFIX: 0, COLLECTIVE_PRODUCER_SUFFIX: 0}  # batches of their own
         self._sent_watermark: int | None = None
         self._reported_dropped_ops = 0
         self._reported_dropped_samples = 0
@@ -384,8 +405,8 @@ class Sender(threading.Thread):
     def _build(self) -> bool:
         """Drain one batch from the buffers into self._pending. False if nothing to send."""
         m, buf = self.m, self.buffer
-        watermark, marks, memory, queues, ops, more_ops, dropped_ops, dropped_samples, devices = buf.drain(
-            min(buf.batch_max_ops, self._ops_limit))
+        (watermark, marks, memory, queues, ops, more_ops, dropped_ops, dropped_samples, devices,
+         collectives) = buf.drain(min(buf.batch_max_ops, self._ops_limit))
         if devices:  # before the batch that may move the watermark past their steps
             self._queue_device_batches(devices)
         # what never reached Kafka is reported downstream with what the buffer dropped
@@ -395,7 +416,7 @@ class Sender(threading.Thread):
         self._host_rows = []
         dropped_ops = total_dropped_ops - self._reported_dropped_ops
         dropped_samples = total_dropped_samples - self._reported_dropped_samples
-        if not (marks or memory or queues or host or ops or dropped_ops or dropped_samples) and (
+        if not (marks or memory or queues or collectives or host or ops or dropped_ops or dropped_samples) and (
             watermark == self._sent_watermark
         ):
             return bool(devices)
@@ -419,15 +440,19 @@ class Sender(threading.Thread):
         if queues:
             batch.queue_names, qidx = _dictionary([q[0] for q in queues])
             batch.queues = {"name_idx": qidx, **sample_columns([q[1:] for q in queues], SECTIONS["queues"][1:])}
+        if collectives:
+            fill_collectives(batch, collectives)
         if host:
             batch.host_samples = sample_columns(host, SECTIONS["host_samples"])
+        samples = len(marks) + len(memory) + len(queues) + len(collectives)
         try:
             value = encode_batch(batch)
         except (ValueError, TypeError, OverflowError) as e:  # bad sample values from user code
             log.warning("profstream: dropped a batch of samples with invalid values (%s)", e)
-            batch.dropped_samples += len(marks) + len(memory) + len(queues)
-            batch.steps, batch.memory, batch.queues = (empty_section(s) for s in ("steps", "memory", "queues"))
-            batch.queue_names = []
+            batch.dropped_samples += samples
+            batch.steps, batch.memory, batch.queues, batch.collectives = (
+                empty_section(s) for s in ("steps", "memory", "queues", "collectives"))
+            batch.queue_names = batch.collective_names = []
             value = encode_batch(batch)
         while len(value) > MAX_MESSAGE_BYTES:
             value = self._shrink(batch, len(value))
@@ -435,27 +460,34 @@ class Sender(threading.Thread):
         self._reported_dropped_samples = total_dropped_samples
         self._sent_watermark = batch.complete_through_step
         self._seq += 1
-        self._queue_message(value, batch.n("ops"), len(marks) + len(memory) + len(queues))
+        self._queue_message(value, batch.n("ops"), samples)
         return True
 
     def _queue_device_batches(self, rows: list[tuple]) -> None:
         """Device counter samples into batches of their own (DEVICE_PRODUCER_SUFFIX);
         samples with values that are not numbers are dropped and counted."""
+        self._queue_side_batches(rows, DEVICE_PRODUCER_SUFFIX, DEVICE_ROWS_PER_BATCH, _fill_device_samples,
+                                 "device samples with values that are not numbers")
+
+    def _queue_side_batches(self, rows: list[tuple], suffix: str, per_batch: int, fill: Any, bad: str) -> None:
+        """Rows of one section into batches of their own, under the producer id + ``suffix``
+        (with no watermark: the Monitor's own batches carry it); ``fill(batch, rows)`` puts
+        them in; rows it or the encoder refuses are dropped and counted, said as ``bad``."""
         m = self.m
-        for i in range(0, len(rows), DEVICE_ROWS_PER_BATCH):
-            part = rows[i:i + DEVICE_ROWS_PER_BATCH]
+        for i in range(0, len(rows), per_batch):
+            part = rows[i:i + per_batch]
             batch = EventBatch(
                 run_id=m.run_id, rank=m.rank, world_size=m.options["world_size"], host=m.options["host"],
-                device=m.options["device"], producer_id=m.producer_id + DEVICE_PRODUCER_SUFFIX,
-                seq=self._device_seq, sent_ns=time.time_ns(), buffer_fill_ratio=self._drained_fill_ratio(),
+                device=m.options["device"], producer_id=m.producer_id + suffix,
+                seq=self._side_seq[suffix], sent_ns=time.time_ns(), buffer_fill_ratio=self._drained_fill_ratio(),
                 send_latency_ns=self._last_latency_ns)
             try:
-                batch.device_samples = sample_columns(part, SECTIONS["device_samples"])
+                fill(batch, part)
                 value = encode_batch(batch)
-            except (ValueError, TypeError, OverflowError) as e:  # from Monitor.device_sample's caller
-                self._undelivered(0, len(part), f"device samples with values that are not numbers: {e}")
+            except (ValueError, TypeError, OverflowError) as e:  # from the Monitor's caller
+                self._undelivered(0, len(part), f"{bad}: {e}")
                 continue
-            self._device_seq += 1
+            self._side_seq[suffix] += 1
             self._queue_message(value, 0, len(part))
 
     def _drained_fill_ratio(self) -> float:
@@ -487,11 +519,11 @@ class Sender(threading.Thread):
                 log.warning("profstream: a batch of %d ops encoded to %d bytes, over Kafka's %d byte limit; "
                             "sending at most %d ops a batch from now on", n, size, MAX_MESSAGE_BYTES, keep)
         else:
-            samples = batch.n("steps") + batch.n("memory") + batch.n("queues")
+            samples = batch.n("steps") + batch.n("memory") + batch.n("queues") + batch.n("collectives")
             self._undelivered(n, samples, f"a batch of {size} bytes is over Kafka's message limit")  # the next batch reports it
-            for section in ("ops", "steps", "memory", "queues"):
+            for section in ("ops", "steps", "memory", "queues", "collectives"):
                 setattr(batch, section, empty_section(section))
-            batch.op_names, batch.op_types, batch.queue_names = [], [], []
+            batch.op_names, batch.op_types, batch.queue_names, batch.collective_names = [], [], [], []
         return encode_batch(batch)
 
     def _fill_ops(self, batch: EventBatch, ops: list[OpChunk]) -> int:

@@ -32,6 +32,10 @@ OP_COLUMNS = (("name_idx", I32), ("type_idx", I32), ("kind", U8), ("stream", I32
 MEMORY_COLUMNS = (("ts_ns", I64), ("step", I64), ("allocated", I64), ("reserved", I64), ("peak", I64))
 QUEUE_COLUMNS = (("name_idx", I32), ("ts_ns", I64), ("step", I64), ("size", I64), ("capacity", I64))
 STEP_COLUMNS = (("step", I64), ("start_ns", I64), ("end_ns", I64), ("fp_start_ns", I64), ("bp_end_ns", I64))
+# v6: one row per rank's part in a collective call; name, group and dtype index collective_names
+COLLECTIVE_COLUMNS = (("name_idx", I32), ("group_idx", I32), ("dtype_idx", I32), ("step", I64), ("seq", I64),
+                      ("start_ns", I64), ("dur_ns", I64), ("in_bytes", I64), ("out_bytes", I64),
+                      ("group_size", I32))
 HOST_COLUMNS = (("ts_ns", I64), ("cpu_user", F64), ("cpu_system", F64), ("cpu_idle", F64),
                 ("cpu_iowait", F64), ("process_cpu", F64), ("rss_bytes", I64))
 # Device counters (v5): -1 in an i64 column, NaN in an f64 one, where the device has no value.
@@ -47,11 +51,14 @@ SECTIONS = {
     "steps": STEP_COLUMNS,
     "host_samples": HOST_COLUMNS,
     "device_samples": DEVICE_COLUMNS,
+    "collectives": COLLECTIVE_COLUMNS,
 }
 # A batch without device samples is written as the version before them, which every
 # processor since v4 reads: producers with device counters off stay readable by older
 # processors (docs/events.md#versions).
 WITHOUT_DEVICE_SAMPLES_VERSION = 4
+# Likewise a batch without collectives is written as v5 (or v4, without device samples too).
+WITHOUT_COLLECTIVES_VERSION = 5
 
 # Dictionary-coded columns: the header field that holds the dictionary -> the (section,
 # column) whose values index it. Codes are given in order of first appearance per batch.
@@ -158,12 +165,14 @@ class EventBatch:
     op_names: Sequence[str] = field(default_factory=list)  # a list, or OpNames once decoded
     op_types: list[str] = field(default_factory=list)
     queue_names: list[str] = field(default_factory=list)
+    collective_names: list[str] = field(default_factory=list)
     ops: dict[str, np.ndarray] = _empty("ops")
     memory: dict[str, np.ndarray] = _empty("memory")
     queues: dict[str, np.ndarray] = _empty("queues")
     steps: dict[str, np.ndarray] = _empty("steps")
     host_samples: dict[str, np.ndarray] = _empty("host_samples")
     device_samples: dict[str, np.ndarray] = _empty("device_samples")
+    collectives: dict[str, np.ndarray] = _empty("collectives")
 
     @property
     def key(self) -> bytes:
@@ -179,7 +188,7 @@ class EventBatch:
 
 _HEADER_FIELDS = ("run_id", "rank", "world_size", "host", "device", "producer_id", "seq", "sent_ns",
                   "dropped_ops", "dropped_samples", "complete_through_step",
-                  "buffer_fill_ratio", "send_latency_ns", "op_names", "op_types", "queue_names")
+                  "buffer_fill_ratio", "send_latency_ns", "op_names", "op_types", "queue_names", "collective_names")
 
 
 _EMPTY_PACKED = {section: {"count": 0, **{col: b"" for col, _ in spec}} for section, spec in SECTIONS.items()}
@@ -206,6 +215,8 @@ def _unpack(section: str, record: dict) -> dict[str, np.ndarray]:
     count = record["count"]
     if count < 0:
         raise DecodeError("malformed", f"{section}.count is negative")
+    if not count and not any(record.get(col) for col, _ in SECTIONS[section]):
+        return empty_section(section)  # most sections of most batches: no numpy calls
     out = {}
     for col, dtype in SECTIONS[section]:
         raw = record.get(col)
@@ -224,7 +235,10 @@ def encode_batch(batch: EventBatch) -> bytes:
     record["op_names"] = names_blob(batch.op_names)
     for section in SECTIONS:
         record[section] = _pack(section, getattr(batch, section))
-    version = None if record["device_samples"]["count"] else WITHOUT_DEVICE_SAMPLES_VERSION
+    if record["collectives"]["count"]:
+        version = None
+    else:
+        version = WITHOUT_COLLECTIVES_VERSION if record["device_samples"]["count"] else WITHOUT_DEVICE_SAMPLES_VERSION
     return encode("EventBatch", record, version)
 
 
@@ -246,6 +260,13 @@ def decode_batch(data: bytes) -> EventBatch:
     q = batch.queues["name_idx"]
     if len(q) and (q.min() < 0 or q.max() >= len(batch.queue_names)):
         raise DecodeError("malformed", "queue name index outside its dictionary")
+    c = batch.collectives
+    if len(c["step"]):  # the three index one dictionary; a negative index is a large unsigned one
+        idx = np.concatenate((c["name_idx"], c["group_idx"], c["dtype_idx"])).view(np.uint32)
+        if idx.max() >= len(batch.collective_names):
+            bad = next(k for k in ("name_idx", "group_idx", "dtype_idx")
+                       if c[k].view(np.uint32).max() >= len(batch.collective_names))
+            raise DecodeError("malformed", f"collectives.{bad} outside collective_names")
     for what in ("run_id", "host", "device"):  # host and device may be unknown (empty)
         value = getattr(batch, what)
         if not is_valid_name(value) and (what == "run_id" or value):

@@ -113,6 +113,33 @@ def _event_batch_v1_to_v4(record: dict) -> dict:
     return _event_batch_v2_to_v4({**record, "world_size": None})
 
 
+def _event_batch_v4_to_v6(record: dict) -> dict:
+    """v4 and v5 -> v6: decode_batch leaves a missing section (device_samples, collectives) empty."""
+    return {**record, "collective_names": []}
+
+
+def _then(first: Callable[[dict], dict], second: Callable[[dict], dict]) -> Callable[[dict], dict]:
+    return lambda record: second(first(record))
+
+
+# StepMetrics v5 ``collectives`` of a step without calls (packed columns: processors/collectives.py)
+NO_COLLECTIVE_CALLS = {"names": [], "count": 0, "name_idx": b"", "group_idx": b"", "group_size": b"", "seq": b"",
+                       "bytes": b"", "start_ns": b"", "end_ns": b""}
+
+
+def _step_metrics_v4_to_v5(record: dict) -> dict:
+    return {**record, "collectives": NO_COLLECTIVE_CALLS}
+
+
+def _step_metrics_v3_to_v5(record: dict) -> dict:
+    return _step_metrics_v4_to_v5(_step_metrics_v3_to_v4(record))
+
+
+def _run_step_metrics_v1_to_v2(record: dict) -> dict:
+    return {**record, "collectives_matched": 0, "collective_ranks": [], "by_collective": [], "late_rank": None,
+            "late_rank_held_ns": 0, "unmatched_collectives": []}
+
+
 def _step_metrics_v2_to_v3(record: dict) -> dict:
     return {**record, "host_step_time_ns": record["step_time_ns"], "device_start_ns": None, "device_end_ns": None,
             "kernel_types": [], "device_kinds": [], "uncorrelated_ops": 0}
@@ -132,22 +159,24 @@ def _rank_checkpoint_v1_to_v2(record: dict) -> dict:
 
 
 _VERSIONS: list[SchemaVersion] = [
-    _version(_load("event_batch.avsc"), 1, _event_batch_v1_to_v4),
-    _version(_load("step_metrics.avsc"), 1, lambda r: _step_metrics_v3_to_v4(_step_metrics_v1_to_v3(r))),
-    _version(_load("run_step_metrics.avsc"), 1),
+    _version(_load("event_batch.avsc"), 1, _then(_event_batch_v1_to_v4, _event_batch_v4_to_v6)),
+    _version(_load("step_metrics.avsc"), 1, _then(_step_metrics_v1_to_v3, _step_metrics_v3_to_v5)),
+    _version(_load("run_step_metrics.avsc"), 1, _run_step_metrics_v1_to_v2),
     _version(_load("alert.avsc"), 1),
     _version(_load("rank_checkpoint.avsc"), 1, _rank_checkpoint_v1_to_v2),
     _version(_load("run_checkpoint.avsc"), 1),
-    _version(_load("event_batch.v2.avsc"), 2, _event_batch_v2_to_v4),  # + world_size
-    _version(_load("step_metrics.v2.avsc"), 2,
-             lambda r: _step_metrics_v3_to_v4(_step_metrics_v2_to_v3(r))),  # + world_size
-    _version(_load("event_batch.v3.avsc"), 3, _event_batch_v3_to_v4),  # op_names as one blob
-    _version(_load("event_batch.v4.avsc"), 4),  # + ops.launch_ns
-    _version(_load("step_metrics.v3.avsc"), 3, _step_metrics_v3_to_v4),  # + the device window, kernels, device time by kind
+    _version(_load("event_batch.v2.avsc"), 2, _then(_event_batch_v2_to_v4, _event_batch_v4_to_v6)),  # + world_size
+    _version(_load("step_metrics.v2.avsc"), 2, _then(_step_metrics_v2_to_v3, _step_metrics_v3_to_v5)),  # + world_size
+    _version(_load("event_batch.v3.avsc"), 3, _then(_event_batch_v3_to_v4, _event_batch_v4_to_v6)),  # op_names blob
+    _version(_load("event_batch.v4.avsc"), 4, _event_batch_v4_to_v6),  # + ops.launch_ns
+    _version(_load("step_metrics.v3.avsc"), 3, _step_metrics_v3_to_v5),  # + the device window, kernels, device kinds
     _version(_load("rank_checkpoint.v2.avsc"), 2),  # + carry, device end
     # EventBatch v4 messages read with device_samples empty (decode_batch: a newer section)
-    _version(_load("event_batch.v5.avsc"), 5),  # + device_samples
-    _version(_load("step_metrics.v4.avsc"), 4),  # + devices
+    _version(_load("event_batch.v5.avsc"), 5, _event_batch_v4_to_v6),  # + device_samples
+    _version(_load("step_metrics.v4.avsc"), 4, _step_metrics_v4_to_v5),  # + devices
+    _version(_load("event_batch.v6.avsc"), 6),  # + collectives, collective_names
+    _version(_load("step_metrics.v5.avsc"), 5),  # + collectives
+    _version(_load("run_step_metrics.v2.avsc"), 2),  # + collectives matched across ranks
     _version(_load("capture_request.avsc"), 1),  # the control topic (docs/capture.md)
     _version(_load("capture_status.avsc"), 1),
 ]
@@ -159,11 +188,19 @@ for _v in _VERSIONS:
     CURRENT[_v.name] = _v
 
 
+# Defaults the writer fills in for a record without the field: fastavro writes a schema
+# default as given, and a JSON default of an Avro bytes field is a string it cannot write.
+_WRITE_DEFAULTS = {"StepMetrics": {"collectives": NO_COLLECTIVE_CALLS}}
+
+
 def encode(name: str, record: dict, version: int | None = None) -> bytes:
     """Encode ``record`` with the current schema ``name`` (or its ``version``, for a record
     that an older version holds whole: readers of that version can then read it) as a
     single-object message."""
     sv = CURRENT[name] if version is None else VERSIONS[(name, version)]
+    missing = _WRITE_DEFAULTS.get(name)
+    if missing and any(f not in record for f in missing):
+        record = {**missing, **record}
     out = io.BytesIO()
     out.write(sv.header)
     schemaless_writer(out, sv.parsed, record)
@@ -173,11 +210,25 @@ def encode(name: str, record: dict, version: int | None = None) -> bytes:
 # Steps without device figures are written as StepMetrics v3, which consumers from before v4
 # read whole (the exporter, sinks and tools of an older release keep working).
 STEP_METRICS_WITHOUT_DEVICES_VERSION = 3
+# Likewise steps without collective calls as v4 (v3 without device figures too), and
+# cross-rank steps without collectives as RunStepMetrics v1.
+STEP_METRICS_WITHOUT_COLLECTIVES_VERSION = 4
+RUN_STEP_METRICS_WITHOUT_COLLECTIVES_VERSION = 1
 
 
 def encode_step_metrics(record: dict) -> bytes:
-    """A StepMetrics record as its message: v4 with device figures, else v3."""
-    return encode("StepMetrics", record, None if record.get("devices") else STEP_METRICS_WITHOUT_DEVICES_VERSION)
+    """A StepMetrics record as its message: v5 with collective calls, v4 with device
+    figures, else v3."""
+    if record.get("collectives", NO_COLLECTIVE_CALLS)["count"]:
+        return encode("StepMetrics", record)
+    return encode("StepMetrics", record, STEP_METRICS_WITHOUT_COLLECTIVES_VERSION if record.get("devices")
+                  else STEP_METRICS_WITHOUT_DEVICES_VERSION)
+
+
+def encode_run_step_metrics(record: dict) -> bytes:
+    """A RunStepMetrics record as its message: v2 with collectives, else v1."""
+    has = record.get("collectives_matched") or record.get("unmatched_collectives")
+    return encode("RunStepMetrics", record, None if has else RUN_STEP_METRICS_WITHOUT_COLLECTIVES_VERSION)
 
 
 def decode_any(data: bytes) -> tuple[str, dict]:

@@ -30,6 +30,7 @@ from profstream.metrics_server import serve_metrics
 from profstream.processors.health import FRESHNESS_BUCKETS
 from profstream.processors.stalls import stall_state
 from profstream.schema.codec import DecodeError, decode
+from profstream.sinks.collective_metrics import RunCollectives, collective_lines, run_collectives
 from profstream.sinks.device_metrics import MAX_DEVICES, device_lines, fold_devices
 
 log = logging.getLogger("profstream.sink.prometheus")
@@ -117,6 +118,7 @@ class _Run:
     skew: float = 0.0
     straggler: int = 0
     ranks_reported: int = 0
+    collectives: RunCollectives | None = None  # of the newest RunStepMetrics with collectives
 
 
 class ExporterState:
@@ -243,6 +245,7 @@ class ExporterState:
             run.skew = m["skew"]
             run.straggler = m["straggler_rank"]
             run.ranks_reported = m["ranks_reported"]
+            run.collectives = run_collectives(m) or run.collectives
 
     def _fold_alert(self, a: dict, ts: float) -> None:
         stall = stall_state(a)
@@ -343,6 +346,7 @@ class ExporterState:
                 lambda run: run.straggler)
         per_run(p + "run_ranks_reported", "ranks in the run's latest complete step", lambda run: run.ranks_reported)
         out.extend(device_lines(p, ranks, _num))
+        out.extend(collective_lines(p, [(run_id, run.collectives) for run_id, run in runs], _esc, _num))
         return "".join(out).encode()
 
     def _health(self) -> list:

@@ -45,6 +45,13 @@ from profstream.processors.window import Window as StepWindow
 from profstream.processors.window import intervals, step_window
 from profstream.schema.batch import COMMUNICATION, COMPUTE, KIND_NAMES, decode_batch
 from profstream.schema.codec import DecodeError
+from profstream.sinks.timeline_collectives import (
+    TID_COLLECTIVES,
+    TRACK_NAME,
+    Arrivals,
+    collective_slices,
+    slice_columns,
+)
 from profstream.sinks.timeline_devices import device_counter_events
 
 try:  # ISA-L deflate: same gzip format, ~3x the speed of zlib at level 1
@@ -63,6 +70,7 @@ DEFAULT_COMPRESSLEVEL = 1
 # analysis tracks; stream s is tid 100 + s (a negative stream: 2**32 + s).
 TID_STEPS, TID_COMPUTE, TID_COMM, TID_PURE_COMM, TID_FREE = 1, 2, 3, 4, 5
 TID_DEVICE_STEPS = 6  # steps measured on the device's window, beside the host's Steps
+# TID_COLLECTIVES = 7: each collective call's wait and transfer (timeline_collectives.py)
 STREAM_TID_BASE = 100
 OVERLAP_TRACKS = ((TID_COMPUTE, "compute", "Overlap: merged compute"),
                   (TID_COMM, "communication", "Overlap: merged communication"),
@@ -155,8 +163,9 @@ _COMPUTE_DELTA = np.array([1, -1, 0, 0, 0], np.int64)  # per boundary kind: comp
 _COMM_DELTA = np.array([0, 0, 1, -1, 0], np.int64)  # communication start, end, S or E
 
 
-def step_timeline(ev: StepEvents) -> StepTimeline:
-    """Ops per stream, the Steps track, the overlap tracks and the counters of one step."""
+def step_timeline(ev: StepEvents, arrivals: Arrivals | None = None) -> StepTimeline:
+    """Ops per stream, the Steps track, the overlap tracks, the counters and, with the
+    run's ``arrivals``, the Collectives track of one step."""
     pid, step, S, E = pid_of(ev.rank), ev.step, ev.start_ns, ev.end_ns
     heads: list[Head] = []
     heads_idx: list[np.ndarray] = []
@@ -207,6 +216,15 @@ def step_timeline(ev: StepEvents) -> StepTimeline:
         starts.append(start)
         durs.append(end - start)
 
+    slices = collective_slices(ev, arrivals)
+    if slices:
+        names, idx, start, dur = slice_columns(slices)
+        heads_idx.append(idx + len(heads))
+        heads += [(name, cat, TID_COLLECTIVES, None) for name, cat in names]
+        starts.append(start)
+        durs.append(dur)
+        tids.add(TID_COLLECTIVES)
+
     counters: list[tuple[dict, int]] = []
     memory = zip(ev.mem_ts_ns.tolist(), ev.mem_allocated.tolist(), ev.mem_reserved.tolist(), ev.mem_peak.tolist())
     for ts, *values in memory:
@@ -229,7 +247,8 @@ def metadata_events(run_id: str, rank: int, host: str, device: str, tids: Iterab
     out = [{"ph": "M", "name": "process_name", "pid": pid,
             "args": {"name": f"{run_id} rank {rank}" + (f" ({where})" if where else "")}},
            {"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": rank}}]
-    names = {TID_STEPS: "Steps", TID_DEVICE_STEPS: "Device steps", **{t: label for t, _, label in OVERLAP_TRACKS}}
+    names = {TID_STEPS: "Steps", TID_DEVICE_STEPS: "Device steps", TID_COLLECTIVES: TRACK_NAME,
+             **{t: label for t, _, label in OVERLAP_TRACKS}}
     for order, tid in enumerate(sorted(tids, key=lambda t: (t >= STREAM_TID_BASE, t))):
         stream = tid - STREAM_TID_BASE if tid < 2**31 else tid - 2**32
         out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
@@ -243,13 +262,13 @@ def _metadata_text(run_id: str, rank: int, host: str, device: str, tids: frozens
     return b",\n".join(_dumps(m) for m in metadata_events(run_id, rank, host, device, tids))
 
 
-def timeline_events(steps: Sequence[StepEvents]) -> list[dict]:
+def timeline_events(steps: Sequence[StepEvents], arrivals: Arrivals | None = None) -> list[dict]:
     """Every trace event of ``steps`` (closed steps of one run and rank, in order) as
     dicts: metadata first, ``ts``/``dur`` in float microseconds since ``base_time_ns``."""
     if not steps:
         return []
     base = midnight_ns(steps[0].start_ns)
-    timelines = [step_timeline(ev) for ev in steps]
+    timelines = [step_timeline(ev, arrivals) for ev in steps]
     first = steps[0]
     events = metadata_events(first.run_id, first.rank, first.host, first.device,
                              set().union(*(t.tids for t in timelines)))
@@ -681,6 +700,7 @@ class TimelineSink:
         self.idle_timeout_s = idle_timeout_s
         self.clock = clock
         self.ranks: dict[tuple[str, int], _RankTimeline] = {}
+        self.arrivals: dict[str, Arrivals] = {}  # per run: collective calls seen on every rank
         self._floors: dict[tuple[str, int], int] = {}  # steps below are in files (ranks closed as idle)
         self._positions: dict[tuple[str, int], int] = {}
         self._warned: set[str] = set()
@@ -763,6 +783,8 @@ class TimelineSink:
                 asm.floor = max(floors)
             rank = self.ranks[ident] = _RankTimeline(asm, rec.topic)
         rank.assembler.add(batch, now, rec.offset)
+        if len(batch.collectives["step"]):
+            self.arrivals.setdefault(batch.run_id, Arrivals()).add(batch)
         return ident
 
     def _close_ready(self, ident: tuple[str, int], now: float) -> None:
@@ -783,6 +805,8 @@ class TimelineSink:
                     self._floors[ident] = rank.assembler.floor
                 del self.ranks[ident]
                 self._captures.pop(ident, None)
+                if not any(r == ident[0] for r, _ in self.ranks):
+                    self.arrivals.pop(ident[0], None)
 
     def _capture_status(self, value: bytes) -> None:
         """A capture that started on a rank: its steps first..last become a file of their own."""
@@ -819,7 +843,7 @@ class TimelineSink:
 
     def _add(self, ident: tuple[str, int], ev: StepEvents, first_offset: int) -> None:
         rank = self.ranks[ident]
-        p = rank.window.prepare(step_timeline(ev))
+        p = rank.window.prepare(step_timeline(ev, self.arrivals.get(ident[0])))
         capture = self._captures.get(ident)
         if rank.window.steps and (not self.writer.fits(rank.window, p) or (capture and ev.step == capture[0])):
             self._flush(ident)  # the size cap, or a capture's first step, closes the window before this step

@@ -17,6 +17,7 @@ import numpy as np
 
 from profstream.integrations.ingest.model import Profile
 from profstream.integrations.ingest.replay import ProfileSteps, StepSlice
+from profstream.producers.sender import collective_columns
 from profstream.schema.batch import I32, I64, NO_VALUE, SECTIONS, EventBatch
 
 MAX_BATCH_OPS = 32768
@@ -71,6 +72,9 @@ def _samples(profile: Profile, st: StepSlice) -> dict:
         out["queues"] = {"name_idx": np.array([code[q[0]] for q in st.queues], I32),
                          **{col: np.array([q[i] for q in st.queues], I64)
                             for i, (col, _) in enumerate(SECTIONS["queues"][1:], start=1)}}
+    if st.collectives:
+        out["collective_names"], out["collectives"] = collective_columns(
+            [(c, g, d, st.step, *rest) for c, g, d, *rest in st.collectives])
     if len(st.memory):
         j = st.memory
         out["memory"] = {"ts_ns": profile.mem_ts_ns[j], "step": np.full(len(j), st.step, I64),

@@ -161,7 +161,8 @@ def _profile(path: Path, cols: EventColumns, meta: dict, base_ns: int | None) ->
     profile.op_stream = key_track[op_key]
     profile.op_start_ns = starts_ns[sel] + base
     profile.op_dur_ns = durs_ns[sel]
-    profile.op_launch_ns = _launch_times(cols.correlation, device_key[key_code], starts_ns + base)[sel]
+    launch_ns = _launch_times(cols.correlation, device_key[key_code], starts_ns + base)
+    profile.op_launch_ns = launch_ns[sel]
     profile.op_on_device = device_key[op_key]
 
     steps_at = np.flatnonzero(is_step[key_code])
@@ -189,8 +190,37 @@ def _profile(path: Path, cols: EventColumns, meta: dict, base_ns: int | None) ->
     dist = meta.get("distributedInfo")
     if isinstance(dist, dict) and isinstance(dist.get("rank"), int):
         profile.rank = dist["rank"]
+    profile.collectives, profile.collective_launch_ns = _collective_calls(
+        cols.collectives, device_key[key_code], starts_ns + base, durs_ns, launch_ns)
     profile.assign_steps()
     return profile
+
+
+# bytes per element of the dtypes torch.distributed records
+_DTYPE_BYTES = {"Float": 4, "Int": 4, "UInt32": 4, "Half": 2, "BFloat16": 2, "Short": 2, "UInt16": 2, "Double": 8,
+                "Long": 8, "UInt64": 8, "ComplexFloat": 8, "ComplexDouble": 16, "Byte": 1, "Char": 1, "Bool": 1,
+                "Float8_e4m3fn": 1, "Float8_e5m2": 1}
+
+
+def _collective_calls(found: list[tuple], on_device: np.ndarray, starts_ns: np.ndarray, durs_ns: np.ndarray,
+                      launch_ns: np.ndarray) -> tuple[list[tuple], np.ndarray]:
+    """Profile.collectives and their launch times from the events with collective args
+    (EventColumns.collectives): where the device ops (NCCL kernels) carry them, those,
+    which time the transfer on the device; else the host's ``record_param_comms``. One
+    row per (group, seq)."""
+    if any(on_device[f[0]] for f in found):
+        found = [f for f in found if on_device[f[0]]]
+    rows: dict[tuple[str, int], tuple] = {}
+    launched: dict[tuple[str, int], int] = {}
+    for j, collective, group, seq, size, n_in, n_out, dtype in found:
+        if (group, seq) in rows:
+            continue
+        per = _DTYPE_BYTES.get(dtype, -1)
+        rows[(group, seq)] = (collective, group, dtype, seq, int(starts_ns[j]), int(durs_ns[j]),
+                              n_in * per if n_in >= 0 and per > 0 else -1, n_out * per if n_out >= 0 and per > 0
+                              else -1, size)
+        launched[(group, seq)] = int(launch_ns[j])
+    return list(rows.values()), np.array(list(launched.values()), I64)
 
 
 def _launch_times(correlation: np.ndarray, on_device: np.ndarray, starts_ns: np.ndarray) -> np.ndarray:

@@ -58,6 +58,11 @@ class Profile:
     mem_allocated: np.ndarray = field(default_factory=_empty)
     mem_reserved: np.ndarray = field(default_factory=_empty)
     mem_step: np.ndarray = field(default_factory=_empty)
+    # this rank's part in each collective call: (collective, group, dtype, seq, start_ns,
+    # dur_ns, in_bytes, out_bytes, group_size), as Monitor.collective takes it
+    collectives: list[tuple] = field(default_factory=list)
+    collective_launch_ns: np.ndarray = field(default_factory=_empty)  # per row: as op_launch_ns
+    collective_step: np.ndarray = field(default_factory=_empty)  # filled by assign_steps, as op_step
     # what the reader saw
     rank: int | None = None
     host: str | None = None
@@ -95,6 +100,12 @@ class Profile:
         launched = self.op_launch_ns >= 0
         self.op_step = np.where(launched, self._step_of(self.op_launch_ns), by_time) if launched.any() else by_time
         self.mem_step = self._step_of(self.mem_ts_ns)
+        if self.collectives:
+            start = np.array([c[4] for c in self.collectives], I64)
+            by_time = self._step_of(start, start + np.array([c[5] for c in self.collectives], I64))
+            launch = (self.collective_launch_ns if len(self.collective_launch_ns) == len(start)
+                      else np.full(len(start), -1, I64))
+            self.collective_step = np.where(launch >= 0, self._step_of(launch), by_time)
 
     def _step_of(self, ts: np.ndarray, until: np.ndarray | None = None) -> np.ndarray:
         """The step whose [start, end) holds ``ts``; with ``until`` (intervals [ts, until)),

@@ -50,6 +50,7 @@ class StepSlice(NamedTuple):
     hi: int
     queues: list[tuple[str, int, int, int, int]]
     memory: np.ndarray  # indices into the profile's memory samples
+    collectives: list[tuple]  # rows of Profile.collectives
 
 
 class ProfileSteps:
@@ -77,6 +78,9 @@ class ProfileSteps:
         mem_steps = p.mem_step[self._mem_order]
         self._mem_lo = np.searchsorted(mem_steps, p.step, side="left")
         self._mem_hi = np.searchsorted(mem_steps, p.step, side="right")
+        self._collectives: dict[int, list] = {}
+        for row, step in zip(p.collectives, p.collective_step.tolist()):
+            self._collectives.setdefault(step, []).append(row)
 
     @property
     def queue_samples(self) -> int:
@@ -90,7 +94,8 @@ class ProfileSteps:
             yield StepSlice(int(p.step[i]), int(p.step_start_ns[i]), int(p.step_end_ns[i]), int(p.step_fp_ns[i]),
                             int(p.step_bp_ns[i]), int(self._lo[i]), int(self._hi[i]),
                             self._queues.get(int(p.step[i]), []),
-                            _memory_picks(p, self._mem_order[self._mem_lo[i]:self._mem_hi[i]]))
+                            _memory_picks(p, self._mem_order[self._mem_lo[i]:self._mem_hi[i]]),
+                            self._collectives.get(int(p.step[i]), []))
 
 
 def send_profile(profile: Profile, monitor: Monitor, pace: str = "max",
@@ -124,6 +129,8 @@ def send_profile(profile: Profile, monitor: Monitor, pace: str = "max",
             sent_ops += b - a
         for name, ts, _, size, capacity in st.queues:
             monitor.queue(name, size, capacity, ts_ns=ts, step=step)
+        for collective, group, dtype, seq, start, dur, n_in, n_out, size in st.collectives:
+            monitor.collective(collective, group, seq, start, dur, size, n_in, n_out, dtype, step=step)
         sent_memory += len(st.memory)
         for j in st.memory:
             monitor.memory(int(profile.mem_allocated[j]), int(profile.mem_reserved[j]),

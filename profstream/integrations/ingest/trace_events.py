@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import gzip
+import re
 import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,16 +25,30 @@ from profstream.integrations.ingest.model import I64, IngestError
 DEVICE_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset", "gpu_op", "ai_core", "ai_cpu", "aicore"})
 
 EXPECTED = "a Chrome trace JSON file (an object with traceEvents, or an array of trace events)"
+# EventArgs' collective fields as torch names them
+COLLECTIVE_ARGS = ("Collective name", "Seq", "Process Group Name", "Group size", "In msg nelems", "Out msg nelems",
+                   "dtype")
+# Names of the events that may carry them: c10d's record_param_comms and NCCL/gloo ops
+_COLLECTIVE_EVENT = re.compile(r"record_param_comms|nccl|gloo|c10d", re.I)
 
 
 class EventArgs(msgspec.Struct, gc=False):
     """The args ingest reads: a metadata event's name, a [memory] event's totals, the
-    correlation that links a device op to the runtime call that launched it."""
+    correlation that links a device op to the runtime call that launched it, and what
+    torch.distributed records of a collective call (``record_param_comms`` and, in newer
+    PyTorch, the NCCL kernel itself)."""
 
     name: Any = None
     allocated: Any = msgspec.field(default=None, name="Total Allocated")
     reserved: Any = msgspec.field(default=None, name="Total Reserved")
     correlation: Any = None
+    collective: Any = msgspec.field(default=None, name="Collective name")
+    seq: Any = msgspec.field(default=None, name="Seq")
+    group: Any = msgspec.field(default=None, name="Process Group Name")
+    group_size: Any = msgspec.field(default=None, name="Group size")
+    in_nelems: Any = msgspec.field(default=None, name="In msg nelems")
+    out_nelems: Any = msgspec.field(default=None, name="Out msg nelems")
+    dtype: Any = None
 
 
 class TraceEvent(msgspec.Struct, gc=False):
@@ -130,7 +145,8 @@ def _tolerant_args(args) -> EventArgs | None:
     if not isinstance(args, dict):
         return None
     return EventArgs(args.get("name"), args.get("Total Allocated"), args.get("Total Reserved"),
-                     args.get("correlation"))
+                     args.get("correlation"), *(args.get(k) for k in COLLECTIVE_ARGS))
+
 
 
 def is_plain(path: Path) -> bool:
@@ -164,6 +180,9 @@ class EventColumns:
     mem_allocated: np.ndarray
     mem_reserved: np.ndarray
     begin_end: int  # B/E events (not read)
+    # per complete event with collective args: (its index among the complete events,
+    # collective, group, seq, group size, in nelems, out nelems, dtype)
+    collectives: list[tuple]
 
 
 def scan_events(path: Path, events: list[TraceEvent]) -> EventColumns:
@@ -189,6 +208,7 @@ def scan_events(path: Path, events: list[TraceEvent]) -> EventColumns:
     else:  # no device events: nothing to correlate (a CPU trace pays no pass for it)
         correlation = np.full(len(complete), -1, I64)
 
+    collectives = _collectives(events, keys, all_code[complete], complete)
     metadata = []
     mem_ts, mem_alloc, mem_resv = [], [], []
     begin_end = 0
@@ -207,7 +227,24 @@ def scan_events(path: Path, events: list[TraceEvent]) -> EventColumns:
             mem_alloc.append(args.allocated)
             mem_resv.append(args.reserved if isinstance(args.reserved, int) else -1)
     return EventColumns(keys, all_code[complete], ts_us, dur_us, metadata, correlation, np.array(mem_ts, np.float64),
-                        np.array(mem_alloc, I64), np.array(mem_resv, I64), begin_end)
+                        np.array(mem_alloc, I64), np.array(mem_resv, I64), begin_end, collectives)
+
+
+def _collectives(events: list[TraceEvent], keys: list[tuple], key_code: np.ndarray,
+                 complete: np.ndarray) -> list[tuple]:
+    """EventColumns.collectives: only events whose name may be a collective are looked at."""
+    named = [i for i, k in enumerate(keys) if k[0] == "X" and isinstance(k[1], str) and _COLLECTIVE_EVENT.search(k[1])]
+    if not named:
+        return []
+    out = []
+    for j in np.flatnonzero(np.isin(key_code, named)).tolist():
+        a = events[int(complete[j])].args
+        if a is not None and isinstance(a.collective, str) and type(a.seq) is int:
+            out.append((j, a.collective, str(a.group if a.group is not None else "0"), a.seq,
+                        a.group_size if type(a.group_size) is int else -1,
+                        a.in_nelems if type(a.in_nelems) is int else -1,
+                        a.out_nelems if type(a.out_nelems) is int else -1, str(a.dtype or "")))
+    return out
 
 
 def _correlations(events: list[TraceEvent]) -> np.ndarray:
@@ -231,6 +268,8 @@ def merge_columns(parts: list[EventColumns]) -> EventColumns:
     def joined(name: str) -> np.ndarray:
         return np.concatenate([getattr(part, name) for part in parts])
 
+    offsets = np.cumsum([0] + [len(part.ts_us) for part in parts]).tolist()
     return EventColumns(list(key_ix), np.concatenate(codes), joined("ts_us"), joined("dur_us"),
                         [m for part in parts for m in part.metadata], joined("correlation"), joined("mem_ts_us"),
-                        joined("mem_allocated"), joined("mem_reserved"), sum(part.begin_end for part in parts))
+                        joined("mem_allocated"), joined("mem_reserved"), sum(part.begin_end for part in parts),
+                        [(j + off, *rest) for part, off in zip(parts, offsets) for j, *rest in part.collectives])

@@ -1,0 +1,58 @@
+"""The report's communication section: collectives matched across ranks (RunStepMetrics v2)."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from html import escape
+
+import numpy as np
+
+from profstream.offline import charts
+
+
+def communication_section(run_steps: list[dict]) -> str:
+    """Wait per rank per step, the late ranks, bandwidth by collective and unmatched calls;
+    a line saying so when no step had collectives."""
+    steps = [r for r in run_steps if r.get("collectives_matched") or r.get("unmatched_collectives")]
+    if not steps:
+        return '<p class="sub">No collective calls (a single rank, or a producer without collective ' \
+               'attributes).</p>'
+    waits: dict[int, list[tuple[int, float]]] = defaultdict(list)
+    for r in steps:
+        for rank in r["collective_ranks"]:
+            waits[rank["rank"]].append((r["step"], rank["wait_ns"] / 1e6))
+    series = [(f"rank {rank}", np.array([s for s, _ in v]), np.array([w for _, w in v]))
+              for rank, v in sorted(waits.items())]
+    chart = charts.line_chart("collective-wait", "Time each rank waited in collectives for the last rank", series,
+                              "ms")
+    late = Counter(r["late_rank"] for r in steps if r["late_rank"] is not None)
+    held = defaultdict(list)
+    for r in steps:
+        if r["late_rank"] is not None:
+            held[r["late_rank"]].append(r["late_rank_held_ns"] / 1e6)
+    late_rows = "".join(f'<tr data-late="{rank}"><td>rank {rank}</td><td>{n}</td><td>{n / len(steps):.0%}</td>'
+                        f'<td>{np.median(held[rank]):.1f}</td></tr>' for rank, n in late.most_common(10))
+    late_table = ('<table id="late-ranks"><tr><th>late rank</th><th>steps</th><th>share of steps</th>'
+                  f'<th>median held (ms)</th></tr>{late_rows}</table>')
+    totals: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0, 0.0])
+    for r in steps:
+        for c in r["by_collective"]:
+            t = totals[c["collective"]]
+            t[0] += c["calls"]
+            t[1] += c["bytes"]
+            t[2] += c["transfer_ns"]
+            t[3] += c["busbw_bytes_per_s"] * c["transfer_ns"]  # transfer-weighted
+    bw_rows = "".join(
+        f'<tr data-collective="{escape(name)}"><td>{escape(name)}</td><td>{int(t[0])}</td>'
+        f'<td>{t[1] / 2**20:.1f}</td><td>{t[1] / t[2] * 1e9 / 2**20 if t[2] else 0:.1f}</td>'
+        f'<td>{t[3] / t[2] / 2**20 if t[2] else 0:.1f}</td></tr>' for name, t in sorted(totals.items()))
+    bw_table = ('<table id="collective-bandwidth"><tr><th>collective</th><th>calls</th><th>MiB (over ranks)</th>'
+                f'<th>algbw MiB/s</th><th>busbw MiB/s</th></tr>{bw_rows}</table>')
+    unmatched = [(r["step"], u) for r in steps for u in r["unmatched_collectives"]]
+    un_rows = "".join(f'<tr><td>{step}</td><td>{escape(u["collective"])}</td><td>{escape(u["group"])}</td>'
+                      f'<td>{u["seq"]}</td><td>{u["arrived"]}</td><td>{u["missing"] or "?"}</td></tr>'
+                      for step, u in unmatched[:50])
+    un_table = ('<table id="unmatched-collectives"><tr><th>step</th><th>collective</th><th>group</th><th>seq</th>'
+                f'<th>arrived</th><th>missing</th></tr>{un_rows}</table>' if unmatched
+                else '<p class="sub" id="unmatched-collectives">Every collective call was matched on all ranks.</p>')
+    return chart + late_table + bw_table + un_table

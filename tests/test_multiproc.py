@@ -1,0 +1,138 @@
+"""A real distributed job: torch.distributed (gloo, CPU), three processes launched through
+`profstream run`, DDP on a small model (its gradients all_reduced) and an explicit
+all_gather each step. Rank 1 sleeps DELAY_S before its collectives on the SLOW steps.
+
+What the run's cross-rank figures must say: every collective matched on every rank; on
+the slowed steps rank 1 is the late rank and the other ranks waited about DELAY_S for it
+(within TOLERANCE: the delay sits in each rank's arrival, which also holds its own compute
+of a few ms, on a machine shared with the other two ranks); bandwidth is bytes / transfer
+time with the message sizes of the real tensors; the step-time figures from the real
+processes (ranks reported, skew) show all ranks held alike on the slowed steps, which is
+why the late rank is found from the collectives and not from step times. On the other
+steps no rank is held for more than half the delay, from step 2 on: in steps 0-1 each rank
+starts its profiler and DDP warms up, up to a second apart on a shared machine (the
+figures then rightly name a late rank).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from profstream.kafka.clients import read_topic
+from profstream.schema.codec import decode
+from tests.test_processor import RunningProcessor
+
+pytestmark = pytest.mark.multiproc
+torch = pytest.importorskip("torch")
+
+WORLD = 3
+STEPS = 8
+SLOW = (3, 6)
+DELAY_S = 0.3
+TOLERANCE = 0.25  # of DELAY_S
+HIDDEN = 64
+PARAM_BYTES = 4 * (32 * HIDDEN + HIDDEN + HIDDEN * 4 + 4)  # float32 weights and biases of the model
+GATHER_BYTES = 4 * 16  # each rank's per-sample losses of a batch
+
+SCRIPT = textwrap.dedent(f'''
+    import os, time
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(16 * {STEPS}, 32), torch.randn(16 * {STEPS}, 4))
+    loader = torch.utils.data.DataLoader(data, batch_size=16)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(
+        torch.nn.Linear(32, {HIDDEN}), torch.nn.ReLU(), torch.nn.Linear({HIDDEN}, 4)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step, (x, y) in enumerate(loader):
+        if rank == 1 and step in {SLOW}:
+            time.sleep({DELAY_S})  # late to this step's collectives
+        optimizer.zero_grad()
+        losses = ((model(x) - y) ** 2).mean(dim=1)
+        losses.mean().backward()  # DDP: all_reduce of the gradients
+        gathered = [torch.zeros(16) for _ in range({WORLD})]
+        dist.all_gather(gathered, losses.detach())
+        optimizer.step()
+    dist.destroy_process_group()
+''')
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_ranks(kafka_bootstrap, topics, tmp_path, run_id: str) -> None:
+    script = tmp_path / "ddp.py"
+    script.write_text(SCRIPT)
+    port = str(_free_port())
+    procs = []
+    for rank in range(WORLD):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(WORLD), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": port, "PROFSTREAM_OPTIONS": json.dumps({"host_sample_interval_s": 0}),
+               "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "profstream.cli", "run", "--bootstrap", kafka_bootstrap, "--run-id", run_id,
+             "--topic-prefix", topics.prefix, "--collective-bytes", "--", sys.executable, str(script)],
+            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=240)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for rank, (p, out) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0, f"rank {rank} exited {p.returncode}:\n{out[-3000:]}"
+
+
+def test_a_late_rank_is_named_and_the_others_wait_for_it(kafka_bootstrap, topics, tmp_path):
+    run_id = "ddp-late"
+    _run_ranks(kafka_bootstrap, topics, tmp_path, run_id)
+    with RunningProcessor(kafka_bootstrap, topics, run_grace_s=20.0):
+        steps = read_topic(kafka_bootstrap, topics.run, lambda r: r["run_id"] == run_id, STEPS, 120,
+                           decode=lambda v: decode("RunStepMetrics", v))
+    assert sorted(s["step"] for s in steps) == list(range(STEPS))
+    delay_ns = DELAY_S * 1e9
+    for s in steps:
+        where = f"step {s['step']}: {s}"
+        # every rank reported the step, and each step's collectives matched on all of them (DDP
+        # adds broadcasts of its own in its first steps)
+        assert s["ranks_reported"] == WORLD and sorted(s["step_times_ns"]) == [str(r) for r in range(WORLD)], where
+        assert s["collectives_matched"] >= 2 and s["unmatched_collectives"] == [], where
+        by = {c["collective"]: c for c in s["by_collective"]}
+        assert {"all_reduce", "all_gather"} <= set(by), where
+        assert by["all_reduce"]["calls"] == by["all_gather"]["calls"] == 1, where
+        # bytes are the real tensors': the gradients' bucket, the gathered losses (output = n x input)
+        assert by["all_reduce"]["bytes"] == WORLD * PARAM_BYTES, where
+        assert by["all_gather"]["bytes"] == WORLD * WORLD * GATHER_BYTES, where
+        for c in by.values():
+            assert c["transfer_ns"] > 0, where
+            assert c["algbw_bytes_per_s"] == pytest.approx(c["bytes"] / c["transfer_ns"] * 1e9), where
+        factor = 2 * (WORLD - 1) / WORLD
+        assert by["all_reduce"]["busbw_bytes_per_s"] == pytest.approx(by["all_reduce"]["algbw_bytes_per_s"] * factor)
+        waits = {r["rank"]: r["wait_ns"] for r in s["collective_ranks"]}
+        if s["step"] in SLOW:
+            assert s["late_rank"] == 1, where
+            assert abs(s["late_rank_held_ns"] - delay_ns) < TOLERANCE * delay_ns, where
+            for rank in (0, 2):
+                assert abs(waits[rank] - delay_ns) < TOLERANCE * delay_ns, where
+            assert waits[1] < TOLERANCE * delay_ns, where
+            # the collectives hold every rank: all step times carry the delay, so they do not
+            # tell the late rank apart (skew stays small)
+            assert s["min_step_time_ns"] >= (1 - TOLERANCE) * delay_ns, where
+            assert s["skew"] < 0.5, where
+        elif s["step"] >= 2:  # steps 0-1: the ranks start their profilers and DDP warms up
+            assert s["late_rank_held_ns"] < 0.5 * delay_ns, where
