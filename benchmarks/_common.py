@@ -141,3 +141,12 @@ class cpu_hog:  # noqa: N801 (a context manager used like a function)
         if self.proc is not None:
             self.proc.kill()
             self.proc.wait()
+
+
+def chosen(parser: Any, value: str, known: Any) -> list[str]:
+    """The comma-separated names of ``value``, each one of ``known`` (else a usage error)."""
+    names = [f.strip() for f in value.split(",") if f.strip()]
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        parser.error(f"unknown fault(s) {unknown}: choose from {sorted(known)}")
+    return names

@@ -45,7 +45,7 @@ from profstream.producers.monitor import Monitor
 from profstream.producers.sender import Sender
 from profstream.schema.batch import decode_batch, encode_batch
 from profstream.schema.codec import decode
-from profstream.simulate import PHASES, SimConfig, plan_run, record_phase
+from profstream.simulate import PHASES, SimConfig, phase_time, plan_run, record_phase
 
 TARGET_OPS_PER_S = 2_000_000
 ORIGIN_NS = 1_790_000_000_000_000_000  # fixed virtual clock: the same bytes on every run
@@ -72,26 +72,33 @@ class _NoThread:
         return {}
 
 
-def monitor_messages(cfg: SimConfig, drain: str = "phase") -> tuple[list[tuple[bytes, bytes]], dict]:
+def monitor_messages(cfg: SimConfig, drain: str = "phase", origin_ns: int = ORIGIN_NS,
+                     sent_at: list | None = None) -> tuple[list[tuple[bytes, bytes]], dict]:
     """(key, value) of every batch the Monitors of ``cfg`` send, in send order, and the truth.
 
     ``drain``: "phase" builds batches after each phase of each step (3 per step and rank);
     "full" only when a Monitor holds ``batch_max_ops`` ops, and at the end (8,192-op
-    batches spanning several steps, as a Sender that fell behind sends)."""
-    monitors = [Monitor(run_id=cfg.run_id, rank=r, bootstrap="127.0.0.1:1", sender_factory=_NoThread,
-                        buffer_bytes=1 << 31, host_sample_interval_s=0, native=False) for r in range(cfg.ranks)]
+    batches spanning several steps, as a Sender that fell behind sends). ``sent_at``, if
+    given, gets for each message the virtual time its Monitor would send it (the end of the
+    phase it closes; None for what is left at the end)."""
+    monitors = [Monitor(run_id=cfg.run_id, rank=r, bootstrap="127.0.0.1:1",
+                        sender_factory=_NoThread, buffer_bytes=1 << 31, host_sample_interval_s=0, control=False,
+                        native=False)
+                for r in range(cfg.ranks)]
     senders = [Sender(m) for m in monitors]
     messages: list[tuple[bytes, bytes]] = []
     truth: dict = {}
 
-    def build(rank: int) -> None:
+    def build(rank: int, at_ns: int | None = None) -> None:
         sender = senders[rank]
         while sender._build():
             value = sender._pending.popleft()[0]  # (value, ops, samples)
             messages.append((monitors[rank].key, value))
+            if sent_at is not None:
+                sent_at.append(at_ns)
 
     plans = []
-    for plan in plan_run(cfg, ORIGIN_NS):
+    for plan in plan_run(cfg, origin_ns):
         truth[(plan.rank, plan.step)] = plan.truth
         plans.append(plan)
         if len(plans) < cfg.ranks:
@@ -100,7 +107,7 @@ def monitor_messages(cfg: SimConfig, drain: str = "phase") -> tuple[list[tuple[b
             for p in plans:
                 record_phase(monitors[p.rank], p, phase)
                 if drain == "phase" or monitors[p.rank].buffered_ops >= monitors[p.rank]._batch_max_ops:
-                    build(p.rank)
+                    build(p.rank, phase_time(p, phase))
         plans = []
     for rank in range(cfg.ranks):
         build(rank)

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import emit, envelope, note, summary, unique_prefix
+from _common import chosen, emit, envelope, note, summary, unique_prefix
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the fault suite's fixtures
 
@@ -84,10 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=400, help="steps of each rank (100 ms each)")
     p.add_argument("--before", type=int, default=80, help="steps committed before the fault")
     args = p.parse_args(argv)
-    faults = [f.strip() for f in args.faults.split(",") if f.strip()]
-    unknown = sorted(set(faults) - set(FAULTS))
-    if unknown:
-        p.error(f"unknown fault(s) {unknown}: choose from {sorted(FAULTS)}")
+    faults = chosen(p, args.faults, FAULTS)
     with tempfile.TemporaryDirectory(prefix="bench-recovery-") as tmp:
         broker = Broker(Path(tmp) / "broker")
         try:

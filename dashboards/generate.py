@@ -71,6 +71,7 @@ from grafana_foundation_sdk.models.dashboard import (
     VariableSort,
 )
 from grafana_foundation_sdk.models.heatmap import HeatmapColorMode, HeatmapColorScale
+from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
 HERE = Path(__file__).resolve().parent
 TAG = "profstream"
@@ -81,6 +82,7 @@ GRAFANA_ANNOTATIONS = DataSourceRef(type_val="datasource", uid="grafana")
 RUN = 'run="$run"'
 LAST = ReduceDataOptions().calcs(["lastNotNull"])
 RUN_RANK = 'run="$run", rank=~"$rank"'
+TOP_RANKS = 10  # ranks a Cluster top-K panel shows
 
 
 # -- building blocks ----------------------------------------------------------------------
@@ -310,7 +312,9 @@ def training_run() -> Dashboard:
 def cluster() -> Dashboard:
     return (
         dashboard("profstream-cluster", "profstream / Cluster",
-                  "Across the ranks of one run: skew of the step time, the straggler, and a per-rank heat map.")
+                  "Across the ranks of one run, built for 1,000 ranks and more: skew, the straggler, every "
+                  "rank's step time as a heat map, quantiles over all ranks, and the slowest ranks "
+                  "(the exporter keeps per-rank series for a run's --top-ranks slowest; never one line per rank).")
         .with_variable(datasource_variable()).with_variable(run_variable()).with_variable(rank_variable())
         .annotation(tag_annotations("Alerts", "red", [TAG, "alert", "run:$run"]))
         .annotation(tag_annotations("Run start and end", "blue", [TAG, "run", "run:$run"]))
@@ -323,37 +327,62 @@ def cluster() -> Dashboard:
                     .graph_mode(BigValueGraphMode.NONE))
         .with_panel(single("Ranks reporting", "ranks in the run's latest complete step", "none",
                            prom(f"profstream_run_ranks_reported{{{RUN}}}", "ranks"), width=6))
-        .with_panel(single("Slowest rank behind by", "steps between the most and least advanced rank", "none",
-                           prom(f"max(profstream_last_step{{{RUN}}}) - min(profstream_last_step{{{RUN}}})",
-                                "steps"), width=6))
+        .with_panel(single("Slowest rank behind by", "steps between the most and least advanced rank, over "
+                           "every rank", "none",
+                           prom(f'max(profstream_ranks_last_step{{{RUN}, stat="max"}}) - '
+                                f'max(profstream_ranks_last_step{{{RUN}, stat="min"}})', "steps"), width=6))
         .with_panel(series("Rank skew over time", "(max - min) / median step time across ranks, per step",
                            "percentunit", prom(f"profstream_rank_skew_ratio{{{RUN}}}", "skew")))
         .with_panel(statetimeline.Panel().title("Straggler rank over time").span(12).height(8)
                     .description("the rank with the largest step time; one colour per rank")
                     .datasource(PROMETHEUS)
                     .with_target(prom(f"profstream_straggler_rank{{{RUN}}}", "straggler")))
-        .with_panel(heatmap.Panel().title("Step time per rank (heat map)").span(24).height(10)
-                    .description("one row per rank, colour = step time; a slow row is a straggler")
+        .with_panel(heatmap.Panel().title("Step time of every rank (heat map)").span(24).height(10)
+                    .description("how many ranks had each latest step time, over time, for all the run's ranks "
+                                 "(profstream_ranks_step_duration_seconds_hist: buckets 1.5x apart); a band "
+                                 "above the crowd is a straggler, a wide column a spread-out step")
+                    .datasource(PROMETHEUS).calculate(False)
+                    .rows_frame(RowsHeatmapOptions().layout(HeatmapCellLayout.LE).value("ranks"))
+                    .y_axis(heatmap.YAxisConfig().unit("s"))
+                    .cell_values(CellValues().unit("none"))
+                    .color(HeatmapColorOptions().mode(HeatmapColorMode.SCHEME).scheme("Oranges")
+                           .scale(HeatmapColorScale.EXPONENTIAL).exponent(0.5).steps(64))
+                    .with_target(prom(f"sum by (le) (profstream_ranks_step_duration_seconds_hist_bucket{{{RUN}}})",
+                                      "{{le}}").format(PromQueryFormat.HEATMAP)))
+        .with_panel(series("Step time across all ranks", "min, median, p95 and max of the ranks' latest step "
+                           "time, over every rank of the run", "s",
+                           *(prom(f'profstream_ranks_step_duration_seconds{{{RUN}, stat="{stat}"}}', stat, ref)
+                             for stat, ref in (("max", "A"), ("p95", "B"), ("p50", "C"), ("min", "D")))))
+        .with_panel(bargauge.Panel().title(f"Slowest {TOP_RANKS} ranks (latest step)").span(12).height(8)
+                    .description("the ranks with the longest latest step, from the ranks with series of their "
+                                 "own (a large run's --top-ranks slowest, ranked by their last 5 steps)")
+                    .datasource(PROMETHEUS).unit("s").orientation(VizOrientation.HORIZONTAL)
+                    .display_mode(BarGaugeDisplayMode.GRADIENT).reduce_options(LAST)
+                    .with_target(prom(f"sort_desc(topk({TOP_RANKS}, profstream_step_duration_seconds{{{RUN}}}))",
+                                      "rank {{rank}} ({{host}})").instant()))
+        .with_panel(heatmap.Panel().title("Step time of the slowest ranks (heat map)").span(24).height(10)
+                    .description("one row per rank with series of its own (a large run's --top-ranks slowest), "
+                                 "colour = latest step time; a slow row is a straggler")
                     .datasource(PROMETHEUS).calculate(False)
                     .rows_frame(RowsHeatmapOptions().layout(HeatmapCellLayout.UNKNOWN).value("step time"))
                     .cell_values(CellValues().unit("s"))
                     .color(HeatmapColorOptions().mode(HeatmapColorMode.SCHEME).scheme("Oranges")
                            .scale(HeatmapColorScale.EXPONENTIAL).exponent(0.5).steps(64))
                     .with_target(prom(f"profstream_step_duration_seconds{{{RUN_RANK}}}", "{{rank}}")))
-        .with_panel(series("Step time spread across ranks", "min, median and max step time over the ranks", "s",
-                           prom(f"max(profstream_step_duration_seconds{{{RUN}}})", "max"),
-                           prom(f"quantile(0.5, profstream_step_duration_seconds{{{RUN}}})", "median", "B"),
-                           prom(f"min(profstream_step_duration_seconds{{{RUN}}})", "min", "C")))
-        .with_panel(bargauge.Panel().title("Last step per rank").span(12).height(8)
-                    .description("ranks falling behind show shorter bars").datasource(PROMETHEUS)
+        .with_panel(bargauge.Panel().title(f"Ranks furthest behind ({TOP_RANKS})").span(12).height(8)
+                    .description("the ranks with series whose latest step is lowest; every rank: "
+                                 "\"Slowest rank behind by\"").datasource(PROMETHEUS)
                     .orientation(VizOrientation.HORIZONTAL).display_mode(BarGaugeDisplayMode.BASIC)
                     .reduce_options(LAST)
-                    .with_target(prom(f"profstream_last_step{{{RUN_RANK}}}", "rank {{rank}}").instant()))
+                    .with_target(prom(f"sort(bottomk({TOP_RANKS}, profstream_last_step{{{RUN_RANK}}}))",
+                                      "rank {{rank}}").instant()))
         .with_row(Row("Collectives (matched across ranks)"))
-        .with_panel(series("Wait vs transfer per rank", "per rank, the latest step's time in collectives waiting "
-                           "for the last rank to arrive, and transferring once all had", "s",
-                           prom(f"profstream_collective_wait_seconds{{{RUN_RANK}}}", "wait {{rank}}"),
-                           prom(f"profstream_collective_transfer_seconds{{{RUN_RANK}}}", "transfer {{rank}}", "B")))
+        .with_panel(series(f"Wait vs transfer, {TOP_RANKS} ranks that wait longest", "per rank, the latest step's "
+                           "time in collectives waiting for the last rank to arrive, and transferring once all had",
+                           "s", prom(f"topk({TOP_RANKS}, profstream_collective_wait_seconds{{{RUN_RANK}}})",
+                                     "wait {{rank}}"),
+                           prom(f"profstream_collective_transfer_seconds{{{RUN_RANK}}} and on (rank) topk({TOP_RANKS}, "
+                                f"profstream_collective_wait_seconds{{{RUN_RANK}}})", "transfer {{rank}}", "B")))
         .with_panel(series("Bus bandwidth by collective", "algbw x NCCL's factor for the collective and group "
                            "size (0 without message sizes: --collective-bytes)", "Bps",
                            prom(f"profstream_collective_busbw_bytes_per_second{{{RUN}}}", "{{collective}}")))

@@ -241,12 +241,14 @@ def _truth(plan: StepPlan, comm_total: int, allocated: int, reserved: int, peak:
     }
 
 
-def plan_run(cfg: SimConfig, start_ns: int | None = None):
-    """Yield the StepPlans of every rank, step by step (all ranks of step s, then s+1)."""
+def plan_run(cfg: SimConfig, start_ns: int | None = None, ranks: range | None = None):
+    """Yield the StepPlans of every rank (or of ``ranks`` only: a rank's plans do not depend
+    on the others), step by step (all ranks of step s, then s+1)."""
     origin = start_ns if start_ns is not None else (cfg.start_ns if cfg.start_ns is not None else time.time_ns())
-    clocks = [origin] * cfg.ranks
+    ranks = range(cfg.ranks) if ranks is None else ranks
+    clocks = dict.fromkeys(ranks, origin)
     for step in range(cfg.first_step, cfg.first_step + cfg.steps):
-        for rank in range(cfg.ranks):
+        for rank in ranks:
             plan = plan_step(cfg, rank, step, clocks[rank])
             clocks[rank] = plan.end_ns
             yield plan
@@ -318,23 +320,34 @@ class SimResult:
     stats: list[dict]
 
 
-def run_simulation(cfg: SimConfig, monitor_options: dict | None = None, progress=None) -> SimResult:
-    """Simulate ``cfg`` through one real Monitor per rank; returns when all is flushed."""
+def run_simulation(cfg: SimConfig, monitor_options: dict | None = None, progress=None,
+                   ranks: range | None = None, start=None) -> SimResult:
+    """Simulate ``cfg`` through one real Monitor per rank; returns when all is flushed.
+
+    ``ranks`` simulates only those ranks of the run (the others run in other processes,
+    :mod:`profstream.simulate_procs`); ``start``, if given, is called once the Monitors
+    exist and returns the virtual clock's origin, in ns of ``time.time_ns()``, which every
+    process of the run shares (``--rate realtime`` paces steps against it)."""
     from profstream.producers.monitor import Monitor
 
+    ranks = range(cfg.ranks) if ranks is None else ranks
     opts = dict(monitor_options or {})
     opts["run_id"] = cfg.run_id
     opts["world_size"] = cfg.ranks
     opts.setdefault("host_sample_interval_s", 0)
     opts.setdefault("device_interval_ms", 0)  # simulated counters only, never the machine's
-    devices = [opts.get("device", f"cuda:{r}" if cfg.device_counters else "cpu") for r in range(cfg.ranks)]
-    monitors = [Monitor(rank=r, **{**opts, "device": devices[r]}) for r in range(cfg.ranks)]
-    wall0 = time.monotonic()
-    origin = cfg.start_ns if cfg.start_ns is not None else time.time_ns()
+    monitors = {r: Monitor(rank=r, **{**opts, "device": opts.get("device", f"cuda:{r}" if cfg.device_counters
+                                                                  else "cpu")}) for r in ranks}
     steps = ops = 0
     try:
+        if start is None:
+            wall0 = time.monotonic()
+            origin = cfg.start_ns if cfg.start_ns is not None else time.time_ns()
+        else:
+            origin = start()
+            wall0 = time.monotonic() + (origin - time.time_ns()) / 1e9  # the monotonic time of origin
         if cfg.rate == "max":
-            for plan in plan_run(cfg, origin):
+            for plan in plan_run(cfg, origin, ranks):
                 record_step(monitors[plan.rank], plan)
                 steps += 1
                 ops += len(plan.names)
@@ -342,9 +355,9 @@ def run_simulation(cfg: SimConfig, monitor_options: dict | None = None, progress
                     progress(plan)
         else:
             plans: list[StepPlan] = []
-            for plan in plan_run(cfg, origin):  # all ranks of a step, then the next step
+            for plan in plan_run(cfg, origin, ranks):  # all ranks of a step, then the next step
                 plans.append(plan)
-                if len(plans) < cfg.ranks:
+                if len(plans) < len(ranks):
                     continue
                 for phase in PHASES:
                     delay = (phase_time(plans[0], phase) - origin) / 1e9 - (time.monotonic() - wall0)
@@ -359,9 +372,9 @@ def run_simulation(cfg: SimConfig, monitor_options: dict | None = None, progress
                         progress(p)
                 plans = []
     finally:
-        flushed = all([m.flush(timeout=30) for m in monitors])
-        for m in monitors:
+        flushed = all([m.flush(timeout=30) for m in monitors.values()])
+        for m in monitors.values():
             m.close(timeout=5)
-        stats = [m.stats() for m in monitors]  # after close: what it could not deliver is counted
+        stats = [m.stats() for m in monitors.values()]  # after close: what it could not deliver is counted
     return SimResult(steps, ops, time.monotonic() - wall0, flushed,
                      sum(s["dropped_ops"] for s in stats), stats)

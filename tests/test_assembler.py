@@ -87,3 +87,38 @@ def test_a_re_read_batch_refeeds_open_steps_without_counting_anything_twice():
     restored.add(batch(2, marks=[1], watermark=1), now=1.1, offset=12)
     (ev, _), = restored.close_ready(1.1)
     assert ev.step == 1 and len(ev.op_kind) == 2  # both ops of step 1, once each
+
+
+def test_a_batch_in_the_raw_topic_twice_feeds_its_steps_once_however_the_reads_are_grouped():
+    """An idempotent producer's resend under a bumped epoch puts a batch in the log twice,
+    possibly after later batches. A processor catching up reads both copies before the step
+    can close; one reading live may close the step between them. Both must count it once."""
+    b0 = batch(0, ops_steps=[0, 1], marks=[0])
+    b1 = batch(1, ops_steps=[1, 1], marks=[1], watermark=0)
+    b2 = batch(2, ops_steps=[2], marks=[2], watermark=1)
+    log = [b0, b1, b0, b1, b2]  # b0 and b1 again, after b1
+    catching_up, live = RankAssembler("r", 0), RankAssembler("r", 0)
+    closed_catching_up, closed_live = [], []
+    for offset, b in enumerate(log):
+        catching_up.add(b, now=0.0, offset=offset)
+        live.add(b, now=0.0, offset=offset)
+        closed_live += live.close_ready(0.0)
+    closed_catching_up += catching_up.close_ready(0.0)
+    for closed, asm in ((closed_catching_up, catching_up), (closed_live, live)):
+        assert [(ev.step, len(ev.op_kind)) for ev, _ in closed] == [(0, 1), (1, 3)]
+        assert asm.lost_batches == 0 and asm.late_events == 0
+    assert catching_up.duplicate_batches == 2  # both copies found their steps open
+    assert catching_up.events == live.events == 8  # 5 ops and 3 marks, the copies not counted
+
+
+def test_after_a_restart_a_re_read_batch_still_feeds_its_open_step_and_its_copy_does_not():
+    first = RankAssembler("r", 0)
+    b0 = batch(0, ops_steps=[0, 1], marks=[0], watermark=0)
+    first.add(b0, now=0.0, offset=10)
+    first.close_ready(0.0)
+    restored = RankAssembler.restore(first.snapshot(), grace_s=2.0, partition=0, now=1.0)
+    restored.add(b0, now=1.0, offset=10)  # the re-read: step 1's op is not in the checkpoint
+    restored.add(b0, now=1.0, offset=11)  # a copy of it further on
+    restored.add(batch(1, marks=[1], watermark=1), now=1.1, offset=12)
+    (ev, _), = restored.close_ready(1.1)
+    assert ev.step == 1 and len(ev.op_kind) == 1 and restored.duplicate_batches == 1

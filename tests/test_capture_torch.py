@@ -23,7 +23,7 @@ from profstream.control.client import follow, send_request
 from profstream.control.records import new_request, parse_ranks
 from tests.helpers import raw_batches, wait_until
 from tests.test_capture import steps_with_ops
-from tests.test_torch import LOOP, ROOT, make, train
+from tests.test_torch import LOOP, ROOT, make
 
 torch = pytest.importorskip("torch")
 
@@ -95,18 +95,30 @@ def test_a_request_beside_the_schedule_adds_its_steps_with_its_own_profiler_sett
         real_start(capture, settings)
 
     result = {}
+    armed = threading.Event()  # the rank took the request: step 12 is still ahead of it
+
+    def note(progress):
+        if 0 in progress.times:
+            armed.set()
 
     def ask():
         wait_until(lambda: handle.monitor is not None and handle.monitor.current_step >= 2, 60, "step 2")
         request = new_request("torch-both", start_step=12, steps=3, record_shapes=True)
         send_request(kafka_bootstrap, topics, request)
-        result["progress"] = follow(kafka_bootstrap, topics, request, timeout=60)
+        result["progress"] = follow(kafka_bootstrap, topics, request, timeout=60, on_change=note)
 
     asker = threading.Thread(target=ask)
     try:
         torch_capture.OpCapture._start_profiler = start_profiler
         asker.start()
-        train(model, optimizer, loader)
+        # train()'s loop, held before step 11 until the rank has answered, so that a loaded
+        # machine's slow request delivery cannot let step 12 pass before the request arrives
+        for step, (x, y) in enumerate(loader):
+            if step == 11:
+                armed.wait(60)
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
         asker.join(90)
     finally:
         torch_capture.OpCapture._start_profiler = real_start

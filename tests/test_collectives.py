@@ -265,17 +265,22 @@ def test_the_report_section_names_the_late_rank_bandwidth_and_the_missing_rank()
                                                             "unmatched_collectives": []} for r in run])
 
 
-def test_monitor_collective_rows_reach_the_batch_in_the_step_they_belong_to():
+def _monitor_without_sender_thread():
+    """A Monitor and a Sender whose batches the test builds itself (no thread, no broker)."""
     from types import SimpleNamespace
 
     from profstream.producers.monitor import Monitor
     from profstream.producers.sender import Sender
 
     idle = SimpleNamespace(start=lambda: None, stop=lambda timeout: True, flush=lambda timeout: True,
-                           stats=lambda: {})  # no sender thread: the test builds the batch itself
+                           stats=lambda: {})
     mon = Monitor(run_id="coll", rank=1, world_size=2, bootstrap="127.0.0.1:1", sender_factory=lambda m: idle,
                   host_sample_interval_s=0, native=False)  # the native Monitor's: tests/test_native.py
-    sender = Sender(mon)
+    return mon, Sender(mon)
+
+
+def test_monitor_collective_rows_reach_the_batch_in_the_step_they_belong_to():
+    mon, sender = _monitor_without_sender_thread()
     with mon.step():
         mon.collective("all_reduce", "0", 7, 1000, 50, 2, in_bytes=4096, out_bytes=4096, dtype="Float")
         mon.collective("all_gather", "0", 8, 2000, 20, 2, in_bytes=64, out_bytes=128, dtype="Float")
@@ -287,3 +292,20 @@ def test_monitor_collective_rows_reach_the_batch_in_the_step_they_belong_to():
     assert [names[i] for i in c["name_idx"]] == ["all_reduce", "all_gather"]
     assert c["seq"].tolist() == [7, 8] and c["step"].tolist() == [0, 0] and c["out_bytes"].tolist() == [4096, 128]
     assert batch.n("steps") == 1  # the step mark came with them
+
+
+def test_a_collective_value_its_column_cannot_hold_drops_the_samples_counted_and_keeps_the_ops(caplog):
+    from profstream import COMPUTE
+
+    mon, sender = _monitor_without_sender_thread()
+    with mon.step():
+        mon.op("matmul", COMPUTE, 100, 50)
+        mon.collective("all_reduce", "0", 7, 1000, 50, 2 ** 31)  # a group size past int32
+    with caplog.at_level("WARNING", logger="profstream"):
+        assert sender._build()  # did not raise out of the sender thread's build
+    batch = decode_batch(sender._pending.popleft()[0])
+    mon.close()
+    assert batch.n("ops") == 1 and batch.n("collectives") == 0
+    assert batch.dropped_samples == 1  # the call, counted
+    assert batch.n("steps") == 1  # the step's mark goes out: the step is still a step
+    assert any("dropped 1 samples with invalid values" in r.getMessage() for r in caplog.records)

@@ -7,6 +7,7 @@ options that must parse, and the addresses the services use to find each other.
 
 from __future__ import annotations
 
+import base64
 import re
 import shlex
 from pathlib import Path
@@ -25,6 +26,7 @@ COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SERVICES: dict = COMPOSE["services"]
 PROFSTREAM = {name: s for name, s in SERVICES.items() if s.get("build") == "."}
 CONDITIONS = {"service_started", "service_healthy", "service_completed_successfully"}
+CLUSTER = {name: s for name, s in SERVICES.items() if "cluster" in s.get("profiles", ())}
 
 
 def _interpolate(value: str) -> str:
@@ -60,7 +62,7 @@ def _depends(service: dict) -> dict[str, str]:
 
 def test_the_stack_has_every_part_and_pins_its_images():
     assert set(SERVICES) == {"kafka", "processor", "sink-prometheus", "sink-grafana", "sink-archive", "sink-timeline",
-                             "autocapture", "prometheus", "alertmanager", "grafana"}
+                             "autocapture", "prometheus", "alertmanager", "grafana", *CLUSTER}
     assert SERVICES["kafka"]["image"].startswith("apache/kafka:3.9")
     assert SERVICES["kafka"]["environment"]["KAFKA_PROCESS_ROLES"] == "broker,controller"  # KRaft
     for name, service in SERVICES.items():
@@ -92,7 +94,7 @@ def test_dependencies_exist_have_no_cycle_and_wait_for_health_where_health_is_ch
     for name in SERVICES:
         visit(name)
     # the order a user needs: broker, then processor (it creates the topics), then the sinks
-    assert _depends(SERVICES["processor"]) == {"kafka": "service_healthy"}
+    assert _depends(SERVICES["processor"]) == {"kafka": "service_healthy", **dict.fromkeys(CLUSTER, "service_healthy")}
     for sink in ("sink-prometheus", "sink-grafana", "sink-archive", "sink-timeline", "autocapture"):
         assert _depends(SERVICES[sink])["processor"] == "service_healthy"
     assert _depends(SERVICES["sink-grafana"])["grafana"] == "service_healthy"
@@ -159,7 +161,7 @@ def test_the_profstream_services_find_kafka_on_its_advertised_listener():
     env = SERVICES["kafka"]["environment"]
     advertised = dict(item.split("://") for item in env["KAFKA_ADVERTISED_LISTENERS"].split(","))
     for name, service in PROFSTREAM.items():
-        assert _option(_command(service), "--bootstrap") == advertised["PLAINTEXT"], name
+        assert _interpolate(_option(_command(service), "--bootstrap")) == advertised["PLAINTEXT"], name
     host_port = advertised["HOST"].rsplit(":", 1)[1]
     assert f"{host_port}:{host_port}" in SERVICES["kafka"]["ports"]
 
@@ -226,3 +228,71 @@ def test_alertmanager_s_capture_route_reaches_the_autocapture_webhook_with_the_m
     assert url.path == "/alerts" and f"{url.port}:{url.port}" in service["ports"]
     assert _mounts(service)[_option(args, "--policy")] == "./deploy/autocapture.yml"
     assert f"localhost:{url.port}/healthz" in " ".join(service["healthcheck"]["test"])
+
+
+def _listeners(env: dict, key: str) -> dict[str, str]:
+    return dict(item.split("://") for item in env[key].split(","))
+
+
+def test_the_cluster_profile_is_a_three_node_quorum_that_lists_every_node():
+    assert sorted(CLUSTER) == ["kafka-1", "kafka-2", "kafka-3"]
+    envs = {name: s["environment"] for name, s in CLUSTER.items()}
+    voters = {}
+    for name, env in envs.items():
+        assert CLUSTER[name]["image"] == SERVICES["kafka"]["image"]
+        assert env["KAFKA_PROCESS_ROLES"] == "broker,controller"
+        node, _, address = zip(*(v.partition("@") for v in env["KAFKA_CONTROLLER_QUORUM_VOTERS"].split(",")))
+        voters[name] = dict(zip((int(n) for n in node), address))
+    (quorum,) = {tuple(sorted(v.items())) for v in voters.values()}  # every node has the same list...
+    controller_port = {name: _listeners(env, "KAFKA_LISTENERS")["CONTROLLER"].rsplit(":", 1)[1]
+                       for name, env in envs.items()}
+    # ...naming each node once, by its id, service name and controller port
+    assert dict(quorum) == {env["KAFKA_NODE_ID"]: f"{name}:{controller_port[name]}" for name, env in envs.items()}
+    (cluster_id,) = {env["CLUSTER_ID"] for env in envs.values()}
+    assert len(base64.urlsafe_b64decode(cluster_id + "==")) == 16  # what kafka-storage format takes
+    for name, env in envs.items():
+        advertised = _listeners(env, "KAFKA_ADVERTISED_LISTENERS")
+        assert advertised["PLAINTEXT"] == f"{name}:9092"
+        host_port = advertised["HOST"].rsplit(":", 1)[1]
+        assert f"{host_port}:{host_port}" in CLUSTER[name]["ports"]
+        assert _listeners(env, "KAFKA_LISTENERS")["HOST"] == f":{host_port}"
+
+
+def test_the_cluster_profile_replicates_as_the_bundled_cluster_does():
+    from profstream.kafka.limits import TOPIC_MAX_MESSAGE_BYTES
+    from profstream.kafka.topics import replication
+    from profstream.stack.properties import BROKER_HEARTBEAT_INTERVAL_MS, BROKER_SESSION_TIMEOUT_MS
+
+    factor, min_insync = replication(len(CLUSTER))
+    assert (factor, min_insync) == (3, 2)
+    for name, service in CLUSTER.items():
+        env = service["environment"]
+        assert env["KAFKA_DEFAULT_REPLICATION_FACTOR"] == env["KAFKA_OFFSETS_TOPIC_REPLICATION_FACTOR"] == factor, name
+        assert env["KAFKA_TRANSACTION_STATE_LOG_REPLICATION_FACTOR"] == factor, name
+        assert env["KAFKA_MIN_INSYNC_REPLICAS"] == env["KAFKA_TRANSACTION_STATE_LOG_MIN_ISR"] == min_insync, name
+        assert env["KAFKA_BROKER_SESSION_TIMEOUT_MS"] == BROKER_SESSION_TIMEOUT_MS, name
+        assert env["KAFKA_BROKER_HEARTBEAT_INTERVAL_MS"] == BROKER_HEARTBEAT_INTERVAL_MS, name
+        assert env["KAFKA_REPLICA_FETCH_MAX_BYTES"] == TOPIC_MAX_MESSAGE_BYTES, name
+        assert env["KAFKA_AUTO_CREATE_TOPICS_ENABLE"] == "false", name
+
+
+def test_no_two_services_publish_the_same_host_port():
+    published = [(name, port.split(":")[0]) for name, s in SERVICES.items() for port in s.get("ports", ())]
+    ports = [p for _, p in published]
+    assert len(ports) == len(set(ports)), sorted(published)
+
+
+def test_the_profstream_services_reach_the_cluster_by_the_bootstrap_its_header_gives():
+    header = (ROOT / "docker-compose.yml").read_text().split("services:")[0]
+    (given,) = re.findall(r"PROFSTREAM_KAFKA=(\S+) docker compose --profile cluster up", header)
+    assert given.split(",") == [_listeners(s["environment"], "KAFKA_ADVERTISED_LISTENERS")["PLAINTEXT"]
+                                for _, s in sorted(CLUSTER.items())]
+    for name, service in PROFSTREAM.items():
+        assert _option(_command(service), "--bootstrap") == "${PROFSTREAM_KAFKA:-kafka:9092}", name
+    deps = SERVICES["processor"]["depends_on"]
+    for node in CLUSTER:  # the processor waits for the nodes when the profile is on, and only then
+        assert deps[node] == {"condition": "service_healthy", "required": False}
+    (host,) = re.findall(r"bootstrap from ((?:localhost:\d+,?)+)", header)
+    assert [h.rsplit(":", 1)[1] for h in host.split(",")] == [
+        _listeners(s["environment"], "KAFKA_ADVERTISED_LISTENERS")["HOST"].rsplit(":", 1)[1]
+        for _, s in sorted(CLUSTER.items())]

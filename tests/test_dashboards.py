@@ -241,3 +241,28 @@ def test_the_cluster_and_pipeline_dashboards_show_what_they_promise():
     for metric in ("profstream_events_total", "profstream_consumer_lag_messages", "profstream_producer_dropped_total",
                    "profstream_decode_errors_total", "profstream_step_freshness_seconds_bucket"):
         assert metric in pipeline
+
+
+def test_the_cluster_dashboard_shows_every_rank_as_a_heat_map_and_the_slowest_as_a_top_k():
+    """At 1,024 ranks: all ranks through the exporter's per-run figures (a heat map of the
+    ranks' step-time histogram, quantiles), the slowest through topk, never a line per rank."""
+    from profstream.sinks.rank_summary import STATS
+
+    panels = [p for p in _panels(_load("cluster.json")) if p["type"] != "row"]
+    every_rank = [t for p in panels if p["type"] == "heatmap" for t in p["targets"]
+                  if "profstream_ranks_step_duration_seconds_hist_bucket" in t["expr"]]
+    assert every_rank and every_rank[0]["format"] == "heatmap" and every_rank[0]["legendFormat"] == "{{le}}"
+    assert any(p["type"] == "bargauge" and re.search(r"topk\(\d+, profstream_step_duration_seconds\{", t["expr"])
+               for p in panels for t in p["targets"])
+    spread = "\n".join(_exprs(_load("cluster.json")))
+    asked = set(re.findall(r'stat="(\w+)"', spread))
+    assert {"p50", "p95", "max"} <= asked <= {label for _, label in STATS}
+    for panel in panels:
+        if panel["type"] not in ("timeseries", "bargauge"):
+            continue
+        for target in panel["targets"]:
+            expr = target["expr"]
+            if any("rank" in EXPORTED[name] for name in _metric_names(expr)):
+                bounded = re.search(r"\b(topk|bottomk)\s*\(", expr) or (
+                    re.match(r"\s*(sum|avg|max|min|quantile|count)\b", expr) and "rank" not in expr.split("(")[0])
+                assert bounded, f"{panel['title']}: {expr!r} draws one line per rank"

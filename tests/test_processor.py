@@ -13,11 +13,13 @@ import pytest
 from kafka import KafkaConsumer
 
 from profstream.kafka.clients import make_producer, read_topic
+from profstream.kafka.topics import Topics, ensure_topics
 from profstream.processors.health import StageCounts
-from profstream.processors.runtime import Processor, StepStage
+from profstream.processors.runtime import Processor, RunStage, StepStage
 from profstream.schema.codec import decode
 from profstream.simulate import SimConfig, expected, run_simulation
 from tests.helpers import scrape, step_records, wait_until
+from tests.test_grafana_client import Feed, step_metrics
 
 
 class RunningProcessor:
@@ -209,6 +211,44 @@ def test_kill_9_and_restart_gives_every_step_exactly_once_with_identical_values(
                 assert s[field] == ref[field], (s["rank"], s["step"], field)
 
 
+def test_a_batch_the_raw_topic_holds_twice_is_counted_once(kafka_bootstrap, topics):
+    """librdkafka's idempotent producer can resend a batch the broker already wrote (an epoch
+    bump after a leader change): the raw topic then holds it twice, the copy among the
+    rank's next batches, while its step is still open. The figures must still be the run's."""
+    # realtime with 5 ms batches: each step's ops arrive in several batches before its end mark
+    cfg = SimConfig(run_id="twice", ranks=2, steps=20, ops_per_step=40, step_time_ms=20, seed=6, rate="realtime")
+    staging = Topics(prefix=f"{topics.prefix}-staging")
+    ensure_topics(kafka_bootstrap, staging, raw_partitions=4, partitions=3)
+    sim = run_simulation(cfg, {"bootstrap": kafka_bootstrap, "topic_prefix": staging.prefix, "batch_interval_ms": 5})
+    n_batches = sum(s["seq"] for s in sim.stats)
+    consumer = KafkaConsumer(bootstrap_servers=kafka_bootstrap, auto_offset_reset="earliest",
+                             isolation_level="read_committed", consumer_timeout_ms=5000)
+    consumer.subscribe([staging.raw])
+    records = [rec for rec, _ in zip(consumer, range(n_batches))]
+    consumer.close()
+    assert len(records) == n_batches
+    producer = make_producer(kafka_bootstrap)
+    copies = 0
+    for i, rec in enumerate(sorted(records, key=lambda r: (r.partition, r.offset))):
+        for _ in range(1 + (i % 3 == 0)):  # every third batch twice in a row
+            producer.send(topics.raw, value=rec.value, key=rec.key, partition=rec.partition)
+        copies += i % 3 == 0
+    producer.flush()
+    producer.close()
+    with RunningProcessor(kafka_bootstrap, topics) as processor:
+        steps = step_records(kafka_bootstrap, topics.steps, "twice", cfg.ranks * cfg.steps)
+        wait_until(lambda: processor.health.steps_closed == cfg.ranks * cfg.steps, 30, "the steps counted")
+        health = processor.health
+    truth = expected(cfg)
+    assert sorted((s["rank"], s["step"]) for s in steps) == sorted(truth)
+    for s in steps:
+        want = truth[(s["rank"], s["step"])]
+        got = (s["op_count"], sum(t["count"] for t in s["op_types"]), sum(t["total_ns"] for t in s["op_types"]))
+        assert got == (cfg.ops_per_step, cfg.ops_per_step, sum(d for d, _ in want["op_types"].values())), (s["rank"], s["step"])
+    assert health.events["ops"] == sim.ops_recorded and health.lost_batches == 0
+    assert 0 < health.duplicate_batches <= copies  # a copy whose steps had all closed is dropped as late
+
+
 def _free_port() -> int:
     import socket
 
@@ -218,8 +258,10 @@ def _free_port() -> int:
 
 
 def test_health_metrics_report_what_went_through_and_idle_runs_are_freed(kafka_bootstrap, topics):
-    # realtime, 10 x 50 ms: several batches per rank, so later headers carry an acknowledged latency
-    cfg = SimConfig(run_id="health", ranks=2, steps=10, ops_per_step=40, seed=1, step_time_ms=50, rate="realtime")
+    # realtime, 40 x 50 ms: many batches per rank over 2 s, so later headers carry an acknowledged
+    # latency also where a loaded machine takes most of a second to acknowledge the first ones
+    cfg = SimConfig(run_id="health", ranks=2, steps=40, ops_per_step=40, seed=1, step_time_ms=50, rate="realtime")
+    total = cfg.ranks * cfg.steps
     port = _free_port()
     with RunningProcessor(kafka_bootstrap, topics, idle_timeout_s=3.0) as processor:
         processor.health.serve(port, addr="127.0.0.1")
@@ -227,15 +269,15 @@ def test_health_metrics_report_what_went_through_and_idle_runs_are_freed(kafka_b
         producer.send(topics.raw, value=b"not avro at all", key=b"health/0")
         producer.close()
         sim = run_simulation(cfg, {"bootstrap": kafka_bootstrap, "topic_prefix": topics.prefix})
-        step_records(kafka_bootstrap, topics.steps, "health", 20)
-        m = wait_until(lambda: (lambda s: s if s["profstream_steps_closed_total"] >= 20 else None)(scrape(port)),
+        step_records(kafka_bootstrap, topics.steps, "health", total)
+        m = wait_until(lambda: (lambda s: s if s["profstream_steps_closed_total"] >= total else None)(scrape(port)),
                        30, "the metrics to show the run")
         assert m["profstream_events_total{family=ops}"] == sim.ops_recorded
-        assert m["profstream_events_total{family=steps}"] == 20
+        assert m["profstream_events_total{family=steps}"] == total
         assert m["profstream_decode_errors_total{reason=not_avro}"] == 1
         assert m["profstream_lost_batches_total"] == 0 and m["profstream_late_events_total"] == 0
         assert m["profstream_open_runs"] == 1
-        assert m["profstream_step_freshness_seconds_count"] == 20
+        assert m["profstream_step_freshness_seconds_count"] == total
         # producer health per rank, from the batch headers: fill within 0..1, latency acknowledged
         for rank in range(cfg.ranks):
             assert 0.0 <= m[f"profstream_producer_buffer_fill_ratio{{rank={rank},run=health}}"] <= 1.0
@@ -264,3 +306,32 @@ def test_two_processors_in_one_group_share_the_ranks_and_still_agree_across_rank
     assert all(n > 0 for n in closed_by), f"one processor did all the work: {closed_by}"
     assert sorted(r["step"] for r in runs) == list(range(20))
     assert all(r["ranks_reported"] == 6 and r["straggler_rank"] == 4 for r in runs)
+
+
+def test_a_run_stage_restored_from_its_checkpoint_emits_no_step_twice():
+    """A step emitted before the restart whose last report lies past the committed offset
+    (the first report of a step still open) is re-read after it: the restored floor drops it."""
+    topics, feed = Topics(prefix="restore"), Feed()
+
+    def report(rank: int, step: int):
+        return feed(topics.steps, "StepMetrics", step_metrics("r", rank, step, 100 * step))  # world_size 2
+
+    first = RunStage(topics, StageCounts(keep_step_ends=False), grace_s=1.0)
+    records = [report(0, 0), report(0, 1), report(1, 0)]  # step 1 opens before step 0 completes
+    emitted = []
+    for rec in records:
+        first.fold(rec, 0.0)
+    emitted += first.ready(0.0)
+    assert [decode("RunStepMetrics", o.value)["step"] for o in emitted] == [0]
+    checkpoint = first.changed_state()
+    committed = first.commit_offset(0, records[-1].offset + 1)
+    assert committed == records[1].offset  # step 1's first report: step 0's last one lies after it
+
+    restarted = RunStage(topics, StageCounts(keep_step_ends=False), grace_s=1.0)
+    for out in checkpoint:
+        restarted.restore(out.partition, out.key, out.value, 10.0)
+    for rec in records[committed:] + [report(1, 1)]:
+        restarted.fold(rec, 10.0)
+    emitted += restarted.ready(10.0) + restarted.ready(20.0)  # and once every grace is over
+    steps = Counter(decode("RunStepMetrics", o.value)["step"] for o in emitted if o.topic == topics.run)
+    assert steps == {0: 1, 1: 1}, f"run steps emitted (step: times): {dict(steps)}"

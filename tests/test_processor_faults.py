@@ -1,5 +1,6 @@
 """Processor faults that need no broker restart (those are in tests/faults/): aborted
-transactions, messages too large to forward whole, names a Monitor would refuse."""
+transactions, a changelog readable later than the offsets committed with it, messages too
+large to forward whole, names a Monitor would refuse."""
 
 from __future__ import annotations
 
@@ -8,15 +9,19 @@ import time
 from collections import Counter
 
 import confluent_kafka
-from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from kafka import KafkaConsumer
 
+from profstream.kafka.clients import make_transactional_producer, read_topic
 from profstream.kafka.deadline import CallTimeout
 from profstream.kafka.limits import DEAD_LETTER_ROOM_BYTES, MAX_MESSAGE_BYTES
-from profstream.processors.runtime import Processor
+from profstream.processors.checkpoint import commit_marker
+from profstream.processors.runtime import Processor, run_partition
 from profstream.schema.batch import EventBatch, encode_batch
+from profstream.schema.codec import decode, encode
 from profstream.simulate import SimConfig, expected, run_simulation
-from tests.helpers import step_records
+from tests.helpers import step_records, wait_until
+from tests.test_grafana_client import step_metrics
 from tests.test_processor import RunningProcessor
 
 
@@ -82,6 +87,49 @@ def test_aborted_transactions_count_nothing_twice_and_lose_nothing(kafka_bootstr
     assert health.events["ops"] == cfg.ranks * cfg.steps * cfg.ops_per_step
     assert health.events["steps"] == total
     assert len(health.freshness_s) == total
+
+
+def test_a_rebuild_waits_for_the_changelog_of_the_commit_its_offsets_name(kafka_bootstrap, topics):
+    """Kafka shows a transaction's committed offsets before its changelog records can be read
+    (the coordinator writes the commit markers after commit_transaction returns; a new
+    leader may expose its last records later). Here an earlier run stage's offsets are
+    committed and its state (floor 1: run step 0 made) becomes readable only 3 s after the
+    processor took the partition. Step 0's last report lies past the committed offset: read
+    with an older state, it would make run step 0 a second time."""
+    bootstrap, part = kafka_bootstrap, run_partition("r", 3)
+    producer = confluent_kafka.Producer({"bootstrap.servers": bootstrap})
+    for rank, step in [(0, 0), (0, 1), (1, 0), (1, 1)]:  # offset 1 (step 1's first report) was committed
+        producer.produce(topics.steps, encode("StepMetrics", step_metrics("r", rank, step, 100 * step)), b"r", part)
+    assert producer.flush(30) == 0
+    producer.close()
+    token = time.time_ns()
+    group = confluent_kafka.Consumer({"bootstrap.servers": bootstrap, "group.id": f"g-{topics.prefix}-run"})
+    offsets = make_transactional_producer(bootstrap, f"{topics.prefix}-earlier-offsets")
+    offsets.init_transactions(30)
+    offsets.begin_transaction()
+    offsets.send_offsets_to_transaction([TopicPartition(topics.steps, part, 1, metadata=str(token))],
+                                        group.consumer_group_metadata(), 30)
+    offsets.commit_transaction(30)
+    offsets.close()
+    group.close()
+    state = make_transactional_producer(bootstrap, f"{topics.prefix}-earlier-state")
+    state.init_transactions(30)
+    state.begin_transaction()
+    state.produce(topics.run_state, encode("RunCheckpoint", {"run_id": "r", "floor": 1, "ranks": [0, 1]}), b"r", part)
+    marker = commit_marker(topics.run_state, part, token)
+    state.produce(marker.topic, marker.value, marker.key, marker.partition)
+    assert state.flush(30) == 0  # written, not committed: a read_committed reader stops before it
+    run_steps: list[dict] = []
+    with RunningProcessor(bootstrap, topics, stages="run", run_grace_s=0.5) as processor:
+        loop = processor.loops[0]
+        wait_until(lambda: part in loop.assignment(), 60, "the run stage took its partition")
+        time.sleep(3)  # the fault: the state's commit markers arrive late
+        state.commit_transaction(30)
+        read_topic(bootstrap, topics.run, lambda m: run_steps.append(m) or m["step"] == 1, 1, 60,
+                   decode=lambda v: decode("RunStepMetrics", v))
+    state.close()
+    assert [m["step"] for m in run_steps] == [1], "run step 0 was made again from a state older than the offsets"
+    assert sorted(run_steps[0]["step_times_ns"]) == ["0", "1"]
 
 
 def test_a_message_too_large_to_forward_whole_goes_to_the_dead_letter_topic_truncated(kafka_bootstrap, topics):

@@ -348,3 +348,31 @@ def test_incomplete_kafka_home_fails_with_advice(tmp_path: Path, monkeypatch) ->
     msg = _one_line(err.value)
     assert "not a complete Kafka" in msg and "KAFKA_HOME" in msg
     assert stack_status(tmp_path / "stack") is None
+
+
+def _stack_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "profstream.cli", "stack", *args], capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_cluster_commands_refuse_what_cannot_be_with_one_line_each(tmp_path: Path) -> None:
+    single, cluster = tmp_path / "single", tmp_path / "cluster"
+    cases = [
+        (("kill-broker", "2", "--dir", str(single)), "holds a single broker, broker 1"),
+    ]
+    for args, says in cases:
+        done = _stack_cli(*args)
+        assert done.returncode != 0 and says in done.stderr and len(done.stderr.strip().splitlines()) == 1, done
+    assert not (cluster / "cluster.json").exists(), "a refused cluster must leave nothing behind"
+    # a cluster of 3 recorded (ports, id) but not started: nothing runs, nothing to kill
+    from profstream.stack.cluster import _create
+
+    cluster.mkdir()
+    _create(cluster, 3)
+    for args, says in [(("kill-broker", "5", "--dir", str(cluster)), "no broker 5 in the cluster"),
+                       (("kill-broker", "2", "--dir", str(cluster)), "broker 2 of"),
+                       (("up", "--brokers", "2", "--dir", str(cluster)), "holds a cluster of 3 brokers, not 2")]:
+        done = _stack_cli(*args)
+        assert done.returncode != 0 and says in done.stderr and len(done.stderr.strip().splitlines()) == 1, done
+    done = _stack_cli("status", "--dir", str(cluster))
+    assert done.returncode == 1 and "broker 1  down" in done.stdout and "not running" in done.stdout, done

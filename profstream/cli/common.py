@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 
 app = typer.Typer(help="profstream: a live profiler for long training runs.", no_args_is_help=True,
                   pretty_exceptions_enable=False, add_completion=False)
-stack_app = typer.Typer(help="A local single-node Kafka broker (KRaft) for trying profstream out.",
+stack_app = typer.Typer(help="A local Kafka (KRaft) for trying profstream out: one broker, or a cluster of "
+                             "several on loopback (--brokers N) for fault tests.",
                         no_args_is_help=True)
 app.add_typer(stack_app, name="stack")
 sink_app = typer.Typer(help="Sinks: export the processed topics (Prometheus, Grafana, timeline files, archive).",
@@ -104,7 +105,7 @@ def step_progress(total: int, what: str):
     progress = Progress(TextColumn(f"[bold]{what}"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
                         TimeRemainingColumn(), console=err, transient=True)
     task = progress.add_task(what, total=total)
-    return progress, lambda _plan: progress.advance(task)
+    return progress, lambda _plan, n=1: progress.advance(task, n)
 
 
 def work_progress(what: str, enabled: bool | None, unit: str = "MB"):

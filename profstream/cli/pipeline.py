@@ -57,16 +57,30 @@ def simulate(
     throttle: Annotated[str | None, typer.Option(help="thermal throttling on steps A:B (inclusive); implies "
                                                       "--device-counters")] = None,
     topic_prefix: PrefixOpt = "profstream",
+    procs: Annotated[int, typer.Option(help="producer processes that share the ranks out, each with the "
+                                            "Monitors of its ranks (1 to --ranks)")] = 1,
 ) -> None:
     """Simulate a training run through the real Monitor (deterministic for a seed)."""
     from profstream.simulate import run_simulation
+    from profstream.simulate_procs import run_in_processes, shares
 
     cfg = sim_config(run_id, ranks, steps, ops_per_step, step_time_ms, comm_share, seed, stall, straggler,
                       straggler_factor, leak_bytes_per_step, rate, device_counters, throttle)
+    try:
+        shares(cfg.ranks, procs)
+    except ValueError:
+        fail(f"--procs {procs}: expected 1 to {cfg.ranks} (the number of --ranks) producer processes")
     boot, _ = connect(bootstrap)
+    monitor_options = {"bootstrap": boot, "topic_prefix": topic_prefix}
     progress, advance = step_progress(cfg.ranks * cfg.steps, "simulate")
     with progress:
-        result = run_simulation(cfg, {"bootstrap": boot, "topic_prefix": topic_prefix}, progress=advance)
+        if procs == 1:
+            result = run_simulation(cfg, monitor_options, progress=advance)
+        else:
+            try:
+                result = run_in_processes(cfg, procs, monitor_options, progress=lambda n: advance(None, n))
+            except RuntimeError as e:
+                fail(str(e))
     out.print(f"run {cfg.run_id}: {result.steps_recorded} steps, {result.ops_recorded} ops sent to {boot} "
               f"in {result.wall_s:.1f} s; dropped ops: {result.dropped_ops}; "
               f"{'all delivered' if result.flushed else 'NOT all delivered'}", highlight=False)

@@ -35,13 +35,21 @@ def sink_prometheus(
     = 900.0,
     top_k: Annotated[int, typer.Option(min=1, help="op types with series of their own per run (the "
                                                    "rest: other)")] = 10,
+    top_ranks: Annotated[str, typer.Option(metavar="K|all", help="a run with more ranks keeps per-rank series "
+                                           "for its K slowest only (mean of their last 5 steps); every run "
+                                           "also gets quantiles over all its ranks")] = "64",
 ) -> None:
     """Serve every profstream figure to Prometheus (docs/metrics.md): steps, run and alerts topics in."""
     from profstream.sinks.prometheus import ExporterError, PrometheusExporter
+    from profstream.sinks.rank_summary import parse_top_ranks
 
+    try:
+        kept_ranks = parse_top_ranks(top_ranks)
+    except ValueError as e:
+        fail(str(e))
     boot, topics = connect(bootstrap, topic_prefix)
     exporter = PrometheusExporter(boot, topics, port=port, addr=addr, group_id=group_id,
-                                  ttl_s=ttl_s, top_k=top_k)
+                                  ttl_s=ttl_s, top_k=top_k, top_ranks=kept_ranks)
     try:
         url = exporter.serve()
     except ExporterError as e:

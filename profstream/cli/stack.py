@@ -1,4 +1,4 @@
-"""`profstream stack up / status / down`: the local development broker."""
+"""`profstream stack up / status / down / kill-broker / start-broker`: the local Kafka."""
 
 from __future__ import annotations
 
@@ -6,34 +6,98 @@ from typing import Annotated
 
 import typer
 
-from profstream.cli.common import DirOpt, out, stack_app
+from profstream.cli.common import DirOpt, err, out, stack_app
+
+TimeoutOpt = Annotated[float, typer.Option(help="seconds to wait for the broker(s)")]
 
 
 @stack_app.command("up")
-def stack_up_cmd(dir: DirOpt = None,
-                 timeout: Annotated[float, typer.Option(help="seconds to wait for the broker")] = 120.0) -> None:
-    """Start the local broker (or reuse the one running) and print its bootstrap address."""
+def stack_up_cmd(dir: DirOpt = None, timeout: TimeoutOpt = 120.0,
+                 brokers: Annotated[int | None, typer.Option(
+                     min=1, max=9, help="brokers of a new cluster on loopback (default 1; 3 is the tested "
+                                        "cluster); an existing one keeps its own")] = None) -> None:
+    """Start the local broker or cluster (or reuse the one running) and print its bootstrap address."""
     from profstream.stack import stack_up
 
-    broker = stack_up(dir, timeout=timeout)
-    out.print(broker.bootstrap, highlight=False)
+    stack = stack_up(dir, timeout=timeout, brokers=brokers)
+    out.print(stack.bootstrap, highlight=False)
 
 
 @stack_app.command("status")
 def stack_status_cmd(dir: DirOpt = None) -> None:
-    """Print the local broker's address and pid; exit 1 when none is running."""
-    from profstream.stack import stack_status
+    """Print the local broker's address and pid, or each broker of a cluster; exit 1 when
+    none (or, for a cluster, not every one) is running, saying when the quorum is lost."""
+    from profstream.stack import Cluster, stack_status
+    from profstream.stack.cluster import cluster_status, holds_cluster
+    from profstream.stack.state import resolve_state_dir
 
-    broker = stack_status(dir)
-    if broker is None:
+    state_dir = resolve_state_dir(dir)
+    if holds_cluster(state_dir):
+        _cluster_status(cluster_status(state_dir))
+        return
+    broker = stack_status(state_dir)
+    if broker is None or isinstance(broker, Cluster):
         out.print("not running")
         raise typer.Exit(1)
     out.print(f"running  bootstrap={broker.bootstrap}  pid={broker.pid}  dir={broker.state_dir}", highlight=False)
 
 
+def _cluster_status(cluster) -> None:
+    from profstream.stack.probe import live_brokers
+
+    n = len(cluster.nodes)
+    running = cluster.running
+    out.print(f"cluster of {n} brokers  bootstrap={cluster.bootstrap}  dir={cluster.state_dir}", highlight=False)
+    for node in cluster.nodes:
+        role = "broker+controller" if node.controller else "broker"
+        if node.running:
+            listed = live_brokers(node.bootstrap, 2.0)
+            state = "running" if listed is not None else "running, not answering"
+            detail = f"pid={node.pid}" + (f"  sees {listed} of {n} brokers" if listed is not None else "")
+        else:
+            state, detail = "down", ""
+        out.print(f"  broker {node.node_id}  {state:<22} {node.bootstrap:<16} {role:<18} {detail}".rstrip(),
+                  highlight=False)
+    if not running:
+        out.print("not running")
+        raise typer.Exit(1)
+    down = [str(node.node_id) for node in cluster.nodes if not node.running]
+    if not cluster.quorum:
+        voters = cluster.controllers
+        err.print(f"[red]error:[/red] the cluster has lost its quorum: {sum(c.running for c in voters)} of "
+                  f"{len(voters)} controllers run, {len(voters) // 2 + 1} are needed; start brokers "
+                  f"{', '.join(down)} with `profstream stack start-broker ID` or all with `profstream stack up`",
+                  highlight=False, soft_wrap=True)
+        raise typer.Exit(1)
+    if down:
+        err.print(f"{len(running)} of {n} brokers run (down: {', '.join(down)}); the quorum holds; "
+                  "`profstream stack start-broker ID` starts one again", highlight=False, soft_wrap=True)
+        raise typer.Exit(1)
+
+
 @stack_app.command("down")
 def stack_down_cmd(dir: DirOpt = None) -> None:
-    """Stop the local broker."""
+    """Stop the local broker (every broker of a cluster)."""
     from profstream.stack import stack_down
 
     out.print("stopped" if stack_down(dir) else "not running")
+
+
+@stack_app.command("kill-broker")
+def stack_kill_broker_cmd(broker_id: Annotated[int, typer.Argument(min=1, metavar="ID", help="broker id (1..N)")],
+                          dir: DirOpt = None) -> None:
+    """kill -9 one broker (a fault for testing: no controlled shutdown)."""
+    from profstream.stack import kill_broker
+
+    pid = kill_broker(dir, broker_id)
+    out.print(f"killed broker {broker_id} (pid {pid})", highlight=False)
+
+
+@stack_app.command("start-broker")
+def stack_start_broker_cmd(broker_id: Annotated[int, typer.Argument(min=1, metavar="ID", help="broker id (1..N)")],
+                           dir: DirOpt = None, timeout: TimeoutOpt = 120.0) -> None:
+    """Start one broker again, with its ports and data, and wait until it answers."""
+    from profstream.stack import start_broker
+
+    broker = start_broker(dir, broker_id, timeout=timeout)
+    out.print(f"broker {broker_id} running  bootstrap={broker.bootstrap}  pid={broker.pid}", highlight=False)

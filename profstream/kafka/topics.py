@@ -17,6 +17,11 @@ _COMPACT_CONFIGS = {"cleanup.policy": "compact", "segment.ms": "60000", "min.cle
 # Every topic takes what profstream's clients send (profstream.kafka.limits).
 _SIZE_CONFIGS = {"max.message.bytes": str(TOPIC_MAX_MESSAGE_BYTES)}
 DEFAULT_PREFIX = "profstream"
+# Replicas per partition and the in-sync replicas an acks=all write needs, by cluster size:
+# three copies where there are three brokers, and a write on two of them before it counts,
+# so that one broker may die without losing or refusing anything.
+MAX_REPLICATION = 3
+MIN_INSYNC_AT_FULL_REPLICATION = 2
 MAX_PREFIX_LEN = 100
 
 _PREFIX_RE = re.compile(r"[A-Za-z0-9._-]+")
@@ -86,6 +91,14 @@ class Topics:
         return [self._name(base) for base in BASE_TOPICS]
 
 
+def replication(brokers: int) -> tuple[int, int]:
+    """(replication factor, min.insync.replicas) of profstream's topics, and of the bundled
+    cluster's internal ones, on a cluster of ``brokers`` brokers: min(3, brokers), and 2 in
+    sync from 3 brokers on (1 below)."""
+    factor = max(1, min(MAX_REPLICATION, brokers))
+    return factor, (MIN_INSYNC_AT_FULL_REPLICATION if factor >= MAX_REPLICATION else 1)
+
+
 def _admin(bootstrap: str, timeout: float):
     from kafka import KafkaAdminClient
 
@@ -105,11 +118,13 @@ def ensure_topics(
     partitions: int = 3,
     timeout: float = 30.0,
 ) -> list[str]:
-    """Create the topics of ``topics`` that do not exist yet (replication factor 1).
+    """Create the topics of ``topics`` that do not exist yet.
 
     ``raw`` and its changelog ``state`` get ``raw_partitions`` partitions, the others
     ``partitions``; the changelogs are compacted; every topic takes messages up to
-    ``TOPIC_MAX_MESSAGE_BYTES``. Existing topics
+    ``TOPIC_MAX_MESSAGE_BYTES``. Replication follows the brokers that answer
+    (:func:`replication`): factor min(3, brokers), ``min.insync.replicas`` 2 from 3
+    brokers on. Existing topics
     are left alone (even with another partition count); a concurrent creation of the same
     topic is fine. Waits until every topic has a leader for each partition. Returns the
     names this call created.
@@ -138,8 +153,11 @@ def ensure_topics(
             existing = set(admin.list_topics())
             missing = {n: p for n, p in wanted.items() if n not in existing}
             if missing:
+                factor, min_insync = replication(len(admin.describe_cluster()["brokers"]))
+                for n in missing:
+                    configs[n]["min.insync.replicas"] = str(min_insync)
                 result = admin.create_topics(
-                    {n: {"num_partitions": p, "replication_factor": 1, "configs": configs[n]}
+                    {n: {"num_partitions": p, "replication_factor": factor, "configs": configs[n]}
                      for n, p in missing.items()},
                     timeout_ms=min(remaining_ms(), 30000),
                     raise_errors=False,

@@ -86,7 +86,10 @@ def trace_paths(paths: list[Path]) -> list[tuple[Path, str]]:
 def load_ranks(paths: list[Path], workers: int | None = None) -> list[RankProfile]:
     """Every rank's profile from ``paths``: ranks as the files name them (Kineto's
     ``distributedInfo``, MindSpore's file names), else in the order given. Two profiles of
-    one rank are an error."""
+    one rank are an error. Calls without a group size (HCCL's) get the number of profiles
+    holding calls of their group."""
+    from profstream.integrations.ingest.hccl import fill_group_sizes
+
     profiles: list[Profile] = []
     for path, fmt in trace_paths(paths):
         if fmt == "mindspore":
@@ -96,6 +99,7 @@ def load_ranks(paths: list[Path], workers: int | None = None) -> list[RankProfil
             profiles.extend(load_profile(path, "mindspore", rank_of(f)) for f in files)
         else:
             profiles.append(load_profile(path, fmt, workers=workers))
+    fill_group_sizes(profiles)  # HCCL calls carry none: the ranks given that hold the group
     taken = {p.rank for p in profiles if p.rank is not None}
     free = (r for r in itertools.count() if r not in taken)
     ranks: dict[int, RankProfile] = {}

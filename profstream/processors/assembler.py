@@ -10,6 +10,13 @@ Restarts: ``snapshot()`` is what the processor checkpoints (no open-step events:
 committed input offset stays at ``min_open_offset`` so they are read again). A batch
 whose seq is below the checkpointed next seq of its producer is such a re-read: only
 its events of steps not yet closed are folded in, and no counter moves.
+
+Duplicates: the same batch (producer id, seq) can be in the raw topic twice. The
+Monitor's idempotent producer resends under a bumped epoch after some broker errors, and
+the broker cannot tell that resend from new data (librdkafka issue 4953; seen after a
+whole cluster restarted). Each open step remembers which batches fed it, so a batch
+feeds a step once however often it is read; a copy that arrives after its step closed
+is a re-read of a closed step and is dropped like one.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ class _OpenStep:
     devices: list[dict] = field(default_factory=list)
     events: int = 0
     first_offset: int = -1  # input offset of the first batch that fed this step
+    batches: set[tuple[str, int]] = field(default_factory=set)  # (producer id, seq) of each batch that fed it
 
 
 _NO_CARRY = (np.empty(0, np.int64), np.empty(0, np.int64))
@@ -116,11 +124,14 @@ class RankAssembler:
         self.orphan_events = 0
         self.lost_batches = 0
         self.replayed_batches = 0  # re-read after a restart (not checkpointed)
+        self.duplicate_batches = 0  # read again while their steps were open, not folded twice (not checkpointed)
         self.dropped_ops = 0
         self.dropped_samples = 0
         self.events = 0
         self._fresh = True
         self._offset = -1
+        self._batch: tuple[str, int] = ("", -1)  # (producer id, seq) of the batch being added
+        self._fed: dict[int, _OpenStep | None] = {}  # step -> where that batch's events go (None: a duplicate)
 
     # -- input ------------------------------------------------------------------------
 
@@ -131,6 +142,8 @@ class RankAssembler:
         fresh = expected is None or batch.seq >= expected
         self._fresh = fresh
         self._offset = offset
+        self._batch = (batch.producer_id, batch.seq)
+        self._fed = {}
         if batch.world_size is not None:
             self.world_size = batch.world_size
         if fresh:
@@ -191,17 +204,34 @@ class RankAssembler:
             if self._closed(step):
                 self.late_events += fresh
                 continue
-            entry = self._entry(step)
+            entry = self._feed(step)
+            if entry is None:
+                continue
             entry.mark = (int(st["start_ns"][i]), int(st["end_ns"][i]),
                           int(st["fp_start_ns"][i]), int(st["bp_end_ns"][i]))
             entry.mark_seen_at = now
             self.events += fresh
+        if None in self._fed.values():
+            self.duplicate_batches += 1
         return fresh
 
     def _entry(self, step: int) -> _OpenStep:
         entry = self.open.get(step)
         if entry is None:
             entry = self.open[step] = _OpenStep(first_offset=self._offset)
+        return entry
+
+    def _feed(self, step: int) -> _OpenStep | None:
+        """The open step that the batch being added feeds with its events of ``step``; None
+        when that batch already fed it (a duplicate: see the module docstring)."""
+        if step in self._fed:
+            return self._fed[step]
+        entry: _OpenStep | None = self._entry(step)
+        if self._batch in entry.batches:
+            entry = None
+        else:
+            entry.batches.add(self._batch)
+        self._fed[step] = entry
         return entry
 
     @staticmethod
@@ -223,7 +253,9 @@ class RankAssembler:
             if fresh:
                 self.late_events += n
             return
-        entry = self._entry(step)
+        entry = self._feed(step)
+        if entry is None:
+            return
         getattr(entry, section).append(part)
         entry.events += n
 

@@ -7,9 +7,16 @@ the input partition it belongs to) and the consumed offsets commit together, or 
 all. The offset committed for an input partition is the stage's ``commit_offset``: the
 first input offset it would need again to rebuild what it holds in memory only.
 
-After a restart or a rebalance, a partition's owner reads that partition's changelog to
-its end (read_committed), then consumes from the committed offset. A transaction that
-fails is aborted and the stage is rebuilt the same way, so nothing is counted twice.
+After a restart or a rebalance, a partition's owner reads the committed offset, then that
+partition's changelog to its end (read_committed), then consumes from the offset. A
+transaction that fails is aborted and the stage is rebuilt the same way, so nothing is
+counted twice. Kafka makes a commit's offsets and its changelog records visible at
+different moments (the coordinator writes the commit markers to each partition after
+``commit_transaction`` returns; a new leader may not yet expose the last records): so a
+transaction that writes state to a partition ends it with a commit marker (key
+:data:`COMMIT_KEY`, a growing token), the committed offset names that token in its
+metadata, and a restore reads the changelog until it has seen it. A state older than the
+offsets would take steps re-read after the offset for new ones and emit them twice.
 Fencing: the transactional id is ``<group>-<instance>`` and offsets carry the consumer
 group metadata (KIP-447); a processor restarted with the same instance id takes over
 from its dead predecessor at once (static group membership).
@@ -32,15 +39,25 @@ from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from profstream.kafka.clients import make_native_consumer, make_transactional_producer
 from profstream.kafka.deadline import CallTimeout, DeadlineCaller
+from profstream.processors.group_watch import STATS_INTERVAL_MS, GroupWatch
 
 log = logging.getLogger("profstream.processor")
 
 # Another client with our transactional id or group.instance.id took over.
 _FENCED = {KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.FENCED_INSTANCE_ID}
 CALL_TIMEOUT_S = 10.0  # a transactional call, a committed-offsets request, a changelog read without progress
+# send_offsets_to_transaction goes to the group coordinator. When the broker that was it
+# dies, librdkafka keeps it cached and waits for a change of some broker's connection state
+# before it asks for the new one (rdkafka_coord.c): after a leader kill the call outlived
+# 10 s in 2 of 3 runs, though the coordinator had moved after 4. It returns in milliseconds
+# otherwise: its deadline is shorter, the producer replaced sooner.
+OFFSETS_TIMEOUT_S = 4.0
 MAX_OUTAGE_S = 300.0  # Kafka unreachable this long: give up, exit, let a supervisor restart us
 FENCE_AFTER_FAULT_S = 600.0  # a fence this soon after a fault may be the fault's doing: recover once
 _SAY_EVERY_S = 60.0  # the same trouble is logged at most once a minute
+# The loop's own changelog record (see the module docstring): a stage's keys are run ids
+# and "run/rank", never this.
+COMMIT_KEY = b"\x00profstream-commit"
 
 
 class Record(NamedTuple):
@@ -60,6 +77,18 @@ class Output:
     value: bytes | None
     partition: int | None = None
     headers: list[tuple[str, bytes]] | None = None
+
+
+def commit_marker(state_topic: str, partition: int, token: int) -> Output:
+    """The changelog record that ends a transaction's state writes to ``partition``; the
+    committed offset names ``token`` in its metadata."""
+    return Output(state_topic, COMMIT_KEY, str(token).encode(), partition)
+
+
+def _token(metadata: str | None) -> int | None:
+    """The commit token an offset's metadata names (None: an offset of a processor that
+    wrote none)."""
+    return int(metadata) if metadata and metadata.isdigit() else None
 
 
 class Stage(Protocol):
@@ -162,6 +191,9 @@ class TransactionalLoop:
         self._assigned: set[int] = set()
         self._txn_started: float | None = None
         self._txn_outputs = 0
+        self._txn_state_parts: set[int] = set()  # changelog partitions the open transaction wrote to
+        self._state_token: dict[int, int] = {}  # input partition -> commit token of its latest state
+        self._last_token = 0
         self._failure: BaseException | None = None  # raised in a rebalance callback, handled after consume()
         self._fault_at = -1e18  # monotonic time of the last fault
         self._fence_taken_at = -1e18  # of the last fence recovered from rather than obeyed
@@ -216,10 +248,13 @@ class TransactionalLoop:
         return producer
 
     def _new_consumer(self) -> confluent_kafka.Consumer:
+        """A consumer with our static membership, and a fresh GroupWatch fed by its statistics."""
+        self._group_watch = watch = GroupWatch()
         # Heartbeats every 0.5 s: a member learns of a rebalance (a processor joining or
         # leaving) at its next heartbeat, and the whole group waits for the slowest.
         return make_native_consumer(self.bootstrap, self.group_id, **{
-            "group.instance.id": self.transactional_id, "heartbeat.interval.ms": 500, "error_cb": self._client_error})
+            "group.instance.id": self.transactional_id, "heartbeat.interval.ms": 500, "error_cb": self._client_error,
+            "statistics.interval.ms": STATS_INTERVAL_MS, "stats_cb": watch.update})
 
     def _subscribe(self) -> None:
         # A replaced consumer may still call back while it closes: only the current one counts.
@@ -246,6 +281,7 @@ class TransactionalLoop:
         self.stage.drop_partitions(parts)
         for p in parts:
             self._positions.pop(p, None)
+            self._state_token.pop(p, None)
         self._assigned -= parts
 
     def _on_assign(self, assigned: list[TopicPartition]) -> None:
@@ -253,21 +289,50 @@ class TransactionalLoop:
         self._assigned.update(parts)
         if self._failure is None:
             try:
-                self._restore(parts)
+                start = self._load(parts)
+                # from the offsets the state was restored for, not from those librdkafka would fetch
+                self._consumer.assign([TopicPartition(tp.topic, tp.partition, start[tp.partition]) for tp in assigned])
             except (KafkaException, CallTimeout) as e:  # rebuilt with the rest after consume()
                 self._failure = e
 
-    def _restore(self, partitions: Iterable[int]) -> None:
-        """Read the changelog partitions to their end (read_committed) into the stage.
-        CallTimeout when a read makes no progress for ``call_timeout`` s."""
+    def _load(self, partitions: list[int]) -> dict[int, int]:
+        """Restore the stage's state of ``partitions`` as of their committed offsets; returns
+        the offset to consume each from."""
+        committed = self._committed(partitions)
+        self._restore(partitions, {p: t for p, tp in committed.items() if (t := _token(tp.metadata)) is not None})
+        return {p: tp.offset if tp.offset >= 0 else confluent_kafka.OFFSET_BEGINNING for p, tp in committed.items()}
+
+    def _committed(self, partitions: list[int]) -> dict[int, TopicPartition]:
+        """The group's committed offsets of ``partitions`` (stable ones: librdkafka waits out
+        an open transaction's)."""
+        topic = self.stage.input_topic
+        # Asked with a client of its own, which looks the group coordinator up afresh: after
+        # a broker restart the consumer's own committed() timed out again and again.
+        reader = make_native_consumer(self.bootstrap, self.group_id)
+        try:
+            committed = self._call("committed", self.call_timeout, reader.committed,
+                                   [TopicPartition(topic, p) for p in partitions], self.call_timeout)
+        finally:
+            _dispose(reader)
+        failed = [tp for tp in committed if tp.error is not None]
+        if failed:  # e.g. the coordinator moving: not "nothing committed", which would re-read from the start
+            raise KafkaException(failed[0].error)
+        return {tp.partition: tp for tp in committed}
+
+    def _restore(self, partitions: Iterable[int], tokens: dict[int, int]) -> None:
+        """Read the changelog partitions to their end (read_committed) into the stage, and
+        on until each has shown the commit marker of ``tokens`` (what its committed offset
+        names). CallTimeout when a read makes no progress for ``call_timeout`` s."""
         topic = self.stage.state_topic
         reader = make_native_consumer(self.bootstrap, f"{self.transactional_id}-restore",
                                       **{"enable.partition.eof": True})
+        seen: dict[int, int] = {}  # partition -> latest commit token read
         try:
             left = set()
             for p in partitions:
+                self._state_token.pop(p, None)
                 low, high = reader.get_watermark_offsets(TopicPartition(topic, p), timeout=self.call_timeout)
-                if high > low:
+                if high > low or p in tokens:
                     left.add(p)
             if not left:
                 return
@@ -281,15 +346,22 @@ class TransactionalLoop:
                 elif time.monotonic() - progress > self.call_timeout:
                     raise CallTimeout(f"reading changelog {topic} made no progress for {self.call_timeout:g} s")
                 for msg in msgs:
-                    err = msg.error()
+                    err, p = msg.error(), msg.partition()
                     if err is None:
-                        self.stage.restore(msg.partition(), msg.key(), msg.value(), now)
+                        if msg.key() == COMMIT_KEY:
+                            seen[p] = max(seen.get(p, 0), int(msg.value()))
+                        else:
+                            self.stage.restore(p, msg.key(), msg.value(), now)
                     elif err.code() == KafkaError._PARTITION_EOF:
-                        left.discard(msg.partition())
+                        if seen.get(p, 0) >= tokens.get(p, 0):
+                            left.discard(p)
+                        # else its last commit is not readable here yet: read on to the next end
                     else:
                         raise KafkaException(err)
         finally:
             _dispose(reader)
+        self._state_token.update(seen)
+        self._last_token = max([self._last_token, *seen.values()])
 
     # -- loop -------------------------------------------------------------------------
 
@@ -322,6 +394,10 @@ class TransactionalLoop:
         if self._failure is not None:  # from a rebalance callback: msgs may predate the rebuild
             failure, self._failure = self._failure, None
             raise failure
+        stuck = self._group_watch.stuck_for()
+        if stuck is not None:  # see processors/group_watch.py
+            raise _ConsumerFailure(KafkaError(KafkaError._STATE, f"the consumer has been out of its group for "
+                                              f"{stuck:.0f} s (librdkafka: {self._group_watch.state})"))
         now = time.monotonic()
         self.last_poll_s = time.time()
         consumed = 0
@@ -374,10 +450,13 @@ class TransactionalLoop:
             self._producer.begin_transaction()
             self._txn_started = time.monotonic()
             self._txn_outputs = 0
+            self._txn_state_parts.clear()
 
     def _send(self, outputs: list[Output]) -> None:
-        produce = self._producer.produce
+        produce, state_topic = self._producer.produce, self.stage.state_topic
         for out in outputs:
+            if out.topic == state_topic:
+                self._txn_state_parts.add(out.partition)
             full_since = None
             while True:
                 try:
@@ -398,18 +477,43 @@ class TransactionalLoop:
         if self._producer_lost_brokers:
             raise CallTimeout("the producer lost every broker; replaced before it commits")
         self._send(self.stage.changed_state())
+        tokens = dict(self._state_token)
+        if self._txn_state_parts:
+            token = self._last_token = max(time.time_ns(), self._last_token + 1)
+            written = sorted(self._txn_state_parts)
+            self._send([commit_marker(self.stage.state_topic, p, token) for p in written])
+            tokens.update(dict.fromkeys(written, token))
         topic = self.stage.input_topic
-        offsets = [TopicPartition(topic, p, self.stage.commit_offset(p, pos)) for p, pos in self._positions.items()]
+        offsets = [TopicPartition(topic, p, self.stage.commit_offset(p, pos), metadata=str(tokens.get(p, "")))
+                   for p, pos in self._positions.items()]
         producer, timeout = self._producer, self.call_timeout
         if offsets:
-            self._call("send_offsets_to_transaction", timeout, producer.send_offsets_to_transaction, offsets,
-                       self._consumer.consumer_group_metadata(), timeout)
+            self._send_offsets(offsets)
         self._call("commit_transaction", timeout, producer.commit_transaction, timeout)
+        self._state_token = tokens
         self._txn_started = None
         self.transactions += 1
         self.last_commit_s = time.time()
         if self.on_commit is not None:
             self.on_commit(self._txn_outputs)
+
+    def _send_offsets(self, offsets: list[TopicPartition]) -> None:
+        """send_offsets_to_transaction, called again after a retriable error (a coordinator
+        still loading, another operation on the transaction under way: a leader just moved)
+        until ``call_timeout``; each call under :data:`OFFSETS_TIMEOUT_S`."""
+        deadline = time.monotonic() + self.call_timeout
+        while True:
+            left = min(OFFSETS_TIMEOUT_S, max(deadline - time.monotonic(), 0.1))
+            try:
+                self._call("send_offsets_to_transaction", left, self._producer.send_offsets_to_transaction, offsets,
+                           self._consumer.consumer_group_metadata(), left)
+                return
+            except KafkaException as e:
+                err = _kafka_error(e)
+                if err is None or not err.retriable() or time.monotonic() >= deadline - 0.2:
+                    raise
+                self._fault_at = time.monotonic()
+                self._stop.wait(0.1)
 
     # -- faults -----------------------------------------------------------------------
 
@@ -508,25 +612,15 @@ class TransactionalLoop:
         self._subscribe()
 
     def _rebuild(self) -> None:
-        """Rebuild the stage from the changelog and the committed offsets."""
+        """Rebuild the stage from the committed offsets and the changelog."""
         parts = self.assignment()
         self.stage.drop_partitions(parts)
         self._positions.clear()
         if not parts:
             return
-        self._restore(parts)
         topic = self.stage.input_topic
-        # Asked with a client of its own, which looks the group coordinator up afresh: after
-        # a broker restart the consumer's own committed() timed out again and again.
-        reader = make_native_consumer(self.bootstrap, self.group_id)
-        try:
-            committed = self._call("committed", self.call_timeout, reader.committed,
-                                   [TopicPartition(topic, p) for p in parts], self.call_timeout)
-        finally:
-            _dispose(reader)
-        for tp in committed:
-            offset = tp.offset if tp.offset >= 0 else confluent_kafka.OFFSET_BEGINNING
-            self._consumer.seek(TopicPartition(topic, tp.partition, offset))
+        for p, offset in self._load(parts).items():
+            self._consumer.seek(TopicPartition(topic, p, offset))
 
     def close(self) -> None:
         """Abort what is open and close both clients, each within a deadline."""

@@ -81,6 +81,7 @@ class _Counters:
         self.decode_errors: Counter = Counter()  # by reason
         self.late_events = 0
         self.lost_batches = 0
+        self.duplicate_batches = 0
         self.producer_dropped = 0
         self.steps_closed = 0
         self.run_steps = 0
@@ -89,8 +90,8 @@ class _Counters:
         self.uncorrelated_ops = 0
 
 
-_TOTALS = ("batches", "late_events", "lost_batches", "producer_dropped", "steps_closed", "run_steps",
-           "runs_closed", "alerts", "uncorrelated_ops")
+_TOTALS = ("batches", "late_events", "lost_batches", "duplicate_batches", "producer_dropped", "steps_closed",
+           "run_steps", "runs_closed", "alerts", "uncorrelated_ops")
 
 
 class StageCounts(_Counters):
@@ -161,6 +162,8 @@ class ProcessorHealth(_Counters):
         for name, doc, value in (
             ("late_events", "events that arrived for an already closed step", self.late_events),
             ("lost_batches", "producer batches missing from the seq sequence", self.lost_batches),
+            ("duplicate_batches", "producer batches read again while their steps were open (a copy in the raw "
+             "topic), folded in once", self.duplicate_batches),
             ("producer_dropped", "op events producers dropped (buffer full, send failure)", self.producer_dropped),
             ("steps_closed", "StepMetrics produced", self.steps_closed),
             ("run_steps", "RunStepMetrics produced", self.run_steps),

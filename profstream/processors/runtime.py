@@ -139,8 +139,10 @@ class StepStage:
             rank = self.ranks[ident] = _Rank(RankAssembler(batch.run_id, batch.rank, self.grace_s, rec.partition),
                                              RankFigures(self.figure_options))
         asm = rank.assembler
-        before = (asm.late_events, asm.lost_batches, asm.dropped_ops)
-        if asm.add(batch, now, rec.offset):
+        before = (asm.late_events, asm.lost_batches, asm.dropped_ops, asm.duplicate_batches)
+        fresh = asm.add(batch, now, rec.offset)
+        self.counts.duplicate_batches += asm.duplicate_batches - before[3]
+        if fresh:
             self._changed.add(ident)
             h = self.counts
             h.batches += 1
@@ -230,7 +232,7 @@ class RunStage:
             self.runs.pop(run_id, None)
             return
         cp = decode("RunCheckpoint", value)
-        self.runs[run_id] = _RunState(partition, set(cp["ranks"]), cp["floor"], last_seen=now)
+        self.runs[run_id] = _RunState(partition, set(cp["ranks"]), floor=cp["floor"], last_seen=now)
 
     def changed_state(self) -> list[Output]:
         out = []

@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from functools import partial
 from typing import Any, Protocol
 
@@ -432,19 +433,25 @@ class Sender(threading.Thread):
         batch.complete_through_step = self._sent_watermark if more_ops else watermark
         batch.dropped_ops = dropped_ops
         batch.dropped_samples = dropped_samples
-        # A section with no samples keeps the batch's empty one.
-        if marks:
-            batch.steps = sample_columns(marks, SECTIONS["steps"])
-        if memory:
-            batch.memory = sample_columns(memory, SECTIONS["memory"])
-        if queues:
-            batch.queue_names, qidx = _dictionary([q[0] for q in queues])
-            batch.queues = {"name_idx": qidx, **sample_columns([q[1:] for q in queues], SECTIONS["queues"][1:])}
-        if collectives:
-            fill_collectives(batch, collectives)
         if host:
             batch.host_samples = sample_columns(host, SECTIONS["host_samples"])
         samples = len(marks) + len(memory) + len(queues) + len(collectives)
+        # Sections of user code's values; a section with no samples keeps the batch's empty one.
+        # A value its column cannot hold drops that section alone, counted (the step marks stay).
+        if marks:
+            samples -= self._section(batch, marks, lambda: setattr(batch, "steps", sample_columns(
+                marks, SECTIONS["steps"])))
+        if memory:
+            samples -= self._section(batch, memory, lambda: setattr(batch, "memory", sample_columns(
+                memory, SECTIONS["memory"])))
+        if queues:
+            def fill_queues() -> None:
+                names, qidx = _dictionary([q[0] for q in queues])
+                batch.queues = {"name_idx": qidx, **sample_columns([q[1:] for q in queues], SECTIONS["queues"][1:])}
+                batch.queue_names = names
+            samples -= self._section(batch, queues, fill_queues)
+        if collectives:
+            samples -= self._section(batch, collectives, lambda: fill_collectives(batch, collectives))
         try:
             value = encode_batch(batch)
         except (ValueError, TypeError, OverflowError) as e:  # bad sample values from user code
@@ -462,6 +469,18 @@ class Sender(threading.Thread):
         self._seq += 1
         self._queue_message(value, batch.n("ops"), samples)
         return True
+
+    @staticmethod
+    def _section(batch: EventBatch, rows: list[tuple], fill: Callable[[], None]) -> int:
+        """Fill one sample section; rows whose values its columns cannot hold are dropped,
+        counted in the batch and logged. Returns how many were dropped."""
+        try:
+            fill()
+            return 0
+        except (ValueError, TypeError, OverflowError) as e:  # bad sample values from user code
+            log.warning("profstream: dropped %d samples with invalid values (%s)", len(rows), e)
+            batch.dropped_samples += len(rows)
+            return len(rows)
 
     def _queue_device_batches(self, rows: list[tuple]) -> None:
         """Device counter samples into batches of their own (DEVICE_PRODUCER_SUFFIX);

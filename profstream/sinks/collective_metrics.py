@@ -1,10 +1,12 @@
 """The exporter's collective series: ``profstream_collective_*{run, ...}``, from each run's
 newest RunStepMetrics that had collectives (processors/collectives.py). Labels stay
-bounded: rank, and collective (at most ``MAX_COLLECTIVE_NAMES`` per run), never a call.
+bounded: rank (at most ``max_ranks`` per run: those that waited longest; every missing
+rank), and collective (at most ``MAX_COLLECTIVE_NAMES`` per run), never a call.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -38,9 +40,18 @@ def run_collectives(m: dict) -> RunCollectives | None:
         len(m["unmatched_collectives"]), sorted({r for c in m["unmatched_collectives"] for r in c["missing"]}))
 
 
+def longest_waits(c: RunCollectives, max_ranks: int | None) -> dict[int, tuple[float, float]]:
+    """The ranks of ``c`` whose wait and transfer get series: the ``max_ranks`` (None: all)
+    that waited longest, ties to the lower rank."""
+    if max_ranks is None or len(c.ranks) <= max_ranks:
+        return c.ranks
+    return dict(sorted(heapq.nsmallest(max_ranks, c.ranks.items(), key=lambda kv: (-kv[1][0], kv[0]))))
+
+
 def collective_lines(prefix: str, runs: list[tuple[str, RunCollectives | None]], esc: Callable[[str], str],
-                     num: Callable[[float], str]) -> list[str]:
-    """The text-format lines of the collective series of ``runs`` [(run id, its figures or None)]."""
+                     num: Callable[[float], str], max_ranks: int | None = None) -> list[str]:
+    """The text-format lines of the collective series of ``runs`` [(run id, its figures or
+    None)], wait and transfer for at most ``max_ranks`` ranks per run (None: every rank)."""
     p = prefix + "collective_"
     have = [(esc(run_id), c) for run_id, c in runs if c is not None]
     out: list[str] = []
@@ -57,9 +68,9 @@ def collective_lines(prefix: str, runs: list[tuple[str, RunCollectives | None]],
                            for r, c in have for k, v in items(c)))
 
     per_key("wait_seconds", "time the rank waited in collectives for the last rank to arrive, latest step "
-            "with collectives", "rank", lambda c: ((k, v[0]) for k, v in c.ranks.items()))
+            "with collectives", "rank", lambda c: ((k, v[0]) for k, v in longest_waits(c, max_ranks).items()))
     per_key("transfer_seconds", "time the rank's collectives ran once every rank had arrived, latest step "
-            "with collectives", "rank", lambda c: ((k, v[1]) for k, v in c.ranks.items()))
+            "with collectives", "rank", lambda c: ((k, v[1]) for k, v in longest_waits(c, max_ranks).items()))
     per_key("algbw_bytes_per_second", "algorithm bandwidth (bytes / transfer time) by collective",
             "collective", lambda c: ((k, v[0]) for k, v in c.bandwidth.items()))
     per_key("busbw_bytes_per_second", "bus bandwidth (algbw x NCCL's factor) by collective",

@@ -7,6 +7,8 @@ cardinality is bounded: per run at most ``top_k`` op types (and kernel types) ge
 first ones seen, most expensive first, kept for the run's life so that no counter ever
 goes down; the rest are summed as "other"), a rank exports at most ``MAX_QUEUES`` queues,
 and a rank or run whose newest record is older than ``ttl_s`` is dropped with its series.
+A run with more than ``top_ranks`` ranks keeps per-rank series for its slowest ranks only,
+and every run gets quantiles over its ranks (sinks/rank_summary.py).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import itertools
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +34,13 @@ from profstream.processors.stalls import stall_state
 from profstream.schema.codec import DecodeError, decode
 from profstream.sinks.collective_metrics import RunCollectives, collective_lines, run_collectives
 from profstream.sinks.device_metrics import MAX_DEVICES, device_lines, fold_devices
+from profstream.sinks.rank_summary import (
+    DEFAULT_TOP_RANKS,
+    PHASES,
+    SLOW_WINDOW_STEPS,
+    slowest_ranks,
+    summary_lines,
+)
 
 log = logging.getLogger("profstream.sink.prometheus")
 
@@ -60,7 +69,6 @@ def _les(bounds: Sequence[float]) -> list[str]:
 
 
 _STEP_LES = _les(STEP_BUCKETS)
-_PHASES = ("data_wait", "fp_bp", "tail")
 
 
 def _esc(value: str) -> str:
@@ -105,6 +113,7 @@ class _Rank:
     kind_ns: dict[str, int] = field(default_factory=dict)  # device kind -> summed op ns
     kernel_ns: dict[str, int] = field(default_factory=dict)  # admitted kernel type or "other" -> ns
     devices: dict[str, dict] = field(default_factory=dict)  # device -> DeviceFigures of its latest step
+    recent: deque = field(default_factory=lambda: deque(maxlen=SLOW_WINDOW_STEPS))  # newest steps' step_s
 
 
 @dataclass(eq=False)
@@ -124,11 +133,13 @@ class _Run:
 class ExporterState:
     """Current figures of every live run, as a Prometheus collector; a ``SinkLoop`` sink."""
 
-    def __init__(self, topics: Topics, ttl_s: float = DEFAULT_TTL_S, top_k: int = DEFAULT_TOP_K) -> None:
-        if ttl_s <= 0 or top_k < 1:
-            raise ValueError("ttl_s must be > 0 and top_k >= 1")
+    def __init__(self, topics: Topics, ttl_s: float = DEFAULT_TTL_S, top_k: int = DEFAULT_TOP_K,
+                 top_ranks: int | None = DEFAULT_TOP_RANKS) -> None:
+        if ttl_s <= 0 or top_k < 1 or (top_ranks is not None and top_ranks < 1):
+            raise ValueError("ttl_s must be > 0, top_k >= 1 and top_ranks >= 1 or None")
         self.ttl_s = ttl_s
         self.top_k = top_k
+        self.top_ranks = top_ranks  # None: every rank keeps its series
         self._kinds = {topics.steps: "steps", topics.run: "run", topics.alerts: "alerts"}
         self._lock = threading.Lock()
         self._runs: dict[str, _Run] = {}
@@ -210,6 +221,8 @@ class ExporterState:
         self._fresh_sum += fresh
         if m["step"] < r.last_step:
             return  # an older step: counted above, the gauges keep the newest
+        if m["step"] > r.last_step:
+            r.recent.append(step_s)
         r.last_step = m["step"]
         r.end_s = end_s
         r.step_s = step_s
@@ -282,7 +295,12 @@ class ExporterState:
     def _write_figures(self) -> bytes:
         """The per-run and per-rank series, written directly: prometheus_client's
         generate_latest costs ~20 us per sample, 80 ms for 64 ranks; this ~1 us."""
-        ranks = [(run, rank, r) for run in self._runs.values() for rank, r in run.ranks.items()]
+        kept = {run_id: slowest_ranks(run.ranks, self.top_ranks) for run_id, run in self._runs.items()}
+        ranks = [(run, rank, r) for run_id, run in self._runs.items() for rank, r in kept[run_id].items()]
+        # a stall that fires keeps its series (DataQueueStall) on a rank outside the slowest
+        stalled = [(run, rank, run.ranks[rank]) for run_id, run in self._runs.items()
+                   for rank, firing in run.stalls.items()
+                   if firing and rank in run.ranks and rank not in kept[run_id]]
         runs = [(run_id, run) for run_id, run in self._runs.items() if run.step >= 0]
         out: list[str] = []
 
@@ -290,8 +308,10 @@ class ExporterState:
             out.append(f"# HELP {name} {doc}\n# TYPE {name} {kind}\n")
             out.extend(lines)
 
-        def per_rank(name: str, doc: str, value: Callable[[_Run, int, _Rank], float], kind: str = "gauge") -> None:
-            family(name, kind, doc, (f"{name}{{{r.labels}}} {_num(value(run, rank, r))}\n" for run, rank, r in ranks))
+        def per_rank(name: str, doc: str, value: Callable[[_Run, int, _Rank], float], kind: str = "gauge",
+                     extra: Sequence = ()) -> None:
+            family(name, kind, doc, (f"{name}{{{r.labels}}} {_num(value(run, rank, r))}\n"
+                                     for run, rank, r in itertools.chain(ranks, extra)))
 
         def per_run(name: str, doc: str, value: Callable[[_Run], float]) -> None:
             family(name, "gauge", doc, (f'{name}{{run="{_esc(run_id)}"}} {_num(value(run))}\n' for run_id, run in runs))
@@ -312,7 +332,7 @@ class ExporterState:
                  for le, n in zip(_STEP_LES, itertools.accumulate(r.buckets))),
                 (f"{hist}_sum{{{r.labels}}} {_num(r.sum_s)}\n", f"{hist}_count{{{r.labels}}} {sum(r.buckets)}\n"))))
         split(p + "step_phase_seconds", "gauge", "phases of the latest step: data_wait (waiting for data), "
-              "fp_bp (forward and backward), tail", "phase", lambda r: zip(_PHASES, r.phases))
+              "fp_bp (forward and backward), tail", "phase", lambda r: zip(PHASES, r.phases))
         per_rank(p + "last_step", "number of the rank's latest step", lambda run, rank, r: r.last_step)
         per_rank(p + "last_step_timestamp_seconds", "end of the rank's latest step, Unix time (producer clock)",
                  lambda run, rank, r: r.end_s)
@@ -329,7 +349,7 @@ class ExporterState:
         split(p + "queue_empty_ratio", "gauge", "share of the latest step's queue samples at 0", "queue",
               lambda r: ((q, v[1]) for q, v in r.queues.items()))
         per_rank(p + "data_stall", "1 while the processor's DataQueueStall alert fires for the rank",
-                 lambda run, rank, r: run.stalls.get(rank, 0))
+                 lambda run, rank, r: run.stalls.get(rank, 0), extra=stalled)
         per_rank(p + "starved_steps_total", "steps starved of input data", lambda run, rank, r: r.starved,
                  "counter")
         split(p + "op_type_seconds_total", "counter", "summed op durations by op type (top K per run, the rest "
@@ -346,7 +366,10 @@ class ExporterState:
                 lambda run: run.straggler)
         per_run(p + "run_ranks_reported", "ranks in the run's latest complete step", lambda run: run.ranks_reported)
         out.extend(device_lines(p, ranks, _num))
-        out.extend(collective_lines(p, [(run_id, run.collectives) for run_id, run in runs], _esc, _num))
+        out.extend(collective_lines(p, [(run_id, run.collectives) for run_id, run in runs], _esc, _num,
+                                    self.top_ranks))
+        out.extend(summary_lines(p, ((_esc(run_id), run.ranks, len(kept[run_id]))
+                                     for run_id, run in self._runs.items()), _num, STEP_BUCKETS, _STEP_LES))
         return "".join(out).encode()
 
     def _health(self) -> list:
@@ -373,7 +396,7 @@ class ExporterState:
             GaugeMetricFamily(p + "consumer_lag_messages", "records on the input topics not yet consumed",
                               value=self.source.lag if self.source is not None else 0),
             GaugeMetricFamily(p + "runs", "runs with series", value=len(self._runs)),
-            GaugeMetricFamily(p + "ranks", "ranks with series",
+            GaugeMetricFamily(p + "ranks", "ranks held (per-rank series: each run's slowest --top-ranks)",
                               value=sum(len(r.ranks) for r in self._runs.values())),
             HistogramMetricFamily(p + "step_freshness_seconds", "end of a step (producer clock) to its "
                                   "figures served here", buckets=buckets, sum_value=self._fresh_sum),
@@ -418,13 +441,13 @@ class PrometheusExporter:
 
     def __init__(self, bootstrap: str, topics: Topics, port: int = DEFAULT_PORT, addr: str = "0.0.0.0",
                  group_id: str = DEFAULT_GROUP, ttl_s: float = DEFAULT_TTL_S,
-                 top_k: int = DEFAULT_TOP_K) -> None:
+                 top_k: int = DEFAULT_TOP_K, top_ranks: int | None = DEFAULT_TOP_RANKS) -> None:
         self.bootstrap = bootstrap
         self.topics = topics
         self.port = port
         self.addr = addr
         self.group_id = group_id
-        self.state = ExporterState(topics, ttl_s, top_k)
+        self.state = ExporterState(topics, ttl_s, top_k, top_ranks)
         self._stop = threading.Event()
         self._server = None
         self._loop = None
@@ -471,12 +494,12 @@ class PrometheusExporter:
 
 
 def start_exporter(bootstrap: str, topics: Topics, port: int = DEFAULT_PORT, addr: str = "0.0.0.0",
-                   group_id: str = DEFAULT_GROUP, ttl_s: float = DEFAULT_TTL_S,
-                   top_k: int = DEFAULT_TOP_K) -> tuple[str, Callable[[], None]]:
+                   group_id: str = DEFAULT_GROUP, ttl_s: float = DEFAULT_TTL_S, top_k: int = DEFAULT_TOP_K,
+                   top_ranks: int | None = DEFAULT_TOP_RANKS) -> tuple[str, Callable[[], None]]:
     """Start an exporter on a background thread: (its /metrics URL, a function that stops it).
 
     Raises ``ExporterError`` (one line) when the port is taken or a topic is missing."""
-    exporter = PrometheusExporter(bootstrap, topics, port, addr, group_id, ttl_s, top_k)
+    exporter = PrometheusExporter(bootstrap, topics, port, addr, group_id, ttl_s, top_k, top_ranks)
     url = exporter.serve()
     errors: list[BaseException] = []
 

@@ -8,8 +8,8 @@ nothing (an exporter serving current values) commit everything they handled. A s
 also implement ``tick()`` (called before each poll, for work due by time) and ``close()``
 (called once when the loop stops, before its last commit).
 
-A commit the group refuses while it rebalances is postponed, not fatal: the next poll
-commits again. On stop the loop polls on (at most ``FINAL_COMMIT_S``) until a commit goes
+A commit the group refuses while it rebalances, or one that fails while Kafka is away,
+is postponed, not fatal: the next poll commits again. On stop the loop polls on (at most ``FINAL_COMMIT_S``) until a commit goes
 through, so that a restart re-reads as little as possible.
 
 Readers use read_committed: they see the processors' transactional outputs only once
@@ -25,7 +25,12 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from kafka import TopicPartition
-from kafka.errors import CommitFailedError, RebalanceInProgressError
+from kafka.errors import (
+    CommitFailedError,
+    KafkaConnectionError,
+    KafkaTimeoutError,
+    RebalanceInProgressError,
+)
 from kafka.structs import OffsetAndMetadata
 
 from profstream.kafka.clients import consumer_lag, make_consumer
@@ -33,6 +38,8 @@ from profstream.kafka.clients import consumer_lag, make_consumer
 log = logging.getLogger("profstream.sink")
 
 POSTPONED = (CommitFailedError, RebalanceInProgressError)  # the group is rebalancing: commit later
+UNREACHABLE = (KafkaTimeoutError, KafkaConnectionError)  # Kafka away: commit later
+_SAY_EVERY_S = 60.0
 FINAL_COMMIT_S = 10.0
 
 
@@ -56,6 +63,7 @@ class SinkLoop:
                 raise RuntimeError(f"topic {topic} does not exist: start a processor or create it first")
         self._consumer.subscribe(list(topics))
         self._handled: dict[TopicPartition, int] = {}
+        self._said_at = -1e18  # when a commit that timed out was last logged
         self._committed: dict[TopicPartition, int] = {}
         self._postponed = False  # the latest commit was refused during a rebalance
         self.records = 0
@@ -72,11 +80,16 @@ class SinkLoop:
         tick = getattr(self.sink, "tick", None)
         if tick is not None:
             tick()
-        polled = self._consumer.poll(timeout_ms=self.poll_ms)
-        self.last_poll = now = time.monotonic()
-        if now - self._lag_at >= 1.0:
-            self.lag = consumer_lag(self._consumer)
-            self._lag_at = now
+        try:
+            polled = self._consumer.poll(timeout_ms=self.poll_ms)
+            self.last_poll = now = time.monotonic()
+            if now - self._lag_at >= 1.0:
+                self.lag = consumer_lag(self._consumer)  # positions may need a broker (validation after a leader change)
+                self._lag_at = now
+        except UNREACHABLE as e:  # nothing was handed to the sink: the next poll reads it
+            self._unreachable("a poll", e)
+            time.sleep(self.poll_ms / 1000)
+            return 0
         n = 0
         for tp, records in polled.items():
             self.sink.handle(records)
@@ -101,9 +114,18 @@ class SinkLoop:
                 log.info("offset commit postponed to the next poll: %s", type(e).__name__)
                 self._postponed = True
                 return False
+            except UNREACHABLE as e:  # every broker, or the group's coordinator, away: what is durable stays so
+                self._unreachable("an offset commit", e)
+                self._postponed = True
+                return False
             self._committed.update(offsets)
         self._postponed = False
         return True
+
+    def _unreachable(self, what: str, error: Exception) -> None:
+        if time.monotonic() - self._said_at >= _SAY_EVERY_S:
+            self._said_at = time.monotonic()
+            log.warning("%s failed, Kafka does not answer (%s): retried at the next poll", what, type(error).__name__)
 
     def run(self, stop: threading.Event) -> None:
         """Poll until ``stop`` is set; then close the sink, commit and close the consumer."""
@@ -117,7 +139,8 @@ class SinkLoop:
             if close is not None:
                 close()
             if not self._commit():
-                log.warning("last offset commit failed (the group is rebalancing): a restart re-reads a few records")
+                log.warning("last offset commit failed (the group is rebalancing or Kafka is away): a restart "
+                            "re-reads a few records")
         finally:
             self._consumer.close()
 

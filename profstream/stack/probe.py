@@ -107,21 +107,34 @@ def _probe(host: str, port: int, deadline: float) -> int:
         sock.close()
 
 
-def _answers(bootstrap: str, deadline: float) -> str | None:
-    """None when some bootstrap address answers Metadata with >= 1 broker, else a reason."""
+def _answers(bootstrap: str, deadline: float, brokers: int = 1) -> str | None:
+    """None when some bootstrap address answers Metadata with >= ``brokers`` brokers, else a reason."""
     reason = "no address"
     for host, port in _split_bootstrap(bootstrap):
         try:
-            if _probe(host, port, deadline) > 0:
+            listed = _probe(host, port, deadline)
+            if listed >= brokers:
                 return None
-            reason = "metadata lists no live broker yet"
+            reason = "metadata lists no live broker yet" if not listed else f"metadata lists {listed} of {brokers} brokers"
         except _ProbeError as exc:
             reason = str(exc)
     return reason
 
 
-def wait_for_broker(bootstrap: str, timeout: float, alive: Callable[[], None] | None = None) -> None:
-    """Poll until the broker at ``bootstrap`` answers a Metadata request.
+def live_brokers(address: str, timeout: float) -> int | None:
+    """How many live brokers the broker at ``address`` (one host:port) lists; None when it
+    does not answer within ``timeout`` s."""
+    ((host, port),) = _split_bootstrap(address)
+    try:
+        return _probe(host, port, time.monotonic() + timeout)
+    except _ProbeError:
+        return None
+
+
+def wait_for_broker(bootstrap: str, timeout: float, alive: Callable[[], None] | None = None,
+                    brokers: int = 1) -> None:
+    """Poll until a broker at ``bootstrap`` answers a Metadata request listing at least
+    ``brokers`` live brokers (a cluster: all of them).
 
     Uses a raw ApiVersions + Metadata exchange on a socket bounded by the deadline, so
     it never blocks longer than ``timeout``. Raises :class:`StackError` on the deadline.
@@ -138,7 +151,7 @@ def wait_for_broker(bootstrap: str, timeout: float, alive: Callable[[], None] | 
     while True:
         # Each attempt gets at most 5 s so a half-open peer cannot eat the whole budget.
         attempt_deadline = min(deadline, time.monotonic() + 5.0)
-        reason = _answers(bootstrap, attempt_deadline) or ""
+        reason = _answers(bootstrap, attempt_deadline, brokers) or ""
         if not reason:
             return
         if alive is not None:

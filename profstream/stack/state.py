@@ -119,12 +119,11 @@ def clear_state(state_dir: Path) -> None:
             (state_dir / name).unlink()
 
 
-def stack_status(state_dir: Path | None = None) -> Broker | None:
+def single_broker_status(state_dir: Path) -> Broker | None:
     """The broker recorded in ``state_dir`` if its process is alive, else None.
 
     A state file whose process is gone is removed.
     """
-    state_dir = resolve_state_dir(state_dir)
     data = read_json(state_dir / STATE_FILE)
     if data is None:
         if (state_dir / STATE_FILE).exists():

@@ -7,7 +7,8 @@ sinks and every figure work on an old profile as on a live run. One module per f
 - ``chrome``: Chrome trace JSON (.json / .json.gz): PyTorch and Kineto traces, MindSpore
   timelines, msprof timelines;
 - ``mindspore_dir``: MindSpore profiler output directories (step trace CSV, operator
-  statistics, data-queue files).
+  statistics, data-queue files), with ``hccl``: the HCCL ops of their communication
+  analysis (``communication_<rank>.json``) as collective calls.
 """
 
 from __future__ import annotations

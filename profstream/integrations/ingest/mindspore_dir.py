@@ -10,6 +10,8 @@
 - ``device_queue_profiling_<rank>.txt`` / ``dataset_iterator_profiling_<rank>.txt``: lines
   ``type extra batch value timestamp``; type 1 is a queue size (extra: capacity) taken
   when the device got batch ``batch``, recorded at the start of that step.
+- ``communication_<rank>.json`` (or ``communication.json`` where the directory holds one
+  rank): HCCL communication ops as collective calls (``hccl``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from profstream.integrations.ingest.hccl import find_communication_file, read_communication
 from profstream.integrations.ingest.model import (
     I64,
     IngestError,
@@ -79,6 +82,9 @@ def parse_mindspore_dir(path: Path, rank: int | None = None, unit_ns: float = 1.
     _read_step_trace(profile, ranks[rank], unit_ns, base_ns)
     _read_op_statistics(profile, folder, rank)
     _read_queues(profile, folder, rank)
+    communication = find_communication_file(folder, rank, len(ranks))
+    if communication is not None:
+        read_communication(profile, communication)
     profile.assign_steps()
     return profile
 

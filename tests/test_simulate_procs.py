@@ -1,0 +1,56 @@
+"""`profstream simulate --procs P`: the ranks of one run shared out over P producer processes."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+import pytest
+from typer.testing import CliRunner
+
+from profstream.cli import app
+from profstream.simulate import SimConfig, expected
+from profstream.simulate_procs import shares
+from tests.helpers import raw_batches, topic_size
+
+
+def test_every_rank_step_reaches_the_raw_topic_once_from_two_processes(kafka_bootstrap, topics):
+    cfg = SimConfig(run_id="procs2", ranks=5, steps=12, ops_per_step=20, seed=4)
+    result = CliRunner().invoke(app, ["simulate", "--bootstrap", kafka_bootstrap, "--topic-prefix", topics.prefix,
+                                      "--run-id", cfg.run_id, "--ranks", str(cfg.ranks), "--steps", str(cfg.steps),
+                                      "--ops-per-step", str(cfg.ops_per_step), "--seed", str(cfg.seed),
+                                      "--procs", "2"])
+    assert result.exit_code == 0, result.output
+    assert f"{cfg.ranks * cfg.steps} steps, {cfg.ranks * cfg.steps * cfg.ops_per_step} ops" in result.output
+    assert "dropped ops: 0; all delivered" in result.output
+
+    batches = raw_batches(kafka_bootstrap, topics.raw, cfg.run_id, topic_size(kafka_bootstrap, topics.raw))
+    seqs: dict[str, list[int]] = defaultdict(list)
+    steps: Counter = Counter()
+    durations = {}
+    for b in batches:
+        assert b.world_size == cfg.ranks
+        seqs[b.producer_id].append(b.seq)
+        for step, start, end in zip(b.steps["step"], b.steps["start_ns"], b.steps["end_ns"]):
+            steps[(b.rank, int(step))] += 1
+            durations[(b.rank, int(step))] = int(end - start)
+    assert len(seqs) == cfg.ranks  # one Monitor per rank, whichever process ran it
+    for producer, got in seqs.items():
+        assert got == list(range(len(got))), f"producer {producer} has seq gaps: {got}"
+    want = expected(cfg)
+    assert steps == Counter(dict.fromkeys(want, 1))  # every (rank, step) once, no other
+    # the same plans as one process would record
+    assert durations == {key: truth["step_time_ns"] for key, truth in want.items()}
+
+
+@pytest.mark.parametrize("procs", ["0", "6", "-1"])
+def test_a_procs_value_outside_one_to_ranks_is_a_one_line_error(procs):
+    result = CliRunner().invoke(app, ["simulate", "--bootstrap", "127.0.0.1:1", "--ranks", "5", "--procs", procs])
+    assert result.exit_code == 2, result.output
+    lines = [ln for ln in result.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: --procs") and "expected 1 to 5" in lines[0], result.output
+
+
+def test_shares_cover_every_rank_once_in_near_equal_contiguous_parts():
+    parts = shares(1024, 3)
+    assert [r for part in parts for r in part] == list(range(1024))
+    assert sorted(len(p) for p in parts) == [341, 341, 342]
