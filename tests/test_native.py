@@ -56,8 +56,8 @@ def test_the_native_monitor_is_built_with_the_package_and_loads():
 
 def _pair(**options: Any) -> tuple[Monitor, Sender, Monitor, NativeSender]:
     """A Python and a native Monitor of the same producer, with their senders idle."""
-    common = dict(run_id="same", rank=3, world_size=8, host="host-1", device="cuda:3", bootstrap=UNREACHABLE,
-                  host_sample_interval_s=0, sender_factory=_Idle, **options)
+    common = {**dict(run_id="same", rank=3, world_size=8, host="host-1", device="cuda:3", bootstrap=UNREACHABLE,
+                     host_sample_interval_s=0, sender_factory=_Idle), **options}
     py = Monitor(native=False, **common)
     nat = Monitor(native=True, **common)
     assert (py.recording, nat.recording) == ("python", "native")
@@ -133,9 +133,9 @@ def _apart(py: list[bytes], nat: list[bytes]) -> tuple[list[bytes], list[bytes],
     return stripped, rest, py_calls, _collective_rows([b for b in nat_batches if _of_collectives(b)])
 
 
-def _record(mon: Monitor, steps: list[dict], t0: int = 1_700_000_000_000_000_000) -> None:
+def _record(mon: Monitor, steps: list[dict], t0: int = 1_700_000_000_000_000_000, first_step: int = 0) -> None:
     for s, step in enumerate(steps):
-        mon.begin_step(s, ts_ns=t0 + s * 1000)
+        mon.begin_step(first_step + s, ts_ns=t0 + s * 1000)
         for name, start, dur, kind, op_type, stream, at_step in step["ops"]:
             mon.op(name, start, dur, kind, op_type=op_type, stream=stream, step=at_step)
         if step["bulk"]:
@@ -332,6 +332,53 @@ def test_collective_calls_go_in_batches_of_their_own_before_the_batch_that_compl
     python_batch = decode_batch(py_sender._pending.popleft()[0])
     assert _collective_rows([calls]) == _collective_rows([python_batch]) == [
         ("all_reduce", "0", "Float", 0, 7, 10, 5, 4096, 4096, 8)]
+
+
+def test_the_processors_compute_the_same_figures_from_either_monitor(monkeypatch):
+    """Two ranks of a job with collective calls, recorded by both Monitors: the native one's
+    calls in batches of their own (``<producer_id>.collectives``), the Python one's in its
+    batch of the step. Fed to the processors (processors.stream), every StepMetrics and
+    RunStepMetrics is the same, the calls matched across the ranks included."""
+    from profstream.processors.stream import RUN, STEPS, RawMessage, figures
+    from profstream.schema.codec import decode_any
+
+    def step(rank: int, s: int) -> dict:
+        base = 1_700_000_000_000_000_000 + s * 1000
+        ops = [(f"aten::op_{i % 3}", base + 10 * i, 7, i % 2, None, 0, None) for i in range(8)]
+        calls = [("all_reduce", "0", "Float", 2 * s, base + 100, 50 + 40 * rank, 4096, 4096, 2),
+                 ("all_gather", "0", "Float", 2 * s + 1, base + 400, 30 + 10 * rank, 64, 128, 2)]
+        return {"ops": ops, "bulk": None, "memory": [(1, 2, 3)], "queues": [], "collectives": calls}
+
+    streams: dict[str, list[RawMessage]] = {"python": [], "native": []}
+    for rank in range(2):
+        py, py_sender, nat, nat_sender = _pair(run_id="either", rank=rank, world_size=2, device=f"cuda:{rank}")
+        for s in range(4):
+            for mon in (py, nat):
+                _record(mon, [step(rank, s)], t0=1_700_000_000_000_000_000 + s * 1000, first_step=s)
+            py_messages, nat_messages = _messages(py_sender, nat_sender, monkeypatch)
+            for kind, messages in (("python", py_messages), ("native", nat_messages)):
+                for m in messages:
+                    out = streams[kind]
+                    out.append(RawMessage(1.0, rank, sum(r.partition == rank for r in out), b"either/%d" % rank, m))
+    assert len(streams["native"]) == len(streams["python"]) + 2 * 4  # a batch of calls per rank and step
+
+    def computed(kind: str) -> tuple[list[dict], list[dict]]:
+        steps, run = [], []
+        for f in figures(streams[kind]):
+            if f.kind in (STEPS, RUN):
+                record = decode_any(f.value)[1]
+                record.pop("closed_ns", None)  # the processor's wall clock when it closed the step
+                (steps if f.kind == STEPS else run).append(record)
+        return sorted(steps, key=lambda r: (r["rank"], r["step"])), run
+
+    py_steps, py_run = computed("python")
+    nat_steps, nat_run = computed("native")
+    assert len(py_steps) == 8 and len(py_run) == 4
+    assert all(r["collectives"]["count"] == 2 for r in py_steps), py_steps[0]["collectives"]
+    assert all(r["collectives_matched"] == 2 for r in py_run)
+    for a, b in zip(py_steps, nat_steps):
+        assert a == b, {k: (a[k], b.get(k)) for k in a if a[k] != b.get(k)}
+    assert nat_run == py_run
 
 
 def test_collective_calls_the_native_buffer_cannot_hold_are_dropped_and_counted():
