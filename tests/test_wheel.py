@@ -49,9 +49,10 @@ def test_the_wheel_installs_alone_and_its_doctor_runs(tmp_path, kafka_bootstrap,
     # a venv without pip: this environment's pip installs into it, dependencies from the index
     venv = tmp_path / "venv"
     _run(sys.executable, "-m", "venv", "--without-pip", venv)
-    _run(sys.executable, "-m", "pip", "--python", venv / "bin" / "python", "install", "--quiet", "--prefer-binary",
-         wheel)
+    # (without PYTHONPATH: a checkout on it is a profstream already installed to pip, which then skips the wheel)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    _run(sys.executable, "-m", "pip", "--python", venv / "bin" / "python", "install", "--quiet", "--prefer-binary",
+         wheel, env=env)
     elsewhere = tmp_path / "elsewhere"  # nothing of the checkout importable from here
     elsewhere.mkdir()
     assert "doctor" in _run(venv / "bin" / "profstream", "--help", cwd=elsewhere, env=env).stdout
