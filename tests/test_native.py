@@ -255,6 +255,36 @@ def test_invalid_values_are_dropped_counted_and_said_once(caplog):
     assert len(said) == 2 and "non-numeric" in said[0] and "'soon'" in said[0] and "invalid values" in said[1], said
 
 
+@pytest.mark.parametrize("dtype", ["int8", "uint8", "bool", "int16", "uint16", "int32", "uint32", "int64", "uint64"])
+def test_numpy_integer_columns_of_any_width_give_the_python_bytes_and_drop_what_a_column_cannot_hold(
+        monkeypatch, dtype):
+    """op capture's columns are numpy arrays: each integer type reads into the int64, int32
+    and uint8 columns as the Python path reads it (the same bytes), and a value out of its
+    column's range (a kind past 255, a stream past int32) drops its op, counted."""
+    py, py_sender, nat, nat_sender = _pair()
+    info = np.iinfo(dtype) if dtype != "bool" else None
+    small = np.array([0, 1, 1, 0], dtype=dtype)  # fits every column
+    for mon in (py, nat):
+        mon.begin_step(0, ts_ns=1)
+        mon.ops(["a", "b", "c", "d"], small * 10 + 5, small + 1, kinds=small, streams=small, launch_ns=small)
+        mon.end_step(ts_ns=2)
+    got_py, got_nat = _messages(py_sender, nat_sender, monkeypatch)
+    assert got_py == got_nat and decode_batch(got_nat[0]).ops["kind"].tolist() == [0, 1, 1, 0]
+    if info is None or info.max <= 255:
+        return
+    nat.begin_step(1, ts_ns=3)
+    big = np.array([1, min(info.max, 1 << 40), 2], dtype=dtype)  # too big for the kind (and past int32: the stream)
+    nat.ops(["x", "y", "z"], big, big, kinds=big, streams=np.array([0, 0, 0], dtype=dtype))
+    nat.ops(["u", "v"], [1, 2], [1, 1], streams=np.array([3, min(info.max, 1 << 40)], dtype=dtype))
+    nat.end_step(ts_ns=4)
+    assert nat_sender._core.build()
+    batch = decode_batch(nat_sender._core.take_message()[0])
+    dropped_streams = 1 if info.max > 2**31 - 1 else 0
+    assert batch.op_names == ["x", "z", "u"] + (["v"] if not dropped_streams else [])
+    assert batch.ops["stream"].tolist() == [0, 0, 3] + ([int(big[1])] if not dropped_streams else [])
+    assert batch.dropped_ops == 1 + dropped_streams
+
+
 def test_native_batches_are_v4_with_the_launch_times_the_python_path_writes(monkeypatch):
     """EventBatch v4's ops.launch_ns, written from SECTIONS and COLUMN_FILL with no native
     code of its own: given by Monitor.ops(launch_ns=...), -1 for op() and for ops() without

@@ -136,14 +136,7 @@ struct Source {
       }
       return;
     }
-    if (kind == BUFFER && c.type == I64 && view.itemsize == 8 && (fmt == 'q' || fmt == 'l')) {  // int64 arrays
-      const char* p = static_cast<const char*>(view.buf);
-      for (Py_ssize_t k = 0; k < n; ++k) {
-        if (from + k < len) std::memcpy(&out[k], p + (from + k) * view.strides[0], 8);
-        else bad[k] = 1;
-      }
-      return;
-    }
+    if (kind == BUFFER && c.type != F64 && integer_buffer(c, from, n, out, bad)) return;
     for (Py_ssize_t k = 0; k < n; ++k) {
       Py_ssize_t i = from + k;
       if (kind == ITEMS && i + 8 < len) __builtin_prefetch(items[i + 8]);  // the objects, not just their pointers
@@ -161,6 +154,42 @@ struct Source {
       bad[k] |= !ok;
       unknown[k] |= unk;
     }
+  }
+
+  // An integer buffer into an integer column: one tight loop per element type, no
+  // per-value dispatch (op capture's int64 times, uint8 kinds, int64 streams). False for
+  // a format it does not take (floats, unsigned 64-bit), which the generic loop reads.
+  bool integer_buffer(const ColumnSpec& c, Py_ssize_t from, Py_ssize_t n, int64_t* out, uint8_t* bad) const {
+    switch (fmt) {
+      case 'b': return ints<int8_t>(c, from, n, out, bad);
+      case 'B': case '?': return ints<uint8_t>(c, from, n, out, bad);
+      case 'h': return ints<int16_t>(c, from, n, out, bad);
+      case 'H': return ints<uint16_t>(c, from, n, out, bad);
+      case 'i': return ints<int32_t>(c, from, n, out, bad);
+      case 'I': return ints<uint32_t>(c, from, n, out, bad);
+      case 'l': case 'q': return view.itemsize == 4 ? ints<int32_t>(c, from, n, out, bad)
+                                                    : ints<int64_t>(c, from, n, out, bad);
+      default: return false;
+    }
+  }
+
+  template <typename T>
+  bool ints(const ColumnSpec& c, Py_ssize_t from, Py_ssize_t n, int64_t* out, uint8_t* bad) const {
+    if (view.itemsize != static_cast<Py_ssize_t>(sizeof(T))) return false;
+    const char* p = static_cast<const char*>(view.buf);
+    Py_ssize_t stride = view.strides[0];
+    int64_t lo = c.type == U8 ? 0 : c.type == I32 ? INT32_MIN : INT64_MIN;
+    int64_t hi = c.type == U8 ? 255 : c.type == I32 ? INT32_MAX : INT64_MAX;
+    Py_ssize_t avail = len - from < n ? (len - from > 0 ? len - from : 0) : n;
+    for (Py_ssize_t k = 0; k < avail; ++k) {
+      T x;
+      std::memcpy(&x, p + (from + k) * stride, sizeof(T));
+      int64_t v = static_cast<int64_t>(x);
+      out[k] = v;
+      bad[k] |= v < lo || v > hi;
+    }
+    for (Py_ssize_t k = avail; k < n; ++k) bad[k] = 1;
+    return true;
   }
 
   bool read_int(Py_ssize_t i, int64_t* out) const {
