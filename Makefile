@@ -57,8 +57,8 @@ test-faults: jars
 
 # The longer faults of a 3-broker cluster (6-9 min on 2 shared cores): a processor
 # killed, it and the leader killed, the whole cluster down for 30 s during a 16-rank run, a
-# Monitor's buffer overflowing meanwhile. (The leader kill itself is in test-faults.) Not in
-# .ci/run: longer than CI's ~6 min for it (docs/cluster.md).
+# Monitor's buffer overflowing meanwhile. (The leader kill itself is in test-faults.) Run by
+# .ci/run last (docs/cluster.md).
 test-cluster: jars
 	$(BIN)/python -m pytest -m cluster tests/faults $(PYTEST_ARGS)
 

@@ -53,7 +53,7 @@ from profstream.schema.codec import decode  # noqa: E402
 from profstream.simulate import SimConfig, run_simulation  # noqa: E402
 from profstream.stack import stack_down  # noqa: E402
 from tests.faults.conftest import Broker, ProcessorProcess  # noqa: E402
-from tests.faults.test_broker_faults import Tail  # noqa: E402
+from tests.faults.streaming import Tail  # noqa: E402
 from tests.faults.test_cluster_faults import FAULTS, fresh_again  # noqa: E402
 
 TARGET_LEADER_KILL_S = 15.0

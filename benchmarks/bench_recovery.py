@@ -39,7 +39,8 @@ from profstream.kafka.topics import Topics, ensure_topics  # noqa: E402
 from profstream.simulate import SimConfig, run_simulation  # noqa: E402
 from profstream.stack import stack_down  # noqa: E402
 from tests.faults.conftest import Broker, ProcessorProcess  # noqa: E402
-from tests.faults.test_broker_faults import FAULTS, Tail  # noqa: E402
+from tests.faults.streaming import Tail  # noqa: E402
+from tests.faults.test_broker_faults import FAULTS  # noqa: E402
 
 
 def one_run(broker: Broker, fault_name: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:

@@ -269,7 +269,12 @@ def distribution(values: list[float]) -> dict[str, float] | None:
 
 # -- one configuration -----------------------------------------------------------------
 
-def run_config(bootstrap: str, processes: int, args: argparse.Namespace, broker_pid: int) -> dict[str, Any]:
+def brokers_cpu(pids: list[int]) -> float:
+    """CPU seconds of the watched brokers together (nan when none is watched)."""
+    return sum(cpu_seconds(pid) for pid in pids) if pids else float("nan")
+
+
+def run_config(bootstrap: str, processes: int, args: argparse.Namespace, broker_pids: list[int]) -> dict[str, Any]:
     prefix = unique_prefix()
     topics = Topics(prefix)
     steps = int(args.duration_s * args.steps_per_s)
@@ -305,7 +310,7 @@ def run_config(bootstrap: str, processes: int, args: argparse.Namespace, broker_
         replays: dict[int, dict] = {}
         built: list[float] = []
         cpu0 = [cpu_seconds(p.pid) for p in procs]
-        broker0 = cpu_seconds(broker_pid)
+        broker0 = brokers_cpu(broker_pids)
         run_end = origin / 1e9 + args.duration_s
         load0 = os.getloadavg()[0]
         while len(replays) < len(workers):
@@ -326,14 +331,14 @@ def run_config(bootstrap: str, processes: int, args: argparse.Namespace, broker_
                 replays[start] = value
         t_sent = time.time()
         cpu1 = [cpu_seconds(p.pid) for p in procs]
-        broker1 = cpu_seconds(broker_pid)
+        broker1 = brokers_cpu(broker_pids)
         window_s = t_sent - origin / 1e9
         deadline = time.monotonic() + 90
         while len(reader.keys) < expected and time.monotonic() < deadline and all(p.poll() is None for p in procs):
             time.sleep(0.1)
         drained_s = time.time() - run_end
         cpu2 = [cpu_seconds(p.pid) for p in procs]
-        broker2 = cpu_seconds(broker_pid)
+        broker2 = brokers_cpu(broker_pids)
         deadline = time.monotonic() + 15  # the run stage's figures of the last steps follow theirs
         while reader.run_records < steps and time.monotonic() < deadline and all(p.poll() is None for p in procs):
             time.sleep(0.1)
@@ -387,7 +392,9 @@ def run_config(bootstrap: str, processes: int, args: argparse.Namespace, broker_
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--bootstrap", help="broker host:port (default: start/reuse `profstream stack up`)")
-    p.add_argument("--broker-pid", type=int, default=-1, help="the broker's pid, for its CPU (default: not watched)")
+    p.add_argument("--broker-pid", default="",
+                   help="the broker's pid, or the pids of a cluster's brokers (comma-separated), for their CPU "
+                        "together (default: not watched)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--processors", default="1,2,4", help="processor counts to run, in this order")
     p.add_argument("--run-stage", choices=("shared", "own"), default="shared",
@@ -407,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[int, list[dict[str, Any]]] = {n: [] for n in counts}
     for r in range(args.repeats):
         for n in counts:
-            res = run_config(bootstrap, n, args, args.broker_pid)
+            res = run_config(bootstrap, n, args, [int(pid) for pid in args.broker_pid.split(",") if pid])
             runs[n].append(res)
             f = res["freshness_s"] or {}
             note(f"repeat {r + 1}/{args.repeats}, {n} processor(s), run stage {args.run_stage}: "

@@ -127,8 +127,10 @@ class NativeProducer:
                  on_error: Callable[[Exception], None] | None = None) -> None:
         self._on_error = on_error
         # No delivery timeout: a batch waits in librdkafka for the broker to come back however
-        # long it is away (retried in order, never duplicated: idempotence), bounded in memory by
-        # the Monitor's in-flight share. It fails only when purged at close, and is counted then.
+        # long it is away (retried in order, bounded in memory by the Monitor's in-flight share).
+        # It fails only when purged at close, and is counted then. Idempotence keeps retries
+        # from writing a batch twice, except across the epoch bump librdkafka makes after some
+        # errors around a leader change: the processors take such a copy once (assembler.py).
         self._producer = confluent_kafka.Producer(dict(
             _native_producer_config(bootstrap, compression), **_MONITOR_PRODUCER, error_cb=self._error))
         try:  # like kafka-python's constructor: fail now when no broker answers

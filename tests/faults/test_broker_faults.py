@@ -3,45 +3,17 @@ counted twice, every loss counted, and the processor back on its own within seco
 
 from __future__ import annotations
 
-import signal
 import threading
 import time
-from collections import Counter
 
 import pytest
-from kafka import KafkaConsumer, TopicPartition
 
 from profstream import Monitor
 from profstream.kafka.clients import make_producer
-from profstream.schema.codec import decode
 from profstream.simulate import SimConfig, run_simulation
 from tests.faults.conftest import Broker, ProcessorProcess
+from tests.faults.streaming import StreamingRun
 from tests.helpers import raw_batches, wait_until
-from tests.test_processor import _uninterrupted
-
-
-class Tail(threading.Thread):
-    """Every record of a topic (read_committed, from the start) with the moment it was
-    seen: an independent reader of what the processors committed."""
-
-    def __init__(self, bootstrap: str, topic: str, record: str) -> None:
-        super().__init__(daemon=True)
-        self.bootstrap, self.topic, self.record = bootstrap, topic, record
-        self.seen: list[tuple[float, dict]] = []
-        self.halt = threading.Event()
-
-    def run(self) -> None:
-        consumer = KafkaConsumer(bootstrap_servers=self.bootstrap, isolation_level="read_committed",
-                                 enable_auto_commit=False, reconnect_backoff_max_ms=1000)
-        tps = [TopicPartition(self.topic, p) for p in sorted(consumer.partitions_for_topic(self.topic))]
-        consumer.assign(tps)
-        consumer.seek_to_beginning(*tps)
-        while not self.halt.is_set():
-            for batch in consumer.poll(timeout_ms=100).values():
-                now = time.monotonic()
-                self.seen.extend((now, decode(self.record, r.value)) for r in batch)
-        consumer.close()
-
 
 # Each fault returns once Kafka answers again; True when the processor was restarted (its
 # counters then start from zero: a new process counts what it committed itself).
@@ -67,26 +39,6 @@ def _both_killed(broker: Broker, processor: ProcessorProcess) -> bool:
     return True
 
 
-def _missing(tail: Tail, cfg: SimConfig) -> set[tuple[int, int]]:
-    return {(r, s) for r in range(cfg.ranks) for s in range(cfg.steps)} - {(m["rank"], m["step"]) for _, m in tail.seen}
-
-
-def _run_missing(tail: Tail, cfg: SimConfig) -> set[int]:
-    return set(range(cfg.steps)) - {m["step"] for _, m in tail.seen}
-
-
-def _wait_committed(what: str, missing, timeout_s: float, processor: ProcessorProcess) -> None:
-    """Wait until ``missing()`` is empty; else fail with the processor's metrics, threads and log."""
-    deadline = time.monotonic() + timeout_s
-    while (left := missing()) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    if left:
-        processor.proc.send_signal(signal.SIGUSR1)  # its threads' stacks, into its log
-        time.sleep(1)
-    assert not left, (f"{len(left)} {what} never committed, e.g. {sorted(left)[:10]}; "
-                      f"processor: {processor.metrics()}\n{processor.output()[-6000:]}")
-
-
 def _counted(metrics: dict, steps: int, run_steps: int, garbage: int) -> bool:
     """Whether the processor's counters reached what the test sent (they count commits)."""
     return (metrics.get("profstream_steps_closed_total", 0) >= steps
@@ -110,59 +62,35 @@ def test_a_run_through_a_broker_fault_commits_every_step_once_with_clean_values(
                     rate="realtime")
     total = cfg.ranks * cfg.steps
     processor = ProcessorProcess(broker.bootstrap, topics, tmp_path / "processor.log").start()
-    steps_tail = Tail(broker.bootstrap, topics.steps, "StepMetrics")
-    run_tail = Tail(broker.bootstrap, topics.run, "RunStepMetrics")
-    steps_tail.start()
-    run_tail.start()
     garbage = make_producer(broker.bootstrap)
     for i in range(4):
         garbage.send(topics.raw, key=b"fault/0", value=b"before %d" % i)
     garbage.flush()
-    sim: dict = {}
-    run = threading.Thread(target=lambda: sim.update(result=run_simulation(
-        cfg, {"bootstrap": broker.bootstrap, "topic_prefix": topics.prefix})))
-    run.start()
     try:
-        wait_until(lambda: len(steps_tail.seen) >= 60, 60, "60 steps committed before the fault")
-        restarted = fault(broker, processor)
-        up_at, up_wall_ns = time.monotonic(), time.time_ns()
-        run.join(180)
-        assert not run.is_alive(), "the simulated run did not end"
-        for i in range(4):
-            garbage.send(topics.raw, key=b"fault/1", value=b"after %d" % i)
-        garbage.close()
-        _wait_committed("steps", lambda: _missing(steps_tail, cfg), 120, processor)
-        # the run stage commits a step once every rank's StepMetrics reached it (its own
-        # consumer group): wait for the last ones rather than racing them
-        _wait_committed("run steps", lambda: _run_missing(run_tail, cfg), 60, processor)
-        if not restarted:
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and not _counted(processor.metrics() or {}, total, cfg.steps, 8):
-                time.sleep(0.2)
-        metrics = processor.metrics()
-        wait_until(lambda: processor.metrics()["profstream_consumer_lag_messages"] == 0, 30, "lag 0")
+        with StreamingRun(broker.bootstrap, topics, cfg) as run:
+            wait_until(lambda: len(run.steps.seen) >= 60, 60, "60 steps committed before the fault")
+            restarted = fault(broker, processor)
+            up_at, up_wall_ns = time.monotonic(), time.time_ns()
+            result = run.end(180)
+            for i in range(4):
+                garbage.send(topics.raw, key=b"fault/1", value=b"after %d" % i)
+            garbage.close()
+            run.wait_committed(processor, 120, 60)
+            if not restarted:
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline and not _counted(processor.metrics() or {}, total, cfg.steps, 8):
+                    time.sleep(0.2)
+            metrics = processor.metrics()
+            wait_until(lambda: processor.metrics()["profstream_consumer_lag_messages"] == 0, 30, "lag 0")
     finally:
         processor.stop()
-        steps_tail.halt.set()
-        run_tail.halt.set()
-        steps_tail.join(10)
-        run_tail.join(10)
-    result = sim["result"]
     assert result.flushed and result.dropped_ops == 0, result.stats
-    seen = Counter((s["rank"], s["step"]) for _, s in steps_tail.seen)
-    assert len(seen) == total and max(seen.values()) == 1, "steps missing or committed twice"
-    reference = _uninterrupted(broker.bootstrap, topics, "fault", sum(s["seq"] for s in result.stats))
-    for _, s in steps_tail.seen:
-        ref = reference[(s["rank"], s["step"])]
-        assert {f: s[f] for f in s if f != "closed_ns"} == {f: ref[f] for f in ref if f != "closed_ns"}
-    run_steps = Counter(r["step"] for _, r in run_tail.seen)
-    assert set(run_steps) == set(range(cfg.steps)), "run steps other than the run's"
-    assert max(run_steps.values()) == 1, f"run steps committed twice: {[s for s, n in run_steps.items() if n > 1]}"
+    run.check_once_and_clean()
     # back to fresh figures: the first step that ended after the broker came back
     # (on a loaded box the run may end while Kafka is away: then fresh is when its last
     # step was committed, every figure current again)
-    after_up = [t for t, s in steps_tail.seen if s["end_ns"] >= up_wall_ns]
-    fresh = min(after_up) if after_up else max(t for t, _ in steps_tail.seen)
+    after_up = [t for t, s in run.steps.seen if s["end_ns"] >= up_wall_ns]
+    fresh = min(after_up) if after_up else max(t for t, _ in run.steps.seen)
     print(f"\n{fault.__name__}: fresh figures {fresh - up_at:.1f} s after the broker answered again")
     assert fresh - up_at < 30, "the processor did not come back within 30 s of the broker"
     if restarted:
