@@ -120,6 +120,29 @@ def drop_topics(bootstrap: str, prefix: str) -> None:
         note(f"could not delete topics of {prefix}: {type(e).__name__}: {e}")
 
 
+class cpu_hog:  # noqa: N801 (a context manager used like a function)
+    """``with cpu_hog(on):`` a second, CPU-bound process (a Python busy loop at normal
+    priority) runs for the duration of the block when ``on``: the second-core-taken
+    condition of the overhead benchmarks. Stopped (and waited for) at the end."""
+
+    def __init__(self, on: bool = True) -> None:
+        self.on = on
+        self.proc: Any = None
+
+    def __enter__(self) -> cpu_hog:
+        if self.on:
+            import subprocess
+
+            self.proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            note(f"CPU hog running: pid {self.proc.pid}")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+
+
 def chosen(parser: Any, value: str, known: Any) -> list[str]:
     """The comma-separated names of ``value``, each one of ``known`` (else a usage error)."""
     names = [f.strip() for f in value.split(",") if f.strip()]

@@ -144,6 +144,31 @@ def sender_build(rows: list[tuple]) -> bytes:
     return encode_batch(b)
 
 
+def native_record_and_build() -> Callable[[list[tuple]], bytes] | None:
+    """The native Monitor's work for the same batch: each op() call into its columns, then
+    the Batcher's build of the message (None where the native Monitor does not load)."""
+    try:
+        from profstream.producers import native
+    except ImportError:  # a checkout before the native Monitor
+        return None
+    module, _why = native.load()
+    if module is None:
+        return None
+    buffer = native.make_buffer(256 << 20, 1 << 20)
+    plan = native.batch_plan({"run_id": "bench-run", "rank": 3, "world_size": None, "host": "", "device": "cpu",
+                              "producer_id": ""})
+    batcher = module.Batcher(buffer, plan, 1 << 30, 1 << 30, 1.0, 0.0, buffer.host)
+    op = buffer.op
+
+    def record_and_build(rows: list[tuple]) -> bytes:
+        for name, op_type, kind, stream, step, start, dur in rows:
+            op(name, start, dur, kind, op_type, stream, step)
+        batcher.build()
+        return batcher.take_message()[0]
+
+    return record_and_build
+
+
 def rate(fn: Callable[[Any], Any], inputs: list, ops_per_input: int, min_seconds: float) -> float:
     """Ops/s of ``fn`` over ``inputs``, cycled until at least ``min_seconds`` have passed."""
     pc = time.perf_counter
@@ -215,6 +240,15 @@ def main(argv: list[str] | None = None) -> int:
         "what": "Sender per-batch work on top of the codec: op tuples -> op_columns -> encode_batch",
         "ops_per_s": build_rates, "median": summary(build_rates)["median"], "summary": summary(build_rates),
     }}
+    native_build = native_record_and_build()
+    if native_build is not None:
+        assert np.array_equal(decode_batch(native_build(tuples[0])).ops["start_ns"], batches[0].ops["start_ns"])
+        native_rates = [rate(native_build, tuples, n, args.seconds) for _ in range(args.repeats)]
+        diagnostics["native_record_and_build"] = {
+            "what": "the native Monitor's work for the same ops: op() calls into its columns (on the training "
+                    "thread), then the Batcher's message (on the sender thread, GIL released)",
+            "ops_per_s": native_rates, "median": summary(native_rates)["median"], "summary": summary(native_rates),
+        }
 
     ours = formats["profstream"]
     meets = ours["encode_median"] >= TARGET_OPS_PER_S and ours["decode_median"] >= TARGET_OPS_PER_S

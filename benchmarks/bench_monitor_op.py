@@ -31,6 +31,7 @@ from typing import Any
 
 from _common import (
     broker_bootstrap,
+    cpu_hog,
     drop_topics,
     emit,
     envelope,
@@ -42,7 +43,8 @@ from _common import (
 
 from profstream.producers.monitor import Monitor
 
-TARGET_NS = 1000.0
+TARGET_NS = 400.0  # issue #19 (was 1,000 in #2)
+TARGET_POOLED_P99_NS = 1500.0
 UNREACHABLE = "127.0.0.1:1"
 BULK = 1000
 
@@ -168,8 +170,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--unreachable-buffer-mib", type=int, default=16)
     p.add_argument("--flush-timeout", type=float, default=120.0)
     p.add_argument("--keep-topics", action="store_true", help="do not delete the benchmark's topics")
+    p.add_argument("--cpu-hog", action="store_true", help="a second CPU-bound process runs beside the benchmark")
     args = p.parse_args(argv)
+    with cpu_hog(args.cpu_hog):
+        return measure(args)
 
+
+def measure(args: argparse.Namespace) -> int:
     bootstrap = broker_bootstrap(args.bootstrap)
     prefix = unique_prefix()
     note(f"broker {bootstrap}, topic prefix {prefix}")
@@ -181,13 +188,13 @@ def main(argv: list[str] | None = None) -> int:
     paced_calls = calls[:args.paced_chunk]
     figures["loop_and_empty_call"] = figure(
         [time_op_chunks(_noop, calls, args.chunks) for _ in range(args.repeats)])
-    bare = Monitor(run_id="bench-op", sender_factory=_NoSender, buffer_bytes=args.buffer_mib << 20)
-    per_repeat = []
-    for _ in range(args.repeats):
+    per_repeat, dropped = [], 0
+    for _ in range(args.repeats):  # a Monitor per repeat: nothing drains it, and no call may drop
+        bare = Monitor(run_id="bench-op", sender_factory=_NoSender, buffer_bytes=args.buffer_mib << 20)
         per_repeat.append(time_op_chunks(bare.op, calls, args.chunks))
-        bare._ops.clear()  # no sender: empty the buffer by hand so every call is accepted
-    figures["op_no_sender"] = figure(per_repeat, dropped_ops=bare.dropped_ops)
-    bare.close()
+        dropped += bare.dropped_ops
+        bare.close()
+    figures["op_no_sender"] = figure(per_repeat, dropped_ops=dropped)
 
     # The target: op() with the sender thread talking to a real broker.
     monitor = Monitor(run_id="bench-op", bootstrap=bootstrap, topic_prefix=prefix,
@@ -212,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         figures["ops_bulk_real_broker"] = figure(per_repeat, ops_per_call=BULK, dropped_ops=drops,
                                                  flushed=flushed, accepting_path_only=not any(drops))
         figures["sender_stats_after_real_broker"] = monitor.stats()
+        recording = getattr(monitor, "recording", "python")
     finally:
         monitor.close(timeout=30.0)
         if not args.keep_topics:
@@ -234,13 +242,16 @@ def main(argv: list[str] | None = None) -> int:
         down.close(timeout=0.5)
 
     target = figures["op_real_broker"]["median_ns"]["median"]
+    pooled_p99 = figures["op_real_broker"]["pooled_p99_ns"]
     results.update({
         "metric": "op_real_broker: median over repeats of the median ns per op() call across chunks",
         "unit": "ns/call",
         "per_repeat": figures["op_real_broker"]["per_repeat_median_ns"],
         "median": target,
-        "target": {"max_ns_per_call": TARGET_NS},
-        "meets_target": target <= TARGET_NS and figures["op_real_broker"]["accepting_path_only"],
+        "target": {"max_ns_per_call": TARGET_NS, "max_pooled_p99_ns": TARGET_POOLED_P99_NS},
+        "meets_target": (target <= TARGET_NS and pooled_p99 <= TARGET_POOLED_P99_NS
+                         and figures["op_real_broker"]["accepting_path_only"]),
+        "recording": recording,
         "figures": figures,
     })
     emit(envelope("monitor_op", args, results))

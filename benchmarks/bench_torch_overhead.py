@@ -48,10 +48,19 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from _common import broker_bootstrap, drop_topics, emit, envelope, note, summary, unique_prefix
+from _common import (
+    broker_bootstrap,
+    cpu_hog,
+    drop_topics,
+    emit,
+    envelope,
+    note,
+    summary,
+    unique_prefix,
+)
 
 VARIANTS = ("plain", "hooks_only", "instrumented", "plain_profiler", "instrumented_capture")
-TARGETS = {"instrumented": 0.01, "instrumented_capture": 0.03}
+TARGETS = {"instrumented": 0.005, "instrumented_capture": 0.02}  # issue #19 (was 1 % and 3 % in #6)
 SKIP = 2  # first steps of a block left out
 
 
@@ -324,7 +333,13 @@ def main() -> None:
                         help="op capture reads traces with the Python walk only")
     parser.add_argument("--places", action="store_true",
                         help="measure where the conversion can run instead (no broker); --repeats x 4 rounds")
+    parser.add_argument("--cpu-hog", action="store_true", help="a second CPU-bound process runs beside the loop")
     args = parser.parse_args()
+    with cpu_hog(args.cpu_hog):
+        measure(args)
+
+
+def measure(args: argparse.Namespace) -> None:
 
     import torch
 
@@ -371,6 +386,7 @@ def main() -> None:
                                              for v in VARIANTS))
         stats["dropped_ops"] = sum(m.stats()["dropped_ops"] for m in monitors.values())
         stats["compiled_walk"] = "/".join(filter(None, torch_native.status()))
+        stats["recording"] = getattr(monitors["instrumented"], "recording", "python")
         context = {"hook_cost_us_per_step": hook_cost_us(),
                    "monitor_alone_cpu_ms_per_20ms_step": monitor_cpu_ms_per_step(options)}
     finally:

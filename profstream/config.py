@@ -199,6 +199,9 @@ MONITOR_OPTIONS: tuple[Option, ...] = (
     Option("connect_timeout_s", "float", 10.0, "seconds one attempt to reach the broker may take (the first failure logs one warning)",
            _positive, "a number > 0"),
     Option("enabled", "bool", True, "false turns every Monitor call into a no-op"),
+    Option("native", "bool", True,
+           "record, encode and send in the compiled extension when it loads (false: the pure-Python Monitor, "
+           "whose sender thread holds the GIL for its per-batch work)"),
 )
 
 

@@ -44,7 +44,7 @@ def run_checks(bootstrap: str | None = None, topic_prefix: str = "profstream", g
     ``broker_timeout_s``; ``gpu``: NVML must be there; ``build_walk``: build the compiled
     trace walk if it is not built."""
     broker = bootstrap or _known_broker()
-    findings = [check_python(), check_options(), check_java(local_broker=broker is None),
+    findings = [check_python(), check_options(), check_native_monitor(), check_java(local_broker=broker is None),
                 check_kafka_jars(local_broker=broker is None)]
     findings += check_broker(broker, topic_prefix, broker_timeout_s)
     findings += [check_prometheus(), *check_torch(build_walk), check_nvml(gpu), check_ports()]
@@ -75,6 +75,18 @@ def check_options() -> Finding:
     except ConfigError as e:
         return Finding("options", FAIL, "a PROFSTREAM_* option is wrong", str(e))
     return Finding("options", OK, f"{', '.join(given)} valid" if given else "no PROFSTREAM_* options set")
+
+
+def check_native_monitor() -> Finding:
+    """Whether the Monitor's compiled hot path loads (else the pure-Python Monitor runs)."""
+    from profstream.producers import native
+
+    module, why = native.load()
+    if module is None:
+        return Finding("native Monitor", WARN, f"not loaded: {why}; the Monitor runs in Python, its sender thread "
+                       "holding the GIL for its per-batch work",
+                       "pip install --force-reinstall --no-deps profstream with g++ and python3-dev present")
+    return Finding("native Monitor", OK, f"{native.describe()} ({Path(module.__file__).name})")
 
 
 def check_java(local_broker: bool) -> Finding:

@@ -275,7 +275,7 @@ def _monitor_without_sender_thread():
     idle = SimpleNamespace(start=lambda: None, stop=lambda timeout: True, flush=lambda timeout: True,
                            stats=lambda: {})
     mon = Monitor(run_id="coll", rank=1, world_size=2, bootstrap="127.0.0.1:1", sender_factory=lambda m: idle,
-                  host_sample_interval_s=0)
+                  host_sample_interval_s=0, native=False)  # the native Monitor's: tests/test_native.py
     return mon, Sender(mon)
 
 

@@ -24,7 +24,7 @@ def test_a_reachable_broker_with_its_topics_passes(kafka_bootstrap, topics):
     assert kafka_bootstrap in found["broker"].found
     done = _doctor("--bootstrap", kafka_bootstrap, "--topic-prefix", topics.prefix)
     assert done.returncode == 0, done.stdout + done.stderr
-    for check in ("Python", "options", "Java", "Kafka jars", "broker", "topics", "Prometheus", "torch", "compiled walk", "NVML",
+    for check in ("Python", "options", "native Monitor", "Java", "Kafka jars", "broker", "topics", "Prometheus", "torch", "compiled walk", "NVML",
                   "ports"):
         assert check in done.stdout, check
 
@@ -35,6 +35,17 @@ def test_a_bad_option_in_the_environment_fails_naming_it(monkeypatch):
     assert finding.status == FAIL and "unknown option 'every_n_step' in PROFSTREAM_OPTIONS" in finding.fix
     monkeypatch.setenv("PROFSTREAM_OPTIONS", '{"run_id": "r1", "profile": true, "profile_start_step": 5}')
     assert doctor.check_options() == doctor.Finding("options", OK, "PROFSTREAM_OPTIONS valid")
+
+
+def test_the_native_monitor_row_says_which_monitor_runs_and_why_not_native(monkeypatch):
+    from profstream.producers import native
+
+    found = doctor.check_native_monitor()
+    assert found.status == OK and "librdkafka" in found.found  # built by this checkout's install
+    monkeypatch.setattr(native, "_loaded", (None, "the compiled extension is not there (test)"))
+    found = doctor.check_native_monitor()
+    assert found.status == WARN and "not there (test)" in found.found and "runs in Python" in found.found
+    assert "g++" in found.fix
 
 
 def test_missing_topics_are_a_warning_that_says_who_creates_them(kafka_bootstrap):

@@ -26,6 +26,9 @@ import textwrap
 import pytest
 
 from profstream.kafka.clients import read_topic
+from profstream.producers import native
+from profstream.producers.sender import COLLECTIVE_PRODUCER_SUFFIX
+from profstream.schema.batch import decode_batch
 from profstream.schema.codec import decode
 from tests.test_processor import RunningProcessor
 
@@ -96,6 +99,19 @@ def _run_ranks(kafka_bootstrap, topics, tmp_path, run_id: str) -> None:
                 p.kill()
     for rank, (p, out) in enumerate(zip(procs, outputs)):
         assert p.returncode == 0, f"rank {rank} exited {p.returncode}:\n{out[-3000:]}"
+        # the compiled Monitor where it builds (it says so when it falls back to Python)
+        assert native.load()[0] is None or "Monitor runs in Python" not in out, f"rank {rank}:\n{out[-3000:]}"
+    if native.load()[0] is not None:  # and its collective calls went in batches of their own
+        ranks: set[int] = set()
+
+        def first_of_rank(b) -> bool:  # one batch of calls per rank
+            new = b.run_id == run_id and b.producer_id.endswith(COLLECTIVE_PRODUCER_SUFFIX) and b.rank not in ranks
+            if new:
+                ranks.add(b.rank)
+            return new
+
+        calls = read_topic(kafka_bootstrap, topics.raw, first_of_rank, WORLD, 60, decode=decode_batch)
+        assert {b.rank for b in calls} == set(range(WORLD)), [(b.rank, b.producer_id) for b in calls]
 
 
 def test_a_late_rank_is_named_and_the_others_wait_for_it(kafka_bootstrap, topics, tmp_path):

@@ -61,6 +61,26 @@ def test_the_compiled_walk_hands_back_the_step_befores_names_only_when_they_are_
     assert _rows(native_op_columns(walk, results, 0, HostThreads(), None, names)) == _rows(first)
 
 
+def test_the_compiled_walk_asks_python_about_an_annotation_once_and_the_same_through_each_step(walk):
+    """The walk runs with the GIL released and takes it back only for a name it has not
+    seen: the next step's walk asks nothing, and a different rule starts afresh."""
+    results, _ = rich_capture()
+    asked: list[str] = []
+
+    def through(name: str) -> bool:
+        asked.append(name)
+        return NodeNames.through(name)
+
+    first = walk(results, through, 0, None, [])
+    assert {"outer", "inner"} <= set(asked) and len(asked) == len(set(asked))
+    del asked[:]
+    assert walk(results, through, 0, None, [])[0] == first[0]
+    assert asked == []  # every answer kept
+    never: list[str] = []
+    assert walk(results, lambda name: never.append(name) or False, 0, None, [])[0] != first[0]
+    assert never  # another rule: asked again, and its answers used
+
+
 def test_the_compiled_walk_leaves_a_tree_with_other_events_to_the_event_conversion(walk):
     from torch.profiler import ProfilerActivity, profile, record_function
 

@@ -11,13 +11,21 @@
 // does all the per-op work: the clock offset, the order and one-thread checks, the data
 // mask, and the names, which are handed back as the very list of the step before when
 // they are the same (the usual case: no new str objects, no list comparison in Python).
+//
+// The walk and the arithmetic touch no Python object and run with the GIL released, so
+// that another thread of the process (a data loader's pinning thread) runs meanwhile
+// rather than after. Whether an annotation is read through is Python's answer
+// (`through(name)`), asked once per name and kept for the next steps; only a name not
+// seen before takes the GIL back in the middle of the walk.
 #include <pybind11/pybind11.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/csrc/profiler/collection.h>
 
 #include <cstdint>
 #include <cstring>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace py = pybind11;
@@ -49,6 +57,18 @@ bool same_names(const py::list& names, const std::vector<const std::string*>& fo
   return true;
 }
 
+// `through`'s answers, per name, for the `through` they came from (kept alive here).
+struct ThroughCache {
+  std::mutex mu;
+  py::object owner;
+  std::unordered_map<std::string, bool> answers;
+};
+
+ThroughCache& through_cache() {
+  static auto* cache = new ThroughCache();  // never destroyed: it holds a Python object
+  return *cache;
+}
+
 // (names, start_ns, dur_ns, tid, in_order, one_thread, data) of the outermost ops, in walk
 // order: start_ns with `offset_ns` added, start_ns, dur_ns and tid as native int64 bytes;
 // `names` is `previous` itself when it holds the same names; in_order: start_ns never
@@ -57,45 +77,77 @@ bool same_names(const py::list& names, const std::vector<const std::string*>& fo
 // not a torch op (the caller reads the trace another way).
 py::object outermost_ops(const torch::autograd::profiler::ProfilerResult& result, const py::function& through,
                          int64_t offset_ns, const py::object& data_until_ns, const py::list& previous) {
-  const auto& roots = result.event_tree();
-  std::vector<const Result*> stack;
-  for (auto it = roots.rbegin(); it != roots.rend(); ++it) stack.push_back(it->get());
+  ThroughCache& cache = through_cache();
+  {
+    std::lock_guard<std::mutex> g(cache.mu);
+    if (!cache.owner.is(through)) {
+      cache.owner = through;
+      cache.answers.clear();
+    }
+  }
+  const bool has_until = !data_until_ns.is_none();
+  const int64_t until = has_until ? data_until_ns.cast<int64_t>() : 0;
   std::vector<const std::string*> names;
-  std::string start, dur, tid;
-  while (!stack.empty()) {
-    const Result* node = stack.back();
-    stack.pop_back();
-    const auto* op = std::get_if<TorchOp>(&node->extra_fields_);
-    if (op == nullptr) return py::none();
-    const int64_t d = op->end_time_ns_ - node->start_time_ns_;
-    if (d < 0 || (op->scope_ == at::RecordScope::USER_SCOPE && through(py::str(op->name_)).cast<bool>())) {
-      for (auto it = node->children_.rbegin(); it != node->children_.rend(); ++it) stack.push_back(it->get());
-      continue;
+  std::string start, dur, tid, mask;
+  bool torch_ops_only = true, in_order = true, one_thread = true, any_data = false;
+  {
+    py::gil_scoped_release nogil;
+    const auto& roots = result.event_tree();
+    std::vector<const Result*> stack;
+    for (auto it = roots.rbegin(); it != roots.rend(); ++it) stack.push_back(it->get());
+    while (!stack.empty()) {
+      const Result* node = stack.back();
+      stack.pop_back();
+      const auto* op = std::get_if<TorchOp>(&node->extra_fields_);
+      if (op == nullptr) {
+        torch_ops_only = false;
+        break;
+      }
+      const int64_t d = op->end_time_ns_ - node->start_time_ns_;
+      bool read_through = d < 0;
+      if (!read_through && op->scope_ == at::RecordScope::USER_SCOPE) {
+        std::unique_lock<std::mutex> l(cache.mu);
+        auto found = cache.answers.find(op->name_);
+        if (found != cache.answers.end()) {
+          read_through = found->second;
+        } else {
+          l.unlock();
+          {
+            py::gil_scoped_acquire gil;  // a name not seen before: Python says
+            read_through = through(py::str(op->name_)).cast<bool>();
+          }
+          l.lock();
+          if (cache.answers.size() >= 4096) cache.answers.clear();  // names that change every step
+          cache.answers.emplace(op->name_, read_through);
+        }
+      }
+      if (read_through) {
+        for (auto it = node->children_.rbegin(); it != node->children_.rend(); ++it) stack.push_back(it->get());
+        continue;
+      }
+      names.push_back(&op->name_);
+      put(start, node->start_time_ns_ + offset_ns);
+      put(dur, d);
+      put(tid, static_cast<int64_t>(node->start_tid_));
     }
-    names.push_back(&op->name_);
-    put(start, node->start_time_ns_ + offset_ns);
-    put(dur, d);
-    put(tid, static_cast<int64_t>(node->start_tid_));
+    const size_t n = names.size();
+    const auto* starts = reinterpret_cast<const int64_t*>(start.data());
+    const auto* durs = reinterpret_cast<const int64_t*>(dur.data());
+    const auto* tids = reinterpret_cast<const int64_t*>(tid.data());
+    for (size_t i = 1; i < n; ++i) {
+      in_order = in_order && starts[i] >= starts[i - 1];
+      one_thread = one_thread && tids[i] == tids[0];
+    }
+    if (has_until) {
+      mask.assign(n, '\0');
+      for (size_t i = 0; i < n; ++i) {
+        if (starts[i] + durs[i] <= until) mask[i] = any_data = true;
+      }
+    }
   }
+  if (!torch_ops_only) return py::none();
   const size_t n = names.size();
-  const auto* starts = reinterpret_cast<const int64_t*>(start.data());
-  const auto* durs = reinterpret_cast<const int64_t*>(dur.data());
-  const auto* tids = reinterpret_cast<const int64_t*>(tid.data());
-  bool in_order = true, one_thread = true;
-  for (size_t i = 1; i < n; ++i) {
-    in_order = in_order && starts[i] >= starts[i - 1];
-    one_thread = one_thread && tids[i] == tids[0];
-  }
-  py::object data = py::none();
-  if (!data_until_ns.is_none()) {
-    const int64_t until = data_until_ns.cast<int64_t>();
-    std::string mask(n, '\0');
-    bool any = false;
-    for (size_t i = 0; i < n; ++i) {
-      if (starts[i] + durs[i] <= until) mask[i] = any = true;
-    }
-    if (any) data = py::bytes(mask);
-  }
+  py::object data = any_data ? py::object(py::bytes(mask)) : py::object(py::none());
   py::list out_names;
   if (same_names(previous, names)) {
     out_names = previous;

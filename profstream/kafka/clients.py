@@ -98,6 +98,21 @@ def _native_producer_config(bootstrap: str, compression: str | None) -> dict[str
     })
 
 
+# The Monitor's producer, on top of _native_producer_config: no delivery timeout (see
+# NativeProducer), whichever client sends.
+_MONITOR_PRODUCER: dict[str, Any] = {"message.timeout.ms": 0}
+
+
+def monitor_producer_settings(bootstrap: str, compression: str | None = "lz4") -> dict[str, str]:
+    """The librdkafka settings of the Monitor's producer as strings, for the native sender,
+    which opens librdkafka itself (producers/native_sender.py). Same as NativeProducer's,
+    but for the log destination: its lines are forwarded to the same "kafka.librdkafka"
+    logger by the sender thread."""
+    config = dict(_native_producer_config(bootstrap, compression), **_MONITOR_PRODUCER)
+    del config["logger"]
+    return {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in config.items()}
+
+
 class NativeProducer:
     """The training process's producer: librdkafka (confluent-kafka) under a small surface.
 
@@ -117,8 +132,7 @@ class NativeProducer:
         # from writing a batch twice, except across the epoch bump librdkafka makes after some
         # errors around a leader change: the processors take such a copy once (assembler.py).
         self._producer = confluent_kafka.Producer(dict(
-            _native_producer_config(bootstrap, compression),
-            **{"message.timeout.ms": 0, "error_cb": self._error}))
+            _native_producer_config(bootstrap, compression), **_MONITOR_PRODUCER, error_cb=self._error))
         try:  # like kafka-python's constructor: fail now when no broker answers
             self._producer.list_topics(timeout=bootstrap_timeout_ms / 1000)
         except confluent_kafka.KafkaException as e:

@@ -61,6 +61,14 @@ class Drained(NamedTuple):
     collectives: list[tuple]  # (name, group, dtype, step, seq, start_ns, dur_ns, in, out, group_size)
 
 
+def buffer_bounds(buffer_bytes: int) -> tuple[int, int, int]:
+    """``buffer_bytes`` as (bytes of encoded batches waiting for their acknowledgement, op
+    events, samples of each kind): the bounds of every Monitor buffer, Python or native."""
+    budget = buffer_bytes * (1 - INFLIGHT_SHARE)
+    return (int(buffer_bytes * INFLIGHT_SHARE), max(1, int(budget * (1 - SAMPLE_SHARE) / OP_BYTES)),
+            max(64, int(budget * SAMPLE_SHARE / SAMPLE_BYTES)))
+
+
 def rows_chunk(rows: list[tuple]) -> OpChunk:
     """op() tuples (name, op_type, kind, stream, step, start_ns, dur_ns), or those and a
     launch_ns each, as one chunk."""
@@ -71,10 +79,7 @@ class EventBuffer:
     """Events recorded on the training thread and not yet taken by the Sender."""
 
     def __init__(self, buffer_bytes: int, batch_max_ops: int) -> None:
-        budget = buffer_bytes * (1 - INFLIGHT_SHARE)
-        self.inflight_limit_bytes = int(buffer_bytes * INFLIGHT_SHARE)
-        self.max_ops = max(1, int(budget * (1 - SAMPLE_SHARE) / OP_BYTES))
-        self.max_samples = max(64, int(budget * SAMPLE_SHARE / SAMPLE_BYTES))
+        self.inflight_limit_bytes, self.max_ops, self.max_samples = buffer_bounds(buffer_bytes)
         self.batch_max_ops = batch_max_ops
 
         self.ops: deque = deque()  # one tuple per op() call
@@ -121,6 +126,11 @@ class EventBuffer:
             samples.append(row)
         else:
             self.dropped_samples += 1
+
+    def add_collective(self, row: tuple) -> None:
+        """One collective call (``Drained.collectives``' columns), or dropped and counted
+        when the samples' reserve is full."""
+        self.add_sample(self.collectives, row)
 
     def add_device_sample(self, row: tuple) -> None:
         """One device counter sample (ts_ns, step, *DeviceSample), or dropped and counted

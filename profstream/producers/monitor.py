@@ -1,11 +1,15 @@
 """``Monitor``: the device-side producer that lives in each training process.
 
-Every call made on the training thread appends one tuple to a bounded in-memory buffer
-(``buffer.EventBuffer``) and returns: no I/O, no lock, no exception into user code. A
-background ``Sender`` thread drains the buffer into columnar ``EventBatch`` messages and
-sends them to Kafka. When the buffer is full, op events are dropped first and counted;
-step marks, memory and queue samples have a reserve of their own. The drop counts travel
-in the next batch header.
+Every call made on the training thread records into a bounded in-memory buffer and
+returns: no I/O, no lock, no exception into user code. A background sender thread turns
+the buffer into columnar ``EventBatch`` messages and sends them to Kafka. When the buffer
+is full, op events are dropped first and counted; step marks, memory and queue samples
+have a reserve of their own. The drop counts travel in the next batch header.
+
+Two implementations of the buffer and sender write the same bytes: the compiled one
+(``native.NativeBuffer``, whose ``op()`` is a single C call, and ``native_sender``, which
+builds and sends with the GIL released) where the extension loads, else the pure-Python
+``buffer.EventBuffer`` and ``sender.Sender``. The first Monitor of a process says which.
 """
 
 from __future__ import annotations
@@ -28,6 +32,30 @@ log = logging.getLogger("profstream.monitor")
 _time_ns = time.time_ns
 
 _live_monitors: weakref.WeakSet[Monitor] = weakref.WeakSet()
+_said: set[str] = set()
+
+
+def _say_once(what: str, level: int, message: str, *args: Any) -> None:
+    if what not in _said:
+        _said.add(what)
+        log.log(level, message, *args)
+
+
+def _make_buffer(opts: dict[str, Any]) -> tuple[Any, str]:
+    """(the Monitor's buffer, "native" or "python"): compiled where it loads and is wanted."""
+    if opts["enabled"] and opts["native"]:
+        from profstream.producers import native
+
+        module, why = native.load()
+        if module is not None:
+            _say_once("native", logging.INFO, "profstream: the Monitor records, encodes and sends in native code "
+                      "(%s), its sender thread without the GIL", native.describe())
+            return native.make_buffer(opts["buffer_bytes"], opts["batch_max_ops"]), "native"
+        _say_once("python", logging.WARNING, "profstream: the Monitor runs in Python, its sender thread holding "
+                  "the GIL for its per-batch work: %s", why)
+    elif opts["enabled"]:
+        _say_once("python-chosen", logging.INFO, "profstream: the Monitor runs in Python (native=false)")
+    return EventBuffer(opts["buffer_bytes"], opts["batch_max_ops"]), "python"
 
 
 @atexit.register
@@ -67,6 +95,25 @@ class _CountingOps:
         return len(self._ops)
 
 
+class _CountingRecorder:
+    """What _CountingOps counts, for the native Monitor: the ops rows its recorder took
+    since the count was last set (op() and ops() alike; rows dropped or invalid are not)."""
+
+    __slots__ = ("_buffer", "_base")
+
+    def __init__(self, buffer) -> None:
+        self._buffer = buffer
+        self._base = buffer.recorded_rows(buffer.ops_section)
+
+    @property
+    def n(self) -> int:
+        return self._buffer.recorded_rows(self._buffer.ops_section) - self._base
+
+    @n.setter
+    def n(self, value: int) -> None:
+        self._base = self._buffer.recorded_rows(self._buffer.ops_section) - value
+
+
 class Monitor:
     """Records op, memory, queue and step events of one rank and streams them to Kafka.
 
@@ -90,10 +137,14 @@ class Monitor:
         self._enabled: bool = opts["enabled"]
 
         # Appended on the training thread, drained by the sender thread.
-        self.buffer = buf = EventBuffer(opts["buffer_bytes"], opts["batch_max_ops"])
+        buf, self.recording = _make_buffer(opts)
+        self.buffer = buf
+        self._native = self.recording == "native"
         self.inflight_limit_bytes = buf.inflight_limit_bytes
-        # Bound once: op() saves an attribute lookup on each of them.
-        self._ops = buf.ops
+        if self._native:
+            self.op = buf.op  # the compiled op(): one C call, no Python frame
+        else:  # bound once: op() saves an attribute lookup on each of them
+            self._ops = buf.ops
         self._batch_max_ops: int = buf.batch_max_ops
         self._wake = buf.wake
 
@@ -110,6 +161,7 @@ class Monitor:
         self._scheduled: bool = opts["scheduled_capture"]
         self._capturing = self._enabled and self._scheduled and self._start_step is None
         self._closed = False
+        self._sync_recorder()
 
         # Capture requests (docs/capture.md): read by a thread of their own, taken up at
         # step boundaries by the Monitor's gate, or by an integration after defer_ops().
@@ -123,9 +175,12 @@ class Monitor:
         self._sender = None
         self._device_sampler = None
         if self._enabled:
-            from profstream.producers.sender import Sender
-
-            self._sender = (sender_factory or Sender)(self)
+            if self._native:
+                from profstream.producers.native_sender import NativeSender as sender_type
+            else:
+                from profstream.producers.sender import Sender as sender_type
+            self.sender_type = sender_type
+            self._sender = (sender_factory or sender_type)(self)
             self._sender.start()
             _live_monitors.add(self)
             from profstream.devices.sampler import start_sampler
@@ -161,8 +216,8 @@ class Monitor:
         count a device op in the step that launched it (``step``), whenever it ran."""
         if self._capturing:
             self.buffer.add_ops(names, start_ns, dur_ns, kinds, op_types, streams, self._step if step is None else step,
-                                launch_ns)
-            if self._counting is not None:
+                                launch_ns=launch_ns)
+            if self._counting is not None and not self._native:  # the native count is the recorder's
                 self._counting.n += len(names)
 
     # -- steps ------------------------------------------------------------------------
@@ -182,6 +237,8 @@ class Monitor:
         self._capturing = self._in_window(step)
         if self._plan_gate is not None and self._plan_gate.claim(step) is not None:
             self._capture_requested()
+        if self._native:
+            self.buffer.set_state(step, self._capturing)
         return step
 
     def end_step(self, ts_ns: int | None = None) -> None:
@@ -229,10 +286,16 @@ class Monitor:
         self._capturing = self._enabled and not self._closed
         self._auto_watermark = False
         self._plan_gate = None  # the integration takes capture requests up itself (capture_plan)
+        self._sync_recorder()
 
     @property
     def current_step(self) -> int:
         return self._step
+
+    def _sync_recorder(self) -> None:
+        """The compiled op() reads the current step and window from the recorder."""
+        if self._native:
+            self.buffer.set_state(self._step, self._capturing)
 
     def _in_window(self, step: int) -> bool:
         if not self._scheduled:
@@ -252,7 +315,10 @@ class Monitor:
         while a request captures, and only then)."""
         self._capturing = True
         if self._counting is None:
-            self._ops = self._counting = _CountingOps(self.buffer.ops)
+            if self._native:  # op() is the recorder's: its rows are counted there
+                self._counting = _CountingRecorder(self.buffer)
+            else:
+                self._ops = self._counting = _CountingOps(self.buffer.ops)
 
     def _requested_step_ended(self, end_ns: int) -> None:
         plan, counting = self.capture_plan, self._counting
@@ -261,7 +327,8 @@ class Monitor:
         current = plan.current
         plan.captured(self._step, n)
         if plan.current is not current or current is None:  # the request is over
-            self._ops = self.buffer.ops
+            if not self._native:
+                self._ops = self.buffer.ops
             self._counting = None
 
     # -- samples ----------------------------------------------------------------------
@@ -288,7 +355,7 @@ class Monitor:
         The processors match the call across the run's ranks by (group, seq); record the
         op itself with ``op``/``ops`` as usual (kind communication)."""
         if self._capturing:
-            self.buffer.add_sample(self.buffer.collectives, (
+            self.buffer.add_collective((
                 collective, group, dtype, self._step if step is None else step, seq, start_ns, dur_ns, in_bytes,
                 out_bytes, group_size))
 
@@ -341,6 +408,7 @@ class Monitor:
             self.end_step()
         self._closed = True
         self._capturing = False
+        self._sync_recorder()
         _live_monitors.discard(self)
         if self._device_sampler is not None:  # its last samples go with the final flush
             self._device_sampler.stop(min(timeout, 5.0))
@@ -359,7 +427,7 @@ class Monitor:
 
     def stats(self) -> dict[str, Any]:
         """Producer health: drops, buffer fill, batches sent, send latency."""
-        out = {"dropped_ops": self.dropped_ops, "dropped_samples": self.dropped_samples,
+        out = {"recording": self.recording, "dropped_ops": self.dropped_ops, "dropped_samples": self.dropped_samples,
                "buffered_ops": self.buffered_ops, "buffer_fill_ratio": self.buffer_fill_ratio,
                "buffered_samples": self.buffer.buffered_samples}
         if self._device_sampler is not None:

@@ -46,6 +46,10 @@ log = logging.getLogger("profstream.monitor")
 # stay v4, so a processor older than v5 loses nothing but the device counters.
 DEVICE_PRODUCER_SUFFIX = ".devices"
 DEVICE_ROWS_PER_BATCH = 4096  # ~0.5 MB encoded: under Kafka's message limit
+# The native Monitor (native_sender) sends collective calls the same way, as EventBatch v6
+# batches of their own: its compiled encoder writes v4 alone (docs/monitor.md).
+COLLECTIVE_PRODUCER_SUFFIX = ".collectives"
+COLLECTIVE_ROWS_PER_BATCH = 1024  # their names travel with them: a smaller batch
 
 
 class Source(Protocol):
@@ -144,6 +148,17 @@ def sample_columns(rows: list[tuple], columns: tuple[tuple[str, Any], ...]) -> d
     return {c: np.array(v, dtype=d) for (c, d), v in zip(columns, zip(*rows))}
 
 
+def host_sample(process: psutil.Process) -> tuple | None:
+    """One host_samples row (``SECTIONS["host_samples"]``) by psutil, None when it fails:
+    host samples are best effort, a vanished /proc entry is not worth a warning."""
+    try:
+        cpu = psutil.cpu_times_percent(interval=None)
+        return (time.time_ns(), cpu.user / 100, cpu.system / 100, cpu.idle / 100, getattr(cpu, "iowait", 0.0) / 100,
+                process.cpu_percent(interval=None) / 100, process.memory_info().rss)
+    except psutil.Error:
+        return None
+
+
 def collective_columns(rows: list[tuple]) -> tuple[list[str], dict[str, np.ndarray]]:
     """Collective sample tuples (``EventBuffer.collectives``) as collective_names and the
     collectives section: the three names share one dictionary."""
@@ -152,21 +167,32 @@ def collective_columns(rows: list[tuple]) -> tuple[list[str], dict[str, np.ndarr
     return names, {"name_idx": codes[0::3], "group_idx": codes[1::3], "dtype_idx": codes[2::3], **cols}
 
 
+def _fill_device_samples(batch: EventBatch, rows: list[tuple]) -> None:
+    batch.device_samples = sample_columns(rows, SECTIONS["device_samples"])
+
+
+def fill_collectives(batch: EventBatch, rows: list[tuple]) -> None:
+    """Collective sample tuples into ``batch``'s collectives section and collective_names."""
+    batch.collective_names, batch.collectives = collective_columns(rows)
+
+
 class Sender(threading.Thread):
     """Builds and sends the batches of one Monitor."""
 
-    def __init__(self, monitor: Source, producer_factory=make_native_producer) -> None:
+    default_producer = staticmethod(make_native_producer)
+
+    def __init__(self, monitor: Source, producer_factory=None) -> None:
         super().__init__(name=f"profstream-sender-{monitor.run_id}-{monitor.rank}", daemon=True)
         self.m = monitor
         self.buffer = monitor.buffer
         opts = monitor.options
-        self._producer_factory = producer_factory
+        self._producer_factory = producer_factory or self.default_producer
         self._interval = opts["batch_interval_ms"] / 1000.0
         self._host_interval = opts["host_sample_interval_s"]
         self._connect_timeout = opts["connect_timeout_s"]
         self._producer = None
         self._seq = 0
-        self._device_seq = 0
+        self._side_seq = {DEVICE_PRODUCER_SUFFIX: 0, COLLECTIVE_PRODUCER_SUFFIX: 0}  # batches of their own
         self._sent_watermark: int | None = None
         self._reported_dropped_ops = 0
         self._reported_dropped_samples = 0
@@ -262,23 +288,44 @@ class Sender(threading.Thread):
             except Exception as e:
                 log.warning("profstream: closing the Kafka producer failed: %s", e)
             self._producer = None
+        ops, samples = self._drop_unsent()
+        if ops or samples:
+            self._undelivered(ops, samples, "the Monitor closed before Kafka took them")
+        lost_ops, lost_samples = self._undelivered_totals()
+        if lost_ops or lost_samples:
+            # a warning, unless Kafka was never reached: the one warning then said events are dropped
+            level = logging.WARNING if self._acked() or self._down_since is None else logging.INFO
+            log.log(level, "profstream: %d ops and %d samples of %s rank %d never reached Kafka at %s: they are "
+                    "counted as dropped", lost_ops, lost_samples, self.m.run_id,
+                    self.m.rank, self.m.options["bootstrap"])
+
+    def _drop_unsent(self) -> tuple[int, int]:
+        """Forget the batches built and not handed to Kafka; (ops, samples) of those and of
+        what is still buffered."""
         buf = self.buffer
         ops = sum(n for _v, n, _s in self._pending) + buf.buffered_ops
         samples = sum(s for _v, _n, s in self._pending) + buf.buffered_samples
-        if ops or samples:
-            self._pending.clear()
-            self._undelivered(ops, samples, "the Monitor closed before Kafka took them")
-        if self.undelivered_ops or self.undelivered_samples:
-            # a warning, unless Kafka was never reached: the one warning then said events are dropped
-            level = logging.WARNING if self._acked_batches or self._down_since is None else logging.INFO
-            log.log(level, "profstream: %d ops and %d samples of %s rank %d never reached Kafka at %s: they are "
-                    "counted as dropped", self.undelivered_ops, self.undelivered_samples, self.m.run_id,
-                    self.m.rank, self.m.options["bootstrap"])
+        self._pending.clear()
+        return ops, samples
+
+    def _undelivered_totals(self) -> tuple[int, int]:
+        return self.undelivered_ops, self.undelivered_samples
+
+    def _acked(self) -> int:
+        with self._lock:
+            return self._acked_batches
 
     def _undelivered(self, ops: int, samples: int, why: str) -> None:
         """Count events that will never reach Kafka (the next batch header carries them)."""
+        self._count_undelivered(ops, samples)
+        self._say_lost(ops, samples, why)
+
+    def _count_undelivered(self, ops: int, samples: int) -> None:
         self.undelivered_ops += ops
         self.undelivered_samples += samples
+
+    def _say_lost(self, ops: int, samples: int, why: str) -> None:
+        """One warning a minute at most; none while stopping (the close says it once)."""
         now = time.monotonic()
         if now - self._lost_said_at >= 60.0 and not self._stopping.is_set():  # at close: one summary
             self._lost_said_at = now
@@ -308,7 +355,8 @@ class Sender(threading.Thread):
         try:
             self._producer = self._producer_factory(
                 opts["bootstrap"], compression=opts["compression"],
-                bootstrap_timeout_ms=int(self._connect_timeout * 1000), on_error=self._on_client_error)
+                bootstrap_timeout_ms=int(self._connect_timeout * 1000), on_error=self._on_client_error,
+                **self._producer_options())
             if self._stopping.is_set():  # closed while we were connecting
                 self._close_producer()
                 return False
@@ -325,7 +373,15 @@ class Sender(threading.Thread):
             return False
         self._connect_backoff = 0.5
         self._mark_up()
+        self._connected()
         return True
+
+    def _producer_options(self) -> dict[str, Any]:
+        """More keyword arguments of the producer factory (NativeSender's)."""
+        return {}
+
+    def _connected(self) -> None:
+        """The producer is there (NativeSender sends through it from then on)."""
 
     def _mark_down(self, now: float, error: BaseException) -> None:
         if self._down_since is None:
@@ -341,7 +397,7 @@ class Sender(threading.Thread):
     def _mark_up(self) -> None:
         if self._warned_down:
             log.warning("profstream: Kafka at %s reachable again; %d ops dropped so far",
-                        self.m.options["bootstrap"], self.buffer.dropped_ops + self.undelivered_ops)
+                        self.m.options["bootstrap"], self.buffer.dropped_ops + self._undelivered_totals()[0])
         self._down_since = None
         self._warned_down = False
 
@@ -395,9 +451,7 @@ class Sender(threading.Thread):
                 batch.queue_names = names
             samples -= self._section(batch, queues, fill_queues)
         if collectives:
-            def fill_collectives() -> None:
-                batch.collective_names, batch.collectives = collective_columns(collectives)
-            samples -= self._section(batch, collectives, fill_collectives)
+            samples -= self._section(batch, collectives, lambda: fill_collectives(batch, collectives))
         try:
             value = encode_batch(batch)
         except (ValueError, TypeError, OverflowError) as e:  # bad sample values from user code
@@ -413,7 +467,7 @@ class Sender(threading.Thread):
         self._reported_dropped_samples = total_dropped_samples
         self._sent_watermark = batch.complete_through_step
         self._seq += 1
-        self._pending.append((value, batch.n("ops"), samples))
+        self._queue_message(value, batch.n("ops"), samples)
         return True
 
     @staticmethod
@@ -431,22 +485,37 @@ class Sender(threading.Thread):
     def _queue_device_batches(self, rows: list[tuple]) -> None:
         """Device counter samples into batches of their own (DEVICE_PRODUCER_SUFFIX);
         samples with values that are not numbers are dropped and counted."""
+        self._queue_side_batches(rows, DEVICE_PRODUCER_SUFFIX, DEVICE_ROWS_PER_BATCH, _fill_device_samples,
+                                 "device samples with values that are not numbers")
+
+    def _queue_side_batches(self, rows: list[tuple], suffix: str, per_batch: int, fill: Any, bad: str) -> None:
+        """Rows of one section into batches of their own, under the producer id + ``suffix``
+        (with no watermark: the Monitor's own batches carry it); ``fill(batch, rows)`` puts
+        them in; rows it or the encoder refuses are dropped and counted, said as ``bad``."""
         m = self.m
-        for i in range(0, len(rows), DEVICE_ROWS_PER_BATCH):
-            part = rows[i:i + DEVICE_ROWS_PER_BATCH]
+        for i in range(0, len(rows), per_batch):
+            part = rows[i:i + per_batch]
             batch = EventBatch(
                 run_id=m.run_id, rank=m.rank, world_size=m.options["world_size"], host=m.options["host"],
-                device=m.options["device"], producer_id=m.producer_id + DEVICE_PRODUCER_SUFFIX,
-                seq=self._device_seq, sent_ns=time.time_ns(), buffer_fill_ratio=self.buffer.fill_ratio,
+                device=m.options["device"], producer_id=m.producer_id + suffix,
+                seq=self._side_seq[suffix], sent_ns=time.time_ns(), buffer_fill_ratio=self._drained_fill_ratio(),
                 send_latency_ns=self._last_latency_ns)
             try:
-                batch.device_samples = sample_columns(part, SECTIONS["device_samples"])
+                fill(batch, part)
                 value = encode_batch(batch)
-            except (ValueError, TypeError, OverflowError) as e:  # from Monitor.device_sample's caller
-                self._undelivered(0, len(part), f"device samples with values that are not numbers: {e}")
+            except (ValueError, TypeError, OverflowError) as e:  # from the Monitor's caller
+                self._undelivered(0, len(part), f"{bad}: {e}")
                 continue
-            self._device_seq += 1
-            self._pending.append((value, 0, len(part)))
+            self._side_seq[suffix] += 1
+            self._queue_message(value, 0, len(part))
+
+    def _drained_fill_ratio(self) -> float:
+        """The buffer's fill once this cycle's batch has taken its ops."""
+        return self.buffer.fill_ratio
+
+    def _queue_message(self, value: bytes, ops: int, samples: int) -> None:
+        """A built message, to be sent after those built before it."""
+        self._pending.append((value, ops, samples))
 
     def _shrink(self, batch: EventBatch, size: int) -> bytes:
         """A batch over Kafka's message limit (long op names, say): give its second half of
@@ -552,15 +621,9 @@ class Sender(threading.Thread):
             return self._inflight_bytes
 
     def _sample_host(self) -> None:
-        try:
-            cpu = psutil.cpu_times_percent(interval=None)
-            self._host_rows.append((
-                time.time_ns(), cpu.user / 100, cpu.system / 100, cpu.idle / 100,
-                getattr(cpu, "iowait", 0.0) / 100, self._process.cpu_percent(interval=None) / 100,
-                self._process.memory_info().rss,
-            ))
-        except psutil.Error:
-            pass  # host samples are best effort; a vanished /proc entry is not worth a warning
+        row = host_sample(self._process)
+        if row is not None:
+            self._host_rows.append(row)
 
     # -- control (called from other threads) ------------------------------------------
 
@@ -572,7 +635,7 @@ class Sender(threading.Thread):
             self._flush_requested += 1
             target = self._flush_requested
             self._flush_deadline = max(self._flush_deadline, deadline)
-        self.buffer.wake.set()
+        self._poke()
         with self._flush_cv:
             while self._flush_done < target:
                 left = deadline - time.monotonic()
@@ -587,9 +650,16 @@ class Sender(threading.Thread):
         holds the caller for long."""
         ok = self.flush(timeout)
         self._stopping.set()
-        self.buffer.wake.set()
+        self._poke()
         self.join(timeout=5.0)
-        return ok and not self._pending
+        return ok and not self._has_pending()
+
+    def _poke(self) -> None:
+        """Wake the thread: a flush or stop waits."""
+        self.buffer.wake.set()
+
+    def _has_pending(self) -> bool:
+        return bool(self._pending)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

@@ -60,6 +60,14 @@ WITHOUT_DEVICE_SAMPLES_VERSION = 4
 # Likewise a batch without collectives is written as v5 (or v4, without device samples too).
 WITHOUT_COLLECTIVES_VERSION = 5
 
+# Dictionary-coded columns: the header field that holds the dictionary -> the (section,
+# column) whose values index it. Codes are given in order of first appearance per batch.
+DICTIONARIES = {
+    "op_names": ("ops", "name_idx"),
+    "op_types": ("ops", "type_idx"),
+    "queue_names": ("queues", "name_idx"),
+}
+
 # Columns added to a section after it first shipped, with the value they hold where a
 # message of an older version (or an EventBatch built without them) has none. A later
 # version adds its columns here; a section added later is simply empty in older messages.
