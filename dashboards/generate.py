@@ -430,15 +430,18 @@ def pipeline_health() -> Dashboard:
                            "topics per Prometheus exporter", "none",
                            prom(f"profstream_consumer_lag_messages{{{inst}}}", "processor {{instance}}"),
                            prom("profstream_sink_consumer_lag_messages", "exporter {{instance}}", "B")))
-        .with_panel(series("Drops, losses and late events",
+        .with_panel(series("Drops, losses, copies and late events",
                            "op events the producers dropped, raw batches missing from a producer's sequence, "
+                           "raw batches the topic held twice (taken once), "
                            "events that arrived for an already closed step", "cps",
                            prom(f"sum(rate(profstream_producer_dropped_total{{{inst}}}[$__rate_interval]))",
                                 "ops dropped by producers"),
                            prom(f"sum(rate(profstream_lost_batches_total{{{inst}}}[$__rate_interval]))",
                                 "batches lost", "B"),
                            prom(f"sum(rate(profstream_late_events_total{{{inst}}}[$__rate_interval]))",
-                                "late events", "C")))
+                                "late events", "C"),
+                           prom(f"sum(rate(profstream_duplicate_batches_total{{{inst}}}[$__rate_interval]))",
+                                "batch copies taken once", "D")))
         .with_panel(series("Device ops without a launch time",
                            "device ops in steps measured on the device that carried no launch correlation: "
                            "counted in the host step holding their start", "cps",
