@@ -106,6 +106,28 @@ def broker_bootstrap(bootstrap: str | None) -> str:
     return stack_up().bootstrap
 
 
+def wait_connected(monitor: Any, bootstrap: str, timeout_s: float = 60.0) -> None:
+    """Return once ``monitor`` reached the broker (its first flush went through); else exit
+    with one line, before anything is timed."""
+    if not monitor.flush(timeout_s):
+        raise SystemExit(f"the Monitor did not connect to {bootstrap} within {timeout_s:g} s: check the broker")
+
+
+def run_monitored(monitor: Any, bootstrap: str, scenario: Any) -> dict[str, Any]:
+    """``scenario()`` (a dict of figures) run once ``monitor`` is connected, with what the
+    Monitor then sent, dropped and ran as added; the Monitor is closed in any case."""
+    try:
+        wait_connected(monitor, bootstrap)
+        got = scenario()
+        monitor.flush(30.0)
+        stats = monitor.stats()
+        got.update(batches_sent=stats["batches_sent"], dropped_ops=stats["dropped_ops"],
+                   recording=getattr(monitor, "recording", "python"))
+        return got
+    finally:
+        monitor.close(timeout=30.0)
+
+
 def unique_prefix() -> str:
     return f"bench-{uuid.uuid4().hex[:8]}"
 

@@ -39,6 +39,7 @@ from _common import (
     envelope,
     note,
     percentile,
+    run_monitored,
     unique_prefix,
 )
 
@@ -173,17 +174,8 @@ def _measured(scenario: str, bootstrap: str, prefix: str, args: argparse.Namespa
     if scenario == "none":
         return run_scenario(scenario, None, args.seconds, args.rate, args.step_ms, args.window_ms)
     monitor = Monitor(run_id="bench-gil", bootstrap=bootstrap, topic_prefix=prefix, buffer_bytes=256 << 20)
-    try:
-        if not monitor.flush(60.0):
-            raise SystemExit(f"the Monitor did not connect to {bootstrap} within 60 s: check the broker")
-        got = run_scenario(scenario, monitor, args.seconds, args.rate, args.step_ms, args.window_ms)
-        monitor.flush(30.0)
-        stats = monitor.stats()
-        got.update(batches_sent=stats["batches_sent"], dropped_ops=stats["dropped_ops"],
-                   recording=getattr(monitor, "recording", "python"))
-        return got
-    finally:
-        monitor.close(timeout=30.0)
+    return run_monitored(monitor, bootstrap, lambda: run_scenario(scenario, monitor, args.seconds, args.rate,
+                                                                  args.step_ms, args.window_ms))
 
 
 def main(argv: list[str] | None = None) -> int:

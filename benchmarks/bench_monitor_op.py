@@ -39,6 +39,7 @@ from _common import (
     percentile,
     summary,
     unique_prefix,
+    wait_connected,
 )
 
 from profstream.producers.monitor import Monitor
@@ -200,8 +201,7 @@ def measure(args: argparse.Namespace) -> int:
     monitor = Monitor(run_id="bench-op", bootstrap=bootstrap, topic_prefix=prefix,
                       buffer_bytes=args.buffer_mib << 20)
     try:
-        if not monitor.flush(60.0):
-            raise SystemExit(f"the Monitor did not connect to {bootstrap} within 60 s: check the broker")
+        wait_connected(monitor, bootstrap)
         per_repeat, drops, flushed = measured_with_sender(
             monitor, lambda: time_op_chunks(monitor.op, calls, args.chunks),
             args.repeats, args.flush_timeout, "op_real_broker")

@@ -33,6 +33,7 @@ from _common import (
     note,
     summary,
     unique_prefix,
+    wait_connected,
 )
 
 from profstream.kafka.clients import make_consumer
@@ -104,8 +105,7 @@ def one_repeat(bootstrap: str, prefix: str, variant: str, args: argparse.Namespa
         options["batch_max_ops"] = args.batch_max_ops
     monitor = Monitor(run_id=f"bench-{variant}", bootstrap=bootstrap, topic_prefix=prefix, **options)
     try:
-        if not monitor.flush(60.0):
-            raise SystemExit(f"the Monitor did not connect to {bootstrap} within 60 s: check the broker")
+        wait_connected(monitor, bootstrap)
         s0 = monitor.stats()
         duration = args.duration if variant == "bulk" else args.op_duration
         t0 = time.perf_counter()

@@ -34,7 +34,16 @@ import time
 from typing import Any
 
 import numpy as np
-from _common import broker_bootstrap, drop_topics, emit, envelope, note, percentile, unique_prefix
+from _common import (
+    broker_bootstrap,
+    drop_topics,
+    emit,
+    envelope,
+    note,
+    percentile,
+    run_monitored,
+    unique_prefix,
+)
 from bench_gil import _own_clock
 
 from profstream.producers.monitor import Monitor
@@ -122,17 +131,9 @@ def _measured(scenario: str, bootstrap: str, prefix: str, args: argparse.Namespa
         return run_scenario(None, 0, args.steps, args.work_iters)
     chunk = int(scenario.split("@")[1])
     monitor = Monitor(run_id="bench-step-ops", bootstrap=bootstrap, topic_prefix=prefix, buffer_bytes=256 << 20)
-    try:
-        if not monitor.flush(60.0):
-            raise SystemExit(f"the Monitor did not connect to {bootstrap} within 60 s: check the broker")
-        got = run_scenario(monitor, chunk, args.steps, args.work_iters)
-        monitor.flush(30.0)
-        stats = monitor.stats()
-        got.update(chunk=chunk, batches_sent=stats["batches_sent"], dropped_ops=stats["dropped_ops"],
-                   recording=getattr(monitor, "recording", "python"))
-        return got
-    finally:
-        monitor.close(timeout=30.0)
+    got = run_monitored(monitor, bootstrap, lambda: run_scenario(monitor, chunk, args.steps, args.work_iters))
+    got.update(chunk=chunk)
+    return got
 
 
 def main(argv: list[str] | None = None) -> int:
