@@ -157,7 +157,7 @@ def native_record_and_build() -> Callable[[list[tuple]], bytes] | None:
     buffer = native.make_buffer(256 << 20, 1 << 20)
     plan = native.batch_plan({"run_id": "bench-run", "rank": 3, "world_size": None, "host": "", "device": "cpu",
                               "producer_id": ""})
-    batcher = module.Batcher(buffer, plan, 1 << 30, 1 << 30, 1.0, 0.0, buffer.host)
+    batcher = module.Batcher(buffer, plan, 1 << 30, 1 << 30, 1.0, 1.0, 0.0, buffer.host)
     op = buffer.op
 
     def record_and_build(rows: list[tuple]) -> bytes:

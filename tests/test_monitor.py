@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
@@ -237,3 +238,89 @@ def test_a_batch_over_the_message_limit_is_split_and_nothing_is_lost(kafka_boots
     got = [b.op_names[i] for b in batches for i in b.ops["name_idx"]]
     assert sorted(got) == names  # every op once
     assert batches[-1].complete_through_step == 0  # the watermark came with the last part
+
+
+def _ops_on_topic(bootstrap: str, topic: str, run_id: str, seq: int) -> list[int]:
+    return sorted(np.concatenate([b.ops["start_ns"] for b in raw_batches(bootstrap, topic, run_id, seq)]).tolist())
+
+
+def test_a_step_leaves_when_it_ends_not_while_it_runs(kafka_bootstrap, topics, monkeypatch):
+    """What a step records is sent once the step ends (at the end of the batch interval),
+    not once per interval while the step runs: a step end is what makes a batch worth its
+    cost. With the idle interval far away, only the step end can have sent it."""
+    from profstream.producers.sender import Sender
+
+    monkeypatch.setattr(Sender, "idle_send_s", 120.0)
+    mon = Monitor(run_id="ends", bootstrap=kafka_bootstrap, topic_prefix=topics.prefix, batch_interval_ms=20,
+                  host_sample_interval_s=0)
+    assert mon.flush(30)
+    time.sleep(0.1)  # a flush may leave one more (empty) cycle behind it
+    mon.begin_step(0)
+    mon.ops([f"k{i}" for i in range(50)], list(range(50)), [5] * 50)
+    time.sleep(0.5)  # 25 batch intervals of a running step: nothing worth sending yet
+    assert mon.stats()["batches_sent"] == 0
+    mon.end_step()
+    wait_until(lambda: mon.stats()["batches_acked"] >= 1, 20, "the batch of the ended step")
+    assert mon.stats()["batches_sent"] == 1
+    assert _ops_on_topic(kafka_bootstrap, topics.raw, "ends", 1) == list(range(50))
+    mon.close()
+
+
+def test_a_long_step_still_sends_at_the_idle_interval(kafka_bootstrap, topics, monkeypatch):
+    from profstream.producers.sender import Sender
+
+    monkeypatch.setattr(Sender, "idle_send_s", 0.3)
+    mon = Monitor(run_id="long-step", bootstrap=kafka_bootstrap, topic_prefix=topics.prefix, batch_interval_ms=20,
+                  host_sample_interval_s=0)
+    assert mon.flush(30)
+    mon.begin_step(0)
+    mon.ops([f"k{i}" for i in range(50)], list(range(50)), [5] * 50)
+    wait_until(lambda: mon.stats()["batches_acked"] >= 1, 20, "the running step's ops, sent without a step end")
+    assert _ops_on_topic(kafka_bootstrap, topics.raw, "long-step", 1) == list(range(50))
+    mon.close()
+
+
+def test_ops_recorded_after_their_step_leave_when_the_watermark_moves(kafka_bootstrap, topics, monkeypatch):
+    """A profiler's ops arrive after their step ended (auto_watermark=False): moving the
+    watermark over them sends them, without waiting for the next step's end."""
+    from profstream.producers.sender import Sender
+
+    monkeypatch.setattr(Sender, "idle_send_s", 120.0)
+    mon = Monitor(run_id="late-ops", bootstrap=kafka_bootstrap, topic_prefix=topics.prefix, batch_interval_ms=20,
+                  host_sample_interval_s=0, auto_watermark=False)
+    assert mon.flush(30)
+    with mon.step(0):
+        pass
+    wait_until(lambda: mon.stats()["batches_acked"] >= 1, 20, "step 0's mark")
+    mon.begin_step(1)
+    mon.ops([f"k{i}" for i in range(50)], list(range(50)), [5] * 50, step=0)
+    mon.complete_through(0)
+    wait_until(lambda: mon.stats()["batches_acked"] >= 2, 20, "step 0's ops, sent when the watermark moved")
+    batches = raw_batches(kafka_bootstrap, topics.raw, "late-ops", 2)
+    assert batches[-1].complete_through_step == 0 and batches[-1].n("ops") == 50
+    mon.close()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="counts the sender thread's context switches in /proc")
+def test_step_ends_do_not_wake_the_sender_once_per_step(kafka_bootstrap, topics):
+    """On a box with no idle core every wake-up of a profstream thread is taken from the
+    training loop: 200 short steps wake the sender about once per batch interval (each a
+    message), not once per step as a step end used to."""
+    mon = Monitor(run_id="wakes", bootstrap=kafka_bootstrap, topic_prefix=topics.prefix, batch_interval_ms=50,
+                  host_sample_interval_s=0)
+    assert mon.flush(30)
+
+    def switches() -> int:
+        with open(f"/proc/self/task/{mon._sender.native_id}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
+
+    before, started = switches(), time.monotonic()
+    for s in range(200):
+        with mon.step(s):
+            mon.memory(s)
+            time.sleep(0.002)
+    woke, elapsed = switches() - before, time.monotonic() - started
+    intervals = elapsed / 0.05
+    assert woke <= 3 * intervals + 20, f"the sender woke {woke} times in {intervals:.0f} batch intervals of 200 steps"
+    assert mon.close(timeout=30)
+    assert mon.stats()["dropped_samples"] == 0

@@ -253,7 +253,9 @@ class Monitor:
             self._requested_step_ended(end_ns)
         if self._auto_watermark:
             buf.watermark = self._step
-            self._wake.set()  # the step is complete: send it now rather than at the next interval
+        # the step is complete (or its ops follow and complete_through rings): send it at the
+        # end of the batch interval rather than wait for more (producers/sender.py: IDLE_SEND_S)
+        self._wake.set()
 
     def step(self, step: int | None = None) -> _StepContext:
         """``with monitor.step(): ...`` marks the start and end of one step."""
@@ -275,6 +277,7 @@ class Monitor:
         Only needed with ``auto_watermark=False``, when a step's ops are recorded after
         the step ended (for example from a profiler's buffer)."""
         self.buffer.watermark = step
+        self._wake.set()
 
     def defer_ops(self) -> None:
         """For producers that record a step's ops after the step ended (from a profiler's

@@ -103,7 +103,7 @@ def _load() -> tuple[Any, str]:
         plan = batch_plan({"run_id": "r", "host": "", "rank": 0, "world_size": None, "device": "cpu",
                            "producer_id": ""})
         recorder = _native.Recorder(layout(1, 64), "ops", 1)
-        _native.Batcher(recorder, plan, 1 << 20, 1 << 20, 1.0, 0.0, -1)
+        _native.Batcher(recorder, plan, 1 << 20, 1 << 20, 1.0, 1.0, 0.0, -1)
     except (UnsupportedSchema, ValueError, TypeError) as e:
         return None, f"the native encoder cannot write this EventBatch schema: {e}"
     return _native, ""

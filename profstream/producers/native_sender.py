@@ -68,7 +68,7 @@ class NativeSender(Sender):
         plan = native.batch_plan({"run_id": m.run_id, "rank": m.rank, "world_size": opts["world_size"],
                                   "host": opts["host"], "device": opts["device"], "producer_id": m.producer_id})
         self._core = module.Batcher(buf, plan, MAX_MESSAGE_BYTES, m.inflight_limit_bytes, self._interval,
-                                    self._host_interval or 0.0, buf.host)
+                                    self.idle_send_s, self._host_interval or 0.0, buf.host)
         self._foreign_taken = 0  # foreign rows recorded and taken (buffer.foreign_recorded_count)
 
     # -- thread -----------------------------------------------------------------------

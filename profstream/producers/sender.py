@@ -50,6 +50,12 @@ DEVICE_ROWS_PER_BATCH = 4096  # ~0.5 MB encoded: under Kafka's message limit
 # batches of their own: its compiled encoder writes v4 alone (docs/monitor.md).
 COLLECTIVE_PRODUCER_SUFFIX = ".collectives"
 COLLECTIVE_ROWS_PER_BATCH = 1024  # their names travel with them: a smaller batch
+# At most one message per batch interval, and after the interval one as soon as a step has
+# ended (or a batch filled, or a completed step waits); while no step ends (a long step),
+# what is recorded still leaves at least this often. So a step is sent when it ends, and
+# the sender thread wakes once per message rather than once per step: on a box with no
+# idle core every wake-up of a profstream thread is taken from the training loop.
+IDLE_SEND_S = 1.0
 
 
 class Source(Protocol):
@@ -180,6 +186,7 @@ class Sender(threading.Thread):
     """Builds and sends the batches of one Monitor."""
 
     default_producer = staticmethod(make_native_producer)
+    idle_send_s = IDLE_SEND_S
 
     def __init__(self, monitor: Source, producer_factory=None) -> None:
         super().__init__(name=f"profstream-sender-{monitor.run_id}-{monitor.rank}", daemon=True)
@@ -243,14 +250,32 @@ class Sender(threading.Thread):
             if stopping:
                 self._close_producer()
                 return
-            if wake.wait(self._interval):  # woken early (a step ended, a batch is full, a flush)
-                wake.clear()
-                # Still at most one cycle per interval: each message costs ~0.35 ms of CPU
-                # in this process (librdkafka's threads), so short steps must not each
-                # become a message.
-                rest = self._interval - (time.monotonic() - cycle_started)
-                if rest > 0:
-                    self._stopping.wait(rest)
+            # The rest of the batch interval (each message costs ~0.2-0.35 ms of CPU in this
+            # process, librdkafka's threads: short steps must not each become one); only a
+            # stop cuts it short. Then a cycle once a step ends, a batch fills or a flush
+            # waits (wake), or a completed step waits; else at the latest IDLE_SEND_S after
+            # this one (IDLE_SEND_S above).
+            rest = self._interval - (time.monotonic() - cycle_started)
+            if rest > 0:
+                self._stopping.wait(rest)
+            if not wake.is_set() and self._nothing_complete():
+                wake.wait(max(0.0, self._idle_deadline(cycle_started) - time.monotonic()))
+            wake.clear()  # before the cycle takes the rows: a step that ends during it sets it again
+
+    def _nothing_complete(self) -> bool:
+        """Whether a cycle now would only send steps still running: nothing built waits, no
+        acknowledgement is due (a cycle hears them), no completed step (watermark) waits."""
+        return not self._pending and self._inflight() == 0 and self.buffer.watermark == self._sent_watermark
+
+    def _idle_deadline(self, cycle_started: float) -> float:
+        """When a cycle is due though no step ended: ``idle_send_s`` after the last, or a host
+        sample or connection attempt before that."""
+        deadline = cycle_started + max(self.idle_send_s, self._interval)
+        if self._host_interval:
+            deadline = min(deadline, self._next_host_sample)
+        if self._producer is None:
+            deadline = min(deadline, self._next_connect)
+        return deadline
 
     def _serve_flush(self) -> bool:
         """Settle the flush that waits, if any: once everything buffered is acknowledged,

@@ -2,6 +2,7 @@
 // written on the training thread, read by the Batcher on the sender thread without the GIL.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -14,32 +15,43 @@ namespace ps {
 
 constexpr int64_t NO_WATERMARK = INT64_MIN;
 
-// What wakes the sender: a full batch, a step's end, a flush or stop (interrupt).
+// What wakes the sender. set(): a step ended or a batch filled — a doorbell that rings
+// (takes the mutex and notifies) only while the sender waits for it; while the sender
+// sleeps out its batch interval a step end costs the training thread two atomic
+// operations and no system call, and wakes no thread. interrupt: a flush or stop, which
+// ends any wait.
 struct Wakeup {
   std::mutex mu;
   std::condition_variable cv;
-  bool woken = false;
+  std::atomic<bool> woken{false};
+  std::atomic<bool> waiting{false};  // a thread waits for set() (wait, wait_until)
   std::atomic<bool> interrupt{false};
 
   void set() {
-    {
+    // sequentially consistent with the waiter's store of `waiting` and load of `woken`:
+    // either the waiter sees `woken` before it sleeps or this sees `waiting` and notifies
+    woken.store(true);
+    if (waiting.load()) {
       std::lock_guard<std::mutex> g(mu);
-      woken = true;
+      cv.notify_all();
     }
-    cv.notify_all();
   }
-  void clear() {
-    std::lock_guard<std::mutex> g(mu);
-    woken = false;
-  }
-  bool is_set() {
-    std::lock_guard<std::mutex> g(mu);
-    return woken;
-  }
+  void clear() { woken.store(false); }
+  bool is_set() const { return woken.load(); }
   // Until set (true) or the timeout; call without the GIL.
   bool wait(double seconds) {
+    return wait_until(std::chrono::steady_clock::now() +
+                          std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                              std::chrono::duration<double>(seconds > 0 ? std::min(seconds, 1e9) : 0)),
+                      false);
+  }
+  // Until set (true), `deadline` or, if `or_interrupt`, an interrupt; call without the GIL.
+  bool wait_until(std::chrono::steady_clock::time_point deadline, bool or_interrupt) {
     std::unique_lock<std::mutex> l(mu);
-    return cv.wait_for(l, std::chrono::duration<double>(seconds > 0 ? seconds : 0), [this] { return woken; });
+    waiting.store(true);
+    cv.wait_until(l, deadline, [this, or_interrupt] { return woken.load() || (or_interrupt && interrupt.load()); });
+    waiting.store(false);
+    return woken.load();
   }
   void raise_interrupt() {
     {
@@ -48,7 +60,8 @@ struct Wakeup {
     }
     cv.notify_all();
   }
-  // Sleep until `deadline` or an interrupt; call without the GIL. True if interrupted.
+  // Sleep until `deadline` or an interrupt (set() does not end it); call without the GIL.
+  // True if interrupted.
   bool sleep_until(std::chrono::steady_clock::time_point deadline) {
     std::unique_lock<std::mutex> l(mu);
     return cv.wait_until(l, deadline, [this] { return interrupt.load(); });
