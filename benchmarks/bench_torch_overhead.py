@@ -64,6 +64,14 @@ TARGETS = {"instrumented": 0.005, "instrumented_capture": 0.02}  # issue #19 (wa
 SKIP = 2  # first steps of a block left out
 
 
+def _variants(text: str) -> tuple[str, ...]:
+    chosen = tuple(v.strip() for v in text.split(",") if v.strip())
+    unknown = sorted(set(chosen) - set(VARIANTS))
+    if unknown or not chosen:
+        raise argparse.ArgumentTypeError(f"unknown variants {unknown}: choose from {','.join(VARIANTS)}")
+    return tuple(v for v in VARIANTS if v in chosen)
+
+
 def make_loop(steps: int, batch: int, hidden: int) -> tuple[Any, Any, Any]:
     import torch
 
@@ -334,6 +342,9 @@ def main() -> None:
     parser.add_argument("--places", action="store_true",
                         help="measure where the conversion can run instead (no broker); --repeats x 4 rounds")
     parser.add_argument("--cpu-hog", action="store_true", help="a second CPU-bound process runs beside the loop")
+    parser.add_argument("--variants", type=_variants, default=VARIANTS,
+                        help="comma-separated subset of " + ",".join(VARIANTS) + " (default: all): fewer variants "
+                             "give each more steps in the same time; a figure needs its baseline too")
     args = parser.parse_args()
     with cpu_hog(args.cpu_hog):
         measure(args)
@@ -359,34 +370,37 @@ def measure(args: argparse.Namespace) -> None:
     prefix = unique_prefix()
     options = {"bootstrap": bootstrap, "topic_prefix": prefix, "host_sample_interval_s": 0,
                "batch_interval_ms": args.batch_interval_ms}
-    monitors = {"instrumented": Monitor(run_id="bench-instrumented", **options),
-                "instrumented_capture": Monitor(run_id="bench-capture", auto_watermark=False, **options),
-                "disabled": Monitor(enabled=False)}
+    monitors = {"disabled": Monitor(enabled=False)}  # only the Monitors measured: each has threads of its own
+    if "instrumented" in args.variants:
+        monitors["instrumented"] = Monitor(run_id="bench-instrumented", **options)
+    if "instrumented_capture" in args.variants:
+        monitors["instrumented_capture"] = Monitor(run_id="bench-capture", auto_watermark=False, **options)
     loop = make_loop(args.block, args.batch, args.hidden)
     rounds = math.ceil(args.steps / (args.block - SKIP))
-    per_repeat: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    cpu_per_repeat: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    variants = args.variants
+    per_repeat: dict[str, list[float]] = {v: [] for v in variants}
+    cpu_per_repeat: dict[str, list[float]] = {v: [] for v in variants}
     stats: dict[str, Any] = {}
     try:
-        for variant in VARIANTS:  # warm-up: allocator, kineto's first start, the broker connection
+        for variant in variants:  # warm-up: allocator, kineto's first start, the broker connection
             run_block(variant, loop, monitors, {}, args.compiled_walk)
         for r in range(args.repeats):
-            times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-            cpu = dict.fromkeys(VARIANTS, 0.0)
+            times: dict[str, list[float]] = {v: [] for v in variants}
+            cpu = dict.fromkeys(variants, 0.0)
             for i in range(rounds):
-                k = i % len(VARIANTS)
-                for variant in VARIANTS[k:] + VARIANTS[:k]:
+                k = i % len(variants)
+                for variant in variants[k:] + variants[:k]:
                     c0 = time.process_time()
                     times[variant] += run_block(variant, loop, monitors, stats, args.compiled_walk)
                     cpu[variant] += time.process_time() - c0
-            for v in VARIANTS:
+            for v in variants:
                 per_repeat[v].append(statistics.median(times[v]))
                 cpu_per_repeat[v].append(cpu[v] / (rounds * args.block))
             note(f"repeat {r}: " + ", ".join(f"{v} {per_repeat[v][-1] * 1e3:.2f} ms ({len(times[v])} steps)"
-                                             for v in VARIANTS))
+                                             for v in variants))
         stats["dropped_ops"] = sum(m.stats()["dropped_ops"] for m in monitors.values())
         stats["compiled_walk"] = "/".join(filter(None, torch_native.status()))
-        stats["recording"] = getattr(monitors["instrumented"], "recording", "python")
+        stats["recording"] = getattr(monitors.get("instrumented", monitors["disabled"]), "recording", "python")
         context = {"hook_cost_us_per_step": hook_cost_us(),
                    "monitor_alone_cpu_ms_per_20ms_step": monitor_cpu_ms_per_step(options)}
     finally:
@@ -397,25 +411,23 @@ def measure(args: argparse.Namespace) -> None:
     def overhead(variant: str, base: str, source: dict = per_repeat) -> list[float]:
         return [a / b - 1 for a, b in zip(source[variant], source[base])]
 
-    figures = {
-        "instrumented": summary(overhead("instrumented", "plain")),
-        "hooks_only": summary(overhead("hooks_only", "plain")),
-        "instrumented_capture": summary(overhead("instrumented_capture", "plain_profiler")),
-        "profiler_alone": summary(overhead("plain_profiler", "plain")),
-    }
-    cpu_figures = {
-        "instrumented": summary(overhead("instrumented", "plain", cpu_per_repeat)),
-        "hooks_only": summary(overhead("hooks_only", "plain", cpu_per_repeat)),
-        "instrumented_capture": summary(overhead("instrumented_capture", "plain_profiler", cpu_per_repeat)),
-    }
+    pairs = {"instrumented": "plain", "hooks_only": "plain", "instrumented_capture": "plain_profiler",
+             "profiler_alone": ("plain_profiler", "plain")}
+    figures, cpu_figures = {}, {}
+    for name, base in pairs.items():
+        variant, base = base if isinstance(base, tuple) else (name, base)
+        if variant in variants and base in variants:
+            figures[name] = summary(overhead(variant, base))
+            if name != "profiler_alone":
+                cpu_figures[name] = summary(overhead(variant, base, cpu_per_repeat))
     emit(envelope("torch_overhead", args, {
-        "median_step_ms": {v: summary([t * 1e3 for t in per_repeat[v]]) for v in VARIANTS},
-        "cpu_ms_per_step": {v: summary([t * 1e3 for t in cpu_per_repeat[v]]) for v in VARIANTS},
+        "median_step_ms": {v: summary([t * 1e3 for t in per_repeat[v]]) for v in variants},
+        "cpu_ms_per_step": {v: summary([t * 1e3 for t in cpu_per_repeat[v]]) for v in variants},
         "steps_per_variant_and_repeat": rounds * (args.block - SKIP),
         "overhead": figures,
         "cpu_overhead": cpu_figures,
         "target": TARGETS,
-        "meets_target": {k: figures[k]["median"] <= t for k, t in TARGETS.items()},
+        "meets_target": {k: figures[k]["median"] <= t for k, t in TARGETS.items() if k in figures},
         "capture": stats,
         "context": context,
     }))

@@ -161,7 +161,7 @@ MONITOR_OPTIONS: tuple[Option, ...] = (
            lambda v: bool(re.fullmatch(r"[A-Za-z0-9._-]{1,100}", v)), "1-100 letters, digits or . _ -"),
     Option("batch_max_ops", "int", 8192, "most op events in one batch message",
            lambda v: 1 <= v <= 20000, "1..20000 (a batch must stay under Kafka's 1 MB message limit)"),
-    Option("batch_interval_ms", "float", 50.0, "longest time an event waits before its batch is sent",
+    Option("batch_interval_ms", "float", 50.0, "shortest time between two messages: a step's events leave at most this long after it ends",
            lambda v: 1 <= v <= 60000, "1..60000"),
     Option("buffer_bytes", "size", 64 * 1024**2,
            "memory bound of events waiting to be sent; when full, ops are dropped first and counted",
