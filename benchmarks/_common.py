@@ -128,6 +128,46 @@ def run_monitored(monitor: Any, bootstrap: str, scenario: Any) -> dict[str, Any]
         monitor.close(timeout=30.0)
 
 
+def schedstat(tid: int) -> tuple[int, int]:
+    """(CPU ns, run-queue wait ns) of one thread of this process (Linux). The CPU figure lags
+    by up to a scheduler tick for a running thread: read the calling thread's own CPU with
+    ``time.thread_time_ns()``."""
+    with open(f"/proc/self/task/{tid}/schedstat") as f:
+        cpu, wait, _ = f.read().split()
+    return int(cpu), int(wait)
+
+
+def threads() -> dict[int, str]:
+    """This process's threads (Linux): native id -> the kernel's name (``comm``)."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                out[int(tid)] = f.read().strip()
+        except OSError:
+            pass
+    return out
+
+
+def thread_cpu() -> dict[int, tuple[str, int]]:
+    """Each thread's name and CPU ns so far."""
+    out = {}
+    for tid, name in threads().items():
+        try:
+            out[tid] = (name, schedstat(tid)[0])
+        except OSError:
+            pass
+    return out
+
+
+def thread_switches(tid: int) -> tuple[int, int]:
+    """(voluntary, involuntary) context switches of one thread so far: a voluntary one is a
+    wait (a sleep, a lock, the GIL), so each wake-up of a waiting thread counts one."""
+    with open(f"/proc/self/task/{tid}/status") as f:
+        counts = {k: int(v) for k, _, v in (line.partition(":") for line in f) if k.endswith("ctxt_switches")}
+    return counts["voluntary_ctxt_switches"], counts["nonvoluntary_ctxt_switches"]
+
+
 def unique_prefix() -> str:
     return f"bench-{uuid.uuid4().hex[:8]}"
 
@@ -165,10 +205,10 @@ class cpu_hog:  # noqa: N801 (a context manager used like a function)
             self.proc.wait()
 
 
-def chosen(parser: Any, value: str, known: Any) -> list[str]:
+def chosen(parser: Any, value: str, known: Any, what: str = "fault") -> list[str]:
     """The comma-separated names of ``value``, each one of ``known`` (else a usage error)."""
     names = [f.strip() for f in value.split(",") if f.strip()]
     unknown = sorted(set(names) - set(known))
-    if unknown:
-        parser.error(f"unknown fault(s) {unknown}: choose from {sorted(known)}")
+    if unknown or not names:
+        parser.error(f"unknown {what}(s) {unknown}: choose from {sorted(known)}")
     return names

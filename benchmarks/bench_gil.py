@@ -40,6 +40,8 @@ from _common import (
     note,
     percentile,
     run_monitored,
+    schedstat,
+    thread_cpu,
     unique_prefix,
 )
 
@@ -50,40 +52,10 @@ SCENARIOS = ("none", "steps", "per_call", "bulk")
 BURST = 100
 
 
-def _schedstat(tid: int) -> tuple[int, int]:
-    """(CPU ns, run-queue wait ns) of one thread of this process. The CPU figure lags by up
-    to a scheduler tick for a running thread: the main thread reads its own with
-    ``_own_clock``."""
-    with open(f"/proc/self/task/{tid}/schedstat") as f:
-        cpu, wait, _ = f.read().split()
-    return int(cpu), int(wait)
-
-
 def _own_clock(tid: int) -> tuple[int, int]:
     """(CPU ns, run-queue wait ns) of the calling thread: CPU from the thread clock (exact),
     the run-queue wait from schedstat (settled while the thread runs)."""
-    return time.thread_time_ns(), _schedstat(tid)[1]
-
-
-def _threads() -> dict[int, str]:
-    out = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                out[int(tid)] = f.read().strip()
-        except OSError:
-            pass
-    return out
-
-
-def _thread_cpu() -> dict[int, tuple[str, int]]:
-    out = {}
-    for tid, name in _threads().items():
-        try:
-            out[tid] = (name, _schedstat(tid)[0])
-        except OSError:
-            pass
-    return out
+    return time.thread_time_ns(), schedstat(tid)[1]
 
 
 def _group(tid: int, name: str, sender_tid: int | None) -> str:
@@ -110,7 +82,7 @@ def run_scenario(scenario: str, monitor: Monitor | None, seconds: float, rate: f
     bulk_durs = [500] * ops_per_step
     burst_ns = int(BURST / rate * 1e9) if rate else 0
     windows: list[tuple[int, int, int]] = []  # (wall, cpu, run queue) ns
-    threads_before = _thread_cpu()
+    threads_before = thread_cpu()
     end = pc() + int(seconds * 1e9)
     w_wall = pc()
     w_cpu, w_rq = _own_clock(tid)
@@ -147,7 +119,7 @@ def run_scenario(scenario: str, monitor: Monitor | None, seconds: float, rate: f
                 op_count += ops_per_step
             monitor.memory(1 << 30, 2 << 30)
             monitor.end_step()
-    threads_after = _thread_cpu()
+    threads_after = thread_cpu()
     cpu_by_group: dict[str, float] = {}
     for t, (name, cpu) in threads_after.items():
         if t == tid:

@@ -50,6 +50,7 @@ from typing import Any
 
 from _common import (
     broker_bootstrap,
+    chosen,
     cpu_hog,
     drop_topics,
     emit,
@@ -62,14 +63,6 @@ from _common import (
 VARIANTS = ("plain", "hooks_only", "instrumented", "plain_profiler", "instrumented_capture")
 TARGETS = {"instrumented": 0.005, "instrumented_capture": 0.02}  # issue #19 (was 1 % and 3 % in #6)
 SKIP = 2  # first steps of a block left out
-
-
-def _variants(text: str) -> tuple[str, ...]:
-    chosen = tuple(v.strip() for v in text.split(",") if v.strip())
-    unknown = sorted(set(chosen) - set(VARIANTS))
-    if unknown or not chosen:
-        raise argparse.ArgumentTypeError(f"unknown variants {unknown}: choose from {','.join(VARIANTS)}")
-    return tuple(v for v in VARIANTS if v in chosen)
 
 
 def make_loop(steps: int, batch: int, hidden: int) -> tuple[Any, Any, Any]:
@@ -342,10 +335,12 @@ def main() -> None:
     parser.add_argument("--places", action="store_true",
                         help="measure where the conversion can run instead (no broker); --repeats x 4 rounds")
     parser.add_argument("--cpu-hog", action="store_true", help="a second CPU-bound process runs beside the loop")
-    parser.add_argument("--variants", type=_variants, default=VARIANTS,
+    parser.add_argument("--variants", default=",".join(VARIANTS),
                         help="comma-separated subset of " + ",".join(VARIANTS) + " (default: all): fewer variants "
                              "give each more steps in the same time; a figure needs its baseline too")
     args = parser.parse_args()
+    picked = chosen(parser, args.variants, VARIANTS, "variant")
+    args.variants = tuple(v for v in VARIANTS if v in picked)
     with cpu_hog(args.cpu_hog):
         measure(args)
 
