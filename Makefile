@@ -8,7 +8,9 @@ STAMP  := $(VENV)/.installed-stamp
 
 .PHONY: install jars demo system test test-faults test-cluster test-multiproc test-mindspore test-fast lint bench stack-up stack-down clean dashboards gpu-check
 
-$(STAMP): pyproject.toml
+# Re-installed when the compiled Monitor's sources change too: pip rebuilds the extension,
+# which an editable install would otherwise keep from before the change.
+$(STAMP): pyproject.toml $(wildcard profstream/producers/csrc/*)
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "profstream needs Python 3.11+: install it or run make PYTHON=python3.11")'
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
