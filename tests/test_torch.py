@@ -372,6 +372,34 @@ def test_a_failing_op_capture_switches_profiling_off_and_stops_the_profiler(capl
     assert len(caplog.records) == 1
 
 
+def test_a_gpu_steps_memory_sample_is_the_allocators_current_reserved_and_peak(monkeypatch):
+    """On a GPU the memory sample at a step's end is the caching allocator's allocated and
+    reserved bytes and its peak since the step before (then reset), read in one call."""
+    import torch
+
+    from profstream.integrations.torch import TorchInstrumentation
+
+    class Recorder(FailingMonitor):
+        def __init__(self):
+            super().__init__()
+            self.samples = []
+
+        def memory(self, allocated, reserved=-1, peak=-1, ts_ns=None, step=None):
+            self.samples.append((allocated, reserved, peak, ts_ns))
+
+    reads, resets = [], []
+    stats = {"allocated_bytes": {"all": {"current": 300, "peak": 900, "allocated": 5000, "freed": 4700}},
+             "reserved_bytes": {"all": {"current": 2048, "peak": 4096}}, "num_alloc_retries": 0}
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda device=None: reads.append(1) or stats)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: resets.append(1))
+    monitor = Recorder()
+    inst = TorchInstrumentation(monitor, {}, capture_ops=False, mark_steps=True)
+    inst.cuda = True
+    inst._sample_memory(1234)
+    assert monitor.samples == [(300, 2048, 900, 1234)]
+    assert len(reads) == 1 and len(resets) == 1
+
+
 def test_errors_of_the_loader_reach_the_loop_unchanged():
     import profstream.torch as pst
 

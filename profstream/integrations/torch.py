@@ -410,9 +410,15 @@ class TorchInstrumentation:
 
     def _sample_memory(self, ts_ns: int) -> None:
         if self.cuda:
+            # one read of the caching allocator's statistics: memory_allocated(),
+            # memory_reserved() and max_memory_allocated() each build, flatten and sort all
+            # of them, on the thread that launches the kernels
             cuda = self._torch.cuda
-            cuda_peak = cuda.max_memory_allocated()
-            self.monitor.memory(cuda.memory_allocated(), cuda.memory_reserved(), cuda_peak, ts_ns=ts_ns)
+            stats = cuda.memory_stats_as_nested_dict()
+            allocated = stats.get("allocated_bytes", {}).get("all", {})
+            reserved = stats.get("reserved_bytes", {}).get("all", {})
+            self.monitor.memory(allocated.get("current", 0), reserved.get("current", 0), allocated.get("peak", 0),
+                                ts_ns=ts_ns)
             cuda.reset_peak_memory_stats()
         elif self._rss is not None:
             self.monitor.memory(self._rss(), ts_ns=ts_ns)
