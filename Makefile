@@ -47,27 +47,36 @@ $(HTA_STAMP): $(STAMP)
 system:
 	@.ci/check-system
 
+# Every suite runs under a wall-clock limit: a hung run (a deadlocked child process, an
+# interpreter exit waiting on one) fails in minutes with one line instead of holding CI to
+# its 90-minute limit. The limits are about twice what the suites take on 2 shared cores.
+define pytest_limited
+	@rc=0; timeout --kill-after=30 $(1)m $(BIN)/python -m pytest $(2) $(PYTEST_ARGS) || rc=$$?; \
+	if [ $$rc -eq 124 ] || [ $$rc -eq 137 ]; then echo "make $@: pytest ran past $(1) minutes and was stopped (a hung test or exit): rerun with PYTEST_ARGS=-v to see where it stopped" >&2; fi; \
+	exit $$rc
+endef
+
 test: system jars $(TORCH_STAMP) $(HTA_STAMP)
 	$(BIN)/ruff check profstream tests $(wildcard benchmarks)
-	$(BIN)/python -m pytest -m "not mindspore and not faults and not multiproc" $(PYTEST_ARGS)
+	$(call pytest_limited,20,-m "not mindspore and not faults and not multiproc")
 
 # The fault suite: a broker of its own stopped, killed and restarted under a streaming run,
 # processors killed, the Monitor flushed and closed across outages, the leader of a 3-broker
 # cluster killed under a 16-rank run (tests/faults, ~8 min).
 test-faults: jars
-	$(BIN)/python -m pytest -m "faults and not cluster" tests/faults $(PYTEST_ARGS)
+	$(call pytest_limited,15,-m "faults and not cluster" tests/faults)
 
 # The longer faults of a 3-broker cluster (6-9 min on 2 shared cores): a processor
 # killed, it and the leader killed, the whole cluster down for 30 s during a 16-rank run, a
 # Monitor's buffer overflowing meanwhile. (The leader kill itself is in test-faults.) Run by
 # .ci/run last (docs/cluster.md).
 test-cluster: jars
-	$(BIN)/python -m pytest -m cluster tests/faults $(PYTEST_ARGS)
+	$(call pytest_limited,20,-m cluster tests/faults)
 
 # Real distributed jobs: torch.distributed (gloo, CPU) processes launched through
 # `profstream run`, their collectives matched across ranks (tests/test_multiproc.py, ~1 min).
 test-multiproc: jars $(TORCH_STAMP)
-	$(BIN)/python -m pytest -m multiproc tests/test_multiproc.py $(PYTEST_ARGS)
+	$(call pytest_limited,10,-m multiproc tests/test_multiproc.py)
 
 # The GPU path on a machine with an NVIDIA GPU, from a fresh copy: builds the environment,
 # then a real bf16 training job under profstream run with its checks, the HTA comparison,

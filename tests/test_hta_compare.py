@@ -11,6 +11,8 @@ agree within 0.1 %.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from profstream.offline.analyze import analyze
@@ -30,6 +32,11 @@ def hta(monkeypatch):
                     ".venv/.installed-hta-stamp), or pip install --no-deps HolisticTraceAnalysis==0.5.0 "
                     "networkx plotly pydot", pytrace=False)
     monkeypatch.setenv("HTA_DISABLE_NS_ROUNDING", "1")
+    # HTA parses several ranks in a pool it forks from this process, which holds the threads
+    # of earlier tests (librdkafka's, torch's): a child forked while one of them holds a lock
+    # can hang on it, and did in CI (the test timed out, then the interpreter's exit waited
+    # on the child for good). Two small traces parse in this process in well under a second.
+    monkeypatch.setattr(Trace, "load_traces", functools.partialmethod(Trace.load_traces, use_multiprocessing=False))
     monkeypatch.setattr(Trace, "_filter_irrelevant_gpu_kernels", lambda self, include_last_profiler_step=False: None)
     monkeypatch.setattr(comm, "round", lambda value, digits=None: value, raising=False)  # the % rounding
     return TraceAnalysis
