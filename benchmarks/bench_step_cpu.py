@@ -6,7 +6,9 @@ the Monitor's defaults (host samples once a second, the control reader on). Per 
 
 - ``hooks_us``: wall time inside profstream's code on the training thread (the loader
   wrapper's calls and the forward/optimizer hooks, each timed around its call; torch's
-  dispatch to them is not in it: ``hook_cost_us`` of bench_torch_overhead has it);
+  dispatch to them is not in it: ``hook_cost_us`` of bench_torch_overhead has it), and
+  ``hooks_by_entry_us`` the same per entry point (``before_batch`` ends the step: the
+  memory sample and the step's mark; ``after_batch`` begins the next one);
 - for each of the process's other threads (the Monitor's sender, the control reader,
   librdkafka's threads), the CPU it used (``/proc/self/task/TID/schedstat``) and how often it
   woke (voluntary context switches): on a box with no idle core every microsecond of it,
@@ -46,28 +48,30 @@ from bench_torch_overhead import make_loop
 HOOKS = ("before_batch", "after_batch", "_forward_pre_hook", "_optimizer_pre_hook", "_optimizer_post_hook")
 
 
-def timed_hooks(spent: list[int]) -> list[tuple[Any, str, Any]]:
+def timed_hooks(spent: dict[str, int]) -> list[tuple[Any, str, Any]]:
     """Wrap profstream's training-thread entry points so that their wall time adds to
-    ``spent[0]`` (ns); returns what to restore."""
+    ``spent[name]`` (ns); returns what to restore."""
     from profstream.integrations import torch as pst_torch
     from profstream.integrations import torch_sources
 
-    def timed(fn: Any) -> Any:
+    def timed(fn: Any, name: str) -> Any:
+        spent[name] = 0
+
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter_ns()
             try:
                 return fn(*args, **kwargs)
             finally:
-                spent[0] += time.perf_counter_ns() - t0
+                spent[name] += time.perf_counter_ns() - t0
         return wrapper
 
     restore = []
     cls = pst_torch.TorchInstrumentation
     for name in HOOKS:
         restore.append((cls, name, getattr(cls, name)))
-        setattr(cls, name, timed(getattr(cls, name)))
+        setattr(cls, name, timed(getattr(cls, name), name))
     restore.append((torch_sources, "waiting_batches", torch_sources.waiting_batches))
-    torch_sources.waiting_batches = timed(torch_sources.waiting_batches)
+    torch_sources.waiting_batches = timed(torch_sources.waiting_batches, "waiting_batches")
     return restore
 
 
@@ -95,7 +99,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     options = {} if args.batch_interval_ms is None else {"batch_interval_ms": args.batch_interval_ms}
     monitor = Monitor(run_id="bench-step-cpu", bootstrap=bootstrap, topic_prefix=prefix, **options)
     model, optimizer, loader = make_loop(args.block, 64, 1024)
-    spent = [0]
+    spent: dict[str, int] = {}
     restore = timed_hooks(spent)
     main = threading.get_native_id()
     try:
@@ -117,7 +121,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
         for _ in range(3):  # warm-up: allocator, caches, the first batches sent
             epoch(False)
-        spent[0] = 0
+        spent.update(dict.fromkeys(spent, 0))
         before = {tid: (comm, cpu, thread_switches(tid)) for tid, (comm, cpu) in thread_cpu().items()}
         main_wait0 = schedstat(main)[1]
         while len(steps) < args.steps:
@@ -142,13 +146,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         g["cpu_us"] += (cpu - cpu0) / n / 1e3
         g["wakeups"] += (vol - vol0) / n
     threads_us = sum(g["cpu_us"] for g in groups.values())
-    hooks_us = spent[0] / n / 1e3
+    hooks_us = sum(spent.values()) / n / 1e3
     step_ms = statistics.median(steps) * 1e3
     vol, inv = (a - b for a, b in zip(after[main][2], before[main][2]))
     return {
         "steps": n,
         "median_step_ms": step_ms,
         "hooks_us": hooks_us,
+        "hooks_by_entry_us": {k: round(v / n / 1e3, 2) for k, v in spent.items()},
         "threads": {k: {"cpu_us": round(v["cpu_us"], 2), "wakeups": round(v["wakeups"], 3)}
                     for k, v in sorted(groups.items())},
         "threads_us": threads_us,
