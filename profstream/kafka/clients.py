@@ -228,13 +228,22 @@ def make_consumer(bootstrap: str, *topics: str, group_id: str | None = None, **o
     return KafkaConsumer(*topics, **config)
 
 
-def consumer_lag(consumer: KafkaConsumer) -> int:
-    """Messages behind the end of the consumer's assigned partitions, as of its last fetch."""
+def consumer_lag(consumer: KafkaConsumer, timeout_ms: int | None = None) -> int | None:
+    """Messages behind the end of the consumer's assigned partitions, as of its last fetch.
+    ``timeout_ms``: the longest to wait in all for positions that need a broker (None: until
+    it answers); None when one was not known by then (Kafka away)."""
+    import time
+
+    deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
     total = 0
     for tp in consumer.assignment():
         high = consumer.highwater(tp)
         if high is not None:
-            total += max(0, high - consumer.position(tp))
+            left = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
+            position = consumer.position(tp, timeout_ms=left)
+            if position is None:
+                return None
+            total += max(0, high - position)
     return total
 
 

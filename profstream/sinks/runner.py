@@ -9,8 +9,11 @@ also implement ``tick()`` (called before each poll, for work due by time) and ``
 (called once when the loop stops, before its last commit).
 
 A commit the group refuses while it rebalances, or one that fails while Kafka is away,
-is postponed, not fatal: the next poll commits again. On stop the loop polls on (at most ``FINAL_COMMIT_S``) until a commit goes
-through, so that a restart re-reads as little as possible.
+is postponed, not fatal: the next poll commits again. While Kafka is away no call of the
+loop waits longer than ``KAFKA_WAIT_MS`` (kafka-python's commit otherwise retries for its
+whole request timeout, and a position for ever), so that ``tick()`` work and a stop go on.
+On stop the loop polls on (at most ``FINAL_COMMIT_S``) until a commit goes through, so
+that a restart re-reads as little as possible.
 
 Readers use read_committed: they see the processors' transactional outputs only once
 committed.
@@ -41,6 +44,7 @@ POSTPONED = (CommitFailedError, RebalanceInProgressError)  # the group is rebala
 UNREACHABLE = (KafkaTimeoutError, KafkaConnectionError)  # Kafka away: commit later
 _SAY_EVERY_S = 60.0
 FINAL_COMMIT_S = 10.0
+KAFKA_WAIT_MS = 3000  # the longest a commit or the lag's positions wait for Kafka in one poll
 
 
 class Sink(Protocol):
@@ -84,8 +88,11 @@ class SinkLoop:
             polled = self._consumer.poll(timeout_ms=self.poll_ms)
             self.last_poll = now = time.monotonic()
             if now - self._lag_at >= 1.0:
-                self.lag = consumer_lag(self._consumer)  # positions may need a broker (validation after a leader change)
-                self._lag_at = now
+                # positions may need a broker (validation after a leader change); not known in
+                # time (Kafka away): the last lag stays, and so does its time
+                lag = consumer_lag(self._consumer, KAFKA_WAIT_MS)
+                if lag is not None:
+                    self.lag, self._lag_at = lag, now
         except UNREACHABLE as e:  # nothing was handed to the sink: the next poll reads it
             self._unreachable("a poll", e)
             time.sleep(self.poll_ms / 1000)
@@ -109,7 +116,8 @@ class SinkLoop:
         offsets = {tp: o for tp, o in offsets.items() if self._committed.get(tp) != o}
         if offsets:
             try:
-                self._consumer.commit({tp: OffsetAndMetadata(o, "", -1) for tp, o in offsets.items()})
+                self._consumer.commit({tp: OffsetAndMetadata(o, "", -1) for tp, o in offsets.items()},
+                                      timeout_ms=KAFKA_WAIT_MS)
             except POSTPONED as e:
                 log.info("offset commit postponed to the next poll: %s", type(e).__name__)
                 self._postponed = True
