@@ -477,6 +477,27 @@ def test_a_restart_reads_from_the_durable_offset_and_writes_no_step_twice(tmp_pa
     assert len(seen) == cfg.ranks * cfg.steps * cfg.ops_per_step
 
 
+def test_each_partition_is_held_at_its_own_first_batch_not_in_a_file(tmp_path):
+    """What the sink lets its loop commit: per partition, up to the first batch whose steps
+    are not in a file yet, whatever the other partitions hold; once the ranks went idle and
+    their steps were written, up to what was read."""
+    cfg = SimConfig(run_id="held", ranks=4, steps=6, ops_per_step=20, seed=8)
+    apart = {0: 0, 1: 1000}  # the partitions' offsets apart: one cannot pass for the other
+    records = [r._replace(offset=r.offset + apart[r.partition]) for r in sim_records(cfg)]
+    now = [0.0]
+    sink = TimelineSink(tmp_path, window_steps=100, idle_timeout_s=60, clock=lambda: now[0])
+    sink.handle(records)
+    first, read = {}, {}
+    for r in records:
+        first.setdefault((r.topic, r.partition), r.offset)
+        read[(r.topic, r.partition)] = r.offset + 1
+    assert sink.durable_offsets() == first  # every step waits for its 100-step window
+    assert files(tmp_path) == []
+    now[0] = 61.0
+    assert sink.durable_offsets() == read
+    assert len(files(tmp_path)) == cfg.ranks
+
+
 def test_a_file_appears_complete_under_its_name_or_not_at_all(tmp_path, monkeypatch):
     steps = closed_steps(CFG, rank=0)
     real_replace = os.replace

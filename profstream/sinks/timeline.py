@@ -735,12 +735,13 @@ class TimelineSink:
 
         SinkLoop asks after every poll; time-based closes (grace, idle) happen here."""
         self._tick(self.clock())
-        out = {}
-        for (topic, partition), position in self._positions.items():
-            pending = [r.pending_offset for r in self.ranks.values()
-                       if r.assembler.partition == partition and r.topic == topic]
-            out[(topic, partition)] = min([o for o in pending if o is not None] + [position])
-        return out
+        pending: dict[tuple[str, int], int] = {}  # one pass over the ranks, not one per partition
+        for r in self.ranks.values():
+            offset = r.pending_offset
+            if offset is not None:
+                where = (r.topic, r.assembler.partition)
+                pending[where] = min(offset, pending.get(where, offset))
+        return {where: min(position, pending.get(where, position)) for where, position in self._positions.items()}
 
     def close(self) -> None:
         """Write every window of closed steps (open steps are read again after a restart)."""
