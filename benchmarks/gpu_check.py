@@ -30,6 +30,7 @@ checked here). The figures go into docs/benchmarks.md with the date and the comm
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -188,6 +189,9 @@ def compare_with_hta(trace_dir: Path) -> dict[str, Any]:
     os.environ["HTA_DISABLE_NS_ROUNDING"] = "1"
     Trace._filter_irrelevant_gpu_kernels = lambda self, include_last_profiler_step=False: None
     comm.round = lambda value, digits=None: value
+    # no worker pool forked from this process (CUDA and the Monitor's threads in it): a fork
+    # child can hang on a lock one of them held (tests/test_hta_compare.py)
+    Trace.load_traces = functools.partialmethod(Trace.load_traces, use_multiprocessing=False)
     paths = sorted(trace_dir.glob("*.json*"))
     ta = TraceAnalysis(trace_dir=str(trace_dir))
     breakdown = ta.get_temporal_breakdown(visualize=False).set_index("rank")
