@@ -4,6 +4,7 @@ and no poll waits for Kafka for long meanwhile (its tick work and a stop go on).
 
 from __future__ import annotations
 
+import threading
 import time
 
 from kafka import TopicPartition
@@ -58,3 +59,32 @@ def test_a_sink_whose_commit_times_out_while_kafka_is_away_commits_once_it_is_ba
     finally:
         reader.close()
     assert {(topic, p): o for p, o in committed.items() if o} == sink.read
+
+
+def test_a_sink_stopped_while_kafka_is_away_stops(broker, fault_topics):
+    """A stop is not held up by an absent Kafka: the loop's last commits give up after their
+    bounded waits (a restart re-reads from the last commit), and the loop returns. Before
+    the bound, a stop took 80 s, or did not return while Kafka stayed away."""
+    topic, group = fault_topics.raw, f"sink-stop-{fault_topics.prefix}"
+    producer = make_producer(broker.bootstrap)
+    for i in range(20):
+        producer.send(topic, key=b"k%d" % i, value=b"v%d" % i)
+    producer.flush(30)
+    producer.close()
+    sink = _Files()
+    loop = SinkLoop(broker.bootstrap, [topic], group, sink)
+    stop = threading.Event()
+    runner = threading.Thread(target=loop.run, args=(stop,), daemon=True)
+    runner.start()
+    try:
+        wait_until(lambda: sum(sink.read.values()) == 20, 60, "all 20 records read")
+        broker.stop()
+        sink.durable = dict(sink.read)  # its commit can no longer go through
+        stop.set()
+        # 17-18 s: FINAL_COMMIT_S of polls, then the last commit, each wait bounded; 80 s and
+        # more before (each commit waited out kafka-python's 30 s, a lag position for good)
+        runner.join(45)
+        assert not runner.is_alive(), "the sink's loop did not return after a stop while Kafka was away"
+    finally:
+        stop.set()
+        broker.start()
