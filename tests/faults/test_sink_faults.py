@@ -29,15 +29,20 @@ class _Files:
         return self.durable
 
 
-def test_a_sink_whose_commit_times_out_while_kafka_is_away_commits_once_it_is_back(broker, fault_topics):
-    topic, group = fault_topics.raw, f"sink-{fault_topics.prefix}"
+def _sink_of_20_records(broker, topic: str, group: str) -> tuple[_Files, SinkLoop]:
+    """20 records on ``topic``, and a sink's loop in ``group`` to read them."""
     producer = make_producer(broker.bootstrap)
     for i in range(20):
         producer.send(topic, key=b"k%d" % i, value=b"v%d" % i)
     producer.flush(30)
     producer.close()
     sink = _Files()
-    loop = SinkLoop(broker.bootstrap, [topic], group, sink)
+    return sink, SinkLoop(broker.bootstrap, [topic], group, sink)
+
+
+def test_a_sink_whose_commit_times_out_while_kafka_is_away_commits_once_it_is_back(broker, fault_topics):
+    topic, group = fault_topics.raw, f"sink-{fault_topics.prefix}"
+    sink, loop = _sink_of_20_records(broker, topic, group)
     try:
         wait_until(lambda: loop.poll_once() >= 0 and sum(sink.read.values()) == 20, 60, "all 20 records read")
         broker.stop()
@@ -65,14 +70,7 @@ def test_a_sink_stopped_while_kafka_is_away_stops(broker, fault_topics):
     """A stop is not held up by an absent Kafka: the loop's last commits give up after their
     bounded waits (a restart re-reads from the last commit), and the loop returns. Before
     the bound, a stop took 80 s, or did not return while Kafka stayed away."""
-    topic, group = fault_topics.raw, f"sink-stop-{fault_topics.prefix}"
-    producer = make_producer(broker.bootstrap)
-    for i in range(20):
-        producer.send(topic, key=b"k%d" % i, value=b"v%d" % i)
-    producer.flush(30)
-    producer.close()
-    sink = _Files()
-    loop = SinkLoop(broker.bootstrap, [topic], group, sink)
+    sink, loop = _sink_of_20_records(broker, fault_topics.raw, f"sink-stop-{fault_topics.prefix}")
     stop = threading.Event()
     runner = threading.Thread(target=loop.run, args=(stop,), daemon=True)
     runner.start()
