@@ -7,6 +7,7 @@ admin, tools), whose pure-Python I/O costs more CPU per message but is simpler t
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -232,8 +233,6 @@ def consumer_lag(consumer: KafkaConsumer, timeout_ms: int | None = None) -> int 
     """Messages behind the end of the consumer's assigned partitions, as of its last fetch.
     ``timeout_ms``: the longest to wait in all for positions that need a broker (None: until
     it answers); None when one was not known by then (Kafka away)."""
-    import time
-
     deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
     total = 0
     for tp in consumer.assignment():
@@ -253,8 +252,6 @@ def read_topic(bootstrap: str, topic: str, want, count: int, timeout: float,
     satisfying ``want(value)`` are seen or ``timeout`` seconds pass; returns those seen.
 
     ``decode`` turns the raw message value into the value handed to ``want``."""
-    import time
-
     from kafka import TopicPartition
 
     consumer = make_consumer(bootstrap, group_id=None, enable_auto_commit=False)
