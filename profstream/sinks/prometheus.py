@@ -419,7 +419,12 @@ def read_alerts(bootstrap: str, topic: str, timeout: float = 10.0) -> list[dict]
         consumer.seek_to_beginning(*tps)
         end = consumer.end_offsets(tps)
         deadline = time.monotonic() + timeout
-        while any(consumer.position(tp) < end[tp] for tp in tps):
+
+        def behind(tp: TopicPartition) -> bool:  # a position not known in time (Kafka away): behind
+            position = consumer.position(tp, timeout_ms=max(0, int((deadline - time.monotonic()) * 1000)))
+            return position is None or position < end[tp]
+
+        while any(behind(tp) for tp in tps):
             if time.monotonic() > deadline:
                 log.warning("read only part of %s within %.0f s: stalls firing before the start may "
                             "show as 0 until their next transition", topic, timeout)
