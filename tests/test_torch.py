@@ -272,7 +272,7 @@ class FailingMonitor:
     """A Monitor stand-in (no Kafka: it records nothing) whose forward mark fails."""
 
     options = {"start_step": None, "stop_step": None, "every_n_steps": None}
-    _enabled = False
+    enabled = True
     current_step = -1
 
     def __init__(self):
@@ -308,7 +308,7 @@ def test_a_failing_hook_never_reaches_the_training_loop(caplog):
     model, optimizer, loader = make(6)
     monitor = FailingMonitor()
     with caplog.at_level(logging.ERROR, logger="profstream.torch"):
-        handle = pst.instrument(model, optimizer, loader, monitor=monitor)
+        handle = pst.instrument(model, optimizer, loader, monitor=monitor, capture_ops=False)
         train(model, optimizer, loader)  # raises nothing
         calls_after_failure = monitor.calls
         train(model, optimizer, loader)  # a second epoch: the hooks are off
@@ -319,7 +319,7 @@ def test_a_failing_hook_never_reaches_the_training_loop(caplog):
     assert caplog.records[0].exc_info is not None
     # the training itself is untouched: the first epoch ends with the plain run's weights
     model2, optimizer2, loader2 = make(6)
-    with pst.instrument(model2, optimizer2, loader2, monitor=FailingMonitor()):
+    with pst.instrument(model2, optimizer2, loader2, monitor=FailingMonitor(), capture_ops=False):
         train(model2, optimizer2, loader2)
     for p, q in zip(plain[0].parameters(), model2.parameters()):
         assert torch.equal(p, q)
@@ -339,7 +339,6 @@ def conversion_thread(request, monkeypatch):
 class FailingOpsMonitor(FailingMonitor):
     """A Monitor stand-in that takes marks but fails when the captured ops arrive."""
 
-    _enabled = True
     _closed = False
 
     def defer_ops(self):
@@ -411,7 +410,7 @@ def test_errors_of_the_loader_reach_the_loop_unchanged():
             raise KeyError(f"sample {i} is missing")
 
     loader = torch.utils.data.DataLoader(Broken(), batch_size=2)
-    with pst.instrument(torch.nn.Linear(2, 2), None, loader, monitor=FailingMonitor()) as handle:
+    with pst.instrument(torch.nn.Linear(2, 2), None, loader, monitor=FailingMonitor(), capture_ops=False) as handle:
         with pytest.raises(KeyError, match="sample 0 is missing"):
             next(iter(loader))
     assert handle.error is None
@@ -427,6 +426,36 @@ def test_bad_arguments_get_one_line_errors():
         pst.instrument(monitor=FailingMonitor(), run_id="r")
     with pytest.raises(ConfigError, match="every-n-steps=0: expected an integer >= 1"):
         pst.instrument(every_n_steps=0, enabled=False)
+
+
+def test_a_disabled_monitor_leaves_the_loop_unhooked(monkeypatch):
+    """PROFSTREAM_ENABLED=0 is the switch a user flips to take profstream out of a job: no
+    hook on the model, optimizer or loader, and nothing read at a step's end."""
+    import profstream.torch as pst
+    from profstream.integrations import torch as pst_torch
+    from profstream.producers.monitor import Monitor
+
+    monkeypatch.setattr(pst_torch.RssReader, "__call__", lambda self: pytest.fail("memory read with profiling off"))
+    model, optimizer, loader = make(3)
+    for monitor in (Monitor(enabled=False), None):
+        if monitor is None:
+            monkeypatch.setenv("PROFSTREAM_ENABLED", "0")
+        with pst.instrument(model, optimizer, loader, monitor=monitor, capture_ops=False) as handle:
+            assert not model._forward_pre_hooks and not optimizer._optimizer_step_pre_hooks
+            assert "_get_iterator" not in vars(loader)
+            train(model, optimizer, loader)
+        assert handle.error is None and not handle.active
+
+    # the launcher's set-up (profstream run) hooks globally before the Monitor exists: the
+    # hooks stand aside once it turns out disabled
+    handle = pst_torch.TorchInstrumentation(None, {}, capture_ops=False, mark_steps=True, lazy=True)
+    handle.attach(None, None, None)
+    try:
+        train(model, optimizer, loader)
+        assert handle.monitor is not None and not handle.monitor.enabled and not handle.active
+    finally:
+        handle.close()
+    assert handle.error is None
 
 
 # -- end to end: broker, processor, figures --------------------------------------------

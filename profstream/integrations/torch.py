@@ -71,7 +71,8 @@ def instrument(model: Any = None, optimizer: Any = None, loader: Any = None, mon
                           "give them to Monitor(...) or leave out monitor=")
     inst = TorchInstrumentation(monitor, monitor_opts, torch_opts["capture_ops"], mark_steps,
                                 compiled_walk=torch_opts["compiled_walk"])
-    inst.attach(model, optimizer, loader)
+    if inst.active:  # a disabled Monitor: no hooks at all, the loop runs as without profstream
+        inst.attach(model, optimizer, loader)
     close_at_exit(inst)
     return inst
 
@@ -160,7 +161,12 @@ class TorchInstrumentation:
 
             monitor = Monitor(**opts)
         self.monitor = monitor
-        if self.capture_ops and getattr(monitor, "_enabled", True):
+        if not getattr(monitor, "enabled", True):
+            # nothing to record: hooks already installed (the lazy set-up) return at once,
+            # and no memory is read or step marked for a Monitor that drops it all
+            self.active = False
+            return
+        if self.capture_ops:
             window = OpWindow.of(monitor.options)
             _hand_op_window_to_producer(monitor)
             self.capture = OpCapture(monitor, window, self.cuda, self._fail, self.compiled_walk,
@@ -315,7 +321,7 @@ class TorchInstrumentation:
             if os.getpid() != self._pid:  # a forked worker: never profile it
                 return False
             self._setup_monitor(None)
-        return True
+        return self.active
 
     def _on_batch_request(self, it: Any) -> int | None:
         if not self._ensure_monitor():

@@ -380,6 +380,12 @@ class Monitor:
     # -- lifecycle --------------------------------------------------------------------
 
     @property
+    def enabled(self) -> bool:
+        """False for a Monitor made with ``enabled=False`` (``PROFSTREAM_ENABLED=0``): every
+        call is a no-op, and the framework hooks stand aside."""
+        return self._enabled
+
+    @property
     def dropped_ops(self) -> int:
         return self.buffer.dropped_ops
 
