@@ -13,7 +13,14 @@ the Monitor's defaults (host samples once a second, the control reader on). Per 
   librdkafka's threads), the CPU it used (``/proc/self/task/TID/schedstat``) and how often it
   woke (voluntary context switches): on a box with no idle core every microsecond of it,
   and each wake-up's switch, is taken from the loop or from the process beside it;
-- the training thread's own wait for a core (run queue) and involuntary switches.
+- the training thread's own wait for a core (run queue) and involuntary switches;
+- ``broker_us``: the CPU the broker used per step (only when this benchmark watches it: the
+  local stack's broker, or ``--broker-pid``). A broker on the same box, as here, competes
+  with the loop too; a deployed one runs elsewhere.
+
+``--monitor-off``: the same loop under ``instrument()`` with a disabled Monitor (hooks
+installed, nothing recorded or sent): the baseline for the run-queue wait and the broker's
+CPU, which the box's other work makes non-zero.
 
 ``total_us`` = hooks + the other threads' CPU: what the Monitor can take from a step when
 no core is idle, as a share of the median step (``total_share``). That bound is what
@@ -25,6 +32,7 @@ it. Linux only (``/proc``). Prints one JSON object on stdout; progress goes to s
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import threading
@@ -43,6 +51,7 @@ from _common import (
     thread_switches,
     unique_prefix,
 )
+from bench_processor_scaleout import cpu_seconds
 from bench_torch_overhead import make_loop
 
 HOOKS = ("before_batch", "after_batch", "_forward_pre_hook", "_optimizer_pre_hook", "_optimizer_post_hook")
@@ -92,12 +101,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     import profstream.torch as pst
     from profstream.producers.monitor import Monitor
+    from profstream.stack import stack_up
 
     torch.set_num_threads(1)
     bootstrap = broker_bootstrap(args.bootstrap)
     prefix = unique_prefix()
     options = {} if args.batch_interval_ms is None else {"batch_interval_ms": args.batch_interval_ms}
-    monitor = Monitor(run_id="bench-step-cpu", bootstrap=bootstrap, topic_prefix=prefix, **options)
+    monitor = Monitor(run_id="bench-step-cpu", bootstrap=bootstrap, topic_prefix=prefix,
+                      enabled=not args.monitor_off, **options)
+    if args.broker_pid is None:  # the local stack's broker is ours to watch; a given one is not
+        args.broker_pid = -1 if args.bootstrap else stack_up().pid
     model, optimizer, loader = make_loop(args.block, 64, 1024)
     spent: dict[str, int] = {}
     restore = timed_hooks(spent)
@@ -124,10 +137,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         spent.update(dict.fromkeys(spent, 0))
         before = {tid: (comm, cpu, thread_switches(tid)) for tid, (comm, cpu) in thread_cpu().items()}
         main_wait0 = schedstat(main)[1]
+        broker0 = cpu_seconds(args.broker_pid)
         while len(steps) < args.steps:
             epoch(True)
         after = {tid: (comm, cpu, thread_switches(tid)) for tid, (comm, cpu) in thread_cpu().items()}
         main_wait = schedstat(main)[1] - main_wait0
+        broker_cpu = cpu_seconds(args.broker_pid) - broker0
         names = {t.native_id: t.name for t in threading.enumerate()}  # while they run
         handle.close(timeout=30)
         stats = monitor.stats()
@@ -161,9 +176,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "total_share": (hooks_us + threads_us) / (step_ms * 1e3),
         "training_thread": {"run_queue_us": main_wait / n / 1e3, "voluntary_switches": vol / n,
                             "involuntary_switches": inv / n},
+        "broker_us": None if math.isnan(broker_cpu) else broker_cpu / n * 1e6,
+        "monitor": "off" if args.monitor_off else "on",
         "recording": stats.get("recording"),
-        "batches_sent_per_step": stats["batches_sent"] / max(n, 1),
-        "dropped": stats["dropped_ops"] + stats["dropped_samples"],
+        "batches_sent_per_step": stats.get("batches_sent", 0) / max(n, 1),
+        "dropped": stats.get("dropped_ops", 0) + stats.get("dropped_samples", 0),
     }
 
 
@@ -176,6 +193,11 @@ def main() -> None:
     parser.add_argument("--batch-interval-ms", type=float, default=None,
                         help="the Monitor's batch_interval_ms (default: its default, 50)")
     parser.add_argument("--cpu-hog", action="store_true", help="a second CPU-bound process runs beside the loop")
+    parser.add_argument("--monitor-off", action="store_true",
+                        help="the baseline: a disabled Monitor (hooks installed, nothing recorded or sent)")
+    parser.add_argument("--broker-pid", type=int, default=None,
+                        help="the broker's pid, for its CPU per step (default: the local stack's when no "
+                             "--bootstrap is given, else not watched)")
     args = parser.parse_args()
     with cpu_hog(args.cpu_hog):
         result = measure(args)
