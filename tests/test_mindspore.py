@@ -92,6 +92,14 @@ def test_a_bad_option_value_logs_one_warning_and_training_goes_on(caplog):
     assert len(warnings) == 1 and "every-n-steps=0" in warnings[0], warnings
 
 
+def test_a_disabled_monitor_marks_nothing_and_reads_no_device_memory(monkeypatch):
+    asked = []
+    monkeypatch.setattr(ms.runtime, "memory_allocated", lambda *a: asked.append(1) or 0, raising=False)
+    callback = ProfstreamCallback(run_id="ms-off", enabled=False)
+    _fast_train(callback)
+    assert callback.steps_marked == 0 and not asked
+
+
 def test_a_capture_request_is_refused_with_what_to_do_and_training_goes_on(kafka_bootstrap, topics):
     from profstream.control.client import follow, send_request
     from profstream.control.records import new_request

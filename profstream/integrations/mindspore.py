@@ -79,7 +79,7 @@ class ProfstreamCallback(Callback):
         self.queue_samples = 0
         self._asked_ns: int | None = None  # when the loop asked for the next batch (S)
         self._open = False
-        self._memory = _memory_probe()
+        self._memory = self.monitor is not None and self.monitor.enabled and _memory_probe()
 
     def in_window(self, step: int) -> bool:
         return ((self.start_step is None or step >= self.start_step)
@@ -94,8 +94,8 @@ class ProfstreamCallback(Callback):
         now = time.time_ns()
         cb = run_context.original_args()
         step = int(cb.cur_step_num)
-        if self.monitor is None or not self.in_window(step):
-            self._open = False
+        if self.monitor is None or not self.monitor.enabled or not self.in_window(step):
+            self._open = False  # a disabled Monitor: no device query either
             return
         start = self._asked_ns if self._asked_ns is not None else now
         self.monitor.begin_step(step, ts_ns=start)
