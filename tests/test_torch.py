@@ -638,8 +638,14 @@ def test_a_slow_dataset_raises_data_queue_stall(kafka_bootstrap, topics):
     assert alerts, f"no alert; steps (step, starved, data wait share): {seen}"
     firing = alerts[0]
     assert firing["name"] == "DataQueueStall" and firing["state"] == "firing", seen
-    assert slow.start + 4 <= firing["step"] < slow.stop and "since step" in firing["summary"], seen
-    assert set(slow) <= {s["step"] for s in got if s["starved"]}, seen
+    starved = {s["step"] for s in got if s["starved"]}
+    assert set(slow) <= starved, seen
+    # fired inside the slow batches, on the 5th starved step in a row (FigureOptions.stall_steps):
+    # normally step 12; a fast step just before them can count as starved on a loaded box
+    # (its ~0.2 ms load against ~3 ms of compute, preempted once), and then it fires earlier
+    assert slow.start <= firing["step"] < slow.stop and "since step" in firing["summary"], seen
+    assert set(range(firing["step"] - 4, firing["step"] + 1)) <= starved, seen
+    assert firing["step"] - 5 not in starved, seen  # the first step of the run of five
 
 
 def test_the_prefetch_queue_of_a_multi_worker_loader_is_sampled_at_each_step(kafka_bootstrap, topics):
