@@ -18,9 +18,9 @@ the Monitor's defaults (host samples once a second, the control reader on). Per 
   local stack's broker, or ``--broker-pid``). A broker on the same box, as here, competes
   with the loop too; a deployed one runs elsewhere.
 
-``--monitor-off``: the same loop under ``instrument()`` with a disabled Monitor (hooks
-installed, nothing recorded or sent): the baseline for the run-queue wait and the broker's
-CPU, which the box's other work makes non-zero.
+``--monitor-off``: the same loop under ``instrument()`` with a disabled Monitor (which
+installs no hooks: the loop as without profstream): the baseline for the run-queue wait and
+the broker's CPU, which the box's other work makes non-zero.
 
 ``total_us`` = hooks + the other threads' CPU: what the Monitor can take from a step when
 no core is idle, as a share of the median step (``total_share``). That bound is what
@@ -194,7 +194,7 @@ def main() -> None:
                         help="the Monitor's batch_interval_ms (default: its default, 50)")
     parser.add_argument("--cpu-hog", action="store_true", help="a second CPU-bound process runs beside the loop")
     parser.add_argument("--monitor-off", action="store_true",
-                        help="the baseline: a disabled Monitor (hooks installed, nothing recorded or sent)")
+                        help="the baseline: a disabled Monitor (instrument() installs no hooks, nothing is sent)")
     parser.add_argument("--broker-pid", type=int, default=None,
                         help="the broker's pid, for its CPU per step (default: the local stack's when no "
                              "--bootstrap is given, else not watched)")

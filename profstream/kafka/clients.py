@@ -229,6 +229,14 @@ def make_consumer(bootstrap: str, *topics: str, group_id: str | None = None, **o
     return KafkaConsumer(*topics, **config)
 
 
+def position_by(consumer: KafkaConsumer, tp: Any, deadline: float | None) -> int | None:
+    """``consumer.position(tp)``, waiting for a broker (an offset lookup or validation) no
+    later than ``deadline`` (``time.monotonic()``; None: until it answers); None when it was
+    not known by then (Kafka away)."""
+    left = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
+    return consumer.position(tp, timeout_ms=left)
+
+
 def consumer_lag(consumer: KafkaConsumer, timeout_ms: int | None = None) -> int | None:
     """Messages behind the end of the consumer's assigned partitions, as of its last fetch.
     ``timeout_ms``: the longest to wait in all for positions that need a broker (None: until
@@ -238,8 +246,7 @@ def consumer_lag(consumer: KafkaConsumer, timeout_ms: int | None = None) -> int 
     for tp in consumer.assignment():
         high = consumer.highwater(tp)
         if high is not None:
-            left = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
-            position = consumer.position(tp, timeout_ms=left)
+            position = position_by(consumer, tp, deadline)
             if position is None:
                 return None
             total += max(0, high - position)

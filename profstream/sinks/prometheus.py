@@ -407,7 +407,7 @@ def read_alerts(bootstrap: str, topic: str, timeout: float = 10.0) -> list[dict]
     """Every Alert on ``topic`` up to its current end (undecodable ones left out)."""
     from kafka import TopicPartition
 
-    from profstream.kafka.clients import make_consumer
+    from profstream.kafka.clients import make_consumer, position_by
 
     consumer = make_consumer(bootstrap, group_id=None)
     alerts: list[dict] = []
@@ -421,7 +421,7 @@ def read_alerts(bootstrap: str, topic: str, timeout: float = 10.0) -> list[dict]
         deadline = time.monotonic() + timeout
 
         def behind(tp: TopicPartition) -> bool:  # a position not known in time (Kafka away): behind
-            position = consumer.position(tp, timeout_ms=max(0, int((deadline - time.monotonic()) * 1000)))
+            position = position_by(consumer, tp, deadline)
             return position is None or position < end[tp]
 
         while any(behind(tp) for tp in tps):
