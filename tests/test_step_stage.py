@@ -42,7 +42,7 @@ class VisitEveryRank(StepStage):
     """The stage as it was before: ready() visits every rank on every call."""
 
     def _due(self, now: float) -> list[tuple[str, int]]:
-        self._dirty.clear()
+        self.schedule.dirty.clear()
         return sorted(self.ranks, key=lambda ident: self.ranks[ident].order)
 
 

@@ -14,10 +14,8 @@ This module knows Kafka records and nothing of how figures are computed.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import logging
-import math
 import threading
 import zlib
 from collections.abc import Iterable
@@ -27,6 +25,7 @@ from profstream.kafka.limits import DEAD_LETTER_ROOM_BYTES, MAX_MESSAGE_BYTES
 from profstream.kafka.topics import Topics
 from profstream.processors.assembler import RankAssembler
 from profstream.processors.checkpoint import MAX_OUTAGE_S, Output, TransactionalLoop
+from profstream.processors.close_schedule import CloseSchedule
 from profstream.processors.collectives import check_calls, packed_step_collectives
 from profstream.processors.figures import FigureOptions, RankFigures
 from profstream.processors.health import EVENT_FAMILIES, ProcessorHealth, StageCounts
@@ -80,14 +79,8 @@ class _Rank:
 class StepStage:
     """raw -> StepMetrics / Alert / dead letters, with a RankCheckpoint per (run, rank).
 
-    ``ready(now)`` runs after every poll, so it visits only the ranks that may have
-    something to close (with 1,024 ranks in one process, a visit of each on every poll cost
-    more than the steps themselves): those whose step marks or watermark moved since their
-    last visit (``_dirty``), those whose first marked step waits out the grace period with
-    no watermark (a heap of mark times), and those whose idle timeout came (a heap of
-    last-seen times). The heaps are compared with the same expressions as the assembler's
-    and the idle check, so a step or idle rank closes on the same call as when every rank
-    was visited, and ranks are visited in the order they entered the stage, as before.
+    ``ready(now)`` runs after every poll and visits only the ranks that may have something
+    to close (``close_schedule.CloseSchedule``), in the order they entered the stage.
     """
 
     name = "steps"
@@ -106,13 +99,7 @@ class StepStage:
         self.ranks: dict[tuple[str, int], _Rank] = {}
         self._changed: set[tuple[str, int]] = set()
         self._orders = itertools.count()
-        self._dirty: set[tuple[str, int]] = set()  # marks or watermark moved since the last visit
-        # (time, ident) heaps; an entry counts only while its time is the rank's in the dict
-        # beside it (others are left over from an earlier schedule and skipped when popped)
-        self._grace_heap: list[tuple[float, tuple[str, int]]] = []
-        self._grace_at: dict[tuple[str, int], float] = {}  # mark_seen_at of the first marked step, no watermark
-        self._idle_heap: list[tuple[float, tuple[str, int]]] = []
-        self._idle_at: dict[tuple[str, int], float] = {}  # last_seen when scheduled (<= the rank's last_seen)
+        self.schedule = CloseSchedule(grace_s, idle_timeout_s)
 
     # -- checkpoint -------------------------------------------------------------------
 
@@ -151,17 +138,13 @@ class StepStage:
         old = self.ranks.get(ident)
         rank.order = old.order if old is not None else next(self._orders)
         self.ranks[ident] = rank
-        self._grace_at.pop(ident, None)
-        self._idle_at.pop(ident, None)
-        self._schedule(ident, rank)  # a restored rank has no open step: only its idle time to watch
+        self.schedule.add(ident, rank.assembler)  # a restored rank has no open step: only its idle time to watch
         return rank
 
     def _forget(self, ident: tuple[str, int]) -> None:
         self.ranks.pop(ident, None)
         self._changed.discard(ident)
-        self._dirty.discard(ident)
-        self._grace_at.pop(ident, None)  # its heap entries are skipped when popped
-        self._idle_at.pop(ident, None)
+        self.schedule.forget(ident)
 
     # -- records ----------------------------------------------------------------------
 
@@ -180,9 +163,8 @@ class StepStage:
         before = (asm.late_events, asm.lost_batches, asm.dropped_ops, asm.duplicate_batches)
         watermark = asm.watermark
         fresh = asm.add(batch, now, rec.offset)
-        if len(batch.steps["step"]) or asm.watermark != watermark:
-            self._dirty.add(ident)  # only marks and the watermark let a step close
-        self._schedule_idle(ident, asm.last_seen)  # a no-op unless the clock went back (offline replay)
+        # only marks and the watermark let a step close
+        self.schedule.folded(ident, asm, bool(len(batch.steps["step"])) or asm.watermark != watermark)
         self.counts.duplicate_batches += asm.duplicate_batches - before[3]
         if fresh:
             self._changed.add(ident)
@@ -212,56 +194,16 @@ class StepStage:
             else:
                 if closed:
                     self._changed.add(ident)
-                self._schedule(ident, rank)
+                self.schedule.visited(ident, asm)
             for ev, reason in closed:
                 out.extend(self._step_outputs(rank, ev, reason))
         return out
 
     def _due(self, now: float) -> list[tuple[str, int]]:
-        """The ranks ready(now) must visit, in the order they entered the stage: the dirty
-        ones, and those whose grace or idle time came (their entries leave the heaps)."""
-        due = self._dirty
-        self._dirty = set()
-        heap, at = self._grace_heap, self._grace_at
-        while heap and now - heap[0][0] >= self.grace_s:  # the assembler's test
-            mark_seen_at, ident = heapq.heappop(heap)
-            if at.get(ident) == mark_seen_at:
-                del at[ident]
-                due.add(ident)
-        heap, at = self._idle_heap, self._idle_at
-        while heap and now - heap[0][0] >= self.idle_timeout_s:  # the idle test of ready()
-            last_seen, ident = heapq.heappop(heap)
-            if at.get(ident) == last_seen:
-                del at[ident]
-                seen = self.ranks[ident].assembler.last_seen
-                if seen == last_seen:
-                    due.add(ident)
-                else:  # it got batches since: due later (or now: popped again)
-                    self._schedule_idle(ident, seen)
+        """The ranks ready(now) must visit, in the order they entered the stage."""
         ranks = self.ranks
+        due = self.schedule.due(now, lambda ident: ranks[ident].assembler.last_seen)
         return sorted(due, key=lambda ident: ranks[ident].order)
-
-    def _schedule(self, ident: tuple[str, int], rank: _Rank) -> None:
-        """Put a rank that was visited (or is new) in the heaps where it belongs now."""
-        asm = rank.assembler
-        self._schedule_idle(ident, asm.last_seen)
-        first_mark = None
-        if asm.watermark is None:
-            marked = [s for s, e in asm.open.items() if e.mark is not None]
-            if marked:
-                first_mark = asm.open[min(marked)].mark_seen_at
-        if first_mark is None:
-            self._grace_at.pop(ident, None)
-        elif self._grace_at.get(ident) != first_mark:
-            self._grace_at[ident] = first_mark
-            heapq.heappush(self._grace_heap, (first_mark, ident))
-
-    def _schedule_idle(self, ident: tuple[str, int], last_seen: float) -> None:
-        """Make sure the idle heap holds the rank at ``last_seen`` or earlier: a later batch
-        only moves last_seen forward, which the entry's pop finds out."""
-        if last_seen < self._idle_at.get(ident, math.inf):
-            self._idle_at[ident] = last_seen
-            heapq.heappush(self._idle_heap, (last_seen, ident))
 
     def _step_outputs(self, rank: _Rank, ev, reason: str) -> list[Output]:
         record, transition = rank.figures.step_metrics(ev, reason, rank.assembler.late_events)
