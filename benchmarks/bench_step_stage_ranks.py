@@ -12,9 +12,14 @@ messages at a time), then one last ``ready`` that closes what is left. Every (ra
 must come out exactly once (checked).
 
 ``--compare-with DIR`` also times the StepStage of another checkout's
-``profstream/processors/runtime.py`` (loaded beside this one's, the rest of profstream
-shared), alternating with this one's in the same process, so that the two are compared
+``profstream/processors/runtime.py`` (or its TimelineSink, ``sinks/timeline.py``; loaded
+beside this one's, the rest of profstream shared), alternating with this one's in the same process, so that the two are compared
 without the differences between processes that a shared box adds.
+
+``--stage timeline`` times the timeline sink instead, as its SinkLoop drives it:
+``TimelineSink.handle`` of every ``--ready-every`` messages, then ``durable_offsets`` (which
+also closes steps by time; its time is the ``ready`` figure); its ``close`` at the end,
+which writes the files, is not timed.
 
 Prints one JSON object on stdout; progress on stderr.
 """
@@ -25,6 +30,7 @@ import argparse
 import importlib.util
 import os
 import sys
+import tempfile
 import time
 from collections import Counter, namedtuple
 
@@ -38,6 +44,7 @@ from profstream.processors.health import StageCounts
 from profstream.processors.runtime import StepStage
 from profstream.schema.codec import decode
 from profstream.simulate import SimConfig
+from profstream.sinks.timeline import TimelineSink
 
 Record = namedtuple("Record", "topic partition offset key value")
 
@@ -60,13 +67,14 @@ def rank_messages(ranks: int, template_ranks: int, steps: int, ops_per_step: int
     return out
 
 
-def other_step_stage(checkout: str) -> type:
-    """StepStage of the runtime.py in another checkout, on this one's other modules."""
-    path = os.path.join(checkout, "profstream", "processors", "runtime.py")
-    spec = importlib.util.spec_from_file_location("profstream.processors._compared_runtime", path)
+def other_class(checkout: str, module_path: str, name: str) -> type:
+    """Class ``name`` of the module at ``module_path`` (profstream/...) in another checkout,
+    on this one's other modules."""
+    path = os.path.join(checkout, module_path)
+    spec = importlib.util.spec_from_file_location(f"profstream._compared_{name}", path)
     module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # its dataclasses look it up
     spec.loader.exec_module(module)
-    return module.StepStage
+    return getattr(module, name)
 
 
 def run_once(messages: list[tuple[float, Record]], ready_every: int, stage_cls: type = StepStage) -> dict[str, float]:
@@ -95,6 +103,30 @@ def run_once(messages: list[tuple[float, Record]], ready_every: int, stage_cls: 
             "cpu_s": total_s, "ready_cpu_s": ready_s}
 
 
+def run_timeline_once(messages: list[tuple[float, Record]], ready_every: int,
+                      sink_cls: type = TimelineSink) -> dict[str, float]:
+    """The timeline sink's handle + durable_offsets per poll of ``ready_every`` messages."""
+    now = [0.0]
+    with tempfile.TemporaryDirectory() as out:
+        sink = sink_cls(out, window_steps=1000, clock=lambda: now[0])
+        offsets_s = 0.0
+        start = time.thread_time()
+        for i in range(0, len(messages), ready_every):
+            chunk = messages[i:i + ready_every]
+            now[0] = chunk[-1][0]
+            sink.handle([rec for _, rec in chunk])
+            t = time.thread_time()
+            sink.durable_offsets()
+            offsets_s += time.thread_time() - t
+        now[0] += 1.0  # past the last steps' grace: every marked step closes
+        t = time.thread_time()
+        sink.durable_offsets()
+        offsets_s += time.thread_time() - t
+        total_s = time.thread_time() - start
+        sink.close()
+        return {"steps": sink.steps_written, "steps_twice": 0, "cpu_s": total_s, "ready_cpu_s": offsets_s}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, default=1024)
@@ -103,11 +135,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ops-per-step", type=int, default=50)
     p.add_argument("--ready-every", default="10,1000", help="messages between ready() calls (comma list)")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--compare-with", metavar="DIR", help="another checkout whose StepStage to alternate with")
+    p.add_argument("--stage", choices=("steps", "timeline"), default="steps",
+                   help="the processors' StepStage, or the timeline sink")
+    p.add_argument("--compare-with", metavar="DIR", help="another checkout whose stage to alternate with")
     args = p.parse_args(argv)
-    stages = {"this": StepStage}
+    module_path, name, cls = (("profstream/processors/runtime.py", "StepStage", StepStage) if args.stage == "steps"
+                              else ("profstream/sinks/timeline.py", "TimelineSink", TimelineSink))
+    run = run_once if args.stage == "steps" else run_timeline_once
+    stages = {"this": cls}
     if args.compare_with:
-        stages["other"] = other_step_stage(args.compare_with)
+        stages["other"] = other_class(args.compare_with, module_path, name)
     messages = rank_messages(args.ranks, args.template_ranks, args.steps, args.ops_per_step)
     expected = args.ranks * args.steps
     note(f"{len(messages)} messages of {args.ranks} ranks x {args.steps} steps; code {profstream.__file__}")
@@ -116,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         runs: dict[str, list] = {name: [] for name in stages}
         for _ in range(args.repeats):
             for name, cls in stages.items():  # alternating
-                r = run_once(messages, every, cls)
+                r = run(messages, every, cls)
                 if r["steps"] != expected or r["steps_twice"]:
                     raise SystemExit(f"{name}, ready every {every}: {r['steps']} of {expected} steps, "
                                      f"{r['steps_twice']} twice")
@@ -129,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
                 "ready_cpu_ms_per_step": summary([r["ready_cpu_s"] / expected * 1e3 for r in rs]),
             }
     emit(envelope("step_stage_ranks", args, {
-        "metric": "StepStage fold + ready CPU per (rank, step), one thread, no Kafka",
+        "metric": (f"{name} " + ("fold + ready" if args.stage == "steps" else "handle + durable_offsets")
+                   + " CPU per (rank, step), one thread, no Kafka"),
         "code": {"this": profstream.__file__, "other": args.compare_with}, "messages": len(messages),
         "steps": expected, "results": results}))
     return 0

@@ -6,6 +6,7 @@ import gzip
 import json
 import math
 import os
+import random
 import threading
 from collections import Counter, defaultdict, namedtuple
 from pathlib import Path
@@ -17,7 +18,9 @@ from hypothesis import strategies as st
 
 import profstream.sinks.timeline as timeline
 from profstream.config import ConfigError
+from profstream.control.records import STARTED, control_key, encode_status, new_request, new_status
 from profstream.kafka.clients import make_consumer
+from profstream.kafka.topics import Topics
 from profstream.processors.assembler import RankAssembler
 from profstream.processors.collectives import CollectiveCall, calls_of, step_collectives
 from profstream.processors.model import StepEvents
@@ -55,6 +58,7 @@ from profstream.sinks.timeline import (
 from profstream.sinks.timeline_collectives import TID_COLLECTIVES
 from tests.helpers import wait_until
 from tests.test_collectives import _rank_batch
+from tests.test_step_stage import Streams
 
 Rec = namedtuple("Rec", "topic partition offset key value")
 TOPIC = "t.raw"
@@ -452,6 +456,105 @@ def test_offsets_are_durable_only_once_their_steps_are_in_a_file(tmp_path):
     assert durable == first_unwritten
     sink.close()
     assert sink.durable_offsets() == {(TOPIC, p): cfg.steps + 1 for p in (0, 1)}
+
+
+class VisitEveryRank(TimelineSink):
+    """The sink as it was before its close schedule: every rank visited, and every rank's
+    pending offset looked at, on every poll."""
+
+    def durable_offsets(self) -> dict[tuple[str, int], int]:
+        now = self.clock()
+        self.schedule.dirty.clear()
+        for ident, rank in list(self.ranks.items()):
+            self._close_ready(ident, now)
+            if now - rank.assembler.last_seen >= self.idle_timeout_s:
+                first_offsets = {s: e.first_offset for s, e in rank.assembler.open.items()}
+                for ev in rank.assembler.close_all():
+                    self._add(ident, ev, first_offsets.get(ev.step, -1))
+                self._flush(ident)
+                if rank.assembler.floor is not None:
+                    self._floors[ident] = rank.assembler.floor
+                del self.ranks[ident]
+                self._captures.pop(ident, None)
+        pending: dict[tuple[str, int], int] = {}
+        for r in self.ranks.values():
+            offset = r.pending_offset
+            if offset is not None:
+                where = (r.topic, r.assembler.partition)
+                pending[where] = min(offset, pending.get(where, offset))
+        return {where: min(position, pending.get(where, position)) for where, position in self._positions.items()}
+
+
+def _written(out: Path) -> list[tuple[str, list[tuple[int, int]]]]:
+    """Each file under ``out``: its path below ``out`` and the (rank, step) of its ops."""
+    return [(str(p.relative_to(out)), sorted((read_trace(p)["otherData"]["rank"], e["args"]["step"])
+                                             for e in op_events(read_trace(p)["traceEvents"])))
+            for p in files(out)]
+
+
+def test_the_sink_writes_and_commits_what_visiting_every_rank_does_poll_by_poll(tmp_path):
+    """A seeded mix over 12 ranks: with and without watermarks, marks out of order, ranks
+    that pause past the idle timeout and come back, a clock that steps back a little,
+    captures that cut a rank's window. The files and the offsets the loop may commit are
+    those of a sink that visits every rank."""
+    topics = Topics(prefix="tlsame")
+    rng = random.Random(23)
+    now = [0.0]
+    options = {"window_steps": 3, "grace_s": 2.0, "idle_timeout_s": 60.0, "clock": lambda: now[0],
+               "control_topic": topics.control}
+    lean, every = TimelineSink(tmp_path / "lean", **options), VisitEveryRank(tmp_path / "every", **options)
+    feed_rec = Streams(topics)
+    next_step = {rank: 0 for rank in range(12)}
+    polls = 0
+    for _ in range(1200):
+        now[0] += rng.choice((0.0, 0.01, 0.3, 1.0, -0.05))
+        rank = rng.randrange(12)
+        if rank in (10, 11) and 40.0 < now[0] < 130.0:
+            continue  # ranks 10 and 11 pause past the idle timeout, then come back
+        step = next_step[rank]
+        marks = [step] if rng.random() < 0.7 else []
+        if marks and rng.random() < 0.1:
+            marks = [step + 1, step]
+        if marks:
+            next_step[rank] = max(marks) + 1
+        ops = [step, step + 1] if rng.random() < 0.3 else [step]
+        rec = feed_rec(rank, ops_steps=ops, marks=marks, watermark=max(step - 1, 0) if rank % 3 else None)
+        rec = rec._replace(partition=rank % 6)  # 2 ranks a partition: a rank's stale offset would show
+        if rng.random() < 0.02:  # a capture of steps the rank's window may already hold
+            first = max(step - rng.randrange(3), 0)
+            status = new_status(new_request("r", steps=3), STARTED, rank, first_step=first, last_step=first + 2)
+            feed_rec.offset += 1
+            rec = Rec(topics.control, 0, feed_rec.offset, control_key("r"), encode_status(status))
+        lean.handle([rec])
+        every.handle([rec])
+        if rng.random() < 0.6:
+            polls += 1
+            assert lean.durable_offsets() == every.durable_offsets(), f"poll {polls} at {now[0]:.2f}"
+            assert lean.steps_written == every.steps_written, f"poll {polls} at {now[0]:.2f}"
+    for later in (1.0, 2.0, 60.0, 63.0, 120.0):
+        now[0] += later
+        assert lean.durable_offsets() == every.durable_offsets()
+    assert lean.ranks == {} and every.ranks == {}
+    assert polls > 400 and lean.steps_written > 800
+    cut = []  # files of fewer than 3 steps before a rank's last file: a capture cut them
+    for rank_dir in {p.parent for p in files(tmp_path / "lean")}:
+        ranges = sorted(tuple(map(int, p.name.split(".")[0].split("-")[1:3])) for p in rank_dir.glob("*.json.gz"))
+        cut += [r for r in ranges[:-1] if r[1] - r[0] < 2]
+    assert len(cut) >= 3, cut
+    assert _written(tmp_path / "lean") == _written(tmp_path / "every")
+
+
+def test_a_capture_that_cuts_a_window_lets_the_loop_commit_past_the_part_written(tmp_path):
+    topics = Topics(prefix="tlcut")
+    sink = TimelineSink(tmp_path, window_steps=10, control_topic=topics.control)
+    feed_rec = Streams(topics)
+    records = [feed_rec(0, ops_steps=[s], marks=[s], watermark=s)._replace(partition=0) for s in range(3)]
+    sink.handle(records)
+    assert sink.durable_offsets() == {(topics.raw, 0): 0}  # steps 0-2 wait in the window
+    status = new_status(new_request("r", steps=3), STARTED, 0, first_step=2, last_step=4)
+    sink.handle([Rec(topics.control, 0, 0, control_key("r"), encode_status(status))])
+    assert [p.name for p in files(tmp_path)] == ["steps-0-1.json.gz"]  # the steps before the capture
+    assert sink.durable_offsets() == {(topics.raw, 0): 2, (topics.control, 0): 1}  # step 2 is not in a file
 
 
 def _steps_of(rec: Rec) -> set[int]:

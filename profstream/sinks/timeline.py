@@ -21,6 +21,7 @@ float64 keeps every nanosecond; docs/timeline.md describes the tracks.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import logging
 import os
@@ -38,6 +39,7 @@ import numpy as np
 
 from profstream.config import ConfigError, check_name
 from profstream.processors.assembler import RankAssembler
+from profstream.processors.close_schedule import CloseSchedule
 from profstream.processors.intervals import union
 from profstream.processors.model import StepEvents
 from profstream.processors.steptrace import step_trace
@@ -675,6 +677,7 @@ class TimelineWriter:
 class _RankTimeline:
     assembler: RankAssembler
     topic: str
+    order: int  # when it entered the sink: time-based closes visit ranks in this order
     window: Window = field(default_factory=Window)
 
     @property
@@ -700,6 +703,14 @@ class TimelineSink:
         self.idle_timeout_s = idle_timeout_s
         self.clock = clock
         self.ranks: dict[tuple[str, int], _RankTimeline] = {}
+        self._orders = itertools.count()
+        # After every poll only the ranks that may close a step by time are visited, and
+        # only the ranks that changed have their pending offset looked at again: with
+        # 1,024 ranks a visit of each cost more than the steps (docs/benchmarks.md §10).
+        self.schedule = CloseSchedule(grace_s, idle_timeout_s)
+        self._pending_changed: set[tuple[str, int]] = set()
+        self._pending: dict[tuple[str, int], tuple[tuple[str, int], int]] = {}  # rank -> (where, offset)
+        self._pending_at: dict[tuple[str, int], dict[tuple[str, int], int]] = {}  # where -> rank -> offset
         self.arrivals: dict[str, Arrivals] = {}  # per run: collective calls seen on every rank
         self._floors: dict[tuple[str, int], int] = {}  # steps below are in files (ranks closed as idle)
         self._positions: dict[tuple[str, int], int] = {}
@@ -729,19 +740,27 @@ class TimelineSink:
                 touched.add(ident)
         for ident in touched:
             self._close_ready(ident, now)
+            self.schedule.visited(ident, self.ranks[ident].assembler)
 
     def durable_offsets(self) -> dict[tuple[str, int], int]:
         """Per (topic, partition), the offset below which every event is in a file.
 
         SinkLoop asks after every poll; time-based closes (grace, idle) happen here."""
         self._tick(self.clock())
-        pending: dict[tuple[str, int], int] = {}  # one pass over the ranks, not one per partition
-        for r in self.ranks.values():
-            offset = r.pending_offset
+        at = self._pending_at
+        for ident in self._pending_changed:
+            old = self._pending.pop(ident, None)
+            if old is not None:
+                del at[old[0]][ident]
+            rank = self.ranks.get(ident)
+            offset = rank.pending_offset if rank is not None else None
             if offset is not None:
-                where = (r.topic, r.assembler.partition)
-                pending[where] = min(offset, pending.get(where, offset))
-        return {where: min(position, pending.get(where, position)) for where, position in self._positions.items()}
+                where = (rank.topic, rank.assembler.partition)
+                self._pending[ident] = (where, offset)
+                at.setdefault(where, {})[ident] = offset
+        self._pending_changed.clear()
+        return {where: min(position, *at[where].values()) if at.get(where) else position
+                for where, position in self._positions.items()}
 
     def close(self) -> None:
         """Write every window of closed steps (open steps are read again after a restart)."""
@@ -782,20 +801,25 @@ class TimelineSink:
             floors = [f for f in (self._floors.get(ident), written_floor(rank_dir)) if f is not None]
             if floors:  # a restart or a rank back from idle: never write a step twice
                 asm.floor = max(floors)
-            rank = self.ranks[ident] = _RankTimeline(asm, rec.topic)
-        rank.assembler.add(batch, now, rec.offset)
+            rank = self.ranks[ident] = _RankTimeline(asm, rec.topic, next(self._orders))
+            self.schedule.add(ident, asm)
+        rank.assembler.add(batch, now, rec.offset)  # handle() visits the rank next
         if len(batch.collectives["step"]):
             self.arrivals.setdefault(batch.run_id, Arrivals()).add(batch)
         return ident
 
     def _close_ready(self, ident: tuple[str, int], now: float) -> None:
         rank = self.ranks[ident]
+        self._pending_changed.add(ident)
         first_offsets = {s: e.first_offset for s, e in rank.assembler.open.items()}
         for ev, _reason in rank.assembler.close_ready(now):
             self._add(ident, ev, first_offsets.get(ev.step, -1))
 
     def _tick(self, now: float) -> None:
-        for ident, rank in list(self.ranks.items()):
+        ranks = self.ranks
+        due = self.schedule.due(now, lambda ident: ranks[ident].assembler.last_seen)
+        for ident in sorted(due, key=lambda ident: ranks[ident].order):
+            rank = ranks[ident]
             self._close_ready(ident, now)
             if now - rank.assembler.last_seen >= self.idle_timeout_s:
                 first_offsets = {s: e.first_offset for s, e in rank.assembler.open.items()}
@@ -805,9 +829,12 @@ class TimelineSink:
                 if rank.assembler.floor is not None:
                     self._floors[ident] = rank.assembler.floor
                 del self.ranks[ident]
+                self.schedule.forget(ident)
                 self._captures.pop(ident, None)
                 if not any(r == ident[0] for r, _ in self.ranks):
                     self.arrivals.pop(ident[0], None)
+            else:
+                self.schedule.visited(ident, rank.assembler)
 
     def _capture_status(self, value: bytes) -> None:
         """A capture that started on a rank: its steps first..last become a file of their own."""
@@ -857,6 +884,7 @@ class TimelineSink:
 
     def _flush(self, ident: tuple[str, int]) -> None:
         rank = self.ranks[ident]
+        self._pending_changed.add(ident)
         window = rank.window
         if not window.steps:
             return
