@@ -50,6 +50,7 @@ from _common import (
     thread_cpu,
     thread_switches,
     unique_prefix,
+    wait_connected,
 )
 from bench_processor_scaleout import cpu_seconds
 from bench_torch_overhead import make_loop
@@ -104,20 +105,23 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from profstream.stack import stack_up
 
     torch.set_num_threads(1)
-    bootstrap = broker_bootstrap(args.bootstrap)
+    if args.bootstrap:  # a given broker is not ours to watch, unless --broker-pid names it
+        bootstrap = broker_bootstrap(args.bootstrap)
+        args.broker_pid = -1 if args.broker_pid is None else args.broker_pid
+    else:
+        stack = stack_up()
+        bootstrap = stack.bootstrap
+        args.broker_pid = stack.pid if args.broker_pid is None else args.broker_pid
     prefix = unique_prefix()
     options = {} if args.batch_interval_ms is None else {"batch_interval_ms": args.batch_interval_ms}
     monitor = Monitor(run_id="bench-step-cpu", bootstrap=bootstrap, topic_prefix=prefix,
                       enabled=not args.monitor_off, **options)
-    if args.broker_pid is None:  # the local stack's broker is ours to watch; a given one is not
-        args.broker_pid = -1 if args.bootstrap else stack_up().pid
     model, optimizer, loader = make_loop(args.block, 64, 1024)
     spent: dict[str, int] = {}
     restore = timed_hooks(spent)
     main = threading.get_native_id()
     try:
-        if not monitor.flush(60):
-            raise SystemExit(f"the Monitor did not connect to {bootstrap} within 60 s: check the broker")
+        wait_connected(monitor, bootstrap)
         handle = pst.instrument(model, optimizer, loader, monitor=monitor, capture_ops=False)
         steps: list[float] = []
 

@@ -867,6 +867,24 @@ def test_each_collective_is_split_into_wait_and_transfer_on_the_collectives_trac
         assert sum(d for step, _, cat, _, d in got[rank] if cat == "collective_wait" and step == 0) == waits[rank]
 
 
+def test_a_run_whose_ranks_all_went_idle_leaves_no_collective_arrivals_behind(tmp_path):
+    """A long-lived sink sees run after run: a run's record of collective arrivals goes
+    when its last rank here goes idle, not before, and another run's stays."""
+    now = [0.0]
+    sink = TimelineSink(tmp_path, idle_timeout_s=60.0, clock=lambda: now[0])
+    call = [("all_reduce", 0, 1, 10, 50)]
+    sink.handle([Rec(TOPIC, 0, r, None, _rank_batch(r, [0], call, run_id="old")) for r in range(3)])
+    now[0] = 30.0
+    sink.handle([Rec(TOPIC, 0, 3, None, _rank_batch(0, [0], call, world=1, run_id="new"))])
+    sink.handle([Rec(TOPIC, 0, 4, None, _rank_batch(2, [1], [("all_reduce", 1, 2, 110, 10)], run_id="old"))])
+    now[0] = 61.0  # ranks 0 and 1 of "old" are idle, its rank 2 is not
+    sink.durable_offsets()
+    assert set(sink.arrivals) == {"old", "new"}
+    now[0] = 91.0  # "new" and the rest of "old" are idle
+    sink.durable_offsets()
+    assert sink.arrivals == {} and sink.ranks == {}
+
+
 def test_a_call_not_yet_seen_on_every_rank_is_one_unsplit_slice(tmp_path):
     # rank 1's batch reaches the sink after rank 0's steps were written: no split for rank 0
     sink = TimelineSink(tmp_path, window_steps=1)

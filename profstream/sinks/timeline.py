@@ -712,6 +712,7 @@ class TimelineSink:
         self._pending: dict[tuple[str, int], tuple[tuple[str, int], int]] = {}  # rank -> (where, offset)
         self._pending_at: dict[tuple[str, int], dict[tuple[str, int], int]] = {}  # where -> rank -> offset
         self.arrivals: dict[str, Arrivals] = {}  # per run: collective calls seen on every rank
+        self._run_ranks: Counter[str] = Counter()  # per run: its ranks open here
         self._floors: dict[tuple[str, int], int] = {}  # steps below are in files (ranks closed as idle)
         self._positions: dict[tuple[str, int], int] = {}
         self._warned: set[str] = set()
@@ -802,6 +803,7 @@ class TimelineSink:
             if floors:  # a restart or a rank back from idle: never write a step twice
                 asm.floor = max(floors)
             rank = self.ranks[ident] = _RankTimeline(asm, rec.topic, next(self._orders))
+            self._run_ranks[batch.run_id] += 1
             self.schedule.add(ident, asm)
         rank.assembler.add(batch, now, rec.offset)  # handle() visits the rank next
         if len(batch.collectives["step"]):
@@ -831,7 +833,9 @@ class TimelineSink:
                 del self.ranks[ident]
                 self.schedule.forget(ident)
                 self._captures.pop(ident, None)
-                if not any(r == ident[0] for r, _ in self.ranks):
+                self._run_ranks[ident[0]] -= 1
+                if not self._run_ranks[ident[0]]:  # the run's last rank here
+                    del self._run_ranks[ident[0]]
                     self.arrivals.pop(ident[0], None)
             else:
                 self.schedule.visited(ident, rank.assembler)
