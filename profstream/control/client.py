@@ -24,7 +24,7 @@ from profstream.control.records import (
     encode_request,
     listed_ranks,
 )
-from profstream.kafka.clients import make_consumer, make_producer
+from profstream.kafka.clients import make_consumer, make_producer, position_by
 from profstream.kafka.topics import Topics
 from profstream.schema.codec import DecodeError
 
@@ -186,8 +186,9 @@ def recent_requests(bootstrap: str, topics: Topics, since_s: float, run_id: str 
                     by_id.setdefault(record["request_id"], RequestSummary(record, CaptureProgress(record)))
                 else:
                     orphans.append(record)
-            if all(consumer.position(tp) >= end for tp, end in ends.items()) or time.monotonic() >= deadline:
-                break
+            if time.monotonic() >= deadline or all(
+                    (position_by(consumer, tp, deadline) or 0) >= end for tp, end in ends.items()):
+                break  # a position Kafka could not confirm in time counts as still behind
     finally:
         consumer.close()
     for status in orphans:
