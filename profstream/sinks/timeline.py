@@ -259,7 +259,7 @@ def metadata_events(run_id: str, rank: int, host: str, device: str, tids: Iterab
     return out
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=4096)  # a (run, rank)'s entry is used for each of its steps: room for 1,024 ranks
 def _metadata_text(run_id: str, rank: int, host: str, device: str, tids: frozenset[int]) -> bytes:
     return b",\n".join(_dumps(m) for m in metadata_events(run_id, rank, host, device, tids))
 
@@ -877,13 +877,18 @@ class TimelineSink:
         rank = self.ranks[ident]
         p = rank.window.prepare(step_timeline(ev, self.arrivals.get(ident[0])))
         capture = self._captures.get(ident)
-        if rank.window.steps and (not self.writer.fits(rank.window, p) or (capture and ev.step == capture[0])):
-            self._flush(ident)  # the size cap, or a capture's first step, closes the window before this step
+        fits = None  # whether the window with this step fits in a file, once known
+        if rank.window.steps:
+            fits = self.writer.fits(rank.window, p)
+            if not fits or (capture and ev.step == capture[0]):
+                self._flush(ident)  # the size cap, or a capture's first step, closes the window before this step
+                fits = None
         rank.window.append(p, first_offset)
         if capture is not None and ev.step >= capture[1]:
             del self._captures[ident]
             self._flush(ident)  # the capture's last step
-        elif len(rank.window.steps) >= self.window_steps or not self.writer.fits(rank.window):
+        elif len(rank.window.steps) >= self.window_steps or not (self.writer.fits(rank.window) if fits is None
+                                                                 else fits):
             self._flush(ident)  # N steps, or one step bigger than the cap (split into parts)
 
     def _flush(self, ident: tuple[str, int]) -> None:
