@@ -13,8 +13,9 @@ must come out exactly once (checked).
 
 ``--compare-with DIR`` also times the StepStage of another checkout's
 ``profstream/processors/runtime.py`` (or its TimelineSink, ``sinks/timeline.py``; loaded
-beside this one's, the rest of profstream shared), alternating with this one's in the same process, so that the two are compared
-without the differences between processes that a shared box adds.
+beside this one's, the rest of profstream shared), alternating with this one's in the
+same process, so that the two are compared without the differences between processes
+that a shared box adds.
 
 ``--stage timeline`` times the timeline sink instead, as its SinkLoop drives it:
 ``TimelineSink.handle`` of every ``--ready-every`` messages, then ``durable_offsets`` (which
@@ -139,12 +140,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="the processors' StepStage, or the timeline sink")
     p.add_argument("--compare-with", metavar="DIR", help="another checkout whose stage to alternate with")
     args = p.parse_args(argv)
-    module_path, name, cls = (("profstream/processors/runtime.py", "StepStage", StepStage) if args.stage == "steps"
-                              else ("profstream/sinks/timeline.py", "TimelineSink", TimelineSink))
+    module_path, class_name, cls = (("profstream/processors/runtime.py", "StepStage", StepStage)
+                                    if args.stage == "steps"
+                                    else ("profstream/sinks/timeline.py", "TimelineSink", TimelineSink))
     run = run_once if args.stage == "steps" else run_timeline_once
     stages = {"this": cls}
     if args.compare_with:
-        stages["other"] = other_class(args.compare_with, module_path, name)
+        stages["other"] = other_class(args.compare_with, module_path, class_name)
     messages = rank_messages(args.ranks, args.template_ranks, args.steps, args.ops_per_step)
     expected = args.ranks * args.steps
     note(f"{len(messages)} messages of {args.ranks} ranks x {args.steps} steps; code {profstream.__file__}")
@@ -166,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                 "ready_cpu_ms_per_step": summary([r["ready_cpu_s"] / expected * 1e3 for r in rs]),
             }
     emit(envelope("step_stage_ranks", args, {
-        "metric": (f"{name} " + ("fold + ready" if args.stage == "steps" else "handle + durable_offsets")
+        "metric": (f"{class_name} " + ("fold + ready" if args.stage == "steps" else "handle + durable_offsets")
                    + " CPU per (rank, step), one thread, no Kafka"),
         "code": {"this": profstream.__file__, "other": args.compare_with}, "messages": len(messages),
         "steps": expected, "results": results}))

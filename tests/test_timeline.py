@@ -468,14 +468,7 @@ class VisitEveryRank(TimelineSink):
         for ident, rank in list(self.ranks.items()):
             self._close_ready(ident, now)
             if now - rank.assembler.last_seen >= self.idle_timeout_s:
-                first_offsets = {s: e.first_offset for s, e in rank.assembler.open.items()}
-                for ev in rank.assembler.close_all():
-                    self._add(ident, ev, first_offsets.get(ev.step, -1))
-                self._flush(ident)
-                if rank.assembler.floor is not None:
-                    self._floors[ident] = rank.assembler.floor
-                del self.ranks[ident]
-                self._captures.pop(ident, None)
+                self._close_idle(ident)
         pending: dict[tuple[str, int], int] = {}
         for r in self.ranks.values():
             offset = r.pending_offset

@@ -709,8 +709,8 @@ class TimelineSink:
         # 1,024 ranks a visit of each cost more than the steps (docs/benchmarks.md §10).
         self.schedule = CloseSchedule(grace_s, idle_timeout_s)
         self._pending_changed: set[tuple[str, int]] = set()
-        self._pending: dict[tuple[str, int], tuple[tuple[str, int], int]] = {}  # rank -> (where, offset)
         self._pending_at: dict[tuple[str, int], dict[tuple[str, int], int]] = {}  # where -> rank -> offset
+        self._pending_where: dict[tuple[str, int], tuple[str, int]] = {}  # rank -> its where in _pending_at
         self.arrivals: dict[str, Arrivals] = {}  # per run: collective calls seen on every rank
         self._run_ranks: Counter[str] = Counter()  # per run: its ranks open here
         self._floors: dict[tuple[str, int], int] = {}  # steps below are in files (ranks closed as idle)
@@ -750,14 +750,13 @@ class TimelineSink:
         self._tick(self.clock())
         at = self._pending_at
         for ident in self._pending_changed:
-            old = self._pending.pop(ident, None)
-            if old is not None:
-                del at[old[0]][ident]
+            where = self._pending_where.pop(ident, None)
+            if where is not None:
+                del at[where][ident]
             rank = self.ranks.get(ident)
             offset = rank.pending_offset if rank is not None else None
             if offset is not None:
-                where = (rank.topic, rank.assembler.partition)
-                self._pending[ident] = (where, offset)
+                where = self._pending_where[ident] = (rank.topic, rank.assembler.partition)
                 at.setdefault(where, {})[ident] = offset
         self._pending_changed.clear()
         return {where: min(position, *at[where].values()) if at.get(where) else position
@@ -824,21 +823,27 @@ class TimelineSink:
             rank = ranks[ident]
             self._close_ready(ident, now)
             if now - rank.assembler.last_seen >= self.idle_timeout_s:
-                first_offsets = {s: e.first_offset for s, e in rank.assembler.open.items()}
-                for ev in rank.assembler.close_all():
-                    self._add(ident, ev, first_offsets.get(ev.step, -1))
-                self._flush(ident)
-                if rank.assembler.floor is not None:
-                    self._floors[ident] = rank.assembler.floor
-                del self.ranks[ident]
-                self.schedule.forget(ident)
-                self._captures.pop(ident, None)
-                self._run_ranks[ident[0]] -= 1
-                if not self._run_ranks[ident[0]]:  # the run's last rank here
-                    del self._run_ranks[ident[0]]
-                    self.arrivals.pop(ident[0], None)
+                self._close_idle(ident)
             else:
                 self.schedule.visited(ident, rank.assembler)
+
+    def _close_idle(self, ident: tuple[str, int]) -> None:
+        """A rank silent for the idle timeout: its marked steps written, the rest dropped,
+        the rank forgotten (its floor kept: a rank back later writes no step twice)."""
+        rank = self.ranks[ident]
+        first_offsets = {s: e.first_offset for s, e in rank.assembler.open.items()}
+        for ev in rank.assembler.close_all():
+            self._add(ident, ev, first_offsets.get(ev.step, -1))
+        self._flush(ident)
+        if rank.assembler.floor is not None:
+            self._floors[ident] = rank.assembler.floor
+        del self.ranks[ident]
+        self.schedule.forget(ident)
+        self._captures.pop(ident, None)
+        self._run_ranks[ident[0]] -= 1
+        if not self._run_ranks[ident[0]]:  # the run's last rank here
+            del self._run_ranks[ident[0]]
+            self.arrivals.pop(ident[0], None)
 
     def _capture_status(self, value: bytes) -> None:
         """A capture that started on a rank: its steps first..last become a file of their own."""
