@@ -352,8 +352,19 @@ def _worker(files, options, rewrite_run, queue) -> None:
         queue.put(("error", f"{type(e).__name__}: {e}", None, None))
 
 
+def _context():
+    """Workers come from a forkserver, never from forking the caller: a fork copies whatever
+    the caller's other threads (Kafka clients, torch, a test run's leftovers) held mid-way,
+    and a worker so made crashed (exit code -11, once in a full test run). The server is a
+    fresh interpreter with this module imported, started once per caller (~0.3 s); each
+    worker is a fork of it."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    return ctx
+
+
 def _parallel_figures(files, partitions, workers, options, lost, tally: Tally, rewrite_run):
-    ctx = multiprocessing.get_context("fork")
+    ctx = _context()
     shares = [partitions[i::workers] for i in range(workers)]
     queues, procs = [], []
     files_done = [0] * workers
