@@ -11,6 +11,8 @@ import json
 import logging
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -151,3 +153,22 @@ def test_collective_calls_found_in_any_chunk_are_those_of_one_process(tmp_path):
     assert parsed_in_chunks(path)
     profile = both(path)
     assert [c[3] for c in profile.collectives] == list(range(8)) and profile.collective_step.tolist() == list(range(1, 9))
+
+
+_DEFAULT_WORKERS = """
+import os, sys, threading
+from profstream.integrations.ingest.chunks import default_workers
+if sys.argv[1] == "kafka":  # librdkafka's threads: native, not in threading's count
+    import confluent_kafka
+    producer = confluent_kafka.Producer({"bootstrap.servers": "127.0.0.1:9", "log_level": 0})
+    assert threading.active_count() == 1
+print(default_workers(), len(os.sched_getaffinity(0)))
+"""
+
+
+@pytest.mark.parametrize("beside", ["nothing", "kafka"])
+def test_workers_are_forked_by_default_only_from_a_process_without_other_threads(beside):
+    out = subprocess.run([sys.executable, "-c", _DEFAULT_WORKERS, beside], capture_output=True, text=True,
+                         timeout=60, check=True).stdout.split()
+    workers, cpus = int(out[0]), int(out[1])
+    assert workers == (cpus if beside == "nothing" else 1)

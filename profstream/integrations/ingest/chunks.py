@@ -66,10 +66,25 @@ class _Chunk:
 
 def default_workers() -> int:
     """One per CPU this process may run on; 1 in a process with other threads (a lock that
-    one of them holds while this one forks would stay held in the worker)."""
-    if threading.active_count() > 1:
+    one of them holds while this one forks would stay held in the worker), native ones
+    included: a Kafka client's or torch's threads are not in ``threading``'s count."""
+    if threading.active_count() > 1 or _threads() > _THREADS_AT_IMPORT:
         return 1
     return len(os.sched_getaffinity(0))
+
+
+def _threads() -> int:
+    """The threads of this process, as the kernel counts them (Python's own where there is
+    no /proc)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
+
+
+# The threads already there when this module is imported: numpy's BLAS pool (which
+# re-creates itself in a forked child) in a process that started with the command.
+_THREADS_AT_IMPORT = _threads()
 
 
 def columns_in_chunks(path: Path, raw: bytes | None, workers: int | None) -> tuple[EventColumns, dict] | None:
