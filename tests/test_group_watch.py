@@ -58,3 +58,14 @@ def test_statistics_without_a_group_say_nothing():
     assert watch.stuck_for() is None and watch.state == "new"
     _feed(watch, [(0, "query-coord", "init"), (30, "query-coord", "init")])
     assert watch.stuck_for() == 30.0
+
+
+def test_joined_says_whether_the_consumer_was_seen_in_its_group_since_it_was_reset():
+    watch = GroupWatch()
+    _feed(watch, [(0, "query-coord", "init"), (5, "up", "init")])  # the first statistics are no join
+    assert not watch.joined
+    _feed(watch, [(10, "up", "steady")])
+    assert watch.joined
+    watch.joined = False  # a recovery that reached no broker: Kafka must be heard from again
+    _feed(watch, [(15, "query-coord", "init")])
+    assert not watch.joined

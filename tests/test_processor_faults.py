@@ -9,13 +9,14 @@ import time
 from collections import Counter
 
 import confluent_kafka
+import pytest
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from kafka import KafkaConsumer
 
 from profstream.kafka.clients import make_transactional_producer, read_topic
 from profstream.kafka.deadline import CallTimeout
 from profstream.kafka.limits import DEAD_LETTER_ROOM_BYTES, MAX_MESSAGE_BYTES
-from profstream.processors.checkpoint import commit_marker
+from profstream.processors.checkpoint import ProcessorUnavailable, _ConsumerFailure, commit_marker
 from profstream.processors.runtime import Processor, run_partition
 from profstream.schema.batch import EventBatch, encode_batch
 from profstream.schema.codec import decode, encode
@@ -87,6 +88,40 @@ def test_aborted_transactions_count_nothing_twice_and_lose_nothing(kafka_bootstr
     assert health.events["ops"] == cfg.ranks * cfg.steps * cfg.ops_per_step
     assert health.events["steps"] == total
     assert len(health.freshness_s) == total
+
+
+def test_recoveries_that_reach_no_broker_add_up_to_an_outage_until_kafka_is_heard_from(kafka_bootstrap, topics):
+    """A consumer out of its group is replaced; with no partitions left to rebuild, that
+    recovery asks no broker, so it is no sign that Kafka is back. Such recoveries one after
+    another must end in ProcessorUnavailable after max_outage_s; a loop that was assigned its
+    partitions again in between (Kafka answered) starts counting afresh."""
+    processor = Processor(kafka_bootstrap, topics, group_id=f"g-{topics.prefix}", stages="steps", max_outage_s=1.0)
+    loop = processor.loops[0]
+
+    def out_of_group():
+        raise _ConsumerFailure(KafkaError(KafkaError._STATE, "injected: the consumer has been out of its group"))
+
+    def assigned():
+        wait_until(lambda: loop.step() or loop.assignment(), 60, "the loop's partitions assigned")
+
+    def past_the_limit(since):
+        wait_until(lambda: time.monotonic() - since > 1.5, 5, "the outage limit to pass")
+
+    try:
+        assigned()
+        for _ in range(2):  # Kafka heard from between the recoveries: each is a new outage
+            at = time.monotonic()
+            loop._guarded(out_of_group)
+            assigned()
+            past_the_limit(at)
+        at = time.monotonic()
+        loop._guarded(out_of_group)  # nothing heard from Kafka after it
+        past_the_limit(at)
+        with pytest.raises(ProcessorUnavailable, match="has not recovered"):
+            loop._guarded(out_of_group)
+    finally:
+        loop.close()
+    assert loop.recoveries == 3
 
 
 def test_a_rebuild_waits_for_the_changelog_of_the_commit_its_offsets_name(kafka_bootstrap, topics):

@@ -196,6 +196,10 @@ class TransactionalLoop:
         self._last_token = 0
         self._failure: BaseException | None = None  # raised in a rebalance callback, handled after consume()
         self._fault_at = -1e18  # monotonic time of the last fault
+        # An outage outlives a recovery that needed no broker (a stuck consumer replaced, no
+        # partitions to rebuild): it ends only when Kafka is heard from again.
+        self._outage_started: float | None = None
+        self._heard = False  # from Kafka since the last recovery: a message, a commit, an assignment
         self._fence_taken_at = -1e18  # of the last fence recovered from rather than obeyed
         self._said_at: dict[str, float] = {}
         self.transactions = 0
@@ -285,6 +289,7 @@ class TransactionalLoop:
         self._assigned -= parts
 
     def _on_assign(self, assigned: list[TopicPartition]) -> None:
+        self._heard = True
         parts = [tp.partition for tp in assigned]
         self._assigned.update(parts)
         if self._failure is None:
@@ -417,6 +422,8 @@ class TransactionalLoop:
             self._send(self.stage.fold(rec, now))
             self._positions[rec.partition] = rec.offset + 1
             consumed += 1
+        if consumed:
+            self._heard = True
         outputs = self.stage.ready(now)
         if outputs:
             self._begin()
@@ -493,6 +500,7 @@ class TransactionalLoop:
         self._state_token = tokens
         self._txn_started = None
         self.transactions += 1
+        self._heard = True
         self.last_commit_s = time.time()
         if self.on_commit is not None:
             self.on_commit(self._txn_outputs)
@@ -542,7 +550,11 @@ class TransactionalLoop:
         the changelog and the committed offsets; retry until Kafka answers or the outage
         limit is reached."""
         self._check_fence(cause)
-        started = self._fault_at = time.monotonic()
+        now = self._fault_at = time.monotonic()
+        if self._outage_started is None or self._heard or self._group_watch.joined:
+            self._outage_started = now
+        started = self._outage_started
+        answered = False  # a call in this recovery that only a broker can answer
         self.aborts += 1
         if self.on_abort is not None:
             self.on_abort()
@@ -551,6 +563,8 @@ class TransactionalLoop:
         replace_producer = isinstance(cause, CallTimeout) or (
             not replace_consumer and err is not None and (err.fatal() or err.code() in _FENCED))
         self._say("abort", f"transaction aborted ({_describe(cause)}); rebuilding state from the last commit")
+        if now - started > self.max_outage:  # recoveries that reached no broker, one after another
+            raise self._unavailable(now - started, cause)
         fresh = None  # the replacement producer, until its init_transactions succeeds
         backoff = 0.5
         while True:
@@ -559,6 +573,7 @@ class TransactionalLoop:
                     try:
                         self._call("abort_transaction", self.call_timeout, self._producer.abort_transaction,
                                    self.call_timeout)
+                        answered = True
                     except (KafkaException, CallTimeout):
                         replace_producer = True  # init_transactions of a new one aborts it
                 self._txn_started = None
@@ -577,28 +592,38 @@ class TransactionalLoop:
                             fresh = None
                         raise
                     self._producer, fresh = fresh, None
-                    replace_producer = False
+                    replace_producer, answered = False, True
                 if replace_consumer:
                     self._replace_consumer()
                     replace_consumer = False
-                self._rebuild()
+                answered = self._rebuild() or answered
                 break
             except (KafkaException, CallTimeout) as e:
                 self._check_fence(e)
                 out_s = time.monotonic() - started
                 if out_s > self.max_outage:
-                    raise ProcessorUnavailable(
-                        f"processor {self.transactional_id}: Kafka at {self.bootstrap} has not recovered for "
-                        f"{out_s:.0f} s ({_describe(e)}); exiting so that a supervisor restarts it") from None
+                    raise self._unavailable(out_s, e) from None
                 self._say("outage", f"Kafka at {self.bootstrap} does not answer ({_describe(e)}); retrying, "
                                     f"giving up after {self.max_outage:g} s")
                 if self._stop.wait(backoff):
                     return
                 backoff = min(backoff * 2, 5.0)
         self.recoveries += 1
-        log.warning("profstream processor %s: resumed from the last commit %.1f s after the fault",
-                    self.transactional_id, time.monotonic() - started)
+        self._heard = self._group_watch.joined = False
+        if answered:
+            self._outage_started = None
+            log.warning("profstream processor %s: resumed from the last commit %.1f s after the fault",
+                        self.transactional_id, time.monotonic() - now)
+        else:
+            log.warning("profstream processor %s: recovered with no state to rebuild and no broker asked; until "
+                        "Kafka is heard from, the outage counts from %.0f s ago (giving up after %g s)",
+                        self.transactional_id, time.monotonic() - started, self.max_outage)
         self._said_at.clear()
+
+    def _unavailable(self, out_s: float, e: BaseException) -> ProcessorUnavailable:
+        return ProcessorUnavailable(
+            f"processor {self.transactional_id}: Kafka at {self.bootstrap} has not recovered for {out_s:.0f} s "
+            f"({_describe(e)}); exiting so that a supervisor restarts it")
 
     def _replace_consumer(self) -> None:
         """A new consumer with the same static membership; the group hands it the same
@@ -611,16 +636,18 @@ class TransactionalLoop:
         self._consumer = self._new_consumer()
         self._subscribe()
 
-    def _rebuild(self) -> None:
-        """Rebuild the stage from the committed offsets and the changelog."""
+    def _rebuild(self) -> bool:
+        """Rebuild the stage from the committed offsets and the changelog; whether that
+        needed Kafka (no partitions: nothing to read)."""
         parts = self.assignment()
         self.stage.drop_partitions(parts)
         self._positions.clear()
         if not parts:
-            return
+            return False
         topic = self.stage.input_topic
         for p, offset in self._load(parts).items():
             self._consumer.seek(TopicPartition(topic, p, offset))
+        return True
 
     def close(self) -> None:
         """Abort what is open and close both clients, each within a deadline."""

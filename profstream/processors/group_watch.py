@@ -36,6 +36,7 @@ class GroupWatch:
         self._joined_ts: float | None = None  # the last statistics that showed it joined
         self._seen_ts: float | None = None
         self.state = "new"
+        self.joined = False  # seen in its group (statistics) since created or last told otherwise
 
     def update(self, stats_json: str) -> None:
         stats = json.loads(stats_json)
@@ -45,8 +46,10 @@ class GroupWatch:
         ts = stats["ts"] / 1e6
         self.state = f"{cgrp.get('state')}/{cgrp.get('join_state')}"
         self._seen_ts = ts
-        if self._joined_ts is None or (cgrp.get("state") == "up" and cgrp.get("join_state") != "init"):
+        joined = cgrp.get("state") == "up" and cgrp.get("join_state") != "init"
+        if self._joined_ts is None or joined:
             self._joined_ts = ts
+        self.joined = self.joined or joined
 
     def stuck_for(self) -> float | None:
         """Seconds out of the group once past :data:`STUCK_AFTER_S`, else None."""

@@ -178,6 +178,31 @@ def test_a_processor_that_cannot_get_kafka_back_exits_with_one_line(broker, faul
         processor.stop()
         broker.start()
         run.join(60)
+    _gave_up(processor)
+
+
+def test_an_idle_processor_that_cannot_get_kafka_back_exits_too(broker, fault_topics, tmp_path):
+    """Nothing in flight when the broker goes: the loops learn of it only from their consumers
+    (out of the group for 20 s), whose replacement with no partitions to rebuild needs no
+    broker. Such recoveries, one after another, must still end in an exit."""
+    topics = fault_topics
+    processor = ProcessorProcess(broker.bootstrap, topics, tmp_path / "processor.log", "--max-outage-s", "5").start()
+    garbage = make_producer(broker.bootstrap)
+    garbage.send(topics.raw, key=b"idle/0", value=b"not avro")
+    garbage.flush()
+    garbage.close()
+    try:
+        wait_until(lambda: (processor.metrics() or {}).get("profstream_decode_errors_total{reason=not_avro}", 0) >= 1,
+                   60, "the one message committed to the dead-letter topic")
+        broker.stop()
+        wait_until(lambda: processor.proc.poll() is not None, 120, f"the processor to give up ({processor.log})")
+    finally:
+        processor.stop()
+        broker.start()
+    _gave_up(processor)
+
+
+def _gave_up(processor: ProcessorProcess) -> None:
     assert processor.proc.returncode == 2
     last = processor.output().strip().splitlines()[-1]
     assert "has not recovered" in last and "supervisor restarts it" in last, last
