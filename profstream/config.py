@@ -196,6 +196,15 @@ MONITOR_OPTIONS: tuple[Option, ...] = (
            optional=True),
     Option("auto_watermark", "bool", True,
            "advance the watermark at each step end (turn off when ops of a step arrive after it ends)"),
+    Option("spool_dir", "str", None,
+           "directory of the disk spool: batches Kafka cannot take (an outage) are written there and sent "
+           "in order when it is back (default: none, the memory buffer alone; docs/monitor.md)", optional=True),
+    Option("spool_max_bytes", "size", 1024**3, "most disk the spool of one rank may use; when full, new events "
+           "wait in the memory buffer (and drop from there, counted)", lambda v: v >= 16 * 1024**2,
+           "at least 16MiB"),
+    Option("record_only", "bool", False,
+           "connect to no broker: every batch goes to the spool, for `profstream spool publish` later "
+           "(needs spool_dir; no capture requests)"),
     Option("connect_timeout_s", "float", 10.0, "seconds one attempt to reach the broker may take (the first failure logs one warning)",
            _positive, "a number > 0"),
     Option("enabled", "bool", True, "false turns every Monitor call into a no-op"),
@@ -203,6 +212,13 @@ MONITOR_OPTIONS: tuple[Option, ...] = (
            "record, encode and send in the compiled extension when it loads (false: the pure-Python Monitor, "
            "whose sender thread holds the GIL for its per-batch work)"),
 )
+
+
+def check_monitor_options(opts: Mapping[str, Any]) -> None:
+    """What one option cannot say alone: ConfigError for a combination that cannot work."""
+    if opts.get("record_only") and not opts.get("spool_dir"):
+        raise ConfigError("record_only needs spool_dir: give the directory the batches are written to "
+                          "(--spool-dir, PROFSTREAM_SPOOL_DIR)")
 
 
 def _env_options(environ: Mapping[str, str]) -> dict:

@@ -82,13 +82,17 @@ def run(
                                                      help="op capture with torch.profiler (default: on)")] = None,
     collective_bytes: Annotated[bool | None, typer.Option(
         "--collective-bytes", help="record tensor shapes so collectives carry their message size (bandwidth)")] = None,
+    spool_dir: Annotated[str | None, typer.Option(help="disk spool: what Kafka cannot take is written there and "
+                                                       "sent when it is back")] = None,
+    record_only: Annotated[bool | None, typer.Option(
+        "--record-only", help="no broker: every batch goes to --spool-dir, for `profstream spool publish`")] = None,
 ) -> None:
     """Profile a PyTorch training script without changing it: profstream run -- python train.py ARGS (docs/torch.md)."""
     from profstream.integrations.launch import run_profiled
 
     options = {"bootstrap": resolve_bootstrap(bootstrap), "run_id": run_id, "topic_prefix": topic_prefix,
                "start_step": start_step, "stop_step": stop_step, "every_n_steps": every_n_steps,
-               "collective_bytes": collective_bytes}
+               "collective_bytes": collective_bytes, "spool_dir": spool_dir, "record_only": record_only}
     try:
         code = run_profiled(command, options, {"capture_ops": capture_ops})
     except FileNotFoundError:

@@ -21,7 +21,7 @@ import uuid
 import weakref
 from typing import Any
 
-from profstream.config import MONITOR_OPTIONS, resolve
+from profstream.config import MONITOR_OPTIONS, check_monitor_options, resolve
 from profstream.devices.backend import DeviceSample
 from profstream.kafka.topics import Topics
 from profstream.producers.buffer import EventBuffer
@@ -129,6 +129,7 @@ class Monitor:
 
     def __init__(self, sender_factory: Any = None, **options: Any) -> None:
         self.options = opts = resolve(MONITOR_OPTIONS, options)
+        check_monitor_options(opts)
         self.run_id: str = opts["run_id"]
         self.rank: int = opts["rank"]
         self.topics = Topics(opts["topic_prefix"])
@@ -166,7 +167,7 @@ class Monitor:
         # Capture requests (docs/capture.md): read by a thread of their own, taken up at
         # step boundaries by the Monitor's gate, or by an integration after defer_ops().
         self.capture_plan = self._plan_gate = self._control = self._counting = None
-        if self._enabled and opts["control"]:
+        if self._enabled and opts["control"] and not opts["record_only"]:  # record_only: no broker to read
             from profstream.producers.control import start_control
 
             self.capture_plan, self._control = start_control(self)
