@@ -130,7 +130,8 @@ def main() -> None:
             m.close(30)
     stats = {r: m.stats() for r, m in monitors.items()}
     note("reading the raw topic back through the processors' code")
-    from tests.test_spool import step_counts  # the tests' reader: the raw topic through processors.stream
+    # the tests' reader: the raw topic through processors.stream
+    from tests.test_spool import step_counts
 
     counts, _ = step_counts(bootstrap, f"{prefix}.raw")
     stack_down(state_dir=state)
