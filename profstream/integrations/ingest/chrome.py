@@ -63,7 +63,7 @@ _CATEGORIES: dict[str, int | None] = {
 
 # track (process or thread name) -> kind, first match wins
 _TRACKS: tuple[tuple[re.Pattern, int], ...] = (
-    (re.compile(r"overlap analysis|merged|pure communication|free time|^steps?$|step trace|iteration",
+    (re.compile(r"overlap analysis|merged|pure communication|free time|^steps?$|step trace|iteration|scope layer",
                 re.I), _SKIP),
     (re.compile(r"hccl|nccl|communication|hcom|lccl", re.I), -3),  # by name: comm unless memcpy/memset
     (re.compile(r"cann|ascendcl|acl|runtime|\bge\b|python|host|framework|pta|cpu usage|memory", re.I), HOST),
