@@ -32,7 +32,7 @@ from profstream.integrations.ingest.model import (
     relative_base_ns,
     set_steps,
 )
-from profstream.integrations.ingest.step_clock import step_trace_unit
+from profstream.integrations.ingest.step_clock import is_ascend_dir, step_trace_unit
 
 EXPECTED = ("a MindSpore profiler output directory holding step_trace_raw_<rank>_detail_time.csv "
             "(columns step_num,start_point,end_point,fp_point,bp_point,...)")
@@ -72,7 +72,8 @@ def parse_mindspore_dir(path: Path, rank: int | None = None, unit_ns: float | No
         rank = next(iter(ranks))
     if rank not in ranks:
         raise IngestError(f"{folder}: no step_trace_raw_{rank}_detail_time.csv (ranks here: {sorted(ranks)})")
-    profile = Profile(source="mindspore profiler dir", path=folder, rank=rank)
+    profile = Profile(source="mindspore profiler dir", path=folder, rank=rank,
+                      device="npu" if is_ascend_dir(folder) else "")
     _read_step_trace(profile, ranks[rank], folder, unit_ns, base_ns)
     read_op_statistics(profile, folder, rank, read_csv)
     _read_queues(profile, folder, rank)

@@ -34,9 +34,14 @@ def step_trace_unit(folder: Path, rank: int, largest_point: float) -> tuple[floa
         found = find(folder)
         if found is not None:
             return found
-    if any(next(folder.glob(pattern), None) for pattern in _ASCEND_FILES):
+    if is_ascend_dir(folder):
         return 10.0, "Ascend output without a clock file: its system counter's 100 MHz"
     return 1.0, "GPU/CPU output: ns"
+
+
+def is_ascend_dir(folder: Path) -> bool:
+    """A MindSpore profiler directory written on Ascend (its AI Core / timeline files)."""
+    return any(next(folder.glob(pattern), None) for pattern in _ASCEND_FILES)
 
 
 def _mhz(value) -> float | None:
