@@ -292,3 +292,21 @@ def test_ingest_through_kafka_gives_analyze_s_figures_for_each_format(kafka_boot
             same = ("step", "rank", "device", "step_time_ns", "data_wait_ns", "fp_bp_ns", "tail_ns", "compute_ns",
                     "comm_ns", "overlap_ns", "pure_comm_ns", "idle_ns", "op_types", "kernel_types", "device_start_ns")
             assert [{k: s[k] for k in same} for s in live] == [{k: s[k] for k in same} for s in offline], run_id
+
+
+def test_mindspore_2x_cpu_op_table_totals_are_in_the_unit_its_header_names(tmp_path):
+    """cpu_op_type_info as the mindspore 2.10 CPU wheel writes it: total_compute_time in ms,
+    as avg_time(ms) beside it says."""
+    folder = tmp_path / "profiler"
+    folder.mkdir()
+    base = 1_790_000_000_000_000_000
+    (folder / "step_trace_raw_0_detail_time.csv").write_text(
+        "step_num,start_point,end_point,total,fp_point,bp_point,iteration_interval,fp_and_bp,tail\n" +
+        "".join(f"{s},{base + s * 10**7},{base + (s + 1) * 10**7},10000000,{base + s * 10**7},{base + (s + 1) * 10**7},"
+                f"0,10000000,0\n" for s in (1, 2, 3)))
+    (folder / "cpu_op_type_info_0.csv").write_text(
+        "op_type,type_occurrences,execution_frequency(per-step),total_compute_time,avg_time(ms),percent\n"
+        "MatMul,6,2,0.3,0.05,60.0\nReLU,3,1,0.06,0.02,12.0\n")
+    (s1, s2, s3) = analyze([folder], options=OPTIONS).steps
+    per_step = [{t["op_type"]: (t["count"], t["total_ns"]) for t in s["op_types"]} for s in (s1, s2, s3)]
+    assert per_step == [{"MatMul": (2, 100_000), "ReLU": (1, 20_000)}] * 3  # 0.3 ms over 6 calls, 3 steps

@@ -9,7 +9,8 @@ These files hold totals and counts, no timing. Read, in this order of preference
 - ``aicore_intermediate_<rank>_type.csv`` (Ascend; ``op_type`` or ``kernel_type``,
   ``execution_time`` or ``total_time`` in ms, ``execution_frequency``);
 - ``gpu_op_type_info_<rank>.csv`` / ``cpu_op_type_info_<rank>.csv`` (``op_type``,
-  ``total_time`` in µs, ``type_occurrences`` / ``op_occurrences``); msprof's
+  ``total_time`` / ``total_compute_time``, ``type_occurrences`` / ``op_occurrences``; in
+  the unit its header names, ``(ms)`` or ``(us)``, else µs); msprof's
   ``op_statistic_*.csv`` (``OP Type``, ``Count``, ``Total Time(us)``).
 
 Each entry becomes ``count`` ops of total / count each (a count the file lacks: one per
@@ -79,10 +80,24 @@ def _columns(rows: list[dict], path: Path, names, totals, counts) -> tuple[str, 
     return name, total, next((header[c] for c in counts if c in header), None)
 
 
+def _unit_ns(header, total_col: str, default: int) -> int:
+    """ns per unit of the total: its own ``(ms)`` / ``(us)``, else that of the file's other
+    time columns (MindSpore 2.x's ``total_compute_time`` beside ``avg_time(ms)``), else the
+    file family's."""
+    for cols in ([total_col], list(header)):
+        for col in cols:
+            if col.endswith("(ms)"):
+                return 1_000_000
+            if col.endswith("(us)"):
+                return 1000
+    return default
+
+
 def _read_entries(path: Path, spec, read_csv) -> tuple[list[str], list[float], list[int | None]]:
-    _, names_c, totals_c, counts_c, unit = spec
+    _, names_c, totals_c, counts_c, default_unit = spec
     rows = read_csv(path, (), "a MindSpore operator statistics CSV")
     name_c, total_c, count_c = _columns(rows, path, names_c, totals_c, counts_c)
+    unit = _unit_ns(rows[0], total_c, default_unit)
     names, totals, counts = [], [], []
     for row in rows:
         try:
