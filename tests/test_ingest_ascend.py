@@ -105,40 +105,65 @@ def test_torch_npu_folders_as_handed_over_read_the_same_ranks(tmp_path):
         [{k: v for k, v in s.items() if k != "closed_ns"} for s in whole]
 
 
-def test_kernel_details_types_give_the_op_statistic_table(tmp_path):
-    """Hand-made in torch_npu's layout at profiler level 1: kernel_details.csv types each
-    kernel; op_statistic.csv is that table grouped by Type with HCCL left out."""
-    base = 1_790_000_000_000_000  # µs since the epoch
+BASE_US = 1_790_000_000_000_000  # µs since the epoch
+
+
+def _torch_npu_folder(folder: Path, steps: list[tuple[int, int]], tasks: list[tuple], collectives=()) -> Path:
+    """A hand-made torch_npu folder: host ProfilerStep#N at (start, dur) µs from BASE_US;
+    AI_CORE tasks (name, Type, start, dur), each launched 50 µs earlier by a flow; HCCL
+    collectives (name, start, dur); kernel_details.csv typing the tasks."""
     hw, hccl, host = 1, 2, 3
     events = [{"ph": "M", "name": "process_name", "pid": p, "tid": 0, "args": {"name": n}}
               for p, n in ((hw, "Ascend Hardware"), (hccl, "HCCL"), (host, "Python"))]
     events.append({"ph": "M", "name": "thread_name", "pid": hccl, "tid": 0, "args": {"name": "Group 0 Communication"}})
-    events.append({"ph": "X", "name": "ProfilerStep#1", "cat": "cpu_op", "pid": host, "tid": 0, "ts": f"{base}.000",
-                   "dur": 10_000})
-    kernels = [("Conv2D1", "Conv2D", 100, 400.125), ("Conv2D2", "Conv2D", 600, 300.5),
-               ("aclnnMm_MatMulCommon_MatMulV2", "MatMulV2", 1000, 800.25), ("Conv2D1", "Conv2D", 2000, 399.875)]
+    for n, (at, dur) in enumerate(steps, 1):
+        events.append({"ph": "X", "name": f"ProfilerStep#{n}", "cat": "cpu_op", "pid": host, "tid": 0,
+                       "ts": f"{BASE_US + at}.000", "dur": dur})
     rows = ["Step Id,Name,Type,Accelerator Core,Start Time(us),Duration(us),Wait Time(us),Block Dim"]
-    for i, (name, kind, at, dur) in enumerate(kernels):
-        events.append({"ph": "X", "name": name, "pid": hw, "tid": 2, "ts": f"{base + at}.000", "dur": dur,
+    for i, (name, kind, at, dur) in enumerate(tasks):
+        events.append({"ph": "X", "name": name, "pid": hw, "tid": 2, "ts": f"{BASE_US + at}.000", "dur": dur,
                        "args": {"Task Type": "AI_CORE", "connection_id": i}})
-        events += [{"ph": "s", "cat": "async_npu", "id": i, "pid": host, "tid": 0, "ts": f"{base + at - 50}.000",
+        events += [{"ph": "s", "cat": "async_npu", "id": i, "pid": host, "tid": 0, "ts": f"{BASE_US + at - 50}.000",
                     "name": "torch_to_npu"},
-                   {"ph": "f", "cat": "async_npu", "id": i, "pid": hw, "tid": 2, "ts": f"{base + at}.000",
+                   {"ph": "f", "cat": "async_npu", "id": i, "pid": hw, "tid": 2, "ts": f"{BASE_US + at}.000",
                     "name": "torch_to_npu", "bp": "e"}]
-        rows.append(f"1,{name},{kind},AI_CORE,{base + at}.000\t,{dur},0,8")
-    events.append({"ph": "X", "name": "hcom_allReduce__1_0_1", "pid": hccl, "tid": 0, "ts": f"{base + 2500}.000",
-                   "dur": 3000.0})
-    out = tmp_path / "r_ascend_pt" / "ASCEND_PROFILER_OUTPUT"
+        rows.append(f"1,{name},{kind},AI_CORE,{BASE_US + at}.000\t,{dur},0,8")
+    for name, at, dur in collectives:
+        events.append({"ph": "X", "name": name, "pid": hccl, "tid": 0, "ts": f"{BASE_US + at}.000", "dur": dur})
+    out = folder / "ASCEND_PROFILER_OUTPUT"
     out.mkdir(parents=True)
     (out / "trace_view.json").write_text(json.dumps(events))
     (out / "kernel_details.csv").write_text("\n".join(rows) + "\n")
-    (tmp_path / "r_ascend_pt" / "profiler_info_0.json").write_text(json.dumps({"rank_id": 0}))
-    op_statistic = {"Conv2D": (3, 400.125 + 300.5 + 399.875), "MatMulV2": (1, 800.25)}  # by its definition
+    (folder / "profiler_info_0.json").write_text(json.dumps({"rank_id": 0}))
+    return folder
 
-    (s,) = analyze([tmp_path / "r_ascend_pt"], options=OPTIONS).steps
+
+def test_kernel_details_types_give_the_op_statistic_table(tmp_path):
+    """At profiler level 1+ kernel_details.csv types each kernel; op_statistic.csv is that
+    table grouped by Type with HCCL left out."""
+    tasks = [("Conv2D1", "Conv2D", 100, 400.125), ("Conv2D2", "Conv2D", 600, 300.5),
+             ("aclnnMm_MatMulCommon_MatMulV2", "MatMulV2", 1000, 800.25), ("Conv2D1", "Conv2D", 2000, 399.875)]
+    folder = _torch_npu_folder(tmp_path / "r_ascend_pt", [(0, 10_000)], tasks, [("hcom_allReduce__1_0_1", 2500, 3000.0)])
+    op_statistic = {"Conv2D": (3, 400.125 + 300.5 + 399.875), "MatMulV2": (1, 800.25)}  # by its definition
+    (s,) = analyze([folder], options=OPTIONS).steps
     kernels_by_type = {t["op_type"]: (t["count"], t["total_ns"] / 1000) for t in s["kernel_types"]}
     assert {t: v for t, v in kernels_by_type.items() if t != "hcom_allReduce"} == op_statistic
     assert kernels_by_type["hcom_allReduce"] == (1, 3000.0)  # the collective, which op_statistic leaves out
+
+
+def test_a_later_torch_npu_step_is_its_stage_plus_the_gap_before_its_first_task(tmp_path):
+    """docs/figures.md: device windows tile the device's time, torch_npu's Stage does not."""
+    tasks = [("Conv2D1", "Conv2D", 100, 400), ("Conv2D2", "Conv2D", 1200, 400)]  # step 1: 100-500; 2: 1200-1600
+    folder = _torch_npu_folder(tmp_path / "r_ascend_pt", [(0, 1000), (1000, 1000)], tasks,
+                               [("hcom_allReduce__1_0_1", 1300, 500)])  # 1300-1800, under Conv2D2 for 300
+    one, two = analyze([folder], options=OPTIONS).steps
+    assert (one["step_time_ns"], one["data_wait_ns"], one["idle_ns"]) == (400_000, 0, 0)  # Stage 400, Free 0
+    stage, free, gap = 1800 - 1200, 0, 1200 - 500
+    assert two["step_time_ns"] == (stage + gap) * 1000 and two["data_wait_ns"] == gap * 1000
+    assert two["idle_ns"] == (free + gap) * 1000
+    assert (two["compute_ns"], two["comm_ns"], two["overlap_ns"], two["pure_comm_ns"]) == (
+        400_000, 500_000, 300_000, 200_000)
+    assert two["device_start_ns"] - two["start_ns"] == -500_000  # the window opens before the host step
 
 
 # -- msprof -----------------------------------------------------------------------------

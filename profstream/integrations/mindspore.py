@@ -42,7 +42,7 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("profstream.mindspore needs MindSpore: pip install 'profstream[mindspore]'") from e
 
-from profstream.config import Option, callback_options, option_given
+from profstream.config import Option, callback_options, option_given, resolve
 from profstream.integrations.mindspore_capture import MindSporeCapture, Window
 from profstream.producers.monitor import Monitor
 
@@ -78,7 +78,7 @@ class ProfstreamCallback(Callback):
         if checked is None:  # warned: off, training goes on
             self.monitor = None
         else:
-            capture_ops = checked.pop("capture_ops", True) is not False
+            capture_ops = resolve(MINDSPORE_OPTIONS, {"capture_ops": checked.pop("capture_ops", None)})["capture_ops"]
             target = ms.get_context("device_target")
             if target == "Ascend" and not option_given("device", checked, os.environ):
                 checked["device"] = f"npu:{ms.get_context('device_id')}"  # Ascend's figures follow msprof's
