@@ -242,7 +242,7 @@ def scan_events(path: Path, events: list[TraceEvent]) -> EventColumns:
     is_complete = np.array([k[0] == "X" for k in keys] or [False], bool)[all_code]
     complete = np.flatnonzero(is_complete)
     try:
-        ts_ns = timestamps_ns([events[i].ts for i in complete.tolist()])
+        ts_ns = timestamps_ns([e.ts for e in events])[complete]
         dur_us = _floats([e.dur for e in events])[complete]
     except (TypeError, ValueError):
         raise IngestError(f"{path}: an event's ts or dur is not a number: expected {EXPECTED}") from None
