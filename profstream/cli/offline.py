@@ -183,12 +183,15 @@ def report(
 def analyze(
     traces: Annotated[list[Path], typer.Argument(help="profiles: Kineto/PyTorch, MindSpore or msprof timeline "
                                                       "JSON (.json/.json.gz), one file per rank, a directory of "
-                                                      "them, or a MindSpore profiler directory")],
+                                                      "them, a MindSpore profiler directory, torch_npu / MindSpore "
+                                                      "*_ascend_pt / *_ascend_ms folders or msprof PROF_* "
+                                                      "directories")],
     output: Annotated[Path | None, typer.Option("--output", "-o", help="write the HTML report here")] = None,
     parquet: Annotated[Path | None, typer.Option(help="write <run>.steps.parquet and <run>.ops.parquet into "
                                                       "this directory")] = None,
     run_id: Annotated[str, typer.Option(help="run id the figures carry")] = "analyze",
-    device: Annotated[str, typer.Option(help="device reported with the figures, e.g. cuda:0")] = "",
+    device: Annotated[str, typer.Option(help="device reported with the figures, e.g. cuda:0 (default: the "
+                                             "profile's where it says, e.g. npu:0)")] = "",
     workers: Annotated[int | None, typer.Option(min=1, help="processes that parse a trace of 16 MiB or more "
                                                            "(default: one per CPU; 1: one process)")] = None,
     stall_ratio: Annotated[float, typer.Option(min=0.0, max=1.0, help="as for `profstream process`")] = 0.3,
@@ -210,10 +213,12 @@ def analyze(
     except (IngestError, OSError) as e:
         fail(str(e))
     result = done.result
+    for problem in result.problems:
+        err.print(f"[red]not read:[/red] {problem}", highlight=False, soft_wrap=True)
     print_ranks(result, rank_rows(result))
     for r in result.ranks:
         for note in r.profile.notes:
-            err.print(f"[yellow]note:[/yellow] {note}", highlight=False, soft_wrap=True)
+            err.print(f"[yellow]note:[/yellow] rank {r.rank}: {note}", highlight=False, soft_wrap=True)
     for path in [done.report, *done.parquet]:
         if path is not None:
             out.print(str(path), highlight=False)

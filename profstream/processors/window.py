@@ -17,6 +17,13 @@ before the previous step's D (the two steps' device work interleaved) the window
 there instead. Device ops without a launch time in such a step are counted by the time
 rule (the producer put them in the host step holding their start) and reported
 (``uncorrelated_ops``).
+
+**Ascend** (the batch's device is ``npu`` or ``npu:N``): msprof's Overlap Analysis counts
+only compute and communication tasks as busy, and spans a step from its first such task to
+its last. So on an Ascend device window W and D come from the step's compute and
+communication ops (all its device ops where it has none of them), and idle is the time
+neither runs: a DMA copy between two kernels is free time there, as in msprof's ``Free``.
+Copies and sets still count in ``device_kinds``.
 """
 
 from __future__ import annotations
@@ -51,12 +58,28 @@ def device_ops(ev: StepEvents) -> np.ndarray:
     return _IS_DEVICE_KIND[ev.op_kind] | ev.launched
 
 
+def is_ascend(ev: StepEvents) -> bool:
+    """An Ascend device (``npu``, ``npu:N``): msprof's definitions of busy and of a step's span."""
+    return ev.device == "npu" or ev.device.startswith("npu:")
+
+
+def _bounding_ops(ev: StepEvents) -> np.ndarray:
+    """The ops that bound a device window: every device op; on Ascend the compute and
+    communication ones where the step has any."""
+    dev = device_ops(ev)
+    if is_ascend(ev):
+        busy = dev & ((ev.op_kind == COMPUTE) | (ev.op_kind == COMMUNICATION))
+        if busy.any():
+            return busy
+    return dev
+
+
 def step_window(ev: StepEvents) -> Window:
     """The window of ``ev`` (see the module docstring)."""
     launched = ev.launched
     if not launched.any():
         return Window(False, ev.start_ns, ev.end_ns)
-    dev = device_ops(ev)
+    dev = _bounding_ops(ev)
     start = ev.op_start_ns[dev]
     first = int(start.min())
     last = int((start + ev.op_dur_ns[dev]).max())
@@ -82,9 +105,10 @@ def intervals(ev: StepEvents, kind: int, window: Window) -> tuple[np.ndarray, np
 
 
 def busy_intervals(ev: StepEvents, window: Window) -> tuple[np.ndarray, np.ndarray]:
-    """What keeps the device busy: compute and communication in a host window; every
-    device op (copies and sets too, as Holistic Trace Analysis counts) in a device window."""
-    kinds = DEVICE_KINDS if window.device else (COMPUTE, COMMUNICATION)
+    """What keeps the device busy: compute and communication in a host window and on an
+    Ascend device; every device op (copies and sets too, as Holistic Trace Analysis counts)
+    in another device window."""
+    kinds = DEVICE_KINDS if window.device and not is_ascend(ev) else (COMPUTE, COMMUNICATION)
     parts = [intervals(ev, k, window) for k in kinds]
     return union(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
 
