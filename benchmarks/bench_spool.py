@@ -66,6 +66,32 @@ class Recorder(threading.Thread):
             plans = []
 
 
+def seq_order(bootstrap: str, topic: str) -> dict:
+    """The raw topic's batches per producer id, in partition order: copies, gaps in seq, and
+    batches that came after a later one of their producer (out of order)."""
+    from profstream.schema.batch import decode_batch
+    from tests.test_spool import raw_messages
+
+    last: dict[str, int] = {}
+    seen: dict[str, set] = {}
+    out = {"batches": 0, "copies": 0, "gaps": 0, "out_of_order": [], "producers": 0}
+    for msg in raw_messages(bootstrap, topic):
+        b = decode_batch(msg.value)
+        out["batches"] += 1
+        got = seen.setdefault(b.producer_id, set())
+        if b.seq in got:
+            out["copies"] += 1
+            continue
+        got.add(b.seq)
+        prev = last.get(b.producer_id, -1)
+        if b.seq < prev and len(out["out_of_order"]) < 20:
+            out["out_of_order"].append((b.producer_id[-8:], prev, b.seq))
+        last[b.producer_id] = max(prev, b.seq)
+    out["producers"] = len(seen)
+    out["gaps"] = sum(max(s) + 1 - len(s) for s in seen.values())
+    return out
+
+
 def sender_cpu_s(monitors: dict) -> float:
     return sum(schedstat(m._sender.native_id)[0] for m in monitors.values()) / 1e9
 
@@ -134,6 +160,7 @@ def main() -> None:
     from tests.test_spool import step_counts
 
     counts, _ = step_counts(bootstrap, f"{prefix}.raw")
+    seqs = seq_order(bootstrap, f"{prefix}.raw")
     stack_down(state_dir=state)
     want = cfg.ranks * cfg.steps
     outage_bytes = sum(s["spool_bytes"] for s in spooled.values())
@@ -145,7 +172,11 @@ def main() -> None:
         "dropped_samples": sum(s["dropped_samples"] for s in stats.values()),
         "flushed": flushed,
         "steps": {"expected": want, "distinct": len(counts), "exactly_once": len(counts) == want
-                  and set(counts.values()) == {1}, "more_than_once": sum(1 for n in counts.values() if n > 1)},
+                  and set(counts.values()) == {1}, "more_than_once": sum(1 for n in counts.values() if n > 1),
+                  "missing": sorted({(cfg.run_id, r, st) for r in range(cfg.ranks) for st in range(cfg.steps)}
+                                    - set(counts))[:20]},
+        "raw_seq": seqs,
+        "spool_corrupt_regions": sum(s.get("spool_corrupt_regions", 0) for s in stats.values()),
         "outage": {"s": t1 - t0, "ops_recorded": ops1 - ops0, "spool_bytes_at_return": outage_bytes,
                    "spool_bytes_per_op": outage_bytes / max(1, ops1 - ops0),
                    "spool_records": sum(s["spool_records_written"] for s in spooled.values())},

@@ -104,6 +104,27 @@ def test_a_torn_tail_and_a_corrupted_record_lose_only_themselves_and_are_named(t
     assert any(last.name in m and "torn tail" in m for m in named), named
 
 
+def test_batches_a_close_purged_go_where_they_belong_in_the_spool(tmp_path):
+    """Records handed to Kafka, then batches sent straight to it (purged at close), then
+    records spooled after: the purged ones are read back between the two."""
+    spool = Spool(tmp_path / "r" / "rank-0", 1 << 30)
+    spool.append(b"r/0", b"handed-before", 1, 0)
+    record = spool.next_record()
+    spool.advance(record)  # handed to Kafka, not acknowledged
+    spool.rotate()  # straight to Kafka from here; spooling again later starts a segment
+    after = spool.next_segment
+    spool.append(b"r/0", b"spooled-after", 3, 0)
+    spool.insert([(b"r/0", b"purged-direct", 2, 0)], before=after)
+    spool.close()
+    again = Spool(tmp_path / "r" / "rank-0", 1 << 30)
+    order = []
+    while (rec := again.next_record()) is not None:
+        again.advance(rec)
+        order.append(rec.value)
+    again.close()
+    assert order == [b"handed-before", b"purged-direct", b"spooled-after"]
+
+
 def test_a_spool_in_use_by_a_live_monitor_is_not_opened_twice(tmp_path):
     first = Spool(tmp_path / "r" / "rank-0", 1 << 30)
     try:
