@@ -157,10 +157,10 @@ def check_live_run(bootstrap: str, prefix: str, run_id: str, steps: int) -> dict
     device counters."""
     from profstream.kafka.clients import read_topic
     from profstream.kafka.topics import Topics
-    from profstream.schema.codec import decode
+    from profstream.schema.codec import decode, record_name
 
-    records = read_topic(bootstrap, Topics(prefix).steps, lambda m: m["run_id"] == run_id, steps, 120,
-                         decode=lambda raw: decode("StepMetrics", raw))
+    records = read_topic(bootstrap, Topics(prefix).steps, lambda m: m is not None and m["run_id"] == run_id, steps,
+                         120, decode=lambda raw: decode("StepMetrics", raw) if record_name(raw) == "StepMetrics" else None)
     got = sorted({m["step"] for m in records})
     with_devices = [m for m in records if m["devices"]]
     checks = {

@@ -13,7 +13,7 @@ from profstream.kafka.clients import read_topic
 from profstream.kafka.topics import Topics, ensure_topics
 from profstream.processors.health import ProcessorHealth
 from profstream.processors.runtime import Processor
-from profstream.schema.codec import decode
+from profstream.schema.codec import decode, record_name
 from profstream.simulate import SimConfig, SimResult, expected, run_simulation
 
 
@@ -51,6 +51,11 @@ class DemoResult:
         return rows
 
 
+def _step_metrics(value: bytes) -> dict | None:
+    """A StepMetrics of the steps topic; None for its other records (a rank's RankEnd)."""
+    return decode("StepMetrics", value) if record_name(value) == "StepMetrics" else None
+
+
 def demo_bootstrap(bootstrap: str | None, starting: Callable[[], None] | None = None) -> str:
     """``bootstrap`` when given, else the local broker of `profstream stack up`, started when
     none runs (``starting()`` is called first: a first start fetches the Kafka jars)."""
@@ -79,8 +84,8 @@ def run_demo(bootstrap: str, cfg: SimConfig, topics: Topics | None = None,
     try:
         sim = run_simulation(cfg, {"bootstrap": bootstrap, "topic_prefix": topics.prefix}, progress=progress)
         want = cfg.ranks * cfg.steps
-        steps = read_topic(bootstrap, topics.steps, lambda r: r["run_id"] == cfg.run_id, want,
-                           timeout=timeout, decode=lambda v: decode("StepMetrics", v))
+        steps = read_topic(bootstrap, topics.steps, lambda r: r is not None and r["run_id"] == cfg.run_id, want,
+                           timeout=timeout, decode=_step_metrics)
         alerts = read_topic(bootstrap, topics.alerts, lambda a: a["run_id"] == cfg.run_id,
                             processor.health.alerts, timeout=10, decode=lambda v: decode("Alert", v))
     finally:

@@ -321,8 +321,9 @@ class SimResult:
 
 
 def run_simulation(cfg: SimConfig, monitor_options: dict | None = None, progress=None,
-                   ranks: range | None = None, start=None) -> SimResult:
+                   ranks: range | None = None, start=None, ended: bool = True) -> SimResult:
     """Simulate ``cfg`` through one real Monitor per rank; returns when all is flushed.
+    ``ended=False``: the Monitors close as a failed run's do, without their end marks.
 
     ``ranks`` simulates only those ranks of the run (the others run in other processes,
     :mod:`profstream.simulate_procs`); ``start``, if given, is called once the Monitors
@@ -374,7 +375,7 @@ def run_simulation(cfg: SimConfig, monitor_options: dict | None = None, progress
     finally:
         flushed = all([m.flush(timeout=30) for m in monitors.values()])
         for m in monitors.values():
-            m.close(timeout=5)
+            m.close(timeout=5, ended=ended)
         stats = [m.stats() for m in monitors.values()]  # after close: what it could not deliver is counted
     return SimResult(steps, ops, time.monotonic() - wall0, flushed,
                      sum(s["dropped_ops"] for s in stats), stats)

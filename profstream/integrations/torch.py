@@ -94,9 +94,11 @@ def close_at_exit(inst: TorchInstrumentation) -> None:
     ref = weakref.ref(inst)
 
     def close() -> None:
+        from profstream.producers.monitor import exiting_on_error
+
         live = ref()
         if live is not None:
-            live.close(timeout=5.0)
+            live.close(timeout=5.0, ended=not exiting_on_error())  # a traceback: the run did not end normally
 
     register = getattr(threading, "_register_atexit", None)  # runs before atexit (CPython >= 3.9)
     try:
@@ -214,9 +216,9 @@ class TorchInstrumentation:
 
     # -- lifecycle --------------------------------------------------------------------
 
-    def close(self, timeout: float = 10.0) -> None:
+    def close(self, timeout: float = 10.0, ended: bool = True) -> None:
         """End the open step, send the captured ops, remove the hooks; close the Monitor
-        if instrument() made it."""
+        if instrument() made it (``ended``: as ``Monitor.close``'s, the run ended normally)."""
         with self._lock:
             if self._closed:
                 return
@@ -231,7 +233,7 @@ class TorchInstrumentation:
             except Exception as e:  # noqa: BLE001 - closing must not raise
                 self._fail(e)
         if self.owns_monitor and self.monitor is not None:
-            self.monitor.close(timeout)
+            self.monitor.close(timeout, ended=ended)
         if self._rss is not None:
             self._rss.close()
 
@@ -240,8 +242,8 @@ class TorchInstrumentation:
     def __enter__(self) -> TorchInstrumentation:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.close(ended=exc_type is None)
 
     def _remove_hooks(self) -> None:
         for hook in self._hooks:

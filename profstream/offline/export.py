@@ -31,7 +31,7 @@ from profstream.offline.archive import (
 from profstream.offline.record_files import RecordWriter
 from profstream.offline.replay import replay_offline
 from profstream.schema.batch import KIND_NAMES, decode_batch, launch_column
-from profstream.schema.codec import DecodeError, decode
+from profstream.schema.codec import DecodeError, decode, record_name
 
 ROWS_PER_GROUP = 1_000_000  # Parquet row group of the op table
 
@@ -173,6 +173,8 @@ def export_parquet(archive: Path, out_dir: Path, run: str | None = None, steps: 
                 tally = Tally("export steps", len(steps_files), sum(f.path.stat().st_size for f in steps_files))
                 seen: set[tuple[int, int]] = set()
                 for rec in records(steps_files, lost, tally, progress):
+                    if record_name(rec["value"]) == "RankEnd":  # a rank that ended, not a step
+                        continue
                     try:
                         m = decode("StepMetrics", rec["value"])
                     except DecodeError:

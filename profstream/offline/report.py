@@ -50,6 +50,7 @@ class ReportData:
     timeline_files: list[Path] = field(default_factory=list)
     timeline_dir: Path | None = None
     captures: list[Capture] = field(default_factory=list)  # capture requests of the run (archived control topic)
+    ends: list[dict] = field(default_factory=list)  # RankEnd of each rank that ended normally
 
     @cached_property
     def by_rank(self) -> dict[int, list[dict]]:
@@ -82,7 +83,7 @@ def gather(archive: Path | str, run_id: str, timeline_dir: Path | None = None, w
     data = ReportData(run_id, archive)
     result = replay_offline(files, options, workers=workers or default_workers(), on_step=data.steps.append,
                             on_run_step=data.run_steps.append, on_alert=data.alerts.append, progress=progress,
-                            on_loss=on_loss)
+                            on_loss=on_loss, on_rank_end=data.ends.append)
     data.steps.sort(key=lambda s: (s["rank"], s["step"]))
     data.run_steps.sort(key=lambda r: r["step"])
     data.alerts.sort(key=lambda a: (a["ts_ns"], -1 if a["rank"] is None else a["rank"]))  # rank: None = the run
@@ -315,6 +316,18 @@ def _alerts(data: ReportData) -> str:
             f'<th style="text-align:left">summary</th></tr>{rows}</table>')
 
 
+def _ending(data: ReportData) -> str:
+    """Whether the ranks ended normally (their Monitors closed), as the RunSilent alert sees it."""
+    ended = {e["rank"] for e in data.ends}
+    silent = [r for r in data.ranks() if r not in ended]
+    if not silent:
+        return '<p class="sub" id="ending">Every rank ended normally (its Monitor closed after its last step).</p>'
+    ranks = ", ".join(map(str, silent[:20])) + (" ..." if len(silent) > 20 else "")
+    return (f'<p class="warn" id="ending">Rank{"s" if len(silent) > 1 else ""} {ranks} did not say '
+            f'{"they" if len(silent) > 1 else "it"} ended (no end mark): killed, hung, or exited on an error '
+            '(or a Monitor older than the end mark).</p>')
+
+
 def _timelines(data: ReportData, out_dir: Path) -> str:
     if not data.timeline_files:
         return ('<p class="sub">No timeline files given (<code>--timeline-dir</code>, written by '
@@ -345,7 +358,7 @@ def render(data: ReportData, out_path: Path) -> str:
         body = "".join([
             f'<p class="sub">{_time(start)} – {_time(end)}; {data.messages:,} raw messages, {data.events:,} op '
             f'events from <code>{_e(data.archive)}</code></p>',
-            f'<div class="kpis">{kpi_html}</div>',
+            f'<div class="kpis">{kpi_html}</div>', _ending(data),
             f'<h2>Lost while reading the archive</h2><ul id="losses">{losses}</ul>' if losses else "",
             "<h2>Per rank</h2>", _summary_table(data),
             "<h2>Step time</h2>",

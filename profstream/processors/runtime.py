@@ -36,6 +36,7 @@ from profstream.schema.batch import decode_batch
 from profstream.schema.codec import (
     DecodeError,
     decode,
+    decode_any,
     encode,
     encode_run_step_metrics,
     encode_step_metrics,
@@ -186,10 +187,10 @@ class StepStage:
             rank = self.ranks[ident]
             asm = rank.assembler
             closed = asm.close_ready(now)
-            if not closed and now - asm.last_seen >= self.idle_timeout_s:
-                closed = [(ev, "idle") for ev in asm.close_all()]
+            idle = not closed and now - asm.last_seen >= self.idle_timeout_s
+            if idle or asm.finished:  # silent for the idle timeout, or ended with every step closed
+                closed += [(ev, "idle") for ev in asm.close_all()]
                 self._forget(ident)
-                out.append(Output(self.state_topic, f"{ident[0]}/{ident[1]}".encode(), None, asm.partition))
                 self.counts.runs_closed += 1
             else:
                 if closed:
@@ -197,7 +198,18 @@ class StepStage:
                 self.schedule.visited(ident, asm)
             for ev, reason in closed:
                 out.extend(self._step_outputs(rank, ev, reason))
+            if idle or asm.finished:
+                if asm.ended_ns is not None:  # after its last StepMetrics, on the same partition
+                    out.append(self._rank_end(asm))
+                out.append(Output(self.state_topic, f"{ident[0]}/{ident[1]}".encode(), None, asm.partition))
         return out
+
+    def _rank_end(self, asm: RankAssembler) -> Output:
+        record = {"run_id": asm.run_id, "rank": asm.rank, "world_size": asm.world_size, "host": asm.host,
+                  "last_step": asm.last_step, "ended_ns": asm.ended_ns}
+        self.counts.ranks_ended += 1
+        return Output(self.topics.steps, f"{asm.run_id}/{asm.rank}".encode(), encode("RankEnd", record),
+                      run_partition(asm.run_id, self.steps_partitions))
 
     def _due(self, now: float) -> list[tuple[str, int]]:
         """The ranks ready(now) must visit, in the order they entered the stage."""
@@ -235,6 +247,7 @@ class _RunState:
     floor: int | None = None  # every step below has been emitted
     pending: dict[int, dict[int, int]] = field(default_factory=dict)  # step -> rank -> step_time_ns
     calls: dict[int, dict[int, dict]] = field(default_factory=dict)  # step -> rank -> its collective calls (packed)
+    ended: dict[int, int | None] = field(default_factory=dict)  # rank -> its last step, from its RankEnd
     first_offset: dict[int, int] = field(default_factory=dict)  # step -> input offset
     first_seen: dict[int, float] = field(default_factory=dict)
     last_seen: float = 0.0
@@ -288,7 +301,12 @@ class RunStage:
 
     def fold(self, rec, now: float) -> list[Output]:
         try:
-            m = decode("StepMetrics", rec.value)
+            name, m = decode_any(rec.value)
+            if name == "RankEnd":
+                self._rank_ended(m)
+                return []
+            if name != "StepMetrics":
+                raise DecodeError("wrong_type", f"expected StepMetrics or RankEnd, got {name}")
         except DecodeError as e:
             self.counts.decode_errors[e.reason] += 1
             return []
@@ -317,20 +335,27 @@ class RunStage:
                 self.counts.decode_errors["malformed"] += 1
         return []
 
+    def _rank_ended(self, end: dict) -> None:
+        run = self.runs.get(end["run_id"])
+        if run is not None:
+            run.ended[end["rank"]] = end["last_step"]
+
     def ready(self, now: float) -> list[Output]:
         out: list[Output] = []
         for run_id, run in list(self.runs.items()):
             expected = run.world_size or len(run.ranks)
             for step in sorted(run.pending):
                 reported = run.pending[step]
-                if len(reported) < expected and now - run.first_seen[step] < self.grace_s:
+                gone = sum(1 for r, last in run.ended.items() if r not in reported and (last is None or last < step))
+                if len(reported) < expected - gone and now - run.first_seen[step] < self.grace_s:
                     break
                 everyone = range(run.world_size) if run.world_size else sorted(run.ranks)
                 out.append(self._emit(run_id, step, reported, run.calls.pop(step, {}), everyone))
                 del run.pending[step], run.first_offset[step], run.first_seen[step]
                 run.floor = step + 1
                 self._changed.add(run_id)
-            if not run.pending and now - run.last_seen >= self.idle_timeout_s:
+            ended = len(run.ended) >= expected and run.ranks <= run.ended.keys()  # every rank said it ended
+            if not run.pending and (ended or now - run.last_seen >= self.idle_timeout_s):
                 del self.runs[run_id]
                 self._changed.discard(run_id)
                 out.append(Output(self.state_topic, run_id.encode(), None, run.partition))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import sys
 import time
 import uuid
 import weakref
@@ -25,7 +26,7 @@ from profstream.config import MONITOR_OPTIONS, resolve
 from profstream.devices.backend import DeviceSample
 from profstream.kafka.topics import Topics
 from profstream.producers.buffer import EventBuffer
-from profstream.schema.batch import NO_VALUE
+from profstream.schema.batch import END_MARK, NO_VALUE
 
 log = logging.getLogger("profstream.monitor")
 
@@ -58,10 +59,17 @@ def _make_buffer(opts: dict[str, Any]) -> tuple[Any, str]:
     return EventBuffer(opts["buffer_bytes"], opts["batch_max_ops"]), "python"
 
 
+def exiting_on_error() -> bool:
+    """Whether the interpreter is exiting on an uncaught exception (it printed one): in an
+    exit hook, a run that did not end normally."""
+    return getattr(sys, "last_value", None) is not None
+
+
 @atexit.register
 def _close_all_at_exit() -> None:
+    ended = not exiting_on_error()
     for monitor in list(_live_monitors):
-        monitor.close(timeout=5.0)
+        monitor.close(timeout=5.0, ended=ended)
 
 
 class _StepContext:
@@ -228,7 +236,7 @@ class Monitor:
             return -1
         if self._step_start is not None:  # begin without end: close the open step first
             self.end_step(ts_ns)
-        if step is None or not isinstance(step, int):
+        if step is None or not isinstance(step, int) or step < 0:  # negative: END_MARK's
             step = self._next_step
         self._step = step
         self._next_step = step + 1
@@ -409,12 +417,21 @@ class Monitor:
             return self._sender is None
         return self._sender.flush(timeout)
 
-    def close(self, timeout: float = 10.0) -> bool:
-        """Flush (within ``timeout``), stop the background thread and the Kafka producer."""
+    def close(self, timeout: float = 10.0, ended: bool = True) -> bool:
+        """Flush (within ``timeout``), stop the background thread and the Kafka producer.
+
+        ``ended``: the rank ended normally (its last step is done): the Monitor sends its end
+        mark after the last step, and the processors say the rank ended (RunSilent does not
+        fire for a run whose ranks all did). False for a run that failed: the exit hook and
+        ``with Monitor(...)`` on an exception pass it."""
         if self._closed:
             return True
         if self._step_start is not None:
             self.end_step()
+        if ended and self._enabled:
+            now = _time_ns()
+            self.buffer.add_sample(self.buffer.marks, (END_MARK, now, now, NO_VALUE, NO_VALUE))
+            self._wake.set()
         self._closed = True
         self._capturing = False
         self._sync_recorder()
@@ -431,8 +448,8 @@ class Monitor:
     def __enter__(self) -> Monitor:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.close(ended=exc_type is None)
 
     def stats(self) -> dict[str, Any]:
         """Producer health: drops, buffer fill, batches sent, send latency."""

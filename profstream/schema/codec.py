@@ -179,6 +179,7 @@ _VERSIONS: list[SchemaVersion] = [
     _version(_load("run_step_metrics.v2.avsc"), 2),  # + collectives matched across ranks
     _version(_load("capture_request.avsc"), 1),  # the control topic (docs/capture.md)
     _version(_load("capture_status.avsc"), 1),
+    _version(_load("rank_end.avsc"), 1),  # on the steps topic: a rank that ended normally
 ]
 
 SCHEMAS: dict[int, SchemaVersion] = {v.fingerprint: v for v in _VERSIONS}
@@ -260,6 +261,13 @@ def decode_any(data: bytes) -> tuple[str, dict]:
         return sv.name, sv.upgrade(record)
     except Exception as e:
         raise DecodeError("malformed", f"cannot upgrade {sv.name} v{sv.version}: {e}") from None
+
+
+def record_name(data: bytes | None) -> str | None:
+    """The record type of a profstream message, from its header alone (None: not one a
+    profstream schema wrote), e.g. to tell a RankEnd from the StepMetrics on the steps topic."""
+    sv = SCHEMAS.get(int.from_bytes(data[2:HEADER_LEN], "little")) if data and data[:2] == MAGIC else None
+    return None if sv is None else sv.name
 
 
 def decode(name: str, data: bytes) -> dict:

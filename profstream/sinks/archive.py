@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from fastavro import parse_schema, schemaless_reader
@@ -41,6 +41,7 @@ from fastavro.write import Writer
 
 from profstream.config import ConfigError, check_name
 from profstream.offline.archive import ArchiveError, ArchiveFile, finished_files, iter_file
+from profstream.schema.batch import END_MARK
 from profstream.schema.codec import HEADER_LEN, MAGIC, SCHEMAS, DecodeError, decode_any
 from profstream.sinks.runner import SinkLoop
 
@@ -116,9 +117,20 @@ _BATCH_READERS = {sv.header: (sv.parsed, _batch_projection(sv)) for sv in SCHEMA
 _I64 = np.dtype("<i8")
 
 
-def message_steps(value: bytes | None) -> tuple[str, int | None, int | None, int | None] | None:
-    """(run_id, rank, lowest step, highest step) of a profstream message, or None when it
-    cannot be decoded. Steps are None for a batch without step-bearing events."""
+class MessageSteps(NamedTuple):
+    """What the index (and the run-end check) reads of one message."""
+
+    run_id: str
+    rank: int | None
+    lo: int | None  # lowest and highest step of its step-bearing events (None: none)
+    hi: int | None
+    ended: bool  # the rank ended: a batch with its end mark, or a RankEnd
+
+
+def message_steps(value: bytes | None) -> MessageSteps | None:
+    """Run, rank, lowest and highest step of a profstream message, and whether it ends its
+    rank; None when it cannot be decoded. Steps are None for a batch without step-bearing
+    events (an end mark is no step)."""
     if not value:
         return None
     readers = _BATCH_READERS.get(value[:HEADER_LEN])
@@ -128,23 +140,29 @@ def message_steps(value: bytes | None) -> tuple[str, int | None, int | None, int
             body.seek(HEADER_LEN)
             rec = schemaless_reader(body, readers[0], readers[1])
             lo = hi = None
-            for section in rec.values():
+            ended = False
+            for name, section in rec.items():
                 if isinstance(section, dict) and section["count"]:
                     steps = np.frombuffer(section["step"], _I64)
+                    if name == "steps" and END_MARK in steps:
+                        ended = True
+                        steps = steps[steps != END_MARK]
+                        if not len(steps):
+                            continue
                     a, b = int(steps.min()), int(steps.max())
                     lo = a if lo is None else min(lo, a)
                     hi = b if hi is None else max(hi, b)
-            return rec["run_id"], rec["rank"], lo, hi
+            return MessageSteps(rec["run_id"], rec["rank"], lo, hi, ended)
         except Exception:  # garbage after a valid header: fastavro raises many types; counted
             return None
     if value[:2] != MAGIC:
         return None
     try:
-        _name, record = decode_any(value)
+        name, record = decode_any(value)
     except DecodeError:
         return None
-    step = record.get("step")
-    return record.get("run_id", ""), record.get("rank"), step, step
+    step = record.get("last_step") if name == "RankEnd" else record.get("step")
+    return MessageSteps(record.get("run_id", ""), record.get("rank"), step, step, name == "RankEnd")
 
 
 class FileSummary:
@@ -159,7 +177,8 @@ class FileSummary:
         self.ranks: set[int] = set()
         self.lo = self.hi = None
 
-    def add(self, timestamp: int, value: bytes | None) -> None:
+    def add(self, timestamp: int, value: bytes | None) -> MessageSteps | None:
+        """Count one message in; what it holds (None: undecodable)."""
         self.messages += 1
         self.value_bytes += len(value) if value else 0
         if self.first_ts is None:
@@ -168,14 +187,15 @@ class FileSummary:
         found = message_steps(value)
         if found is None:
             self.undecodable += 1
-            return
-        run, rank, lo, hi = found
+            return None
+        run, rank, lo, hi, _ended = found
         self.runs.add(run)
         if rank is not None:
             self.ranks.add(rank)
         if lo is not None:
             self.lo = lo if self.lo is None else min(self.lo, lo)
             self.hi = hi if self.hi is None else max(self.hi, hi)
+        return found
 
     def entry(self, f: ArchiveFile, root: Path, codec: str) -> dict:
         return {"file": f.relative_to(root), "topic": f.topic, "run_id": f.run_id, "partition": f.partition,
@@ -268,12 +288,12 @@ class _OpenFile:
         """Bytes on disk plus the pending (uncompressed) block: an upper bound of the final size."""
         return self.fo.tell() + self.writer.io.tell()
 
-    def append(self, rec: Any) -> None:
+    def append(self, rec: Any) -> MessageSteps | None:
         headers = [{"key": k, "value": v} for k, v in rec.headers] if rec.headers else []
         self.writer.write({"topic": rec.topic, "partition": rec.partition, "offset": rec.offset,
                            "timestamp": rec.timestamp, "key": rec.key, "value": rec.value, "headers": headers})
         self.last_offset = rec.offset
-        self.summary.add(rec.timestamp, rec.value)
+        return self.summary.add(rec.timestamp, rec.value)
 
     def finish(self) -> Path:
         self.writer.flush()

@@ -31,7 +31,7 @@ from profstream.kafka.topics import Topics
 from profstream.metrics_server import serve_metrics
 from profstream.processors.health import FRESHNESS_BUCKETS
 from profstream.processors.stalls import stall_state
-from profstream.schema.codec import DecodeError, decode
+from profstream.schema.codec import DecodeError, decode, decode_any
 from profstream.sinks.collective_metrics import RunCollectives, collective_lines, run_collectives
 from profstream.sinks.device_metrics import MAX_DEVICES, device_lines, fold_devices
 from profstream.sinks.rank_summary import (
@@ -114,6 +114,7 @@ class _Rank:
     kernel_ns: dict[str, int] = field(default_factory=dict)  # admitted kernel type or "other" -> ns
     devices: dict[str, dict] = field(default_factory=dict)  # device -> DeviceFigures of its latest step
     recent: deque = field(default_factory=lambda: deque(maxlen=SLOW_WINDOW_STEPS))  # newest steps' step_s
+    ended: bool = False  # its producer ended normally after its latest step (RankEnd)
 
 
 @dataclass(eq=False)
@@ -170,7 +171,13 @@ class ExporterState:
                     continue
                 try:
                     if kind == "steps":
-                        self._fold_step(decode("StepMetrics", rec.value), ts, now)
+                        name, value = decode_any(rec.value)
+                        if name == "StepMetrics":
+                            self._fold_step(value, ts, now)
+                        elif name == "RankEnd":
+                            self._fold_rank_end(value, ts)
+                        else:
+                            raise DecodeError("wrong_type", f"expected StepMetrics or RankEnd, got {name}")
                     elif kind == "run":
                         self._fold_run_step(decode("RunStepMetrics", rec.value), ts)
                     else:
@@ -219,6 +226,7 @@ class ExporterState:
         fresh = max(0.0, now - end_s)
         self._fresh[bisect.bisect_left(FRESHNESS_BUCKETS, fresh)] += 1
         self._fresh_sum += fresh
+        r.ended = False  # a step after an end: the rank runs again (a new Monitor)
         if m["step"] < r.last_step:
             return  # an older step: counted above, the gauges keep the newest
         if m["step"] > r.last_step:
@@ -259,6 +267,14 @@ class ExporterState:
             run.straggler = m["straggler_rank"]
             run.ranks_reported = m["ranks_reported"]
             run.collectives = run_collectives(m) or run.collectives
+
+    def _fold_rank_end(self, end: dict, ts: float) -> None:
+        run = self._runs.get(end["run_id"])
+        r = run.ranks.get(end["rank"]) if run is not None else None
+        if r is not None:  # after the rank's last StepMetrics (same partition, in order)
+            r.ended = True
+            r.seen_s = max(r.seen_s, ts)
+            run.seen_s = max(run.seen_s, ts)
 
     def _fold_alert(self, a: dict, ts: float) -> None:
         stall = stall_state(a)
@@ -360,6 +376,10 @@ class ExporterState:
               lambda r: ((t, ns / 1e9) for t, ns in r.kernel_ns.items()))
         split(p + "device_kind_seconds_total", "counter", "summed device op durations by kind: compute, "
               "communication, memcpy, memset", "kind", lambda r: ((k, ns / 1e9) for k, ns in r.kind_ns.items()))
+        family(p + "run_ended", "gauge", "1 when every rank of the run the exporter holds ended normally (its "
+               "Monitor closed after its last step), else 0: RunSilent fires only for runs at 0",
+               (f'{p}run_ended{{run="{_esc(run_id)}"}} {int(all(r.ended for r in run.ranks.values()))}\n'
+                for run_id, run in self._runs.items() if run.ranks))
         per_run(p + "rank_skew_ratio", "(max - min) / median step time across the ranks of the run's latest "
                 "complete step", lambda run: run.skew)
         per_run(p + "straggler_rank", "rank with the largest step time in the run's latest complete step",
