@@ -40,8 +40,11 @@ class DemoResult:
                 "data_wait_ms": float(np.mean([r["data_wait_ns"] for r in recs]) / 1e6),
                 "fp_bp_ms": float(np.mean([r["fp_bp_ns"] for r in recs]) / 1e6),
                 "tail_ms": float(np.mean([r["tail_ns"] for r in recs]) / 1e6),
-                "utilization": float(np.mean([r["utilization"] for r in recs])),
-                "overlap_ratio": float(np.mean([r["overlap_ratio"] for r in recs])),
+                # over the steps whose ops were captured (NaN: none was)
+                "utilization": float(np.mean([r["utilization"] for r in recs if r["utilization"] is not None]
+                                             or [np.nan])),
+                "overlap_ratio": float(np.mean([r["overlap_ratio"] for r in recs if r["overlap_ratio"] is not None]
+                                               or [np.nan])),
                 "queue_mean": float(np.mean([q["mean"] for r in recs for q in r["queues"]] or [np.nan])),
                 "queue_empty_ratio": float(np.mean([q["empty_ratio"] for r in recs for q in r["queues"]] or [np.nan])),
                 "starved_steps": sum(r["starved"] for r in recs),

@@ -133,6 +133,8 @@ def simulated_messages(cfg, close: bool = True, partitions: int = 4, **monitor_o
 
     opts = {"bootstrap": "127.0.0.1:1", "host_sample_interval_s": 0, "control": False, "native": False,
             "device_interval_ms": 0, **monitor_options}
+    if cfg.capture_every_n_steps is not None:
+        opts["every_n_steps"] = cfg.capture_every_n_steps
     monitors = {r: Monitor(run_id=cfg.run_id, rank=r, world_size=cfg.ranks, sender_factory=IdleSender, **opts)
                 for r in range(cfg.ranks)}
     senders = {r: Sender(m) for r, m in monitors.items()}

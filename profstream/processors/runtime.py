@@ -247,6 +247,7 @@ class _RunState:
     floor: int | None = None  # every step below has been emitted
     pending: dict[int, dict[int, int]] = field(default_factory=dict)  # step -> rank -> step_time_ns
     calls: dict[int, dict[int, dict]] = field(default_factory=dict)  # step -> rank -> its collective calls (packed)
+    unmeasured: dict[int, set[int]] = field(default_factory=dict)  # step -> ranks that reported it without ops
     ended: dict[int, int | None] = field(default_factory=dict)  # rank -> its last step, from its RankEnd
     first_offset: dict[int, int] = field(default_factory=dict)  # step -> input offset
     first_seen: dict[int, float] = field(default_factory=dict)
@@ -327,6 +328,8 @@ class RunStage:
             run.first_offset[step] = rec.offset
             run.first_seen[step] = now
         run.pending[step][m["rank"]] = m["step_time_ns"]
+        if not m["op_count"]:  # its ops (collectives too) were not captured on that rank
+            run.unmeasured.setdefault(step, set()).add(m["rank"])
         if m["collectives"]["count"]:
             try:
                 check_calls(m["collectives"])
@@ -350,7 +353,8 @@ class RunStage:
                 if len(reported) < expected - gone and now - run.first_seen[step] < self.grace_s:
                     break
                 everyone = range(run.world_size) if run.world_size else sorted(run.ranks)
-                out.append(self._emit(run_id, step, reported, run.calls.pop(step, {}), everyone))
+                out.append(self._emit(run_id, step, reported, run.calls.pop(step, {}), everyone,
+                                      run.unmeasured.pop(step, set())))
                 del run.pending[step], run.first_offset[step], run.first_seen[step]
                 run.floor = step + 1
                 self._changed.add(run_id)
@@ -362,11 +366,11 @@ class RunStage:
         return out
 
     def _emit(self, run_id: str, step: int, step_times: dict[int, int], calls: dict[int, dict],
-              everyone: Iterable[int]) -> Output:
+              everyone: Iterable[int], unmeasured: set[int]) -> Output:
         figures = rank_figures(step_times)
         record = {"run_id": run_id, "step": step, **figures,
                   "step_times_ns": {str(r): t for r, t in sorted(step_times.items())},
-                  **packed_step_collectives(calls, list(everyone))}
+                  **packed_step_collectives(calls, list(everyone), unmeasured)}
         self.counts.run_steps += 1
         return Output(self.topics.run, run_id.encode(), encode_run_step_metrics(record), None)
 

@@ -100,9 +100,10 @@ class _Rank:
     end_s: float = 0.0
     step_s: float = 0.0
     phases: tuple[float, float, float] = (0.0, 0.0, 0.0)  # data_wait, fp_bp, tail
-    utilization: float = 0.0
-    overlap_ratio: float = 0.0
-    idle_ratio: float = 0.0
+    # of the latest step whose ops were captured (None before one was: not measured, no series)
+    utilization: float | None = None
+    overlap_ratio: float | None = None
+    idle_ratio: float | None = None
     memory: tuple[tuple[str, int], ...] = ()  # (kind, bytes) of the latest step with samples
     queues: dict[str, tuple[int, float]] = field(default_factory=dict)  # name -> (last size, empty ratio)
     buckets: list[int] = field(default_factory=lambda: [0] * (len(STEP_BUCKETS) + 1))
@@ -236,9 +237,10 @@ class ExporterState:
         r.step_s = step_s
         r.host_step_s = m["host_step_time_ns"] / 1e9
         r.phases = (m["data_wait_ns"] / 1e9, m["fp_bp_ns"] / 1e9, m["tail_ns"] / 1e9)
-        r.utilization = m["utilization"]
-        r.overlap_ratio = m["overlap_ratio"]
-        r.idle_ratio = m["idle_ns"] / step_ns if step_ns else 0.0
+        if m["utilization"] is not None:  # a step without captured ops keeps the last measured values
+            r.utilization = m["utilization"]
+            r.overlap_ratio = m["overlap_ratio"]
+            r.idle_ratio = m["idle_ns"] / step_ns if step_ns else 0.0
         mem = m["memory"]
         if mem is not None:  # a step without samples keeps the last known values
             r.memory = tuple((k, mem[k]) for k in ("allocated", "reserved", "peak") if mem[k] >= 0)
@@ -324,10 +326,10 @@ class ExporterState:
             out.append(f"# HELP {name} {doc}\n# TYPE {name} {kind}\n")
             out.extend(lines)
 
-        def per_rank(name: str, doc: str, value: Callable[[_Run, int, _Rank], float], kind: str = "gauge",
-                     extra: Sequence = ()) -> None:
-            family(name, kind, doc, (f"{name}{{{r.labels}}} {_num(value(run, rank, r))}\n"
-                                     for run, rank, r in itertools.chain(ranks, extra)))
+        def per_rank(name: str, doc: str, value: Callable[[_Run, int, _Rank], float | None], kind: str = "gauge",
+                     extra: Sequence = ()) -> None:  # a value None (not measured) has no sample
+            family(name, kind, doc, (f"{name}{{{r.labels}}} {_num(v)}\n" for run, rank, r in itertools.chain(ranks, extra)
+                                     if (v := value(run, rank, r)) is not None))
 
         def per_run(name: str, doc: str, value: Callable[[_Run], float]) -> None:
             family(name, "gauge", doc, (f'{name}{{run="{_esc(run_id)}"}} {_num(value(run))}\n' for run_id, run in runs))
@@ -352,12 +354,12 @@ class ExporterState:
         per_rank(p + "last_step", "number of the rank's latest step", lambda run, rank, r: r.last_step)
         per_rank(p + "last_step_timestamp_seconds", "end of the rank's latest step, Unix time (producer clock)",
                  lambda run, rank, r: r.end_s)
-        per_rank(p + "device_utilization_ratio", "compute time / step time of the latest step",
-                 lambda run, rank, r: r.utilization)
+        per_rank(p + "device_utilization_ratio", "compute time / step time of the latest step with captured ops "
+                 "(no sample before one)", lambda run, rank, r: r.utilization)
         per_rank(p + "comm_overlap_ratio", "communication overlapped by compute / communication time of the "
-                 "latest step (0 without communication)", lambda run, rank, r: r.overlap_ratio)
-        per_rank(p + "idle_ratio", "time with neither compute nor communication / step time of the latest step",
-                 lambda run, rank, r: r.idle_ratio)
+                 "latest step with captured ops (0 without communication)", lambda run, rank, r: r.overlap_ratio)
+        per_rank(p + "idle_ratio", "time with neither compute nor communication / step time of the latest step "
+                 "with captured ops", lambda run, rank, r: r.idle_ratio)
         split(p + "memory_bytes", "gauge", "device memory at the end of the latest step with samples (peak: "
               "highest in that step)", "kind", lambda r: r.memory)
         split(p + "queue_size", "gauge", "size of the data queue at the end of the latest step", "queue",
