@@ -25,6 +25,7 @@ from profstream.offline.archive import (
     Loss,
     Tally,
     finished_files,
+    missing_run,
     records,
     select_files,
 )
@@ -149,7 +150,7 @@ def export_parquet(archive: Path, out_dir: Path, run: str | None = None, steps: 
     raw = [f for f in raw if f.run_id == run]
     steps_files = [f for f in steps_files if f.run_id == run]
     if not raw and not steps_files:
-        raise ArchiveError(f"run {run} is not in {archive}: runs there: {', '.join(runs[:10]) or 'none'}")
+        raise missing_run(archive, run, runs)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     result = ExportResult()

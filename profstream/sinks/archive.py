@@ -10,6 +10,10 @@ A message's run is the part of its key before the last "/"; a key that is missin
 not a valid name (``config.check_name``) goes under ``_unknown``, so no key can reach
 outside ``<out>``. Each record is ``ARCHIVE_SCHEMA``: the message as it was on the wire.
 
+A run's files are finished (renamed, indexed) by size, by age, when the sink stops, and as
+soon as the run ends: every rank of it the sink has seen on a topic sent its end mark (raw
+topic) or its RankEnd (steps topic), so that a report can be made of it seconds later.
+
 Crash safety: a file is written as ``<first_offset>.avro.tmp``, fsynced, renamed and its
 directory fsynced; only then does ``durable_offsets`` let the consumer commit past its
 messages. A crash before the rename leaves a ``.tmp`` file (removed at start-up; its
@@ -40,7 +44,13 @@ from fastavro.schema import to_parsing_canonical_form
 from fastavro.write import Writer
 
 from profstream.config import ConfigError, check_name
-from profstream.offline.archive import ArchiveError, ArchiveFile, finished_files, iter_file
+from profstream.offline.archive import (
+    OPEN_SUFFIX,
+    ArchiveError,
+    ArchiveFile,
+    finished_files,
+    iter_file,
+)
 from profstream.schema.batch import END_MARK
 from profstream.schema.codec import HEADER_LEN, MAGIC, SCHEMAS, DecodeError, decode_any
 from profstream.sinks.runner import SinkLoop
@@ -67,7 +77,7 @@ _PARSED = parse_schema(ARCHIVE_SCHEMA)
 UNKNOWN_RUN = "_unknown"  # starts with "_": never a valid run id, so never a real run's directory
 INDEX_FILE = "index.jsonl"
 LOCK_FILE = ".lock"
-TMP_SUFFIX = ".avro.tmp"
+TMP_SUFFIX = OPEN_SUFFIX
 CODECS = ("zstandard", "deflate", "null")
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 DEFAULT_MAX_AGE_S = 300.0
@@ -320,6 +330,7 @@ class ArchiveStats:
     skipped: int = 0  # already in a finished file (re-delivered after a crash)
     orphans_removed: int = 0  # *.tmp files of a crashed sink, at start-up
     reindexed: int = 0  # finished files missing from the index, at start-up
+    runs_ended: int = 0  # times a run's files were finished because all its ranks ended
 
 
 class ArchiveSink:
@@ -344,6 +355,8 @@ class ArchiveSink:
         self._open: dict[tuple[str, str, int], _OpenFile] = {}
         self._next: dict[tuple[str, int], int] = {}  # (topic, partition) -> next offset handled
         self.archived: dict[tuple[str, str, int], int] = {}  # (topic, run, partition) -> last archived offset
+        # (topic, run) -> (ranks seen, ranks that ended) while the run has files open on the topic
+        self._ranks: dict[tuple[str, str], tuple[set[int], set[int]]] = {}
         self._recover()
 
     def _recover(self) -> None:
@@ -388,9 +401,24 @@ class ArchiveSink:
             _make_dirs(self.root, directory)
             f = self._open[k] = _OpenFile(directory, rec.topic, run, rec.partition, rec.offset,
                                           self.codec, self.level, self.clock())
-        f.append(rec)
+        found = f.append(rec)
         self.stats.messages += 1
         self.stats.value_bytes += len(rec.value) if rec.value else 0
+        if found is not None and found.rank is not None:
+            seen, ended = self._ranks.setdefault((rec.topic, run), (set(), set()))
+            seen.add(found.rank)
+            if found.ended:
+                ended.add(found.rank)
+                if seen <= ended:
+                    self._run_ended(run)
+
+    def _run_ended(self, run: str) -> None:
+        """Every rank of ``run`` seen on a topic ended: finish the run's open files, of every
+        topic (its last StepMetrics and RankEnds that come later start a file of their own,
+        finished when they are all there)."""
+        for k in [k for k in self._open if k[1] == run]:
+            self._finish(k)
+        self.stats.runs_ended += 1
 
     def durable_offsets(self) -> dict[tuple[str, int], int]:
         """Per (topic, partition), the first offset not yet in a finished file."""
@@ -431,6 +459,8 @@ class ArchiveSink:
 
     def _finish(self, k: tuple[str, str, int]) -> None:
         f = self._open.pop(k)
+        if not any(o[:2] == k[:2] for o in self._open):  # the (topic, run) has no file open any more
+            self._ranks.pop(k[:2], None)
         path = f.finish()
         done = ArchiveFile(f.topic, f.run_id, f.partition, f.first_offset, f.last_offset, path)
         self.archived[k] = f.last_offset
