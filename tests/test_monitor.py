@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from profstream import COMMUNICATION, COMPUTE, ConfigError, Monitor
+from profstream.schema.batch import END_MARK
 from tests.helpers import raw_batches, topic_size, wait_until
 
 UNREACHABLE = "127.0.0.1:1"
@@ -126,13 +127,13 @@ def test_drops_during_an_outage_are_counted_in_batch_headers(kafka_bootstrap, to
     gate.open.set()
     assert mon.flush(timeout=60) or mon.flush(timeout=30)
     seq = mon.stats()["seq"]
-    mon.close()
-    batches = raw_batches(kafka_bootstrap, topics.raw, "outage", seq)
-    assert [b.seq for b in batches] == list(range(seq))  # no gaps
+    mon.close()  # its end mark leaves in one more batch
+    batches = raw_batches(kafka_bootstrap, topics.raw, "outage", seq + 1)
+    assert [b.seq for b in batches] == list(range(seq + 1))  # no gaps
     assert sum(b.dropped_ops for b in batches) == dropped
     assert sum(b.n("ops") for b in batches) == 20 * 500 - dropped
     marks = np.concatenate([b.steps["step"] for b in batches])
-    assert sorted(marks.tolist()) == list(range(20))  # every step mark survived the outage
+    assert sorted(marks.tolist()) == [END_MARK, *range(20)]  # every step mark survived the outage, then the end
 
 
 def test_step_window_captures_ops_only_on_the_chosen_steps(kafka_bootstrap, topics):
@@ -144,7 +145,7 @@ def test_step_window_captures_ops_only_on_the_chosen_steps(kafka_bootstrap, topi
     op_steps = set(np.concatenate([b.ops["step"] for b in batches]).tolist())
     assert op_steps == {3, 5, 7}
     assert sum(b.dropped_ops for b in batches) == 0  # outside the window is not a drop
-    assert sorted(np.concatenate([b.steps["step"] for b in batches]).tolist()) == list(range(12))
+    assert sorted(np.concatenate([b.steps["step"] for b in batches]).tolist()) == [END_MARK, *range(12)]
 
 
 def test_watermark_never_runs_ahead_of_the_ops_it_covers(kafka_bootstrap, topics):
@@ -231,13 +232,14 @@ def test_a_batch_over_the_message_limit_is_split_and_nothing_is_lost(kafka_boots
     stats = mon.stats()
     mon.close()
     assert stats["dropped_ops"] == 0 and stats["dropped_samples"] == 0
-    values = read_topic(kafka_bootstrap, topics.raw, lambda v: True, stats["seq"], 30)
-    assert len(values) == stats["seq"] >= 3
+    values = read_topic(kafka_bootstrap, topics.raw, lambda v: True, stats["seq"] + 1, 30)  # + the end mark's
+    assert len(values) == stats["seq"] + 1 >= 4
     assert max(len(v) for v in values) <= MAX_MESSAGE_BYTES
     batches = [decode_batch(v) for v in values]
     got = [b.op_names[i] for b in batches for i in b.ops["name_idx"]]
     assert sorted(got) == names  # every op once
-    assert batches[-1].complete_through_step == 0  # the watermark came with the last part
+    assert batches[-2].complete_through_step == 0  # the watermark came with the last part
+    assert batches[-1].steps["step"].tolist() == [END_MARK]  # then the Monitor's close
 
 
 def _ops_on_topic(bootstrap: str, topic: str, run_id: str, seq: int) -> list[int]:
