@@ -158,6 +158,7 @@ class Monitor:
 
         # Step state.
         self._step: int = -1
+        self._step_before = -1  # the step before the open one (cancel_step goes back to it)
         self._next_step = 0
         self._step_start: int | None = None
         self._fp_start = NO_VALUE
@@ -238,6 +239,7 @@ class Monitor:
             self.end_step(ts_ns)
         if step is None or not isinstance(step, int) or step < 0:  # negative: END_MARK's
             step = self._next_step
+        self._step_before = self._step
         self._step = step
         self._next_step = step + 1
         self._step_start = _time_ns() if ts_ns is None else ts_ns
@@ -264,6 +266,16 @@ class Monitor:
         # the step is complete (or its ops follow and complete_through rings): send it at the
         # end of the batch interval rather than wait for more (producers/sender.py: IDLE_SEND_S)
         self._wake.set()
+
+    def cancel_step(self) -> None:
+        """Forget the step begun and not ended: no mark of it is sent (a loop that fetched a
+        batch it then did not train on), and the next step takes its number. Its ops and
+        samples, if any, belong to no step (the processors discard them)."""
+        if self._step_start is None:
+            return
+        self._step_start = None
+        self._step, self._next_step = self._step_before, self._step
+        self._sync_recorder()
 
     def step(self, step: int | None = None) -> _StepContext:
         """``with monitor.step(): ...`` marks the start and end of one step."""
