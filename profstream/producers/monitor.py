@@ -136,7 +136,7 @@ class Monitor:
     """
 
     def __init__(self, sender_factory: Any = None, **options: Any) -> None:
-        self.options = opts = resolve(MONITOR_OPTIONS, options)
+        self.options = opts = resolve(MONITOR_OPTIONS, options, keywords=True)
         self.run_id: str = opts["run_id"]
         self.rank: int = opts["rank"]
         self.topics = Topics(opts["topic_prefix"])
