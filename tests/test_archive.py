@@ -310,3 +310,35 @@ def test_a_run_that_ended_is_reportable_at_once_and_one_still_written_is_named(t
     finally:
         sink.close()
     assert {f.run_id for f in finished_files(tmp_path / "a")} == {"done", "going"}  # the stop finished the rest
+
+
+def test_a_sink_started_before_its_topics_waits_for_them_with_a_deadline(kafka_bootstrap, tmp_path):
+    """Started beside the processor that creates the topics (as a supervisor starts them), the
+    archive and timeline sinks wait for the topics, saying so, instead of exiting."""
+    import time
+    import uuid
+
+    from profstream.kafka.topics import Topics, delete_topics, ensure_topics
+
+    topics = Topics(f"t-late-{uuid.uuid4().hex[:8]}")
+    log = tmp_path / "sink.log"
+    with open(log, "w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "profstream.cli", "sink", "archive", str(tmp_path / "a"),
+                                 "--bootstrap", kafka_bootstrap, "--topic-prefix", topics.prefix, "--topics", "raw"],
+                                stderr=stderr, stdout=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: "waiting up to 60 s" in log.read_text(), 60, "the sink to say it waits for its topic")
+        ensure_topics(kafka_bootstrap, topics, raw_partitions=2, partitions=1)  # the processor starts
+        wait_until(lambda: "archiving" in log.read_text() or proc.poll() is not None, 60, "the sink to start")
+        assert proc.poll() is None, log.read_text()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        delete_topics(kafka_bootstrap, topics, timeout=5.0)
+    # and with nothing coming, it gives up at its deadline with one line that says what to do
+    started = time.monotonic()
+    result = CliRunner().invoke(app, ["sink", "timeline", "--out", str(tmp_path / "t"), "--bootstrap", kafka_bootstrap,
+                                      "--topic-prefix", "t-never-there", "--wait-topics-s", "1"])
+    assert result.exit_code == 2 and time.monotonic() - started < 30, result.output
+    last = result.output.strip().splitlines()[-1]
+    assert "t-never-there.raw does not exist after waiting 1 s" in last and "profstream process" in last

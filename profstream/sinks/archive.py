@@ -500,14 +500,15 @@ class ArchiveProgress:
 def run_archive(bootstrap: str, topics: Iterable[str], out_dir: Path | str, stop: threading.Event,
                 group_id: str = "profstream-archive", instance_id: str = "0",
                 progress: Callable[[ArchiveProgress], None] | None = None,
-                ready: Callable[[ArchiveSink], None] | None = None, **sink_options: Any) -> ArchiveStats:
+                ready: Callable[[ArchiveSink], None] | None = None, wait_topics_s: float = 0.0,
+                **sink_options: Any) -> ArchiveStats:
     """Archive ``topics`` into ``out_dir`` until ``stop`` is set; then finish the open files and
     commit. Static group membership (``<group>-<instance>``) lets a restarted sink take its
     partitions back at once."""
     sink = ArchiveSink(out_dir, **sink_options)
     try:
-        loop = SinkLoop(bootstrap, list(topics), group_id, sink,
-                            group_instance_id=f"{group_id}-{instance_id}")
+        loop = SinkLoop(bootstrap, list(topics), group_id, sink, wait_topics_s=wait_topics_s,
+                        group_instance_id=f"{group_id}-{instance_id}")
     except BaseException:
         sink.abandon()
         raise

@@ -468,8 +468,10 @@ class PrometheusExporter:
 
     def __init__(self, bootstrap: str, topics: Topics, port: int = DEFAULT_PORT, addr: str = "0.0.0.0",
                  group_id: str = DEFAULT_GROUP, ttl_s: float = DEFAULT_TTL_S,
-                 top_k: int = DEFAULT_TOP_K, top_ranks: int | None = DEFAULT_TOP_RANKS) -> None:
+                 top_k: int = DEFAULT_TOP_K, top_ranks: int | None = DEFAULT_TOP_RANKS,
+                 wait_topics_s: float = 0.0) -> None:
         self.bootstrap = bootstrap
+        self.wait_topics_s = wait_topics_s
         self.topics = topics
         self.port = port
         self.addr = addr
@@ -491,7 +493,7 @@ class PrometheusExporter:
         try:
             self.state.seed_stalls(read_alerts(self.bootstrap, self.topics.alerts))
             self._loop = SinkLoop(self.bootstrap, [self.topics.steps, self.topics.run, self.topics.alerts],
-                                  self.group_id, self.state)
+                                  self.group_id, self.state, wait_topics_s=self.wait_topics_s)
             self.state.source = self._loop
         except RuntimeError as e:  # a missing topic: SinkLoop says which
             self.close()
