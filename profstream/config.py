@@ -287,7 +287,7 @@ def callback_options(options: Mapping[str, Any], source: str, log: logging.Logge
     try:
         out = from_profile_options({k: v for k, v in options.items() if k not in own}, source)
         window = resolve(MONITOR_OPTIONS, out, keywords=True)
-        resolve(extra, given_own, {k: v for k, v in os.environ.items() if k != "PROFSTREAM_OPTIONS"})
+        resolve(extra, given_own, {k: v for k, v in os.environ.items() if k != "PROFSTREAM_OPTIONS"}, keywords=True)
         start, stop = window["start_step"], window["stop_step"]
         if start is not None and stop is not None and stop < start:
             raise ConfigError(f"{source}: stop_step {stop} < start_step {start}: no step would be profiled")

@@ -161,6 +161,6 @@ def test_callback_options_raise_for_an_unknown_name_and_warn_for_a_bad_value(cap
         assert callback_options({}, "Cb", log) is None
     assert [r.getMessage().split(": ", 1)[1] for r in caplog.records] == [
         "Cb is off, training goes on without it: Cb: stop_step 2 < start_step 5: no step would be profiled",
-        "Cb is off, training goes on without it: option --capture-ops='sometimes': expected true or false",
+        "Cb is off, training goes on without it: argument capture_ops='sometimes': expected true or false",
         "Cb is off, training goes on without it: PROFSTREAM_EVERY_N_STEPS=0: expected an integer >= 1",
     ]

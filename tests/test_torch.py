@@ -424,7 +424,7 @@ def test_bad_arguments_get_one_line_errors():
         pst.instrument("model")
     with pytest.raises(ConfigError, match="run_id configure a new Monitor"):
         pst.instrument(monitor=FailingMonitor(), run_id="r")
-    with pytest.raises(ConfigError, match="every-n-steps=0: expected an integer >= 1"):
+    with pytest.raises(ConfigError, match="argument every_n_steps=0: expected an integer >= 1"):
         pst.instrument(every_n_steps=0, enabled=False)
 
 

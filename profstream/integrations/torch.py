@@ -84,7 +84,7 @@ def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, An
     keyword options."""
     torch_names = {o.name for o in TORCH_OPTIONS}
     torch_opts = resolve(TORCH_OPTIONS, {k: v for k, v in options.items() if k in torch_names},
-                         environ={k: v for k, v in os.environ.items() if k != "PROFSTREAM_OPTIONS"})
+                         environ={k: v for k, v in os.environ.items() if k != "PROFSTREAM_OPTIONS"}, keywords=True)
     return torch_opts, {k: v for k, v in options.items() if k not in torch_names}
 
 
