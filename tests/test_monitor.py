@@ -62,6 +62,40 @@ def test_training_goes_on_with_the_broker_down_and_one_warning_is_logged(caplog)
     assert time.monotonic() - started < 5.0
 
 
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name.startswith("profstream") and r.levelno >= logging.WARNING]
+
+
+def test_a_wrong_broker_address_is_said_at_once_and_close_keeps_to_its_timeout(caplog):
+    """A short run with a wrong --bootstrap was silent (the warning came when the first
+    10-s connection attempt failed, often after the run), and closing took 17 s."""
+    caplog.set_level(logging.WARNING, logger="profstream")
+    mon = Monitor(run_id="wrong-address", bootstrap=UNREACHABLE, host_sample_interval_s=0)  # connect_timeout_s 10
+    _train(mon, steps=3, ops_per_step=10)
+    wait_until(lambda: _warnings(caplog), 3, "a warning well before the first connection attempt gives up")
+    assert "127.0.0.1:1 is not reachable" in _warnings(caplog)[0]
+    started = time.monotonic()
+    assert mon.close(timeout=2.0) is False
+    assert time.monotonic() - started < 3.5  # its timeout (and a second for the thread), not timeout + 5
+
+
+def test_a_run_that_ends_while_the_first_connection_is_pending_still_says_kafka_was_not_reached(caplog):
+    """A port that takes TCP connections but speaks no Kafka: nothing fails before the run
+    ends, so the close says it."""
+    import socket
+
+    caplog.set_level(logging.WARNING, logger="profstream")
+    with socket.create_server(("127.0.0.1", 0)) as server:  # accepts, never answers
+        address = f"127.0.0.1:{server.getsockname()[1]}"
+        mon = Monitor(run_id="mute", bootstrap=address, host_sample_interval_s=0)
+        _train(mon, steps=2, ops_per_step=10)
+        started = time.monotonic()
+        assert mon.close(timeout=1.0) is False
+        assert time.monotonic() - started < 2.5
+    said = _warnings(caplog)
+    assert len(said) == 1 and f"Kafka at {address} was not reached" in said[0] and "--bootstrap" in said[0]
+
+
 def test_calls_with_garbage_never_raise_into_the_training_loop():
     mon = Monitor(run_id="garbage", bootstrap=UNREACHABLE, host_sample_interval_s=0)
     mon.begin_step("not a step")

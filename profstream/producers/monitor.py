@@ -438,6 +438,11 @@ class Monitor:
         ``with Monitor(...)`` on an exception pass it."""
         if self._closed:
             return True
+        deadline = time.monotonic() + timeout  # one timeout for all that waits below
+
+        def left() -> float:
+            return max(0.0, deadline - time.monotonic())
+
         if self._step_start is not None:
             self.end_step()
         if ended and self._enabled:
@@ -449,13 +454,13 @@ class Monitor:
         self._sync_recorder()
         _live_monitors.discard(self)
         if self._device_sampler is not None:  # its last samples go with the final flush
-            self._device_sampler.stop(min(timeout, 5.0))
+            self._device_sampler.stop(min(left(), 5.0))
         if self._control is not None:
             self.capture_plan.close("the Monitor closed")
-            self._control.stop(timeout)
+            self._control.stop(left())
         if self._sender is None:
             return True
-        return self._sender.stop(timeout)
+        return self._sender.stop(left())
 
     def __enter__(self) -> Monitor:
         return self
