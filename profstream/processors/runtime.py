@@ -32,7 +32,7 @@ from profstream.processors.health import EVENT_FAMILIES, ProcessorHealth, StageC
 from profstream.processors.lag import LagProbe
 from profstream.processors.ranks import rank_figures
 from profstream.processors.stalls import stall_alert
-from profstream.schema.batch import decode_batch
+from profstream.schema.batch import END_MARK, decode_batch
 from profstream.schema.codec import (
     DecodeError,
     decode,
@@ -173,6 +173,8 @@ class StepStage:
             h.batches += 1
             for section in EVENT_FAMILIES:
                 h.events[section] += batch.n(section)
+            if batch.n("steps") and END_MARK in batch.steps["step"]:  # an end mark is no step
+                h.events["steps"] -= 1
             h.late_events += asm.late_events - before[0]
             h.lost_batches += asm.lost_batches - before[1]
             h.producer_dropped += asm.dropped_ops - before[2]
