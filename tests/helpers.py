@@ -144,8 +144,9 @@ def simulated_messages(cfg, close: bool = True, partitions: int = 4, **monitor_o
 
     def build(rank: int) -> None:
         p = rank % partitions
-        while senders[rank]._build():
-            value = senders[rank]._pending.popleft()[0]
+        sender = senders[rank]
+        while sender._pending or sender._build():  # a build may queue a batch of device samples too
+            value = sender._pending.popleft()[0]
             out.append(RawMessage(clock, p, offsets[p], monitors[rank].key, value))
             offsets[p] += 1
 
