@@ -58,7 +58,7 @@ def live_checks(records: list[dict], steps: int, gpu: bool) -> dict[str, Any]:
         "device_power_above_0": on_gpu(any((d["power_w"] or 0) > 0 for m in with_devices for d in m["devices"])),
         "device_temperature_measured": on_gpu(any(d["temperature_max_c"] is not None
                                                   for m in with_devices for d in m["devices"])),
-        "device_utilization_above_0": on_gpu(any(m["utilization"] > 0 for m in records)),
+        "device_utilization_above_0": on_gpu(any((m["utilization"] or 0) > 0 for m in records)),  # None: no ops
     }
     return checks
 
@@ -86,9 +86,9 @@ def per_step(records: list[dict]) -> dict[str, Any]:
         "host_step_time_ms": med([m["host_step_time_ns"] / 1e6 for m in records]),
         "device_window_ms": med([(m["device_end_ns"] - m["device_start_ns"]) / 1e6 for m in records
                                  if m["device_end_ns"] is not None and m["device_start_ns"] is not None]),
-        "compute_ms": med([m["compute_ns"] / 1e6 for m in records]),
-        "idle_ms": med([m["idle_ns"] / 1e6 for m in records]),
-        "utilization": med([m["utilization"] for m in records]),
+        "compute_ms": med([m["compute_ns"] / 1e6 for m in records if m["compute_ns"] is not None]),
+        "idle_ms": med([m["idle_ns"] / 1e6 for m in records if m["idle_ns"] is not None]),
+        "utilization": med([m["utilization"] for m in records if m["utilization"] is not None]),
         "op_count": med([m["op_count"] for m in records]),
         "device_kinds_ms_total": {k: round(v, 2) for k, v in sorted(kinds.items())},
         "top_kernel_types_ms_total": {k: round(v, 2) for k, v in top},
@@ -127,7 +127,7 @@ def compare_with_hta(trace: Path) -> dict[str, Any]:
     ta = TraceAnalysis(trace_dir=str(trace.parent))
     breakdown = ta.get_temporal_breakdown(visualize=False).set_index("rank")
     overlap = ta.get_comm_comp_overlap(visualize=False).set_index("rank")
-    steps = analyze([trace]).steps
+    steps = [s for s in analyze([trace]).steps if s["utilization"] is not None]  # the steps with ops
     span = sum(s["step_time_ns"] for s in steps) / 1e3
     compute = sum(s["compute_ns"] for s in steps) / 1e3
     idle = sum(s["idle_ns"] for s in steps) / 1e3
@@ -160,10 +160,13 @@ def profstream_cmd(*args: str, **kw: Any) -> subprocess.CompletedProcess:
 def read_steps(bootstrap: str, prefix: str, run_id: str, steps: int) -> list[dict]:
     from profstream.kafka.clients import read_topic
     from profstream.kafka.topics import Topics
-    from profstream.schema.codec import decode
+    from profstream.schema.codec import decode, record_name
 
-    return read_topic(bootstrap, Topics(prefix).steps, lambda m: m["run_id"] == run_id, steps, 120,
-                      decode=lambda raw: decode("StepMetrics", raw))
+    def step_metrics(raw: bytes) -> dict | None:  # the steps topic also carries RankEnd records
+        return decode("StepMetrics", raw) if record_name(raw) == "StepMetrics" else None
+
+    return read_topic(bootstrap, Topics(prefix).steps, lambda m: m is not None and m["run_id"] == run_id, steps,
+                      120, decode=step_metrics)
 
 
 def main() -> int:

@@ -154,7 +154,7 @@ def test_a_bad_option_value_logs_one_warning_and_training_goes_on(caplog):
         _fast_train(callback)
     assert callback.steps_marked == 0
     warnings = [r.getMessage() for r in caplog.records if r.name.startswith("profstream")]
-    assert len(warnings) == 1 and "every-n-steps=0" in warnings[0], warnings
+    assert len(warnings) == 1 and "argument every_n_steps=0" in warnings[0], warnings
 
 
 def test_a_disabled_monitor_marks_nothing_and_reads_no_device_memory(monkeypatch):

@@ -21,7 +21,7 @@ from profstream.kafka.clients import make_consumer
 from profstream.processors.stream import STEPS, RawMessage, StreamOptions, figures
 from profstream.producers.spool import SEGMENT_MAGIC, Spool, decode_at, rank_dir
 from profstream.producers.spool_publish import publish_spool, show_spool
-from profstream.schema.codec import decode
+from profstream.schema.codec import decode, record_name
 from profstream.simulate import SimConfig, expected, run_simulation
 
 NOWHERE = "127.0.0.1:1"  # no broker answers there: an outage from the start
@@ -62,7 +62,7 @@ def step_counts(bootstrap: str, topic: str) -> tuple[Counter, dict]:
     counts: Counter = Counter()
     last = {}
     for f in figures(raw_messages(bootstrap, topic), StreamOptions(grace_s=0.5, run_grace_s=1.0)):
-        if f.kind == STEPS:
+        if f.kind == STEPS and record_name(f.value) == "StepMetrics":  # not a rank's RankEnd
             m = decode("StepMetrics", f.value)
             counts[m["run_id"], m["rank"], m["step"]] += 1
             last[m["run_id"], m["rank"], m["step"]] = m

@@ -470,7 +470,7 @@ def test_bad_arguments_get_one_line_errors():
         pst.instrument("model")
     with pytest.raises(ConfigError, match="run_id configure a new Monitor"):
         pst.instrument(monitor=FailingMonitor(), run_id="r")
-    with pytest.raises(ConfigError, match="every-n-steps=0: expected an integer >= 1"):
+    with pytest.raises(ConfigError, match="argument every_n_steps=0: expected an integer >= 1"):
         pst.instrument(every_n_steps=0, enabled=False)
 
 
@@ -535,6 +535,29 @@ def test_only_the_steps_of_the_window_carry_ops(kafka_bootstrap, topics, convers
         got = step_records(kafka_bootstrap, topics.steps, run_id, steps)
     _assert_phases_tile_each_step(got, steps)
     assert sorted(s["step"] for s in got if s["op_count"]) == [2, 5, 8]
+
+
+def test_a_batch_fetched_and_not_trained_on_is_no_step(kafka_bootstrap, topics):
+    """A loop that fetches one batch more than it trains on and breaks: the last batch is
+    no step (it was step N+1, 0.0002 utilization, the latest figures on /metrics), and the
+    rank's end comes after its last real step."""
+    import profstream.torch as pst
+
+    steps = 6
+    model, optimizer, loader = make(steps + 2)
+    with RunningProcessor(kafka_bootstrap, topics):
+        with pst.instrument(model, optimizer, loader, **_options(kafka_bootstrap, topics, "torch-break")) as handle:
+            for i, (x, y) in enumerate(loader):
+                if i == steps:
+                    break
+                optimizer.zero_grad()
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                optimizer.step()
+        (end,) = step_records(kafka_bootstrap, topics.steps, "torch-break", 1, name="RankEnd")
+        got = step_records(kafka_bootstrap, topics.steps, "torch-break", steps + 1, timeout=1)
+    assert handle.error is None
+    assert end["last_step"] == steps - 1
+    _assert_phases_tile_each_step(got, steps)  # steps 0..5, each trained on, and no seventh
 
 
 def test_without_a_dataloader_each_optimizer_step_ends_a_step(kafka_bootstrap, topics):

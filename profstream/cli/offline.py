@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated
 
@@ -243,8 +244,8 @@ def print_ranks(result, rows: list[dict]) -> None:
         kinds = r["kinds"]
         table.add_row(str(r["rank"]), str(r["steps"]), str(r["device_steps"]), f"{r['mean_step_ms']:.3f}",
                       f"{r['mean_host_step_ms']:.3f}", f"{100 * r['data_wait_share']:.1f}",
-                      f"{100 * r['utilization']:.1f}", f"{100 * r['overlap_ratio']:.1f}",
-                      f"{100 * r['idle_share']:.1f}",
+                      *(("—" if math.isnan(r[k]) else f"{100 * r[k]:.1f}")  # NaN: not measured
+                        for k in ("utilization", "overlap_ratio", "idle_share")),
                       *(f"{100 * kinds[k]:.1f}" for k in ("compute", "communication", "memcpy", "memset")),
                       str(r["uncorrelated_ops"]))
     out.print(table)

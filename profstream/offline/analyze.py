@@ -182,8 +182,9 @@ def rank_rows(result: AnalyzeResult) -> list[dict]:
             row.update(rank_summary(mine))
             row["mean_host_step_ms"] = sum(s["host_step_time_ns"] for s in mine) / len(mine) / 1e6
             row["device_steps"] = sum(s["device_end_ns"] is not None for s in mine)
-            row["idle_share"] = (sum(s["idle_ns"] for s in mine) / total
-                                 if (total := sum(s["step_time_ns"] for s in mine)) > 0 else math.nan)
+            with_ops = [s for s in mine if s["idle_ns"] is not None]  # ops captured
+            row["idle_share"] = (sum(s["idle_ns"] for s in with_ops) / total
+                                 if (total := sum(s["step_time_ns"] for s in with_ops)) > 0 else math.nan)
             row["uncorrelated_ops"] = sum(s["uncorrelated_ops"] for s in mine)
             row["kinds"] = kind_shares(mine)
         rows.append(row)

@@ -28,7 +28,7 @@ import numpy as np
 from profstream.processors.collectives import CALL_COLUMNS, Calls
 from profstream.processors.model import StepEvents
 from profstream.processors.window import carry_past_end, step_window
-from profstream.schema.batch import NO_VALUE, SECTIONS, EventBatch, launch_column
+from profstream.schema.batch import END_MARK, NO_VALUE, SECTIONS, EventBatch, launch_column
 
 _OP_COLS = ("kind", "type", "stream", "start_ns", "dur_ns", "launch_ns")
 _MEM_COLS = ("ts_ns", "allocated", "reserved", "peak")
@@ -119,6 +119,7 @@ class RankAssembler:
         # what the next step to close needs of the last closed one (window.py)
         self.carry: tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]] = (_NO_CARRY, _NO_CARRY)
         self.device_end: tuple[int, int] | None = None  # (step, end of its last device op)
+        self.ended_ns: int | None = None  # the producer's end mark: it ended normally, at this time
         # health counters (totals)
         self.late_events = 0
         self.orphan_events = 0
@@ -201,6 +202,9 @@ class RankAssembler:
         st = batch.steps
         for i in range(len(st["step"])):
             step = int(st["step"][i])
+            if step == END_MARK:  # no step: the rank ended (``finished`` once its steps are closed)
+                self.ended_ns = int(st["end_ns"][i])
+                continue
             if self._closed(step):
                 self.late_events += fresh
                 continue
@@ -276,6 +280,16 @@ class RankAssembler:
                 break
             out.append((self._close(step), reason))
         return out
+
+    @property
+    def finished(self) -> bool:
+        """The producer sent its end mark and no step it marked is still open."""
+        return self.ended_ns is not None and all(e.mark is None for e in self.open.values())
+
+    @property
+    def last_step(self) -> int | None:
+        """The last closed step, None before one."""
+        return None if self.floor is None else self.floor - 1
 
     def close_all(self) -> list[StepEvents]:
         """Close every step that has its mark (idle run); discard the rest."""

@@ -22,7 +22,7 @@ import confluent_kafka
 import numpy as np
 import psutil
 
-from profstream.kafka.clients import make_native_producer
+from profstream.kafka.clients import make_native_producer, refused
 from profstream.kafka.limits import MAX_MESSAGE_BYTES
 from profstream.kafka.topics import Topics
 from profstream.producers.buffer import EventBuffer, OpChunk, rows_chunk
@@ -58,6 +58,7 @@ COLLECTIVE_ROWS_PER_BATCH = 1024  # their names travel with them: a smaller batc
 # the sender thread wakes once per message rather than once per step: on a box with no
 # idle core every wake-up of a profstream thread is taken from the training loop.
 IDLE_SEND_S = 1.0
+_CHECK_BOOTSTRAP = "; check --bootstrap (PROFSTREAM_BOOTSTRAP) or start a broker with `profstream stack up`"
 
 
 class Source(Protocol):
@@ -359,11 +360,11 @@ class Sender(SpoolSending, threading.Thread):
             self._undelivered(ops, samples, "the Monitor closed before Kafka took them")
         lost_ops, lost_samples = self._undelivered_totals()
         if lost_ops or lost_samples:
-            # a warning, unless Kafka was never reached: the one warning then said events are dropped
-            level = logging.WARNING if self._acked() or self._down_since is None else logging.INFO
+            # a warning, unless the outage's one warning already said events are dropped
+            level = logging.WARNING if self._acked() or not self._warned_down else logging.INFO
             log.log(level, "profstream: %d ops and %d samples of %s rank %d never reached Kafka at %s: they are "
-                    "counted as dropped", lost_ops, lost_samples, self.m.run_id,
-                    self.m.rank, self.m.options["bootstrap"])
+                    "counted as dropped%s", lost_ops, lost_samples, self.m.run_id, self.m.rank,
+                    self.m.options["bootstrap"], "" if self._acked() else _CHECK_BOOTSTRAP)
 
     def _drop_unsent(self) -> tuple[int, int]:
         """Forget the batches built and not handed to Kafka; (ops, samples) of those and of
@@ -433,6 +434,11 @@ class Sender(SpoolSending, threading.Thread):
             return self._attempted(now, *attempt.outcome)
         if now < self._next_connect:
             return False
+        opts = self.m.options
+        if self._down_since is None and not self._acked():  # the first attempt: a wrong address is said at once
+            why = refused(opts["bootstrap"])
+            if why is not None:
+                self._mark_down(now, ConnectionError(why))
         if self._spool is not None:
             self._attempt = _Attempt(self._open_producer, self._stopping)
             self._attempt.start()
@@ -797,10 +803,15 @@ class Sender(SpoolSending, threading.Thread):
         """Flush within ``timeout``, then end the thread; the thread closes its producer
         itself (what is left then is counted as undelivered), so a stuck connect never
         holds the caller for long."""
+        deadline = time.monotonic() + timeout
         ok = self.flush(timeout)
         self._stopping.set()
         self._poke()
-        self.join(timeout=5.0)
+        self.join(timeout=max(1.0, deadline - time.monotonic()))  # about ``timeout`` in all
+        if self.is_alive() and not self._acked() and not self._warned_down:  # still in its first connect
+            log.warning("profstream: Kafka at %s was not reached before the Monitor closed: %s rank %d's events "
+                        "were not sent%s", self.m.options["bootstrap"], self.m.run_id, self.m.rank,
+                        _CHECK_BOOTSTRAP)
         return ok and not self._has_pending()
 
     def _poke(self) -> None:
