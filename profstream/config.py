@@ -84,8 +84,15 @@ def _parse_float(v: Any) -> float:
     return float(v)
 
 
+def _parse_properties(v: Any) -> dict[str, str]:
+    from profstream.kafka.connection import parse_properties
+
+    return parse_properties(v)
+
+
 PARSERS: dict[str, Callable[[Any], Any]] = {
     "str": str, "int": _parse_int, "float": _parse_float, "bool": _parse_bool, "size": _parse_size,
+    "properties": _parse_properties,
 }
 
 
@@ -98,6 +105,7 @@ class Option:
     check: Callable[[Any], bool] | None = None
     expect: str = ""  # what check wants, for the error message
     optional: bool = False  # None is a valid value
+    secret: bool = False  # may hold a secret: errors never show the value
 
     @property
     def env(self) -> str:
@@ -146,6 +154,14 @@ MONITOR_OPTIONS: tuple[Option, ...] = (
     Option("bootstrap", "str", "127.0.0.1:9092", "Kafka bootstrap servers, host:port[,host:port...]",
            lambda v: all(re.fullmatch(r"[\w.\-\[\]:]+:\d{1,5}", p.strip()) for p in v.split(",")),
            "host:port[,host:port]"),
+    Option("kafka_config", "str", None,
+           "file of Kafka client properties with their standard names (security.protocol, sasl.mechanism, "
+           "sasl.username, sasl.password, ssl.ca.location, ssl.certificate.location, ssl.key.location...), like "
+           "kcat -F or --command-config; a value may be ${env:NAME} or ${file:PATH} (docs/security.md)",
+           optional=True),
+    Option("kafka_properties", "properties", None,
+           "Kafka client properties over those of kafka_config: KEY=VALUE pairs (comma or newline separated) or "
+           "a JSON object; -X KEY=VALUE on the command line", optional=True, secret=True),
     Option("run_id", "str", _default_run_id, "run identifier, shared by all ranks of one run",
            is_valid_name, "1-128 letters, digits or . _ : = + @ - (no '/')"),
     Option("rank", "int", _default_rank, "rank of this process (default: $RANK, $RANK_ID or 0)",
@@ -359,12 +375,13 @@ def resolve(table: tuple[Option, ...], args: Mapping[str, Any] | None = None,
                 raise ConfigError(f"{source} needs a value")
             out[opt.name] = None
             continue
+        shown = "" if opt.secret else f"={value!r}"  # a secret's value is never in an error
         try:
             value = PARSERS[opt.kind](value)
         except (TypeError, ValueError) as e:
-            raise ConfigError(f"{source}={value!r}: {e if str(e).startswith('expected') else 'expected ' + opt.kind}") from None
+            raise ConfigError(f"{source}{shown}: {e if str(e).startswith('expected') else 'expected ' + opt.kind}") from None
         if opt.check is not None and not opt.check(value):
-            raise ConfigError(f"{source}={value!r}: expected {opt.expect}")
+            raise ConfigError(f"{source}{'' if opt.secret else f'={value!r}'}: expected {opt.expect}")
         out[opt.name] = value
     return out
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from profstream.kafka.clients import read_topic
+from profstream.kafka.connection import Connection
 from profstream.kafka.topics import Topics, ensure_topics
 from profstream.processors.health import ProcessorHealth
 from profstream.processors.runtime import Processor
@@ -71,25 +72,26 @@ def demo_bootstrap(bootstrap: str | None, starting: Callable[[], None] | None = 
     return stack_up().bootstrap
 
 
-def run_demo(bootstrap: str, cfg: SimConfig, topics: Topics | None = None,
+def run_demo(conn: Connection | str, cfg: SimConfig, topics: Topics | None = None,
              group_id: str = "profstream-demo", timeout: float = 120.0,
              progress=None, health: ProcessorHealth | None = None) -> DemoResult:
     """Simulate ``cfg`` into Kafka, process it, and read its StepMetrics back."""
     topics = topics or Topics()
-    ensure_topics(bootstrap, topics)
+    conn = Connection.of(conn)
+    ensure_topics(conn, topics)
     t0 = time.monotonic()
     # its own group and instance id: a demo must never fence a real `profstream process`
-    processor = Processor(bootstrap, topics, group_id=group_id, instance_id="demo", health=health)
+    processor = Processor(conn, topics, group_id=group_id, instance_id="demo", health=health)
     stop = threading.Event()
     worker = threading.Thread(target=processor.run, kwargs={"stop": stop}, name="profstream-processor",
                               daemon=True)
     worker.start()
     try:
-        sim = run_simulation(cfg, {"bootstrap": bootstrap, "topic_prefix": topics.prefix}, progress=progress)
+        sim = run_simulation(cfg, {"connection": conn, "topic_prefix": topics.prefix}, progress=progress)
         want = cfg.ranks * cfg.steps
-        steps = read_topic(bootstrap, topics.steps, lambda r: r is not None and r["run_id"] == cfg.run_id, want,
+        steps = read_topic(conn, topics.steps, lambda r: r is not None and r["run_id"] == cfg.run_id, want,
                            timeout=timeout, decode=_step_metrics)
-        alerts = read_topic(bootstrap, topics.alerts, lambda a: a["run_id"] == cfg.run_id,
+        alerts = read_topic(conn, topics.alerts, lambda a: a["run_id"] == cfg.run_id,
                             processor.health.alerts, timeout=10, decode=lambda v: decode("Alert", v))
     finally:
         stop.set()

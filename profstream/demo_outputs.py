@@ -20,6 +20,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from profstream.kafka.connection import Connection
 from profstream.kafka.topics import Topics, ensure_topics
 from profstream.offline.report import gather, write_report
 from profstream.processors.health import ProcessorHealth
@@ -59,8 +60,8 @@ class DemoPaths:
 
 
 class DemoOutputs:
-    def __init__(self, bootstrap: str, topics: Topics, out_dir: Path, health: ProcessorHealth) -> None:
-        self.bootstrap, self.topics = bootstrap, topics
+    def __init__(self, conn: Connection | str, topics: Topics, out_dir: Path, health: ProcessorHealth) -> None:
+        self.conn, self.topics = conn, topics
         out_dir = Path(out_dir)
         self.paths = DemoPaths(out_dir, out_dir / "archive", out_dir / "timeline")
         self._health = health
@@ -75,12 +76,12 @@ class DemoOutputs:
     # -- start --------------------------------------------------------------------------
 
     def start(self) -> DemoPaths:
-        ensure_topics(self.bootstrap, self.topics)
+        ensure_topics(self.conn, self.topics)
         self.paths.out.mkdir(parents=True, exist_ok=True)
         health_port = _port(HEALTH_PORT)
         self._health.serve(health_port, addr="127.0.0.1")
         self.paths.health_url = f"http://127.0.0.1:{health_port}/metrics"
-        self._exporter = PrometheusExporter(self.bootstrap, self.topics, port=_port(EXPORTER_PORT), addr="127.0.0.1",
+        self._exporter = PrometheusExporter(self.conn, self.topics, port=_port(EXPORTER_PORT), addr="127.0.0.1",
                                             group_id="profstream-demo-exporter")
         try:
             self.paths.exporter_url = self._exporter.serve()
@@ -89,10 +90,10 @@ class DemoOutputs:
             self._exporter = None
         else:
             self._thread(self._exporter.run, "demo-exporter")
-        self._thread(lambda: run_archive(self.bootstrap, [self.topics.raw, self.topics.steps], self.paths.archive,
+        self._thread(lambda: run_archive(self.conn, [self.topics.raw, self.topics.steps], self.paths.archive,
                                          self._stop_archive, group_id="profstream-demo-archive", max_age_s=1.0,
                                          progress=self._archive_progress), "demo-archive")
-        self._timeline_loop = SinkLoop(self.bootstrap, [self.topics.raw], "profstream-demo-timeline",
+        self._timeline_loop = SinkLoop(self.conn, [self.topics.raw], "profstream-demo-timeline",
                                        TimelineSink(self.paths.timeline))
         self._thread(lambda: self._timeline_loop.run(self._stop_timeline), "demo-timeline")
         self._start_prometheus(health_port)

@@ -19,6 +19,10 @@ import sys
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from profstream.kafka.connection import Connection
 
 OK, INFO, WARN, FAIL = "ok", "info", "warn", "fail"
 MIN_PYTHON = (3, 11)
@@ -38,12 +42,16 @@ class Finding:
 
 
 def run_checks(bootstrap: str | None = None, topic_prefix: str = "profstream", gpu: bool = False,
-               build_walk: bool = False, broker_timeout_s: float = BROKER_TIMEOUT_S) -> list[Finding]:
+               build_walk: bool = False, broker_timeout_s: float = BROKER_TIMEOUT_S,
+               kafka: dict | None = None) -> list[Finding]:
     """Every check, in the order a user sets profstream up. ``bootstrap``: the broker to
-    check (else $PROFSTREAM_BOOTSTRAP or the running local stack, if any), waited for
-    ``broker_timeout_s``; ``gpu``: NVML must be there; ``build_walk``: build the compiled
-    trace walk if it is not built."""
-    broker = bootstrap or _known_broker()
+    check (else $PROFSTREAM_BOOTSTRAP, bootstrap.servers of the client properties, or the
+    running local stack, if any), waited for ``broker_timeout_s``; ``kafka``: the
+    kafka_config / kafka_properties arguments (the connection's security); ``gpu``: NVML
+    must be there; ``build_walk``: build the compiled trace walk if it is not built."""
+    broker, problem = _known_broker(bootstrap, kafka or {})
+    if problem is not None:
+        broker = problem
     findings = [check_python(), check_options(), check_native_monitor(), check_java(local_broker=broker is None),
                 check_kafka_jars(local_broker=broker is None)]
     findings += check_broker(broker, topic_prefix, broker_timeout_s)
@@ -120,45 +128,62 @@ def check_kafka_jars(local_broker: bool) -> Finding:
     return Finding("Kafka jars", FAIL if local_broker else INFO, "not fetched and no Maven to fetch them", fix)
 
 
-def _known_broker() -> str | None:
-    """$PROFSTREAM_BOOTSTRAP (or in PROFSTREAM_OPTIONS), else the local stack's broker if it runs."""
+def _known_broker(bootstrap: str | None, kafka: dict) -> tuple[Connection | None, Finding | None]:
+    """The connection to check: --bootstrap, $PROFSTREAM_BOOTSTRAP (or in PROFSTREAM_OPTIONS),
+    bootstrap.servers of the client properties, else the local stack's broker if it runs;
+    None when none of these. A Finding instead when the Kafka client properties are bad."""
     from profstream.config import MONITOR_OPTIONS, ConfigError, option_given, resolve
+    from profstream.kafka.connection import Connection
 
+    args = {"bootstrap": bootstrap, **{k: v for k, v in kafka.items() if v is not None}}
     try:
-        if option_given("bootstrap", {}, os.environ):
-            return resolve(MONITOR_OPTIONS)["bootstrap"]
+        options = resolve(MONITOR_OPTIONS, args)
     except ConfigError:  # check_options reports it; $PROFSTREAM_BOOTSTRAP may still be good
-        given = os.environ.get("PROFSTREAM_BOOTSTRAP", "")
+        given = bootstrap or os.environ.get("PROFSTREAM_BOOTSTRAP", "")
         option = next(o for o in MONITOR_OPTIONS if o.name == "bootstrap")
-        return given if given and option.check(given) else None
+        return (Connection(given), None) if given and option.check(given) else (None, None)
+    given = option_given("bootstrap", args, os.environ)
+    try:
+        conn = Connection.from_options(options, bootstrap_given=given)
+    except ConfigError as e:
+        return None, Finding("Kafka client properties", FAIL, "cannot be used", str(e))
+    if given or conn.bootstrap != options["bootstrap"]:
+        return conn, None
     from profstream.stack import stack_status
 
     broker = stack_status()
-    return broker.bootstrap if broker is not None else None
+    return (conn.with_bootstrap(broker.bootstrap), None) if broker is not None else (None, None)
 
 
-def check_broker(bootstrap: str | None, topic_prefix: str, timeout_s: float = BROKER_TIMEOUT_S) -> list[Finding]:
-    """The broker answers, and has the topics of ``topic_prefix``."""
+def check_broker(conn: Connection | str | None, topic_prefix: str,
+                 timeout_s: float = BROKER_TIMEOUT_S) -> list[Finding]:
+    """The broker answers this connection (its credentials and certificates too), and has
+    the topics of ``topic_prefix``."""
     from kafka.errors import KafkaError
 
+    from profstream.kafka.connection import Connection
     from profstream.kafka.topics import Topics, missing_topics, validate_prefix
     from profstream.stack import StackError, wait_for_broker
 
-    if bootstrap is None:
+    if isinstance(conn, Finding):
+        return [conn]
+    if conn is None:
         return [Finding("broker", INFO, "none given and no local broker running",
                         "profstream stack up starts one; or check yours with --bootstrap host:port")]
+    conn = Connection.of(conn)
+    bootstrap = conn.describe()
     try:
-        wait_for_broker(bootstrap, timeout_s)
+        wait_for_broker(conn, timeout_s)
     except StackError as e:
         return [Finding("broker", FAIL, f"{bootstrap} does not answer", f"{e}; start it (profstream stack up) "
                         "or give the right --bootstrap")]
     found = [Finding("broker", OK, f"{bootstrap} answers")]
     try:
-        missing = missing_topics(bootstrap, Topics(validate_prefix(topic_prefix)), timeout_s)
+        missing = missing_topics(conn, Topics(validate_prefix(topic_prefix)), timeout_s)
     except ValueError as e:
         return found + [Finding("topics", FAIL, f"bad --topic-prefix {topic_prefix!r}", str(e))]
     except (KafkaError, OSError) as e:
-        return found + [Finding("topics", FAIL, f"cannot list the topics ({type(e).__name__}: {e})",
+        return found + [Finding("topics", FAIL, f"cannot list the topics ({conn.redact(f'{type(e).__name__}: {e}')})",
                                 "check the broker log")]
     if missing:
         return found + [Finding("topics", WARN, f"missing: {', '.join(missing)}",

@@ -16,6 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from profstream.config import MONITOR_OPTIONS, resolve
 
 if TYPE_CHECKING:
+    from profstream.kafka.connection import Connection
     from profstream.kafka.topics import Topics
 
 app = typer.Typer(help="profstream: a live profiler for long training runs.", no_args_is_help=True,
@@ -41,27 +42,61 @@ def fail(message: str) -> None:
     raise typer.Exit(2)
 
 
-def resolve_bootstrap(given: str | None) -> str:
-    """--bootstrap, else PROFSTREAM_BOOTSTRAP / PROFSTREAM_OPTIONS, else the running local
-    stack's broker, else the default."""
+def kafka_arguments() -> dict:
+    """--kafka-config and -X of the command being run (every command that talks to Kafka
+    declares them: ``KafkaConfigOpt``, ``KafkaPropertyOpt``), as option arguments."""
+    try:  # typer vendors click from 0.2x on; before that, click's own
+        from typer._click.globals import get_current_context
+    except ImportError:
+        from click import get_current_context
+
+    ctx = get_current_context(silent=True)
+    params = ctx.params if ctx is not None else {}
+    return {"kafka_config": params.get("kafka_config"),
+            "kafka_properties": list(params["kafka_property"]) if params.get("kafka_property") else None}
+
+
+def resolve_connection(given: str | None, arguments: dict | None = None) -> Connection:
+    """The command's Kafka connection, built once: --bootstrap, else PROFSTREAM_BOOTSTRAP /
+    PROFSTREAM_OPTIONS, else bootstrap.servers of the client properties, else the running
+    local stack's broker, else the default; the client properties of --kafka-config /
+    PROFSTREAM_KAFKA_CONFIG with -X / PROFSTREAM_KAFKA_PROPERTIES over them."""
     import os
 
-    from profstream.config import _env_options
+    from profstream.config import option_given
+    from profstream.kafka.connection import Connection
 
-    if given is None and "PROFSTREAM_BOOTSTRAP" not in os.environ and "bootstrap" not in _env_options(os.environ):
+    args = dict(kafka_arguments() if arguments is None else arguments, bootstrap=given)
+    # the whole table: PROFSTREAM_OPTIONS may hold other Monitor options beside these
+    options = resolve(MONITOR_OPTIONS, args)
+    given_anywhere = option_given("bootstrap", args, os.environ)
+    conn = Connection.from_options(options, bootstrap_given=given_anywhere)
+    if not given_anywhere and conn.bootstrap == options["bootstrap"]:  # not from the properties either
         from profstream.stack import stack_status
 
         broker = stack_status()
         if broker is not None:
-            return broker.bootstrap
-    # the whole table: PROFSTREAM_OPTIONS may hold other Monitor options beside bootstrap
-    return resolve(MONITOR_OPTIONS, {"bootstrap": given})["bootstrap"]
+            return conn.with_bootstrap(broker.bootstrap)
+    return conn
 
 
-def connect(bootstrap: str | None, topic_prefix: str | None = None, timeout: float = 15.0) -> tuple[str, Topics]:
+def monitor_kafka_options(conn: Connection) -> dict:
+    """The Monitor options that give Monitors this command's connection: its bootstrap and
+    the command's --kafka-config / -X as given (references unread: a child process reads
+    its own ${env:...})."""
+    args = kafka_arguments()
+    if args["kafka_config"]:
+        from pathlib import Path
+
+        args["kafka_config"] = str(Path(args["kafka_config"]).expanduser().resolve())
+    return {"bootstrap": conn.bootstrap, **{k: v for k, v in args.items() if v is not None}}
+
+
+def connect(bootstrap: str | None, topic_prefix: str | None = None, timeout: float = 15.0) -> tuple[Connection, Topics]:
     """The opening of every command that talks to Kafka: the --topic-prefix checked (a
-    one-line error), the broker resolved (``resolve_bootstrap``) and answering. Returns
-    (bootstrap, topics of the prefix, or of the default prefix when none is given)."""
+    one-line error), the connection built (``resolve_connection``) and the broker answering
+    it (a refused credential or certificate: one line at once). Returns (the connection,
+    topics of the prefix, or of the default prefix when none is given)."""
     from profstream.kafka.topics import DEFAULT_PREFIX, Topics, validate_prefix
     from profstream.stack import wait_for_broker
 
@@ -69,9 +104,9 @@ def connect(bootstrap: str | None, topic_prefix: str | None = None, timeout: flo
         topics = Topics(validate_prefix(DEFAULT_PREFIX if topic_prefix is None else topic_prefix))
     except ValueError as e:
         fail(str(e))
-    boot = resolve_bootstrap(bootstrap)
-    wait_for_broker(boot, timeout)
-    return boot, topics
+    conn = resolve_connection(bootstrap)
+    wait_for_broker(conn, timeout)
+    return conn, topics
 
 
 def stop_on_signals() -> threading.Event:
@@ -99,6 +134,14 @@ DirOpt = Annotated[Path | None, typer.Option("--dir", help="state directory of t
 BootstrapOpt = Annotated[str | None, typer.Option(help="Kafka bootstrap servers host:port (default: "
                                                        "$PROFSTREAM_BOOTSTRAP, else the local `stack up` broker)")]
 PrefixOpt = Annotated[str, typer.Option(help="topic name prefix (<prefix>.raw, <prefix>.steps, ...)")]
+KafkaConfigOpt = Annotated[str | None, typer.Option(
+    "--kafka-config", "-F", metavar="FILE",
+    help="Kafka client properties file (security.protocol, sasl.*, ssl.*: the standard names, as kcat -F or "
+         "--command-config; default: $PROFSTREAM_KAFKA_CONFIG; docs/security.md)")]
+KafkaPropertyOpt = Annotated[list[str] | None, typer.Option(
+    "--kafka-property", "-X", metavar="KEY=VALUE",
+    help="a Kafka client property over those of --kafka-config (repeat it; a secret as ${env:NAME} or "
+         "${file:PATH})")]
 WaitTopicsOpt = Annotated[float, typer.Option(min=0.0, help="wait this long for the input topics to exist (a sink "
                                                             "started beside the processor that creates them); 0: not")]
 

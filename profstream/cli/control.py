@@ -10,6 +10,8 @@ import typer
 
 from profstream.cli.common import (
     BootstrapOpt,
+    KafkaConfigOpt,
+    KafkaPropertyOpt,
     PrefixOpt,
     app,
     connect,
@@ -95,6 +97,8 @@ def capture(
     list_: Annotated[bool, typer.Option("--list", help="list recent requests and their states instead")] = False,
     since_s: Annotated[float, typer.Option(min=1.0, help="with --list: requests of this many seconds")] = 86400.0,
     bootstrap: BootstrapOpt = None,
+    kafka_config: KafkaConfigOpt = None,
+    kafka_property: KafkaPropertyOpt = None,
     topic_prefix: PrefixOpt = "profstream",
 ) -> None:
     """Ask the ranks of a running job to capture ops for some steps (docs/capture.md)."""
@@ -264,6 +268,8 @@ def _serve(bootstrap: str | None, topic_prefix: str, policy_file: Path | None, r
 @app.command()
 def autocapture(
     bootstrap: BootstrapOpt = None,
+    kafka_config: KafkaConfigOpt = None,
+    kafka_property: KafkaPropertyOpt = None,
     topic_prefix: PrefixOpt = "profstream",
     policy: PolicyOpt = None,
     webhook_port: Annotated[int, typer.Option(min=0, max=65535, help="also serve Alertmanager's webhook here "
@@ -278,6 +284,8 @@ def autocapture(
 @app.command()
 def webhook(
     bootstrap: BootstrapOpt = None,
+    kafka_config: KafkaConfigOpt = None,
+    kafka_property: KafkaPropertyOpt = None,
     topic_prefix: PrefixOpt = "profstream",
     policy: PolicyOpt = None,
     port: Annotated[int, typer.Option(min=1, max=65535, help="serve Alertmanager's webhook here")] = 9466,

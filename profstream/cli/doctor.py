@@ -7,13 +7,22 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from profstream.cli.common import PrefixOpt, app, out
+from profstream.cli.common import (
+    KafkaConfigOpt,
+    KafkaPropertyOpt,
+    PrefixOpt,
+    app,
+    kafka_arguments,
+    out,
+)
 
 
 @app.command()
 def doctor(
     bootstrap: Annotated[str | None, typer.Option(help="check this broker and its topics (default: "
                                                        "$PROFSTREAM_BOOTSTRAP, else the local `stack up` broker if it runs)")] = None,
+    kafka_config: KafkaConfigOpt = None,
+    kafka_property: KafkaPropertyOpt = None,
     topic_prefix: PrefixOpt = "profstream",
     gpu: Annotated[bool, typer.Option("--gpu", help="a GPU machine: no NVML is a failure, not information")] = False,
     build_walk: Annotated[bool, typer.Option("--build-walk", help="build op capture's compiled trace walk "
@@ -27,7 +36,8 @@ def doctor(
 
     from profstream.doctor import failed, run_checks
 
-    findings = run_checks(bootstrap, topic_prefix, gpu=gpu, build_walk=build_walk, broker_timeout_s=timeout)
+    findings = run_checks(bootstrap, topic_prefix, gpu=gpu, build_walk=build_walk, broker_timeout_s=timeout,
+                          kafka=kafka_arguments())
     table = Table(title="profstream doctor")
     for col in ("check", "status", "found", "what to do"):
         table.add_column(col, overflow="fold")

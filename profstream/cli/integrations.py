@@ -9,13 +9,16 @@ import typer
 
 from profstream.cli.common import (
     BootstrapOpt,
+    KafkaConfigOpt,
+    KafkaPropertyOpt,
     PrefixOpt,
     app,
     connect,
     err,
     fail,
+    monitor_kafka_options,
     out,
-    resolve_bootstrap,
+    resolve_connection,
 )
 from profstream.config import check_name
 
@@ -45,6 +48,8 @@ def ingest(
     workers: Annotated[int | None, typer.Option(min=1, help="processes that parse a Chrome trace of 16 MiB or "
                                                            "more (default: one per CPU; 1: one process)")] = None,
     bootstrap: BootstrapOpt = None,
+    kafka_config: KafkaConfigOpt = None,
+    kafka_property: KafkaPropertyOpt = None,
     topic_prefix: PrefixOpt = "profstream",
 ) -> None:
     """Send an existing profile to Kafka as raw events, as a live producer would (docs/ingest.md)."""
@@ -54,7 +59,7 @@ def ingest(
     check_name(run_id, "run id")
     boot, _ = connect(bootstrap, topic_prefix)
     try:
-        result = ingest_profile(path, {"bootstrap": boot, "run_id": run_id, "topic_prefix": topic_prefix,
+        result = ingest_profile(path, {"connection": boot, "run_id": run_id, "topic_prefix": topic_prefix,
                                        "device": device}, format=format, pace=pace, rank=rank, base_ns=base_ns,
                                 step_trace_unit_ns=step_trace_unit_ns, workers=workers)
     except IngestError as e:
@@ -78,6 +83,8 @@ def ingest(
 def run(
     command: Annotated[list[str], typer.Argument(help="the training command, after --")],
     bootstrap: BootstrapOpt = None,
+    kafka_config: KafkaConfigOpt = None,
+    kafka_property: KafkaPropertyOpt = None,
     run_id: Annotated[str | None, typer.Option(help="run identifier (default: one per launch)")] = None,
     topic_prefix: Annotated[str | None, typer.Option(help="topic name prefix")] = None,
     start_step: Annotated[int | None, typer.Option(help="first step whose ops are captured")] = None,
@@ -95,7 +102,7 @@ def run(
     """Profile a PyTorch training script without changing it: profstream run -- python train.py ARGS (docs/torch.md)."""
     from profstream.integrations.launch import run_profiled
 
-    options = {"bootstrap": resolve_bootstrap(bootstrap), "run_id": run_id, "topic_prefix": topic_prefix,
+    options = {**monitor_kafka_options(resolve_connection(bootstrap)), "run_id": run_id, "topic_prefix": topic_prefix,
                "start_step": start_step, "stop_step": stop_step, "every_n_steps": every_n_steps,
                "collective_bytes": collective_bytes, "spool_dir": spool_dir, "record_only": record_only}
     try:

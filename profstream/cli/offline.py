@@ -10,6 +10,8 @@ import typer
 
 from profstream.cli.common import (
     BootstrapOpt,
+    KafkaConfigOpt,
+    KafkaPropertyOpt,
     app,
     connect,
     err,
@@ -52,6 +54,8 @@ def replay(
     workers: Annotated[int, typer.Option(min=0, help="--offline processes (0: one per CPU, up to 4)")] = 0,
     topic: Annotated[str | None, typer.Option(help="archived raw topic, when the archive holds several")] = None,
     bootstrap: BootstrapOpt = None,
+    kafka_config: KafkaConfigOpt = None,
+    kafka_property: KafkaPropertyOpt = None,
     progress: ProgressOpt = None,
     grace_s: Annotated[float, typer.Option(min=0.0, help="--offline: as for `profstream process`")] = 2.0,
     run_grace_s: Annotated[float, typer.Option(min=0.0, help="--offline: as for `profstream process`")] = 10.0,

@@ -8,6 +8,8 @@ import typer
 
 from profstream.cli.common import (
     BootstrapOpt,
+    KafkaConfigOpt,
+    KafkaPropertyOpt,
     PrefixOpt,
     app,
     connect,
@@ -40,6 +42,8 @@ def sim_config(run_id, ranks, steps, ops_per_step, step_time_ms, comm_share, see
 @app.command()
 def simulate(
     bootstrap: BootstrapOpt = None,
+    kafka_config: KafkaConfigOpt = None,
+    kafka_property: KafkaPropertyOpt = None,
     run_id: Annotated[str, typer.Option(help="run identifier")] = "sim",
     ranks: Annotated[int, typer.Option(min=1, max=1024)] = 2,
     steps: Annotated[int, typer.Option(min=1)] = 50,
@@ -71,7 +75,7 @@ def simulate(
     except ValueError:
         fail(f"--procs {procs}: expected 1 to {cfg.ranks} (the number of --ranks) producer processes")
     boot, _ = connect(bootstrap)
-    monitor_options = {"bootstrap": boot, "topic_prefix": topic_prefix}
+    monitor_options = {"connection": boot, "topic_prefix": topic_prefix}
     progress, advance = step_progress(cfg.ranks * cfg.steps, "simulate")
     with progress:
         if procs == 1:
@@ -94,6 +98,8 @@ def simulate(
 @app.command()
 def process(
     bootstrap: BootstrapOpt = None,
+    kafka_config: KafkaConfigOpt = None,
+    kafka_property: KafkaPropertyOpt = None,
     topic_prefix: PrefixOpt = "profstream",
     group_id: Annotated[str, typer.Option(help="consumer group of the processors")] = "profstream-processor",
     instance_id: Annotated[str, typer.Option(help="unique per processor process and stable across its "
@@ -117,7 +123,7 @@ def process(
     """Run a stream processor: raw events in; StepMetrics, RunStepMetrics and alerts out, exactly once."""
     from profstream.kafka.topics import ensure_topics
     from profstream.processors.figures import FigureOptions
-    from profstream.processors.runtime import Processor
+    from profstream.processors.runtime import PROCESSOR_TOPICS, Processor
 
     try:
         check_name(instance_id, "instance id")
@@ -126,7 +132,7 @@ def process(
     if stages not in ("all", "steps", "run"):
         fail(f"--stages {stages!r}: expected all, steps or run")
     boot, topics = connect(bootstrap, topic_prefix, timeout=30.0)
-    ensure_topics(boot, topics, raw_partitions=raw_partitions)
+    ensure_topics(boot, topics, raw_partitions=raw_partitions, needed=PROCESSOR_TOPICS)
     processor = Processor(boot, topics, group_id=group_id, instance_id=instance_id, grace_s=grace_s,
                           idle_timeout_s=idle_timeout_s, run_grace_s=run_grace_s,
                           figure_options=FigureOptions(top_k, stall_ratio, stall_steps, rolling_steps),

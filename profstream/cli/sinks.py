@@ -9,6 +9,8 @@ import typer
 
 from profstream.cli.common import (
     BootstrapOpt,
+    KafkaConfigOpt,
+    KafkaPropertyOpt,
     PrefixOpt,
     WaitTopicsOpt,
     connect,
@@ -27,6 +29,8 @@ from profstream.config import ConfigError, check_name
 @sink_app.command("prometheus")
 def sink_prometheus(
     bootstrap: BootstrapOpt = None,
+    kafka_config: KafkaConfigOpt = None,
+    kafka_property: KafkaPropertyOpt = None,
     topic_prefix: PrefixOpt = "profstream",
     port: Annotated[int, typer.Option(min=0, max=65535, help="serve /metrics on this port")] = 9464,
     addr: Annotated[str, typer.Option(help="address to listen on")] = "0.0.0.0",
@@ -103,6 +107,8 @@ def grafana_push(
 @sink_app.command("grafana")
 def sink_grafana(
     bootstrap: BootstrapOpt = None,
+    kafka_config: KafkaConfigOpt = None,
+    kafka_property: KafkaPropertyOpt = None,
     topic_prefix: PrefixOpt = "profstream",
     url: GrafanaUrlOpt = None,
     token: GrafanaTokenOpt = None,
@@ -139,6 +145,8 @@ def sink_grafana(
 def sink_archive(
     out_dir: Annotated[Path, typer.Argument(help="archive directory (created if missing)")],
     bootstrap: BootstrapOpt = None,
+    kafka_config: KafkaConfigOpt = None,
+    kafka_property: KafkaPropertyOpt = None,
     topic_prefix: PrefixOpt = "profstream",
     topics: Annotated[str, typer.Option(help="comma-separated topics to archive, by their name after the "
                                              "prefix")] = "raw,steps,control",
@@ -185,6 +193,8 @@ def sink_archive(
 def sink_timeline(
     out_dir: Annotated[Path, typer.Option("--out", help="directory of the timeline files (created if missing)")],
     bootstrap: BootstrapOpt = None,
+    kafka_config: KafkaConfigOpt = None,
+    kafka_property: KafkaPropertyOpt = None,
     topic_prefix: PrefixOpt = "profstream",
     window_steps: Annotated[int, typer.Option(min=1, help="steps per file")] = 100,
     max_bytes: Annotated[str, typer.Option(help="most JSON text per file, before gzip (a bigger window is "

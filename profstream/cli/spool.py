@@ -7,7 +7,16 @@ from typing import Annotated
 
 import typer
 
-from profstream.cli.common import BootstrapOpt, app, connect, err, fail, out
+from profstream.cli.common import (
+    BootstrapOpt,
+    KafkaConfigOpt,
+    KafkaPropertyOpt,
+    app,
+    connect,
+    err,
+    fail,
+    out,
+)
 
 spool_app = typer.Typer(help="A Monitor's disk spool (spool_dir): what it holds, and sending it to Kafka later "
                              "(docs/monitor.md, \"Disk spool\").", no_args_is_help=True)
@@ -56,6 +65,8 @@ def show(spool: SpoolArg, run: RunOpt = None) -> None:
 def publish(
     spool: SpoolArg,
     bootstrap: BootstrapOpt = None,
+    kafka_config: KafkaConfigOpt = None,
+    kafka_property: KafkaPropertyOpt = None,
     topic_prefix: Annotated[str | None, typer.Option(help="topic name prefix (<prefix>.raw)")] = None,
     run: RunOpt = None,
     keep: Annotated[bool, typer.Option(help="leave the spool as it is (a later publish sends it again; the "

@@ -25,6 +25,7 @@ from profstream.control.records import (
     listed_ranks,
 )
 from profstream.kafka.clients import make_consumer, make_producer, position_by
+from profstream.kafka.connection import Connection
 from profstream.kafka.topics import Topics
 from profstream.schema.codec import DecodeError
 
@@ -33,22 +34,22 @@ SETTLE_S = 3.0  # for "all ranks" of a run that does not say its world size: wai
 RUN_SEEN_S = 900.0  # a run the processors showed this recently is live (autocapture's run_ttl_s)
 
 
-def send_request(bootstrap: str, topics: Topics, request: dict, timeout: float = 10.0) -> int:
+def send_request(conn: Connection | str, topics: Topics, request: dict, timeout: float = 10.0) -> int:
     """Put ``request`` on the control topic (key: its run); returns its offset."""
     from kafka.errors import KafkaTimeoutError
 
-    producer = make_producer(bootstrap)
+    producer = make_producer(conn)
     try:
         meta = producer.send(topics.control, encode_request(request), control_key(request["run_id"]))
         return meta.get(timeout=timeout).offset
     except KafkaTimeoutError:  # no metadata for the topic: it does not exist
-        raise LookupError(_no_topic(bootstrap, topics)) from None
+        raise LookupError(_no_topic(conn, topics)) from None
     finally:
         producer.close(timeout=5)
 
 
-def _no_topic(bootstrap: str, topics: Topics) -> str:
-    return (f"topic {topics.control} does not exist on {bootstrap}: start a processor or a Monitor of this version "
+def _no_topic(conn: Connection | str, topics: Topics) -> str:
+    return (f"topic {topics.control} does not exist on {conn}: start a processor or a Monitor of this version "
             "(they create it), or check --topic-prefix")
 
 
@@ -110,16 +111,16 @@ class CaptureProgress:
         return {r: s for r, s in sorted(self.ranks.items()) if s["state"] == FINISHED}
 
 
-def _control_consumer(bootstrap: str, topics: Topics, run_id: str | None, since_ms: int):
+def _control_consumer(conn: Connection | str, topics: Topics, run_id: str | None, since_ms: int):
     """A group-less consumer of the control partition of ``run_id`` (all partitions when
     None), from the first record at or after ``since_ms``."""
     from kafka import TopicPartition
 
-    consumer = make_consumer(bootstrap, group_id=None)
+    consumer = make_consumer(conn, group_id=None)
     parts = sorted(consumer.partitions_for_topic(topics.control) or ())
     if not parts:
         consumer.close()
-        raise LookupError(_no_topic(bootstrap, topics))
+        raise LookupError(_no_topic(conn, topics))
     if run_id is not None:
         parts = [control_partition(run_id, len(parts))]
     tps = [TopicPartition(topics.control, p) for p in parts]
@@ -148,13 +149,13 @@ def _polls(consumer, run_id: str | None, poll_ms: int = 200) -> Iterator[list[tu
         yield got
 
 
-def follow(bootstrap: str, topics: Topics, request: dict, timeout: float,
+def follow(conn: Connection | str, topics: Topics, request: dict, timeout: float,
            on_change: Callable[[CaptureProgress], None] | None = None,
            stop: Callable[[], bool] | None = None, unanswered_s: float | None = None) -> CaptureProgress:
     """Read the statuses of ``request`` until it is done, ``timeout`` passes or ``stop()``;
     with ``unanswered_s``, also once that long has passed without any status of it."""
     progress = CaptureProgress(request)
-    consumer, _ends = _control_consumer(bootstrap, topics, request["run_id"], request["requested_ns"] // 10**6 - 1000)
+    consumer, _ends = _control_consumer(conn, topics, request["run_id"], request["requested_ns"] // 10**6 - 1000)
     started = time.monotonic()
     deadline = started + timeout
     try:
@@ -172,14 +173,14 @@ def follow(bootstrap: str, topics: Topics, request: dict, timeout: float,
     return progress
 
 
-def runs_seen(bootstrap: str, topics: Topics, since_s: float, run_id: str | None = None,
+def runs_seen(conn: Connection | str, topics: Topics, since_s: float, run_id: str | None = None,
               timeout: float = 10.0) -> dict[str, float]:
     """The runs the processors showed on the run topic in the last ``since_s`` seconds (of
     ``run_id`` alone: only its partition is read), each with the time of its newest
     cross-rank step there (Kafka's timestamp, s). Empty where the topic does not exist."""
     from kafka import TopicPartition
 
-    consumer = make_consumer(bootstrap, group_id=None)
+    consumer = make_consumer(conn, group_id=None)
     seen: dict[str, float] = {}
     try:
         parts = sorted(consumer.partitions_for_topic(topics.run) or ())
@@ -213,10 +214,10 @@ class RequestSummary:
     progress: CaptureProgress
 
 
-def recent_requests(bootstrap: str, topics: Topics, since_s: float, run_id: str | None = None) -> list[RequestSummary]:
+def recent_requests(conn: Connection | str, topics: Topics, since_s: float, run_id: str | None = None) -> list[RequestSummary]:
     """The requests of the last ``since_s`` seconds (of ``run_id``, or of every run), oldest
     first, each with its statuses so far."""
-    consumer, ends = _control_consumer(bootstrap, topics, run_id, int((time.time() - since_s) * 1000))
+    consumer, ends = _control_consumer(conn, topics, run_id, int((time.time() - since_s) * 1000))
     by_id: dict[str, RequestSummary] = {}
     orphans: list[dict] = []
     try:

@@ -24,6 +24,7 @@ from profstream.control.autocapture import AutoCapture, Outcome
 from profstream.control.policy import DAY_S, CapturePolicy
 from profstream.control.records import control_key, decode_control, encode_request, encode_status
 from profstream.kafka.clients import make_consumer, make_producer
+from profstream.kafka.connection import Connection
 from profstream.kafka.topics import Topics
 from profstream.processors.runtime import dead_letter
 from profstream.schema.codec import DecodeError, decode
@@ -36,14 +37,14 @@ ALERTS_LOOKBACK_S = 60.0
 class AutoCaptureService:
     """Runs until ``stop`` is set; ``serve_webhook(port)`` adds Alertmanager's receiver."""
 
-    def __init__(self, bootstrap: str, topics: Topics, policy: CapturePolicy, read_alerts: bool = True,
+    def __init__(self, conn: Connection | str, topics: Topics, policy: CapturePolicy, read_alerts: bool = True,
                  guard: bool = True, on_outcome: Callable[[Outcome], None] | None = None) -> None:
-        self.bootstrap = bootstrap
+        self.conn = conn
         self.topics = topics
         self.read_alerts = read_alerts
         self.guard = guard  # one guard per deployment: `profstream webhook` beside `autocapture` leaves it
         self.on_outcome = on_outcome
-        self._producer = make_producer(bootstrap)
+        self._producer = make_producer(conn)
         self.auto = AutoCapture(policy, self)
         self._server = None
         self.dead_letters = 0
@@ -78,7 +79,7 @@ class AutoCaptureService:
         return outcome
 
     def run(self, stop: threading.Event, ready: Callable[[], None] | None = None) -> None:
-        consumer = make_consumer(self.bootstrap, group_id=None)
+        consumer = make_consumer(self.conn, group_id=None)
         try:
             live_from = self._assign(consumer)
             if ready is not None:

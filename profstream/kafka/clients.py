@@ -1,5 +1,8 @@
 """Producer and consumer factories: every Kafka client setting profstream uses, in one place.
 
+Each takes the ``Connection`` (kafka/connection.py: the bootstrap address and the security
+properties, built once from the options) or, for tests and tools, a bare bootstrap address.
+
 Two clients: librdkafka (confluent-kafka) where Kafka is on the hot path (the training
 process's Monitor, the processors' exactly-once loop), kafka-python for the rest (sinks,
 admin, tools), whose pure-Python I/O costs more CPU per message but is simpler to drive."""
@@ -14,6 +17,7 @@ from typing import Any
 import confluent_kafka
 from kafka import KafkaConsumer, KafkaProducer
 
+from profstream.kafka.connection import Connection
 from profstream.kafka.limits import MAX_MESSAGE_BYTES
 
 # kafka-python logs every failed reconnect at ERROR; a training job with a broker down
@@ -60,14 +64,14 @@ def _compression(name: str | None) -> str | None:
     return None if name in (None, "none") else name
 
 
-def refused(bootstrap: str, timeout: float = 1.0) -> str | None:
-    """Why no bootstrap server of ``bootstrap`` takes a TCP connection (a name that does not
+def refused(conn: Connection | str, timeout: float = 1.0) -> str | None:
+    """Why no bootstrap server of ``conn`` takes a TCP connection (a name that does not
     resolve, a refused or unanswered port), or None when one does: a wrong address is known
     at once, not after a client's whole bootstrap timeout. Says nothing of Kafka itself."""
     import socket
 
     reasons = []
-    for item in bootstrap.split(","):
+    for item in Connection.of(conn).bootstrap.split(","):
         host, _, port = item.strip().rpartition(":")
         try:
             with socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout):
@@ -77,18 +81,18 @@ def refused(bootstrap: str, timeout: float = 1.0) -> str | None:
     return "; ".join(reasons)
 
 
-def make_producer(bootstrap: str, compression: str | None = "lz4", **overrides: Any) -> KafkaProducer:
+def make_producer(conn: Connection | str, compression: str | None = "lz4", **overrides: Any) -> KafkaProducer:
     """An idempotent producer (acks=all). Raises kafka.errors.NoBrokersAvailable when the
     bootstrap servers do not answer within bootstrap_timeout_ms."""
-    config = dict(_PRODUCER_DEFAULTS, bootstrap_servers=bootstrap.split(","),
+    config = dict(_PRODUCER_DEFAULTS, **Connection.of(conn).kafka_python(),
                   compression_type=_compression(compression))
     config.update(overrides)
     return KafkaProducer(**config)
 
 
-def _native_common(bootstrap: str) -> dict[str, Any]:
+def _native_common(conn: Connection | str) -> dict[str, Any]:
     return {
-        "bootstrap.servers": bootstrap,
+        **Connection.of(conn).librdkafka(),
         # A broker back from a restart is found within a second: the Monitor's flush and
         # the processors' recovery wait on that (docs/exactly-once.md, "Faults").
         "reconnect.backoff.max.ms": 1000,
@@ -100,11 +104,11 @@ def _native_common(bootstrap: str) -> dict[str, Any]:
     }
 
 
-def _native_producer_config(bootstrap: str, compression: str | None) -> dict[str, Any]:
+def _native_producer_config(conn: Connection | str, compression: str | None) -> dict[str, Any]:
     """librdkafka names for :data:`_PRODUCER_DEFAULTS`, plus murmur2 key partitioning (the
     Java and kafka-python default): a key lands on the same partition whichever client
     sent it."""
-    return dict(_native_common(bootstrap), **{
+    return dict(_native_common(conn), **{
         "enable.idempotence": True,
         "acks": "all",
         "linger.ms": _PRODUCER_DEFAULTS["linger_ms"],
@@ -124,12 +128,12 @@ def _native_producer_config(bootstrap: str, compression: str | None) -> dict[str
 _MONITOR_PRODUCER: dict[str, Any] = {"message.timeout.ms": 0, "linger.ms": 0}
 
 
-def monitor_producer_settings(bootstrap: str, compression: str | None = "lz4") -> dict[str, str]:
+def monitor_producer_settings(conn: Connection | str, compression: str | None = "lz4") -> dict[str, str]:
     """The librdkafka settings of the Monitor's producer as strings, for the native sender,
     which opens librdkafka itself (producers/native_sender.py). Same as NativeProducer's,
     but for the log destination: its lines are forwarded to the same "kafka.librdkafka"
     logger by the sender thread."""
-    config = dict(_native_producer_config(bootstrap, compression), **_MONITOR_PRODUCER)
+    config = dict(_native_producer_config(conn, compression), **_MONITOR_PRODUCER)
     del config["logger"]
     return {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in config.items()}
 
@@ -144,8 +148,9 @@ class NativeProducer:
     calling thread: the Sender's. Same settings as :func:`make_producer`.
     """
 
-    def __init__(self, bootstrap: str, compression: str | None = "lz4", bootstrap_timeout_ms: int = 5000,
+    def __init__(self, conn: Connection | str, compression: str | None = "lz4", bootstrap_timeout_ms: int = 5000,
                  on_error: Callable[[Exception], None] | None = None) -> None:
+        conn = Connection.of(conn)
         self._on_error = on_error
         # No delivery timeout: a batch waits in librdkafka for the broker to come back however
         # long it is away (retried in order, bounded in memory by the Monitor's in-flight share).
@@ -153,12 +158,12 @@ class NativeProducer:
         # from writing a batch twice, except across the epoch bump librdkafka makes after some
         # errors around a leader change: the processors take such a copy once (assembler.py).
         self._producer = confluent_kafka.Producer(dict(
-            _native_producer_config(bootstrap, compression), **_MONITOR_PRODUCER, error_cb=self._error))
+            _native_producer_config(conn, compression), **_MONITOR_PRODUCER, error_cb=self._error))
         try:  # like kafka-python's constructor: fail now when no broker answers
             self._producer.list_topics(timeout=bootstrap_timeout_ms / 1000)
         except confluent_kafka.KafkaException as e:
             self._producer.purge()
-            raise ConnectionError(f"no Kafka broker answered at {bootstrap}: {e}") from None
+            raise ConnectionError(conn.redact(f"no Kafka broker answered at {conn}: {e}")) from None
 
     def _error(self, err: confluent_kafka.KafkaError) -> None:
         if self._on_error is not None:
@@ -191,37 +196,37 @@ class NativeProducer:
         return delivered
 
 
-def make_native_producer(bootstrap: str, compression: str | None = "lz4", **kw: Any) -> NativeProducer:
+def make_native_producer(conn: Connection | str, compression: str | None = "lz4", **kw: Any) -> NativeProducer:
     """A :class:`NativeProducer`; raises ConnectionError when no broker answers in
     ``bootstrap_timeout_ms``."""
-    return NativeProducer(bootstrap, compression=compression, **kw)
+    return NativeProducer(conn, compression=compression, **kw)
 
 
-def make_transactional_producer(bootstrap: str, transactional_id: str, compression: str | None = "lz4",
+def make_transactional_producer(conn: Connection | str, transactional_id: str, compression: str | None = "lz4",
                                 transaction_timeout_ms: int = 30000, **overrides: Any) -> confluent_kafka.Producer:
     """A librdkafka producer for the processors' exactly-once loop (idempotent, acks=all,
     murmur2 partitioning like :func:`make_producer`); the caller runs init_transactions.
     ``overrides`` are librdkafka property names."""
-    config = dict(_native_producer_config(bootstrap, compression),
+    config = dict(_native_producer_config(conn, compression),
                   **{"transactional.id": transactional_id, "transaction.timeout.ms": transaction_timeout_ms,
                      "message.timeout.ms": transaction_timeout_ms})
     config.update(overrides)
     return confluent_kafka.Producer(config)
 
 
-def make_native_consumer(bootstrap: str, group_id: str, **overrides: Any) -> confluent_kafka.Consumer:
+def make_native_consumer(conn: Connection | str, group_id: str, **overrides: Any) -> confluent_kafka.Consumer:
     """A librdkafka consumer with the settings of :func:`make_consumer` (read_committed,
     never commits on its own, from the earliest offset). librdkafka fetches and parses in
     its own C threads, ahead of the application: kafka-python's Python fetcher was what
     two processors in one group waited on (docs/benchmarks.md section 6).
     ``overrides`` are librdkafka property names."""
-    return confluent_kafka.Consumer(native_consumer_config(bootstrap, group_id, **overrides))
+    return confluent_kafka.Consumer(native_consumer_config(conn, group_id, **overrides))
 
 
-def native_consumer_config(bootstrap: str, group_id: str, **overrides: Any) -> dict[str, Any]:
+def native_consumer_config(conn: Connection | str, group_id: str, **overrides: Any) -> dict[str, Any]:
     """The configuration of :func:`make_native_consumer`, for callers that add callbacks."""
     config = dict(
-        _native_common(bootstrap),
+        _native_common(conn),
         **{"group.id": group_id,
            "enable.auto.commit": False,
            "enable.auto.offset.store": False,
@@ -238,10 +243,11 @@ def native_consumer_config(bootstrap: str, group_id: str, **overrides: Any) -> d
     return config
 
 
-def make_consumer(bootstrap: str, *topics: str, group_id: str | None = None, **overrides: Any) -> KafkaConsumer:
+def make_consumer(conn: Connection | str, *topics: str, group_id: str | None = None,
+                  **overrides: Any) -> KafkaConsumer:
     """A read_committed consumer that never commits on its own: callers commit (or use
     transactions) once their output is durable."""
-    config = dict(_CONSUMER_DEFAULTS, bootstrap_servers=bootstrap.split(","), group_id=group_id)
+    config = dict(_CONSUMER_DEFAULTS, **Connection.of(conn).kafka_python(), group_id=group_id)
     config.update(overrides)
     return KafkaConsumer(*topics, **config)
 
@@ -270,7 +276,7 @@ def consumer_lag(consumer: KafkaConsumer, timeout_ms: int | None = None) -> int 
     return total
 
 
-def read_topic(bootstrap: str, topic: str, want, count: int, timeout: float,
+def read_topic(conn: Connection | str, topic: str, want, count: int, timeout: float,
                decode=None) -> list:
     """Read ``topic`` from the start (read_committed, no group) until ``count`` values
     satisfying ``want(value)`` are seen or ``timeout`` seconds pass; returns those seen.
@@ -278,7 +284,7 @@ def read_topic(bootstrap: str, topic: str, want, count: int, timeout: float,
     ``decode`` turns the raw message value into the value handed to ``want``."""
     from kafka import TopicPartition
 
-    consumer = make_consumer(bootstrap, group_id=None, enable_auto_commit=False)
+    consumer = make_consumer(conn, group_id=None, enable_auto_commit=False)
     try:
         parts = consumer.partitions_for_topic(topic) or set()
         tps = [TopicPartition(topic, p) for p in sorted(parts)]

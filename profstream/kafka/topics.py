@@ -6,6 +6,7 @@ import re
 import time
 from dataclasses import dataclass
 
+from profstream.kafka.connection import Connection
 from profstream.kafka.limits import TOPIC_MAX_MESSAGE_BYTES
 
 BASE_TOPICS = ("raw", "steps", "run", "alerts", "dlq", "state", "run-state", "control")
@@ -26,6 +27,7 @@ MAX_PREFIX_LEN = 100
 
 _PREFIX_RE = re.compile(r"[A-Za-z0-9._-]+")
 _TOPIC_ALREADY_EXISTS = 36
+_DENIED = (29, 31)  # TOPIC_AUTHORIZATION_FAILED, CLUSTER_AUTHORIZATION_FAILED
 
 
 def validate_prefix(prefix: str) -> str:
@@ -84,11 +86,36 @@ class Topics:
 
     @property
     def control(self) -> str:
-        """Capture requests and their statuses, keyed by run (docs/capture.md)."""
+        """Capture statuses (the ranks' and the guard's), keyed by run (docs/capture.md); the
+        capture requests of older clients (read for their history, never acted on)."""
         return self._name("control")
+
+    @property
+    def requests_prefix(self) -> str:
+        """The prefix of the capture request topics: one per requester (``requests``)."""
+        return self._name("requests.")
+
+    def requests(self, principal: str) -> str:
+        """The capture requests of ``principal``, keyed by run: only that principal may write
+        there (its ACL), so who asked is what the broker authenticated (docs/security.md)."""
+        return self.requests_prefix + requester_name(principal)
+
+    def requester_of(self, topic: str) -> str | None:
+        """The principal of a request topic of this prefix, None for any other topic."""
+        return topic[len(self.requests_prefix):] or None if topic.startswith(self.requests_prefix) else None
 
     def all(self) -> list[str]:
         return [self._name(base) for base in BASE_TOPICS]
+
+
+def requester_name(principal: str) -> str:
+    """``principal`` (``User:alice`` or ``alice``) as the last part of a topic name; ValueError
+    (one line) for a name a topic cannot carry."""
+    name = principal.partition(":")[2] if principal.startswith("User:") else principal
+    if not name or len(name) > 100 or not _PREFIX_RE.fullmatch(name) or name in (".", ".."):
+        raise ValueError(f"principal {principal!r} cannot name a request topic: use a user name of letters, digits, "
+                         "'.', '_' and '-' (its requests go to <prefix>.requests.<user>)")
+    return name
 
 
 def replication(brokers: int) -> tuple[int, int]:
@@ -99,12 +126,12 @@ def replication(brokers: int) -> tuple[int, int]:
     return factor, (MIN_INSYNC_AT_FULL_REPLICATION if factor >= MAX_REPLICATION else 1)
 
 
-def _admin(bootstrap: str, timeout: float):
+def _admin(conn: Connection | str, timeout: float):
     from kafka import KafkaAdminClient
 
     ms = max(1000, int(timeout * 1000))
     return KafkaAdminClient(
-        bootstrap_servers=bootstrap,
+        **Connection.of(conn).kafka_python(),
         client_id="profstream-admin",
         request_timeout_ms=min(ms, 30000),
         bootstrap_timeout_ms=ms,
@@ -112,11 +139,12 @@ def _admin(bootstrap: str, timeout: float):
 
 
 def ensure_topics(
-    bootstrap: str,
+    conn: Connection | str,
     topics: Topics,
     raw_partitions: int = 12,
     partitions: int = 3,
     timeout: float = 30.0,
+    needed: tuple[str, ...] | None = None,
 ) -> list[str]:
     """Create the topics of ``topics`` that do not exist yet.
 
@@ -128,6 +156,11 @@ def ensure_topics(
     are left alone (even with another partition count); a concurrent creation of the same
     topic is fine. Waits until every topic has a leader for each partition. Returns the
     names this call created.
+
+    ``needed``: the base names (``raw``, ``control``...) the caller uses (None: all). On a
+    broker with ACLs a client sees only the topics it may use and may create none: the
+    others are then left to whoever may (``profstream acl apply``), and a needed one it can
+    neither see nor create is a one-line error naming the ACL that is missing.
     """
     from kafka.errors import KafkaError, KafkaTimeoutError
 
@@ -137,8 +170,10 @@ def ensure_topics(
     validate_prefix(topics.prefix)
     if raw_partitions < 1 or partitions < 1:
         raise ValueError("partition counts must be >= 1")
+    conn = Connection.of(conn)
+    bootstrap = conn.bootstrap
     deadline = time.monotonic() + timeout
-    wait_for_broker(bootstrap, timeout)
+    wait_for_broker(conn, timeout)
 
     def remaining_ms() -> int:
         return max(1000, int((deadline - time.monotonic()) * 1000))
@@ -147,9 +182,11 @@ def ensure_topics(
     wanted = {topics._name(base): counts[base] for base in BASE_TOPICS}
     configs = {topics._name(base): dict(_SIZE_CONFIGS, **(_COMPACT_CONFIGS if base in COMPACTED else {}))
                for base in BASE_TOPICS}
+    needed_names = set(wanted) if needed is None else {topics._name(base) for base in needed}
     created: list[str] = []
+    denied: list[str] = []
     try:
-        with _admin(bootstrap, max(1.0, deadline - time.monotonic())) as admin:
+        with _admin(conn, max(1.0, deadline - time.monotonic())) as admin:
             existing = set(admin.list_topics())
             missing = {n: p for n, p in wanted.items() if n not in existing}
             if missing:
@@ -167,6 +204,8 @@ def ensure_topics(
                     code = t.get("error_code", 0)
                     if code == 0:
                         created.append(t["name"])
+                    elif code in _DENIED:
+                        denied.append(t["name"])
                     elif code != _TOPIC_ALREADY_EXISTS:
                         msg = t.get("error_message") or f"error code {code}"
                         failures.append(f"{t['name']}: {msg}")
@@ -175,25 +214,35 @@ def ensure_topics(
                         f"could not create topics on {bootstrap} ({'; '.join(failures)}): "
                         "check the broker log"
                     )
-            admin.wait_for_topics(list(wanted), timeout_ms=remaining_ms())
+            lacking = [n for n in denied if n in needed_names]
+            if lacking:
+                from profstream.kafka.diagnose import authorization_error
+
+                raise StackError(authorization_error(
+                    conn.principal(), "CREATE", "TOPIC", lacking[0],
+                    hint=f"or have an admin create the topics first (`profstream acl apply --topic-prefix "
+                         f"{topics.prefix}`); a client that may DESCRIBE {lacking[0]} sees it and creates nothing"))
+            admin.wait_for_topics([n for n in wanted if n not in denied], timeout_ms=remaining_ms())
     except KafkaTimeoutError as exc:
         raise StackError(
             f"topics on {bootstrap} not ready within {timeout:g} s ({exc}): check the "
             "broker log / retry with a larger timeout"
         ) from exc
     except KafkaError as exc:
+        from profstream.kafka.diagnose import failure
+
         raise StackError(
-            f"creating topics on {bootstrap} failed ({type(exc).__name__}: {exc}): "
+            f"creating topics on {bootstrap} failed ({failure(conn, exc)}): "
             "check the broker log"
-        ) from exc
+        ) from None
     order = {n: i for i, n in enumerate(wanted)}
     return sorted(created, key=order.__getitem__)
 
 
-def delete_topics(bootstrap: str, topics: Topics, timeout: float = 30.0) -> list[str]:
+def delete_topics(conn: Connection | str, topics: Topics, timeout: float = 30.0) -> list[str]:
     """Delete the topics of ``topics`` that exist; returns the names deleted."""
     validate_prefix(topics.prefix)
-    with _admin(bootstrap, timeout) as admin:
+    with _admin(conn, timeout) as admin:
         existing = set(admin.list_topics())
         names = [n for n in topics.all() if n in existing]
         if names:
@@ -203,9 +252,10 @@ def delete_topics(bootstrap: str, topics: Topics, timeout: float = 30.0) -> list
     return names
 
 
-def missing_topics(bootstrap: str, topics: Topics, timeout: float = 10.0) -> list[str]:
-    """The topics of ``topics`` that the broker does not have."""
+def missing_topics(conn: Connection | str, topics: Topics, timeout: float = 10.0) -> list[str]:
+    """The topics of ``topics`` that the broker does not have (or does not show this
+    client: on a broker with ACLs, those it may not DESCRIBE)."""
     validate_prefix(topics.prefix)
-    with _admin(bootstrap, timeout) as admin:
+    with _admin(conn, timeout) as admin:
         existing = set(admin.list_topics())
     return [n for n in topics.all() if n not in existing]

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from profstream.config import check_name
+from profstream.kafka.connection import Connection
 from profstream.kafka.topics import Topics
 from profstream.offline.archive import ArchiveError, ArchiveFile, Loss, Reporter, Tally, merged
 from profstream.offline.record_files import RecordWriter
@@ -166,7 +167,7 @@ def _transform(rewrite_run: str | None, step_range: StepRange | None, result: Re
     return change
 
 
-def republish(files: list[ArchiveFile], bootstrap: str, to_topic: str, speed: float | None = None,
+def republish(files: list[ArchiveFile], conn: Connection | str, to_topic: str, speed: float | None = None,
               steps: tuple[int, int] | None = None, rewrite_run: str | None = None,
               stop: threading.Event | None = None, progress: Callable[[Tally], None] | None = None,
               on_loss: Callable[[Loss], None] | None = None) -> ReplayResult:
@@ -179,7 +180,7 @@ def republish(files: list[ArchiveFile], bootstrap: str, to_topic: str, speed: fl
 
     if rewrite_run is not None:
         check_name(rewrite_run, "run id")
-    _ensure_topic(bootstrap, to_topic)
+    _ensure_topic(conn, to_topic)
     stop = stop or threading.Event()
     result = ReplayResult()
     tally = Tally("replay", len(files), sum(f.path.stat().st_size for f in files))
@@ -187,7 +188,7 @@ def republish(files: list[ArchiveFile], bootstrap: str, to_topic: str, speed: fl
     change = _transform(rewrite_run, StepRange(*steps) if steps else None, result)
     pacer = Pacer(speed, sleep=stop.wait)
     failures: list[BaseException] = []
-    producer = make_producer(bootstrap)
+    producer = make_producer(conn)
     try:
         partitions = len(producer.partitions_for(to_topic))
         for _now, _p, rec in merged(files, _collect(result, on_loss), tally):
@@ -226,11 +227,11 @@ def _collect(result: ReplayResult, on_loss: Callable[[Loss], None] | None) -> Ca
     return lost
 
 
-def _ensure_topic(bootstrap: str, topic: str) -> None:
+def _ensure_topic(conn: Connection | str, topic: str) -> None:
     from profstream.kafka.clients import make_consumer
     from profstream.kafka.topics import ensure_topics, validate_prefix
 
-    consumer = make_consumer(bootstrap, group_id=None)
+    consumer = make_consumer(conn, group_id=None)
     try:
         exists = bool(consumer.partitions_for_topic(topic))
     finally:
@@ -239,9 +240,9 @@ def _ensure_topic(bootstrap: str, topic: str) -> None:
         return
     prefix, _, base = topic.rpartition(".")
     if base != "raw" or not prefix:
-        raise ArchiveError(f"topic {topic} does not exist on {bootstrap}: create it, or replay to a "
+        raise ArchiveError(f"topic {topic} does not exist on {conn}: create it, or replay to a "
                            "<prefix>.raw topic (created with its prefix's other topics)")
-    ensure_topics(bootstrap, Topics(validate_prefix(prefix)))
+    ensure_topics(conn, Topics(validate_prefix(prefix)), needed=("raw",))
 
 
 # -- offline ---------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ import confluent_kafka
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from profstream.kafka.clients import make_native_consumer, make_transactional_producer
+from profstream.kafka.connection import Connection
 from profstream.kafka.deadline import CallTimeout, DeadlineCaller
 from profstream.processors.group_watch import STATS_INTERVAL_MS, GroupWatch
 
@@ -154,12 +155,12 @@ class TransactionalLoop:
     process. Nothing here waits without a deadline.
     """
 
-    def __init__(self, bootstrap: str, stage: Stage, group_id: str, instance_id: str,
+    def __init__(self, conn: Connection | str, stage: Stage, group_id: str, instance_id: str,
                  commit_interval_ms: float = 100.0, poll_ms: int = 50, compression: str = "lz4",
                  on_commit: Callable[[int], None] | None = None, max_poll_records: int = 500,
                  on_abort: Callable[[], None] | None = None, call_timeout_s: float = CALL_TIMEOUT_S,
                  max_outage_s: float = MAX_OUTAGE_S) -> None:
-        self.bootstrap = bootstrap
+        self.conn = conn = Connection.of(conn)
         self.stage = stage
         self.group_id = group_id
         self.commit_interval = commit_interval_ms / 1000.0
@@ -178,8 +179,9 @@ class TransactionalLoop:
         try:
             self._producer = self._new_producer()
         except (KafkaException, CallTimeout) as e:
-            raise RuntimeError(f"processor {self.transactional_id}: Kafka at {bootstrap} did not start a "
-                               f"transaction ({_describe(e)}): check --bootstrap") from None
+            raise RuntimeError(f"processor {self.transactional_id}: Kafka at {conn} did not start a "
+                               f"transaction ({conn.redact(_describe(e))}): check --bootstrap and the Kafka client "
+                               "properties") from None
         self._consumer = self._new_consumer()
         topic = self._consumer.list_topics(stage.input_topic, timeout=self.call_timeout).topics.get(stage.input_topic)
         if topic is None or topic.error is not None or not topic.partitions:
@@ -223,7 +225,7 @@ class TransactionalLoop:
         """librdkafka's client-wide errors (every broker down, say), served on this thread."""
         self._fault_at = time.monotonic()
         if err.code() == KafkaError._ALL_BROKERS_DOWN:
-            self._say("brokers", f"no broker of {self.bootstrap} answers ({err.str()}); librdkafka retries")
+            self._say("brokers", f"no broker of {self.conn} answers ({err.str()}); librdkafka retries")
 
     def _producer_error(self, err: KafkaError, generation: int) -> None:
         self._client_error(err)
@@ -237,7 +239,7 @@ class TransactionalLoop:
         self._producer_generation += 1
         generation = self._producer_generation
         return make_transactional_producer(
-            self.bootstrap, self.transactional_id, self._compression,
+            self.conn, self.transactional_id, self._compression,
             error_cb=lambda err: self._producer_error(err, generation))  # a replaced one's errors are moot
 
     def _init(self, producer: confluent_kafka.Producer) -> None:
@@ -256,7 +258,7 @@ class TransactionalLoop:
         self._group_watch = watch = GroupWatch()
         # Heartbeats every 0.5 s: a member learns of a rebalance (a processor joining or
         # leaving) at its next heartbeat, and the whole group waits for the slowest.
-        return make_native_consumer(self.bootstrap, self.group_id, **{
+        return make_native_consumer(self.conn, self.group_id, **{
             "group.instance.id": self.transactional_id, "heartbeat.interval.ms": 500, "error_cb": self._client_error,
             "statistics.interval.ms": STATS_INTERVAL_MS, "stats_cb": watch.update})
 
@@ -313,7 +315,7 @@ class TransactionalLoop:
         topic = self.stage.input_topic
         # Asked with a client of its own, which looks the group coordinator up afresh: after
         # a broker restart the consumer's own committed() timed out again and again.
-        reader = make_native_consumer(self.bootstrap, self.group_id)
+        reader = make_native_consumer(self.conn, self.group_id)
         try:
             committed = self._call("committed", self.call_timeout, reader.committed,
                                    [TopicPartition(topic, p) for p in partitions], self.call_timeout)
@@ -329,7 +331,7 @@ class TransactionalLoop:
         on until each has shown the commit marker of ``tokens`` (what its committed offset
         names). CallTimeout when a read makes no progress for ``call_timeout`` s."""
         topic = self.stage.state_topic
-        reader = make_native_consumer(self.bootstrap, f"{self.transactional_id}-restore",
+        reader = make_native_consumer(self.conn, f"{self.transactional_id}-restore",
                                       **{"enable.partition.eof": True})
         seen: dict[int, int] = {}  # partition -> latest commit token read
         try:
@@ -603,7 +605,7 @@ class TransactionalLoop:
                 out_s = time.monotonic() - started
                 if out_s > self.max_outage:
                     raise self._unavailable(out_s, e) from None
-                self._say("outage", f"Kafka at {self.bootstrap} does not answer ({_describe(e)}); retrying, "
+                self._say("outage", f"Kafka at {self.conn} does not answer ({_describe(e)}); retrying, "
                                     f"giving up after {self.max_outage:g} s")
                 if self._stop.wait(backoff):
                     return
@@ -622,7 +624,7 @@ class TransactionalLoop:
 
     def _unavailable(self, out_s: float, e: BaseException) -> ProcessorUnavailable:
         return ProcessorUnavailable(
-            f"processor {self.transactional_id}: Kafka at {self.bootstrap} has not recovered for {out_s:.0f} s "
+            f"processor {self.transactional_id}: Kafka at {self.conn} has not recovered for {out_s:.0f} s "
             f"({_describe(e)}); exiting so that a supervisor restarts it")
 
     def _replace_consumer(self) -> None:

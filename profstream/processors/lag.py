@@ -17,13 +17,14 @@ import confluent_kafka
 from confluent_kafka import TopicPartition
 
 from profstream.kafka.clients import make_native_consumer
+from profstream.kafka.connection import Connection
 
 TIMEOUT_S = 1.0  # per broker request; a scrape must not wait for a broker that is gone
 
 
 class LagProbe:
-    def __init__(self, bootstrap: str, group_id: str, topic: str, every_s: float = 1.0) -> None:
-        self._bootstrap, self._group_id, self._topic = bootstrap, group_id, topic
+    def __init__(self, conn: Connection | str, group_id: str, topic: str, every_s: float = 1.0) -> None:
+        self._conn, self._group_id, self._topic = conn, group_id, topic
         self._every_s = every_s
         self._lock = threading.Lock()
         self._client: confluent_kafka.Consumer | None = None
@@ -50,7 +51,7 @@ class LagProbe:
         if not partitions:
             return 0
         if self._client is None:
-            self._client = make_native_consumer(self._bootstrap, self._group_id)
+            self._client = make_native_consumer(self._conn, self._group_id)
         client, topic = self._client, self._topic
         unknown = [TopicPartition(topic, p) for p in partitions if p not in positions]
         start = dict(positions)

@@ -22,6 +22,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from profstream.kafka.connection import Connection
 from profstream.kafka.limits import DEAD_LETTER_ROOM_BYTES, MAX_MESSAGE_BYTES
 from profstream.kafka.topics import Topics
 from profstream.processors.assembler import RankAssembler
@@ -396,12 +397,16 @@ class RunStage:
         return Output(self.topics.run, run_id.encode(), encode_run_step_metrics(record), None)
 
 
+# The topics a processor reads and writes (base names): on a broker with ACLs it sees no other.
+PROCESSOR_TOPICS = ("raw", "steps", "run", "alerts", "dlq", "state", "run-state")
+
+
 class Processor:
     """A processor process: the step stage and (by default) the run stage, each in its own
     consumer group and thread, exactly once. ``instance_id`` must be unique per process and
     stable across its restarts."""
 
-    def __init__(self, bootstrap: str, topics: Topics, group_id: str = "profstream-processor",
+    def __init__(self, conn: Connection | str, topics: Topics, group_id: str = "profstream-processor",
                  instance_id: str = "0", grace_s: float = 2.0, idle_timeout_s: float = 60.0,
                  run_grace_s: float = 10.0, figure_options: FigureOptions | None = None,
                  commit_interval_ms: float = 100.0, stages: str = "all", compression: str = "lz4",
@@ -416,20 +421,20 @@ class Processor:
         # loop commits and thrown away when it aborts.
         if stages in ("all", "steps"):
             counts = StageCounts()
-            self.step_stage = StepStage(topics, _partition_count(bootstrap, topics.steps), counts,
+            self.step_stage = StepStage(topics, _partition_count(conn, topics.steps), counts,
                                         grace_s, idle_timeout_s, figure_options)
             self.loops.append(TransactionalLoop(
-                bootstrap, self.step_stage, group_id, instance_id, commit_interval_ms, compression=compression,
+                conn, self.step_stage, group_id, instance_id, commit_interval_ms, compression=compression,
                 on_commit=lambda _n, c=counts: self.health.commit(c, transaction=True), on_abort=counts.clear,
                 max_outage_s=max_outage_s))
         if stages in ("all", "run"):
             counts = StageCounts(keep_step_ends=False)
             self.run_stage = RunStage(topics, counts, run_grace_s, idle_timeout_s)
             self.loops.append(TransactionalLoop(
-                bootstrap, self.run_stage, f"{group_id}-run", instance_id, commit_interval_ms,
+                conn, self.run_stage, f"{group_id}-run", instance_id, commit_interval_ms,
                 compression=compression, on_commit=lambda _n, c=counts: self.health.commit(c),
                 on_abort=counts.clear, max_outage_s=max_outage_s))
-        self._lag = LagProbe(bootstrap, group_id, topics.raw) if self.step_stage is not None else None
+        self._lag = LagProbe(conn, group_id, topics.raw) if self.step_stage is not None else None
         self.health.bind(self)
         self._stop = threading.Event()
 
@@ -474,10 +479,10 @@ class Processor:
         return self._lag is None or self._lag.reachable
 
 
-def _partition_count(bootstrap: str, topic: str) -> int:
+def _partition_count(conn: Connection | str, topic: str) -> int:
     from profstream.kafka.clients import make_consumer
 
-    consumer = make_consumer(bootstrap, group_id=None)
+    consumer = make_consumer(conn, group_id=None)
     try:
         parts = consumer.partitions_for_topic(topic)
     finally:

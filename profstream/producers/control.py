@@ -34,6 +34,7 @@ from profstream.control.records import (
     rank_in,
 )
 from profstream.kafka.clients import make_native_producer, native_consumer_config
+from profstream.kafka.connection import Connection
 from profstream.kafka.topics import Topics
 from profstream.producers.capture_plan import CapturePlan
 from profstream.schema.codec import DecodeError
@@ -49,6 +50,7 @@ class Owner(Protocol):
     """What the reader reads of the Monitor it serves."""
 
     options: dict[str, Any]
+    connection: Connection
     run_id: str
     rank: int
     producer_id: str
@@ -66,7 +68,7 @@ class ControlReader(threading.Thread):
         self.key = control_key(owner.run_id)
         self.since_ms = int(time.time() * 1000) if since_ms is None else since_ms
         opts = owner.options
-        self._servers = opts["bootstrap"]
+        self._conn = owner.connection
         self._connect_timeout = opts["connect_timeout_s"]
         self._stopping = threading.Event()
         self._consumer: confluent_kafka.Consumer | None = None
@@ -168,7 +170,7 @@ class ControlReader(threading.Thread):
     def _send(self, status: dict) -> None:
         if self._producer is None:
             try:
-                self._producer = make_native_producer(self._servers, compression=None,
+                self._producer = make_native_producer(self._conn, compression=None,
                                                       bootstrap_timeout_ms=int(self._connect_timeout * 1000))
             except Exception as e:
                 self.statuses_undelivered += 1
@@ -195,7 +197,7 @@ class ControlReader(threading.Thread):
         consumer = None
         try:
             # never subscribes or commits: the group id is required by librdkafka, unused by the broker
-            config = native_consumer_config(self._servers, f"profstream-control-{self.owner.producer_id}",
+            config = native_consumer_config(self._conn, f"profstream-control-{self.owner.producer_id}",
                                             **{"queued.max.messages.kbytes": 1024, "fetch.max.bytes": 1 << 20,
                                                "max.partition.fetch.bytes": 1 << 20})
             config["error_cb"] = self._on_client_error
@@ -238,7 +240,7 @@ class ControlReader(threading.Thread):
             # info: the Sender's one warning per outage already says that Kafka is down
             self._warned_down = True
             log.info("profstream: capture requests for run %s cannot be read from %s (%s: %s); no captures "
-                        "on request until Kafka answers again", self.owner.run_id, self._servers,
+                        "on request until Kafka answers again", self.owner.run_id, self._conn,
                         type(error).__name__, error)
 
     def _mark_up(self) -> None:

@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import sys
 import time
 import uuid
 import weakref
 from typing import Any
 
-from profstream.config import MONITOR_OPTIONS, check_monitor_options, resolve
+from profstream.config import MONITOR_OPTIONS, check_monitor_options, option_given, resolve
 from profstream.devices.backend import DeviceSample
+from profstream.kafka.connection import Connection
 from profstream.kafka.topics import Topics
 from profstream.producers.buffer import EventBuffer
 from profstream.schema.batch import END_MARK, NO_VALUE
@@ -135,9 +137,13 @@ class Monitor:
     >>> mon.close()
     """
 
-    def __init__(self, sender_factory: Any = None, **options: Any) -> None:
+    def __init__(self, sender_factory: Any = None, connection: Connection | None = None, **options: Any) -> None:
         self.options = opts = resolve(MONITOR_OPTIONS, options, keywords=True)
         check_monitor_options(opts)
+        # every Kafka client of this Monitor (sender, capture requests) uses this one connection:
+        # ``connection`` (a command's, built once), else the options' (bootstrap, kafka_config...)
+        self.connection = connection or Connection.from_options(
+            opts, bootstrap_given=option_given("bootstrap", options, os.environ))
         self.run_id: str = opts["run_id"]
         self.rank: int = opts["rank"]
         self.topics = Topics(opts["topic_prefix"])

@@ -24,6 +24,7 @@ from typing import Any
 import confluent_kafka
 
 from profstream.kafka.clients import monitor_producer_settings
+from profstream.kafka.connection import Connection
 from profstream.kafka.limits import MAX_MESSAGE_BYTES
 from profstream.producers import native
 from profstream.producers.sender import (
@@ -42,7 +43,7 @@ _librdkafka_log = logging.getLogger("kafka.librdkafka")
 STEADY_S = 10.0  # the longest the thread stays in native code while nothing needs Python
 
 
-def make_direct_producer(bootstrap: str, compression: str | None = "lz4", bootstrap_timeout_ms: int = 5000,
+def make_direct_producer(conn: Connection | str, compression: str | None = "lz4", bootstrap_timeout_ms: int = 5000,
                          on_error: Any = None, *, topic: str, key: bytes, sink: Any) -> Any:
     """The native sender's producer: librdkafka with the Monitor's settings
     (``kafka.clients.monitor_producer_settings``), sending to ``topic`` with ``key``, its
@@ -52,7 +53,11 @@ def make_direct_producer(bootstrap: str, compression: str | None = "lz4", bootst
     module, why = native.load()
     if module is None:
         raise RuntimeError(why)
-    return module.Producer(monitor_producer_settings(bootstrap, compression), topic, key, sink, bootstrap_timeout_ms)
+    conn = Connection.of(conn)
+    try:
+        return module.Producer(monitor_producer_settings(conn, compression), topic, key, sink, bootstrap_timeout_ms)
+    except (ValueError, ConnectionError) as e:  # librdkafka's words may quote a setting's value: never a secret's
+        raise type(e)(conn.redact(str(e))) from None
 
 
 class NativeSender(Sender):

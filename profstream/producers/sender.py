@@ -23,6 +23,7 @@ import numpy as np
 import psutil
 
 from profstream.kafka.clients import make_native_producer, refused
+from profstream.kafka.connection import Connection
 from profstream.kafka.limits import MAX_MESSAGE_BYTES
 from profstream.kafka.topics import Topics
 from profstream.producers.buffer import EventBuffer, OpChunk, rows_chunk
@@ -58,6 +59,8 @@ COLLECTIVE_ROWS_PER_BATCH = 1024  # their names travel with them: a smaller batc
 # the sender thread wakes once per message rather than once per step: on a box with no
 # idle core every wake-up of a profstream thread is taken from the training loop.
 IDLE_SEND_S = 1.0
+# The topics a Monitor writes: on a broker with ACLs it may create (and see) no other.
+MONITOR_TOPICS = ("raw", "control")
 _CHECK_BOOTSTRAP = "; check --bootstrap (PROFSTREAM_BOOTSTRAP) or start a broker with `profstream stack up`"
 
 
@@ -65,6 +68,7 @@ class Source(Protocol):
     """What the Sender reads of the Monitor it sends for."""
 
     options: dict[str, Any]
+    connection: Connection
     run_id: str
     rank: int
     producer_id: str
@@ -364,7 +368,7 @@ class Sender(SpoolSending, threading.Thread):
             level = logging.WARNING if self._acked() or not self._warned_down else logging.INFO
             log.log(level, "profstream: %d ops and %d samples of %s rank %d never reached Kafka at %s: they are "
                     "counted as dropped%s", lost_ops, lost_samples, self.m.run_id, self.m.rank,
-                    self.m.options["bootstrap"], "" if self._acked() else _CHECK_BOOTSTRAP)
+                    self.m.connection, "" if self._acked() else _CHECK_BOOTSTRAP)
 
     def _drop_unsent(self) -> tuple[int, int]:
         """Forget the batches built and not handed to Kafka; (ops, samples) of those and of
@@ -434,9 +438,8 @@ class Sender(SpoolSending, threading.Thread):
             return self._attempted(now, *attempt.outcome)
         if now < self._next_connect:
             return False
-        opts = self.m.options
         if self._down_since is None and not self._acked():  # the first attempt: a wrong address is said at once
-            why = refused(opts["bootstrap"])
+            why = refused(self.m.connection)
             if why is not None:
                 self._mark_down(now, ConnectionError(why))
         if self._spool is not None:
@@ -452,13 +455,13 @@ class Sender(SpoolSending, threading.Thread):
         """A producer that reached a broker, the topics there; raises what failed."""
         opts = self.m.options
         producer = self._producer_factory(
-            opts["bootstrap"], compression=opts["compression"],
+            self.m.connection, compression=opts["compression"],
             bootstrap_timeout_ms=int(self._connect_timeout * 1000), on_error=self._on_client_error,
             **self._producer_options())
         try:
             from profstream.kafka.topics import ensure_topics
 
-            ensure_topics(opts["bootstrap"], self.m.topics, timeout=self._connect_timeout)
+            ensure_topics(self.m.connection, self.m.topics, timeout=self._connect_timeout, needed=MONITOR_TOPICS)
         except Exception:
             producer.close(timeout=0)
             raise
@@ -496,12 +499,12 @@ class Sender(SpoolSending, threading.Thread):
                      f"buffered up to {self.m.options['buffer_bytes'] >> 20} MiB and then dropped and counted")
             log.warning("profstream: Kafka at %s is not reachable (%s); training continues, events are %s. Check "
                         "--bootstrap or start a broker with `profstream stack up`.",
-                        self.m.options["bootstrap"], type(error).__name__, where)
+                        self.m.connection, type(error).__name__, where)
 
     def _mark_up(self) -> None:
         if self._warned_down:
             log.warning("profstream: Kafka at %s reachable again; %d ops dropped so far",
-                        self.m.options["bootstrap"], self.buffer.dropped_ops + self._undelivered_totals()[0])
+                        self.m.connection, self.buffer.dropped_ops + self._undelivered_totals()[0])
         self._down_since = None
         self._warned_down = False
 
@@ -810,7 +813,7 @@ class Sender(SpoolSending, threading.Thread):
         self.join(timeout=max(1.0, deadline - time.monotonic()))  # about ``timeout`` in all
         if self.is_alive() and not self._acked() and not self._warned_down:  # still in its first connect
             log.warning("profstream: Kafka at %s was not reached before the Monitor closed: %s rank %d's events "
-                        "were not sent%s", self.m.options["bootstrap"], self.m.run_id, self.m.rank,
+                        "were not sent%s", self.m.connection, self.m.run_id, self.m.rank,
                         _CHECK_BOOTSTRAP)
         return ok and not self._has_pending()
 

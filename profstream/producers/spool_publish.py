@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
+from profstream.kafka.connection import Connection
 from profstream.producers.spool import Spool, SpoolError, list_segments
 
 # At most this many bytes handed to librdkafka and not yet acknowledged.
@@ -88,7 +89,7 @@ def show_spool(root: str | Path, run_id: str | None = None) -> list[RankSpool]:
     return out
 
 
-def publish_spool(root: str | Path, bootstrap: str, topic_prefix: str = "profstream", run_id: str | None = None,
+def publish_spool(root: str | Path, conn: Connection | str, topic_prefix: str = "profstream", run_id: str | None = None,
                   keep: bool = False, timeout_s: float = 120.0) -> list[RankSpool]:
     """Send every rank spool under ``root`` (or ``run_id``'s) to ``<topic_prefix>.raw``.
     Raises ConnectionError when no broker answers, TimeoutError when Kafka has not
@@ -101,9 +102,9 @@ def publish_spool(root: str | Path, bootstrap: str, topic_prefix: str = "profstr
     if not folders:
         return []
     topics = Topics(topic_prefix)
-    producer = make_native_producer(bootstrap, bootstrap_timeout_ms=10000)
+    producer = make_native_producer(conn, bootstrap_timeout_ms=10000)
     try:
-        ensure_topics(bootstrap, topics)
+        ensure_topics(conn, topics, needed=("raw",))
         return [_publish_rank(producer, topics.raw, run, rank, path, keep, timeout_s)
                 for run, rank, path in folders]
     finally:

@@ -44,6 +44,7 @@ from fastavro.schema import to_parsing_canonical_form
 from fastavro.write import Writer
 
 from profstream.config import ConfigError, check_name
+from profstream.kafka.connection import Connection
 from profstream.offline.archive import (
     OPEN_SUFFIX,
     ArchiveError,
@@ -497,7 +498,7 @@ class ArchiveProgress:
     elapsed_s: float
 
 
-def run_archive(bootstrap: str, topics: Iterable[str], out_dir: Path | str, stop: threading.Event,
+def run_archive(conn: Connection | str, topics: Iterable[str], out_dir: Path | str, stop: threading.Event,
                 group_id: str = "profstream-archive", instance_id: str = "0",
                 progress: Callable[[ArchiveProgress], None] | None = None,
                 ready: Callable[[ArchiveSink], None] | None = None, wait_topics_s: float = 0.0,
@@ -507,7 +508,7 @@ def run_archive(bootstrap: str, topics: Iterable[str], out_dir: Path | str, stop
     partitions back at once."""
     sink = ArchiveSink(out_dir, **sink_options)
     try:
-        loop = SinkLoop(bootstrap, list(topics), group_id, sink, wait_topics_s=wait_topics_s,
+        loop = SinkLoop(conn, list(topics), group_id, sink, wait_topics_s=wait_topics_s,
                         group_instance_id=f"{group_id}-{instance_id}")
     except BaseException:
         sink.abandon()

@@ -27,6 +27,7 @@ from prometheus_client import generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
+from profstream.kafka.connection import Connection
 from profstream.kafka.topics import Topics
 from profstream.metrics_server import serve_metrics
 from profstream.processors.health import FRESHNESS_BUCKETS
@@ -425,13 +426,13 @@ class ExporterState:
         ]
 
 
-def read_alerts(bootstrap: str, topic: str, timeout: float = 10.0) -> list[dict]:
+def read_alerts(conn: Connection | str, topic: str, timeout: float = 10.0) -> list[dict]:
     """Every Alert on ``topic`` up to its current end (undecodable ones left out)."""
     from kafka import TopicPartition
 
     from profstream.kafka.clients import make_consumer, position_by
 
-    consumer = make_consumer(bootstrap, group_id=None)
+    consumer = make_consumer(conn, group_id=None)
     alerts: list[dict] = []
     try:
         tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
@@ -466,11 +467,11 @@ class PrometheusExporter:
     """``ExporterState`` fed by a ``SinkLoop`` and served over HTTP: ``serve()``, then
     ``run()`` (blocking) until ``stop()``."""
 
-    def __init__(self, bootstrap: str, topics: Topics, port: int = DEFAULT_PORT, addr: str = "0.0.0.0",
+    def __init__(self, conn: Connection | str, topics: Topics, port: int = DEFAULT_PORT, addr: str = "0.0.0.0",
                  group_id: str = DEFAULT_GROUP, ttl_s: float = DEFAULT_TTL_S,
                  top_k: int = DEFAULT_TOP_K, top_ranks: int | None = DEFAULT_TOP_RANKS,
                  wait_topics_s: float = 0.0) -> None:
-        self.bootstrap = bootstrap
+        self.conn = conn
         self.wait_topics_s = wait_topics_s
         self.topics = topics
         self.port = port
@@ -491,8 +492,8 @@ class PrometheusExporter:
             raise ExporterError(f"cannot serve metrics on {self.addr}:{self.port} ({e.strerror or e}): "
                                 "choose another --port") from None
         try:
-            self.state.seed_stalls(read_alerts(self.bootstrap, self.topics.alerts))
-            self._loop = SinkLoop(self.bootstrap, [self.topics.steps, self.topics.run, self.topics.alerts],
+            self.state.seed_stalls(read_alerts(self.conn, self.topics.alerts))
+            self._loop = SinkLoop(self.conn, [self.topics.steps, self.topics.run, self.topics.alerts],
                                   self.group_id, self.state, wait_topics_s=self.wait_topics_s)
             self.state.source = self._loop
         except RuntimeError as e:  # a missing topic: SinkLoop says which
@@ -522,13 +523,13 @@ class PrometheusExporter:
             self._server = None
 
 
-def start_exporter(bootstrap: str, topics: Topics, port: int = DEFAULT_PORT, addr: str = "0.0.0.0",
+def start_exporter(conn: Connection | str, topics: Topics, port: int = DEFAULT_PORT, addr: str = "0.0.0.0",
                    group_id: str = DEFAULT_GROUP, ttl_s: float = DEFAULT_TTL_S, top_k: int = DEFAULT_TOP_K,
                    top_ranks: int | None = DEFAULT_TOP_RANKS) -> tuple[str, Callable[[], None]]:
     """Start an exporter on a background thread: (its /metrics URL, a function that stops it).
 
     Raises ``ExporterError`` (one line) when the port is taken or a topic is missing."""
-    exporter = PrometheusExporter(bootstrap, topics, port, addr, group_id, ttl_s, top_k, top_ranks)
+    exporter = PrometheusExporter(conn, topics, port, addr, group_id, ttl_s, top_k, top_ranks)
     url = exporter.serve()
     errors: list[BaseException] = []
 

@@ -37,6 +37,7 @@ from kafka.errors import (
 from kafka.structs import OffsetAndMetadata
 
 from profstream.kafka.clients import consumer_lag, make_consumer
+from profstream.kafka.connection import Connection
 
 log = logging.getLogger("profstream.sink")
 
@@ -72,12 +73,12 @@ class Sink(Protocol):
 class SinkLoop:
     """Consume ``topics`` in consumer group ``group_id`` and feed ``sink``."""
 
-    def __init__(self, bootstrap: str, topics: Sequence[str], group_id: str, sink: Sink,
+    def __init__(self, conn: Connection | str, topics: Sequence[str], group_id: str, sink: Sink,
                  poll_ms: int = 100, from_beginning: bool = True, wait_topics_s: float = 0.0,
                  **consumer_options: Any) -> None:
         self.sink = sink
         self.poll_ms = poll_ms
-        self._consumer = make_consumer(bootstrap, group_id=group_id,
+        self._consumer = make_consumer(conn, group_id=group_id,
                                        auto_offset_reset="earliest" if from_beginning else "latest",
                                        **consumer_options)
         try:  # know the partitions before joining (see processors/checkpoint.py)
@@ -173,13 +174,13 @@ class SinkLoop:
             self._consumer.close()
 
 
-def run_sink(bootstrap: str, topics: Sequence[str], group_id: str, sink: Sink, stop: threading.Event,
+def run_sink(conn: Connection | str, topics: Sequence[str], group_id: str, sink: Sink, stop: threading.Event,
              ready: Callable[[], None] | None = None, wait_topics_s: float = 0.0, **consumer_options: Any) -> None:
     """Feed ``sink`` from ``topics`` until ``stop`` is set, calling ``ready()`` once the
     consumer is subscribed. A topic still missing after ``wait_topics_s`` raises
     RuntimeError (one line) after closing the sink."""
     try:
-        loop = SinkLoop(bootstrap, topics, group_id, sink, wait_topics_s=wait_topics_s, **consumer_options)
+        loop = SinkLoop(conn, topics, group_id, sink, wait_topics_s=wait_topics_s, **consumer_options)
     except RuntimeError:
         close = getattr(sink, "close", None)
         if close is not None:

@@ -7,6 +7,7 @@ import struct
 import time
 from collections.abc import Callable
 
+from profstream.kafka.connection import Connection
 from profstream.stack.errors import StackError
 
 _API_VERSIONS = 18
@@ -131,19 +132,27 @@ def live_brokers(address: str, timeout: float) -> int | None:
         return None
 
 
-def wait_for_broker(bootstrap: str, timeout: float, alive: Callable[[], None] | None = None,
+def wait_for_broker(conn: Connection | str, timeout: float, alive: Callable[[], None] | None = None,
                     brokers: int = 1) -> None:
-    """Poll until a broker at ``bootstrap`` answers a Metadata request listing at least
+    """Poll until a broker at ``conn`` answers a Metadata request listing at least
     ``brokers`` live brokers (a cluster: all of them).
 
     Uses a raw ApiVersions + Metadata exchange on a socket bounded by the deadline, so
-    it never blocks longer than ``timeout``. Raises :class:`StackError` on the deadline.
-    ``alive`` is called between attempts (it may raise to give up early).
+    it never blocks longer than ``timeout`` (a TLS or SASL connection: librdkafka's
+    metadata request, ``_wait_secured``). Raises :class:`StackError` on the deadline, and
+    at once when the broker answers but refuses this connection (credentials,
+    certificate, TLS vs plaintext: one line that says which). ``alive`` is called between
+    attempts (it may raise to give up early).
     """
+    conn = Connection.of(conn)
+    bootstrap = conn.bootstrap
     try:
         _split_bootstrap(bootstrap)
     except ValueError as exc:
         raise StackError(f"{exc}: pass e.g. 127.0.0.1:9092") from exc
+    if conn.secured:
+        _wait_secured(conn, timeout, alive, brokers)
+        return
     start = time.monotonic()
     deadline = start + max(timeout, 0.0)
     delay = 0.05
@@ -154,6 +163,12 @@ def wait_for_broker(bootstrap: str, timeout: float, alive: Callable[[], None] | 
         reason = _answers(bootstrap, attempt_deadline, brokers) or ""
         if not reason:
             return
+        if reason.startswith("connection closed") or reason.startswith("not a Kafka response"):
+            from profstream.kafka.diagnose import handshake_problem
+
+            mismatch = handshake_problem(conn, max(0.1, min(3.0, deadline - time.monotonic())))
+            if mismatch is not None:  # a TLS listener: waiting longer cannot help
+                raise StackError(mismatch)
         if alive is not None:
             alive()
         now = time.monotonic()
@@ -164,4 +179,58 @@ def wait_for_broker(bootstrap: str, timeout: float, alive: Callable[[], None] | 
     raise StackError(
         f"broker at {bootstrap} did not answer within {timeout:g} s ({reason}): "
         "check the address / start one with `profstream stack up`"
+    )
+
+
+def _wait_secured(conn: Connection, timeout: float, alive: Callable[[], None] | None, brokers: int) -> None:
+    """wait_for_broker for a TLS or SASL connection: librdkafka's metadata request with the
+    connection's settings, until it lists ``brokers`` brokers; a security problem (what
+    ``diagnose.explain`` names in librdkafka's errors, or the TLS handshake shows) ends
+    the wait at once."""
+    import logging
+
+    import confluent_kafka
+
+    from profstream.kafka.diagnose import expired_files, explain, handshake_problem
+
+    problem = expired_files(conn)
+    if problem is not None:
+        raise StackError(problem)
+    errors: list[str] = []
+    client = confluent_kafka.Producer(dict(conn.librdkafka(), **{
+        "logger": logging.getLogger("kafka.librdkafka"), "error_cb": lambda err: errors.append(err.str())}))
+    deadline = time.monotonic() + max(timeout, 0.0)
+    reason = "not tried"
+    checked_handshake = False
+    try:
+        while True:
+            try:
+                listed = len(client.list_topics(timeout=max(0.1, min(2.0, deadline - time.monotonic()))).brokers)
+                if listed >= brokers:
+                    return
+                reason = f"metadata lists {listed} of {brokers} brokers"
+            except confluent_kafka.KafkaException as e:
+                reason = conn.redact(str(e.args[0].str() if e.args else e))
+            client.poll(0)
+            for text in errors:
+                why = explain(conn, text)
+                if why is not None:
+                    raise StackError(why)
+            if errors and not checked_handshake:  # librdkafka's words may be vague: ask the handshake
+                checked_handshake = True
+                why = handshake_problem(conn, max(0.1, min(3.0, deadline - time.monotonic())))
+                if why is not None:
+                    raise StackError(why)
+            if errors:
+                reason = conn.redact(errors[-1])
+            if alive is not None:
+                alive()
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.1)
+    finally:
+        client.purge()
+    raise StackError(
+        f"broker at {conn.describe()} did not answer within {timeout:g} s ({reason}): "
+        "check the address and the Kafka client properties"
     )
