@@ -43,18 +43,20 @@ class Finding:
 
 def run_checks(bootstrap: str | None = None, topic_prefix: str = "profstream", gpu: bool = False,
                build_walk: bool = False, broker_timeout_s: float = BROKER_TIMEOUT_S,
-               kafka: dict | None = None) -> list[Finding]:
+               kafka: dict | None = None, role: str | None = None, groups: tuple[str, ...] = ()) -> list[Finding]:
     """Every check, in the order a user sets profstream up. ``bootstrap``: the broker to
     check (else $PROFSTREAM_BOOTSTRAP, bootstrap.servers of the client properties, or the
     running local stack, if any), waited for ``broker_timeout_s``; ``kafka``: the
     kafka_config / kafka_properties arguments (the connection's security); ``gpu``: NVML
-    must be there; ``build_walk``: build the compiled trace walk if it is not built."""
+    must be there; ``build_walk``: build the compiled trace walk if it is not built;
+    ``role``: check each ACL that role needs on the topics of ``topic_prefix`` (``groups``:
+    its consumer groups), with the connection's own credentials."""
     broker, problem = _known_broker(bootstrap, kafka or {})
     if problem is not None:
         broker = problem
     findings = [check_python(), check_options(), check_native_monitor(), check_java(local_broker=broker is None),
                 check_kafka_jars(local_broker=broker is None)]
-    findings += check_broker(broker, topic_prefix, broker_timeout_s)
+    findings += check_broker(broker, topic_prefix, broker_timeout_s, role, groups)
     findings += [check_prometheus(), *check_torch(build_walk), check_nvml(gpu), check_ports()]
     return findings
 
@@ -156,9 +158,10 @@ def _known_broker(bootstrap: str | None, kafka: dict) -> tuple[Connection | None
 
 
 def check_broker(conn: Connection | str | None, topic_prefix: str,
-                 timeout_s: float = BROKER_TIMEOUT_S) -> list[Finding]:
+                 timeout_s: float = BROKER_TIMEOUT_S, role: str | None = None,
+                 groups: tuple[str, ...] = ()) -> list[Finding]:
     """The broker answers this connection (its credentials and certificates too), and has
-    the topics of ``topic_prefix``."""
+    the topics of ``topic_prefix``; with ``role``, each ACL the role needs there."""
     from kafka.errors import KafkaError
 
     from profstream.kafka.connection import Connection
@@ -178,6 +181,8 @@ def check_broker(conn: Connection | str | None, topic_prefix: str,
         return [Finding("broker", FAIL, f"{bootstrap} does not answer", f"{e}; start it (profstream stack up) "
                         "or give the right --bootstrap")]
     found = [Finding("broker", OK, f"{bootstrap} answers")]
+    if role is not None:
+        return found + check_acls(conn, role, topic_prefix, groups, timeout_s)
     try:
         missing = missing_topics(conn, Topics(validate_prefix(topic_prefix)), timeout_s)
     except ValueError as e:
@@ -189,6 +194,34 @@ def check_broker(conn: Connection | str | None, topic_prefix: str,
         return found + [Finding("topics", WARN, f"missing: {', '.join(missing)}",
                                 "created by the first profstream process (or producer) with this --topic-prefix")]
     return found + [Finding("topics", OK, f"all {len(Topics(topic_prefix).all())} of {topic_prefix}.*")]
+
+
+def check_acls(conn: Connection, role: str, topic_prefix: str, groups: tuple[str, ...],
+               timeout_s: float) -> list[Finding]:
+    """Each ACL of ``role`` (profstream.kafka.acls), as the broker grants it to ``conn``."""
+    from profstream.kafka.acls import ROLES, check_role
+    from profstream.kafka.topics import Topics, validate_prefix
+
+    if role not in ROLES:
+        return [Finding("ACLs", FAIL, f"unknown role {role!r}", f"use one of {', '.join(ROLES)}")]
+    try:
+        topics = Topics(validate_prefix(topic_prefix))
+        results = check_role(conn, role, topics, groups, timeout=max(timeout_s, 5.0))
+    except ValueError as e:
+        return [Finding("ACLs", FAIL, f"cannot check the ACLs of {role}", str(e))]
+    except Exception as e:  # the broker went away meanwhile
+        return [Finding("ACLs", FAIL, f"cannot check the ACLs of {role}", conn.redact(f"{type(e).__name__}: {e}"))]
+    user = conn.principal()
+    fix = (f"an admin gives them: profstream acl apply --role {role} --user {user} --topic-prefix {topic_prefix}"
+           + "".join(f" --group {g}" for g in groups) + " -F admin.properties")
+    out = [Finding("ACL", FAIL, f"{acl.line()}: missing", fix) for acl, why in results if why == "missing"]
+    out += [Finding("ACL", INFO, f"{acl.line()}: {why}") for acl, why in results if why not in (None, "missing")]
+    granted = sum(why is None for _acl, why in results)
+    out.insert(0, Finding("ACLs", OK if granted == len(results) else WARN if not any(
+        why == "missing" for _a, why in results) else FAIL,
+        f"{granted} of the {len(results)} ACLs of a {role} granted to User:{user} on {topic_prefix}.*",
+        "" if granted == len(results) else fix))
+    return out
 
 
 # -- tools and frameworks ------------------------------------------------------------------

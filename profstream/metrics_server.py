@@ -22,6 +22,8 @@ from collections.abc import Callable
 
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
+from profstream.web_config import WebConfig
+
 LISTEN_BACKLOG = 1024
 MAX_AGE_S = 0.05  # a scrape's figures are at most this much older than the scrape
 WORKERS = 4  # threads answering scrapes; a slow or silent client holds one of them for up to 10 s
@@ -91,14 +93,22 @@ class _Handler(socketserver.StreamRequestHandler):
     def handle(self) -> None:
         request = self.rfile.readline(8192).split()
         gzip_ok = False
-        while True:  # the headers: only Accept-Encoding matters
+        authorization = None
+        while True:  # the headers: Accept-Encoding, and Authorization where a web config asks for it
             line = self.rfile.readline(8192)
             if line in (b"\r\n", b"\n", b""):
                 break
             if line[:16].lower() == b"accept-encoding:" and b"gzip" in line.lower():
                 gzip_ok = True
+            elif line[:14].lower() == b"authorization:":
+                authorization = line[14:].strip()
         if len(request) < 2 or request[0] not in (b"GET", b"HEAD"):
             self._answer(b"405 Method Not Allowed", b"text/plain", b"GET /metrics\n")
+            return
+        web = self.server.web
+        if web is not None and not web.authorized(authorization):
+            self._answer(b"401 Unauthorized", b"text/plain", b"Unauthorized\n",
+                         extra=b"\r\nWWW-Authenticate: Basic realm=\"" + self.server.name.encode() + b"\"")
             return
         if request[1].split(b"?", 1)[0] not in (b"/", b"/metrics"):
             self._answer(b"404 Not Found", b"text/plain", f"the {self.server.name} endpoint serves /metrics\n".encode())
@@ -108,9 +118,9 @@ class _Handler(socketserver.StreamRequestHandler):
         self._answer(b"200 OK", self.server.content_type, body, gzip_ok, head_only=request[0] == b"HEAD")
 
     def _answer(self, status: bytes, content_type: bytes, body: bytes, gzipped: bool = False,
-                head_only: bool = False) -> None:
+                head_only: bool = False, extra: bytes = b"") -> None:
         head = (b"HTTP/1.0 " + status + b"\r\nContent-Type: " + content_type + b"\r\nContent-Length: "
-                + str(len(body)).encode() + (b"\r\nContent-Encoding: gzip" if gzipped else b"")
+                + str(len(body)).encode() + (b"\r\nContent-Encoding: gzip" if gzipped else b"") + extra
                 + b"\r\nConnection: close\r\n\r\n")
         self.wfile.write(head if head_only else head + body)
 
@@ -124,9 +134,10 @@ class MetricsServer(socketserver.TCPServer):
     request_queue_size = LISTEN_BACKLOG
 
     def __init__(self, addr: str, port: int, shared: SharedRendering, name: str, content_type: str,
-                 workers: int = WORKERS) -> None:
+                 workers: int = WORKERS, web: WebConfig | None = None) -> None:
         self.address_family = socket.AF_INET6 if ":" in addr else socket.AF_INET
         self.shared, self.name, self.content_type = shared, name, content_type.encode()
+        self.web = web  # TLS and basic auth (profstream/web_config.py), or None
         super().__init__((addr, port), _Handler)
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         for i in range(workers):
@@ -143,6 +154,8 @@ class MetricsServer(socketserver.TCPServer):
         while True:
             request, client_address = self._requests.get()
             try:
+                if self.web is not None:  # the TLS handshake here, never on the accept loop
+                    request = self.web.wrap(request)
                 self.finish_request(request, client_address)
             except Exception:  # a client that went away: not worth a traceback
                 pass
@@ -154,10 +167,12 @@ class MetricsServer(socketserver.TCPServer):
 
 
 def serve_metrics(addr: str, port: int, render: Callable[[], bytes], name: str = "profstream",
-                  content_type: str = CONTENT_TYPE_PLAIN_0_0_4, max_age_s: float = MAX_AGE_S) -> MetricsServer:
+                  content_type: str = CONTENT_TYPE_PLAIN_0_0_4, max_age_s: float = MAX_AGE_S,
+                  web: WebConfig | None = None) -> MetricsServer:
     """Serve ``render()`` on http://addr:port/metrics (and /) from a daemon thread; raises
     OSError when the port cannot be bound. ``server.shutdown()`` stops it. A scrape sees
-    figures at most ``max_age_s`` older than its own arrival."""
-    server = MetricsServer(addr, port, SharedRendering(render, max_age_s), name, content_type)
+    figures at most ``max_age_s`` older than its own arrival. ``web``: TLS and basic auth
+    (https, 401 without a user of its basic_auth_users)."""
+    server = MetricsServer(addr, port, SharedRendering(render, max_age_s), name, content_type, web=web)
     threading.Thread(target=server.serve_forever, name=f"{name}-http", daemon=True).start()
     return server

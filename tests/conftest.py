@@ -39,6 +39,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "kafka_bootstrap" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.kafka)
+        if "secure_stack" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.secure)
 
 
 @pytest.fixture(scope="session")
@@ -53,6 +55,21 @@ def kafka_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     broker = stack_up(state_dir=state_dir)
     try:
         yield broker.bootstrap
+    finally:
+        stack_down(state_dir=state_dir)
+
+
+@pytest.fixture(scope="session")
+def secure_stack(tmp_path_factory: pytest.TempPathFactory):
+    """The secured broker of `profstream stack up --secure` (SASL_SSL with SCRAM users,
+    mutual TLS, ACLs), started once per session: ``tests.secure.SecureStack``. Every test
+    using it is marked ``secure`` (make test-secure)."""
+    from tests.secure import SecureStack
+
+    state_dir = tmp_path_factory.mktemp("secure-stack")
+    stack_up(state_dir=state_dir, secure=True)
+    try:
+        yield SecureStack(state_dir)
     finally:
         stack_down(state_dir=state_dir)
 

@@ -22,6 +22,8 @@ from tests.helpers import raw_batches, wait_until
 from tests.test_capture import control_records, steps_with_ops
 from tests.test_processor import RunningProcessor, _alerts
 
+TOKEN = "a-test-token"
+
 
 class RunningService:
     """An AutoCaptureService on a thread, ready when entered, stopped on exit."""
@@ -29,7 +31,7 @@ class RunningService:
     def __init__(self, bootstrap, topics, policy, webhook=False):
         self.outcomes = []
         self.service = AutoCaptureService(bootstrap, topics, policy, on_outcome=self.outcomes.append)
-        self.url = self.service.serve_webhook(0, "127.0.0.1") if webhook else None
+        self.url = self.service.serve_webhook(0, "127.0.0.1", TOKEN) if webhook else None
         self.stop, self.ready = threading.Event(), threading.Event()
         self.thread = threading.Thread(target=self.service.run, args=(self.stop, self.ready.set), daemon=True)
 
@@ -44,8 +46,12 @@ class RunningService:
 
 
 def _requests(bootstrap, topics, run_id, count, timeout=30.0):
-    return [r for _n, r in control_records(bootstrap, topics, lambda x: x[0] == "CaptureRequest"
-                                           and x[1]["run_id"] == run_id, count, timeout)]
+    """The service's requests: on its own request topic (no authentication: ANONYMOUS's)."""
+    from profstream.control.records import decode_control
+    from profstream.kafka.clients import read_topic
+
+    return [r for _n, r in read_topic(bootstrap, topics.requests("ANONYMOUS"), lambda x: x[0] == "CaptureRequest"
+                                      and x[1]["run_id"] == run_id, count, timeout, decode=decode_control)]
 
 
 def test_a_data_stall_asks_for_one_capture_after_the_delay_and_the_rate_limit_holds(kafka_bootstrap, topics):
@@ -81,7 +87,8 @@ def test_a_data_stall_asks_for_one_capture_after_the_delay_and_the_rate_limit_ho
 
 
 def _post(url, body: bytes):
-    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"}, method="POST")
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json",
+                                                          "Authorization": f"Bearer {TOKEN}"}, method="POST")
     try:
         with urllib.request.urlopen(req, timeout=30) as answer:
             return answer.status, json.loads(answer.read())

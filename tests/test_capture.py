@@ -28,6 +28,7 @@ from profstream.control.records import (
 )
 from profstream.control.service import AutoCaptureService
 from profstream.kafka.clients import make_producer, read_topic
+from profstream.kafka.connection import Connection
 from profstream.producers.monitor import Monitor
 from profstream.schema.codec import DecodeError
 from profstream.sinks.runner import SinkLoop
@@ -42,7 +43,9 @@ class TrainingLoop:
     """Ranks of one run as Monitors, stepped together by one thread until stopped."""
 
     def __init__(self, bootstrap, topics, run_id, ranks, step_s=0.02, **options):
-        self.monitors = [Monitor(bootstrap=bootstrap, topic_prefix=topics.prefix, run_id=run_id, rank=r,
+        # a bootstrap address, or a Connection (the secured broker's: tests/test_secure_pipeline.py)
+        kafka = {"connection": bootstrap} if isinstance(bootstrap, Connection) else {"bootstrap": bootstrap}
+        self.monitors = [Monitor(**kafka, topic_prefix=topics.prefix, run_id=run_id, rank=r,
                                  world_size=ranks, scheduled_capture=False, host_sample_interval_s=0, **options)
                          for r in range(ranks)]
         self.step_s = step_s
@@ -174,8 +177,8 @@ def test_refusals_and_garbage_leave_the_training_loop_untouched(kafka_bootstrap,
             ghost = new_request("nobody-runs-this", steps=2)
             for request in (too_long, stale, far, second, ghost):
                 send_request(kafka_bootstrap, topics, request)
-            producer = make_producer(kafka_bootstrap)
-            producer.send(topics.control, b"definitely not avro", control_key("busy-run")).get(10)
+            producer = make_producer(kafka_bootstrap)  # the garbage where the ranks read requests
+            producer.send(topics.requests("ANONYMOUS"), b"definitely not avro", control_key("busy-run")).get(10)
             producer.close()
 
             def refusals(request, count):
@@ -206,7 +209,7 @@ def test_refusals_and_garbage_leave_the_training_loop_untouched(kafka_bootstrap,
         guard.join(30)
     (headers,) = [r.headers for r in _dlq_records(kafka_bootstrap, topics)]
     headers = dict(headers)
-    assert headers["reason"] == b"not_avro" and headers["origin"].startswith(f"{topics.control}/".encode())
+    assert headers["reason"] == b"not_avro" and headers["origin"].startswith(f"{topics.requests('ANONYMOUS')}/".encode())
 
 
 def _dlq_records(bootstrap, topics):
@@ -292,7 +295,8 @@ def test_the_report_sets_a_captured_window_s_op_types_beside_the_baseline(kafka_
                     rate="realtime", seed=5)
     out = tmp_path / "archive"
     stop = threading.Event()
-    sink = threading.Thread(target=run_archive, args=(kafka_bootstrap, [topics.raw, topics.control], out, stop),
+    sink = threading.Thread(target=run_archive, args=(kafka_bootstrap, [topics.raw, topics.control,
+                                                                        topics.requests_prefix], out, stop),
                             kwargs={"group_id": f"a-{topics.prefix}", "max_age_s": 0.5}, daemon=True)
     sink.start()
     request = new_request("reported", start_step=40, steps=5, reason="a test")
@@ -306,9 +310,9 @@ def test_the_report_sets_a_captured_window_s_op_types_beside_the_baseline(kafka_
     try:
         run_simulation(cfg, {"bootstrap": kafka_bootstrap, "topic_prefix": topics.prefix, "every_n_steps": 10})
         asker.join(60)
-        total = topic_size(kafka_bootstrap, topics.raw) + topic_size(kafka_bootstrap, topics.control)
+        total = sum(topic_size(kafka_bootstrap, t) for t in (topics.raw, topics.control, topics.requests("ANONYMOUS")))
         wait_until(lambda: sum(1 for f in finished_files(out) for r, _ in iter_file(f) if r) == total, 60,
-                   "the archive to hold every raw and control message")
+                   "the archive to hold every raw, control and request message")
     finally:
         stop.set()
         sink.join(30)
@@ -318,7 +322,7 @@ def test_the_report_sets_a_captured_window_s_op_types_beside_the_baseline(kafka_
     text = page.read_text()
     assert re.search(r'<table class="capture" data-rank="0" data-first="40" data-last="44">', text)
     (asked,) = re.findall(r'<p class="sub">asked by [^<]*</p>', text)
-    assert "a test" in asked, asked
+    assert "a test" in asked and "asked by ANONYMOUS" in asked, asked  # the broker's name for who sent it
     (window,) = re.findall(r"<p>Rank 0, steps 40–44 [^<]*", text)
     assert "4 earlier steps with ops" in window, window  # steps 0, 10, 20, 30
     truth = expected(cfg)

@@ -359,3 +359,23 @@ def test_fuzz_corrupted_messages_decode_or_raise_decode_error(good, data):
         decode_batch(bytes(raw))
     except DecodeError as e:
         assert e.reason in DecodeError.REASONS
+
+
+def test_a_capture_status_v1_still_decodes_without_a_requester():
+    """CaptureStatus v2 (issue 30) adds the authenticated requester and the request's reason:
+    a status written before reads with both empty, and v2 round-trips them."""
+    import io
+
+    from fastavro import schemaless_writer
+
+    from profstream.control.records import new_request, new_status
+
+    status = new_status({**new_request("r1", reason="why"), "requester": "alice"}, "finished", 3, first_step=1,
+                        last_step=2, ops=5)
+    assert decode("CaptureStatus", encode("CaptureStatus", status)) == status
+    assert (status["requester"], status["request_reason"]) == ("alice", "why")
+    v1 = VERSIONS[("CaptureStatus", 1)]
+    body = io.BytesIO()
+    schemaless_writer(body, v1.parsed, {k: v for k, v in status.items() if k not in ("requester", "request_reason")})
+    old = decode("CaptureStatus", v1.header + body.getvalue())
+    assert old == {**status, "requester": "", "request_reason": ""}

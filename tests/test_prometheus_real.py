@@ -34,7 +34,7 @@ def _free_port() -> int:
 class Prometheus:
     """A Prometheus server on a free loopback port with a temporary storage directory."""
 
-    def __init__(self, tmp: Path, targets: dict[str, int]) -> None:
+    def __init__(self, tmp: Path, targets: dict[str, int], scrape_configs: list[dict] | None = None) -> None:
         rules = yaml.safe_load((PROMETHEUS_DIR / "alerts.yml").read_text())
         for group in rules["groups"]:
             for rule in group["rules"]:
@@ -44,7 +44,7 @@ class Prometheus:
             "global": {"scrape_interval": INTERVAL, "scrape_timeout": INTERVAL, "evaluation_interval": INTERVAL},
             "rule_files": ["alerts.yml"],
             "scrape_configs": [{"job_name": job, "static_configs": [{"targets": [f"127.0.0.1:{port}"]}]}
-                               for job, port in targets.items()],
+                               for job, port in targets.items()] + (scrape_configs or []),
         }
         (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
         self.port = _free_port()

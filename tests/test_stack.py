@@ -238,7 +238,8 @@ def test_topics_fixture_creates_every_topic(kafka_bootstrap: str, topics: Topics
 
 def test_ensure_topics_is_idempotent_and_race_safe(kafka_bootstrap: str) -> None:
     t = Topics(prefix=f"t-ensure-{uuid.uuid4().hex[:8]}")
-    assert ensure_topics(kafka_bootstrap, t, raw_partitions=6, partitions=2) == t.all()
+    # without authentication every requester is ANONYMOUS: its request topic comes with the others
+    assert ensure_topics(kafka_bootstrap, t, raw_partitions=6, partitions=2) == t.all() + [t.requests("ANONYMOUS")]
     assert _partition_counts(kafka_bootstrap, t.all()) == {
         t.raw: 6,
         t.steps: 2,
@@ -270,7 +271,7 @@ def test_ensure_topics_is_idempotent_and_race_safe(kafka_bootstrap: str) -> None
     for th in threads:
         th.join(timeout=60)
     assert not errors, errors
-    assert sorted(results[0] + results[1]) == sorted(t2.all())
+    assert sorted(results[0] + results[1]) == sorted(t2.all() + [t2.requests("ANONYMOUS")])
 
 
 # --------------------------------------------------------------------------------------
@@ -304,7 +305,7 @@ def test_stack_up_reuse_status_down_restart(tmp_path: Path) -> None:
         assert stack_status(state) == broker
 
         t = Topics(prefix="keep")
-        assert ensure_topics(broker.bootstrap, t, raw_partitions=2) == t.all()
+        assert ensure_topics(broker.bootstrap, t, raw_partitions=2) == t.all() + [t.requests("ANONYMOUS")]
 
         assert stack_down(state) is True
         assert not _pid_alive(broker.pid)

@@ -29,6 +29,9 @@ sink_app = typer.Typer(help="Sinks: export the processed topics (Prometheus, Gra
                        no_args_is_help=True)
 app.add_typer(sink_app, name="sink")
 grafana_app = typer.Typer(help="Grafana dashboards and annotations.", no_args_is_help=True)
+acl_app = typer.Typer(help="Least privilege on a broker with ACLs: the ACLs of each role (trainer, processor, sink, "
+                           "capture, autocapture), shown or applied (docs/security.md).", no_args_is_help=True)
+app.add_typer(acl_app, name="acl")
 app.add_typer(grafana_app, name="grafana")
 export_app = typer.Typer(help="Files for notebooks from an archive.", no_args_is_help=True)
 
@@ -86,8 +89,6 @@ def monitor_kafka_options(conn: Connection) -> dict:
     its own ${env:...})."""
     args = kafka_arguments()
     if args["kafka_config"]:
-        from pathlib import Path
-
         args["kafka_config"] = str(Path(args["kafka_config"]).expanduser().resolve())
     return {"bootstrap": conn.bootstrap, **{k: v for k, v in args.items() if v is not None}}
 
@@ -134,6 +135,10 @@ DirOpt = Annotated[Path | None, typer.Option("--dir", help="state directory of t
 BootstrapOpt = Annotated[str | None, typer.Option(help="Kafka bootstrap servers host:port (default: "
                                                        "$PROFSTREAM_BOOTSTRAP, else the local `stack up` broker)")]
 PrefixOpt = Annotated[str, typer.Option(help="topic name prefix (<prefix>.raw, <prefix>.steps, ...)")]
+WebConfigOpt = Annotated[Path | None, typer.Option(
+    "--web-config", metavar="FILE",
+    help="TLS and basic auth of this endpoint: a web config file as Prometheus's exporters take it "
+         "(tls_server_config, basic_auth_users with bcrypt hashes; docs/security.md)")]
 KafkaConfigOpt = Annotated[str | None, typer.Option(
     "--kafka-config", "-F", metavar="FILE",
     help="Kafka client properties file (security.protocol, sasl.*, ssl.*: the standard names, as kcat -F or "

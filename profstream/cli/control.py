@@ -13,6 +13,7 @@ from profstream.cli.common import (
     KafkaConfigOpt,
     KafkaPropertyOpt,
     PrefixOpt,
+    WebConfigOpt,
     app,
     connect,
     err,
@@ -109,6 +110,7 @@ def capture(
         RUN_SEEN_S,
         follow,
         recent_requests,
+        request_topic,
         runs_seen,
         send_request,
     )
@@ -146,7 +148,8 @@ def capture(
         offset = send_request(boot, topics, request)
     except LookupError as e:
         fail(str(e))
-    err.print(f"sent capture request {request['request_id']} to {topics.control} (offset {offset})", highlight=False)
+    err.print(f"sent capture request {request['request_id']} to {request_topic(boot, topics)} (offset {offset})",
+              highlight=False)
     if seen is None:
         err.print(f"warning: the processors have shown no step of run {run} in the last {RUN_SEEN_S / 60:g} min: "
                   "is the run id right?", highlight=False, soft_wrap=True)
@@ -208,7 +211,7 @@ def _print_list(found, since_s: float) -> None:
 
     from rich.table import Table
 
-    from profstream.control.records import describe_request
+    from profstream.control.records import describe_request, who_asked
 
     table = Table(title=f"capture requests of the last {since_s / 3600:g} h")
     for col in ("sent (UTC)", "request", "what", "by", "reason", "states"):
@@ -222,7 +225,7 @@ def _print_list(found, since_s: float) -> None:
         if p.whole is not None:
             summary = f"{p.whole['state']}: {p.whole['reason']}"
         table.add_row(datetime.fromtimestamp(r["requested_ns"] / 1e9, UTC).strftime("%m-%d %H:%M:%S"),
-                      r["request_id"][:12], describe_request(r), r["requested_by"], r["reason"],
+                      r["request_id"][:12], describe_request(r), who_asked(r), r["reason"],
                       summary or "no answer")
     out.print(table)
 
@@ -233,14 +236,38 @@ PolicyOpt = Annotated[Path | None, typer.Option(help="the policy file (YAML; dep
                                                      "key and its default)")]
 
 
+TokenFileOpt = Annotated[Path | None, typer.Option(
+    help="file of the bearer token every POST must carry (Alertmanager: http_config.authorization."
+         "credentials_file; default: $PROFSTREAM_WEBHOOK_TOKEN itself); required with a webhook")]
+
+
+def _webhook_token(token_file: Path | None) -> str:
+    """The webhook's bearer token: --token-file, else $PROFSTREAM_WEBHOOK_TOKEN; one line
+    saying what to give when neither is there."""
+    import os
+
+    from profstream.web_config import read_token
+
+    if token_file is not None:
+        return read_token(token_file)
+    token = os.environ.get("PROFSTREAM_WEBHOOK_TOKEN", "").strip()
+    if not token:
+        fail("the webhook needs a bearer token: give --token-file FILE (or $PROFSTREAM_WEBHOOK_TOKEN) and the same "
+             "token to Alertmanager (http_config.authorization.credentials_file; deploy/alertmanager.yml)")
+    return token
+
+
 def _serve(bootstrap: str | None, topic_prefix: str, policy_file: Path | None, read_alerts: bool,
-           webhook_port: int, addr: str) -> None:
+           webhook_port: int, addr: str, token_file: Path | None = None, web_config: Path | None = None) -> None:
     """autocapture (read_alerts: it also guards the control topic) or webhook alone."""
     from profstream.control.policy import CapturePolicy
     from profstream.control.service import AutoCaptureService
+    from profstream.web_config import WebConfig
 
     try:
         policy = CapturePolicy.load(policy_file)
+        token = _webhook_token(token_file) if webhook_port else ""
+        web = WebConfig(web_config) if web_config is not None and webhook_port else None
     except ConfigError as e:
         fail(str(e))
     boot, topics = connect(bootstrap, topic_prefix)
@@ -249,14 +276,14 @@ def _serve(bootstrap: str | None, topic_prefix: str, policy_file: Path | None, r
     url = None
     if webhook_port:
         try:
-            url = service.serve_webhook(webhook_port, addr)
+            url = service.serve_webhook(webhook_port, addr, token, web)
         except OSError as e:
             fail(f"cannot serve the webhook on port {webhook_port} ({e.strerror}): choose another port")
 
     def ready() -> None:
         inputs = ([topics.alerts] if read_alerts else []) + ([url] if url else [])
         err.print(f"asking for captures on {', '.join(inputs)} alerts ({', '.join(policy.alerts)}; at most one per "
-                  f"run per {policy.min_interval_s:g} s) into {topics.control} ({boot}); Ctrl-C stops",
+                  f"run per {policy.min_interval_s:g} s) into {service.request_topic} ({boot}); Ctrl-C stops",
                   highlight=False, soft_wrap=True)
 
     try:
@@ -274,11 +301,14 @@ def autocapture(
     policy: PolicyOpt = None,
     webhook_port: Annotated[int, typer.Option(min=0, max=65535, help="also serve Alertmanager's webhook here "
                                                                      "(0: off)")] = 0,
-    addr: Annotated[str, typer.Option(help="address the webhook listens on")] = "0.0.0.0",
+    addr: Annotated[str, typer.Option(help="address the webhook listens on (0.0.0.0: every interface)")]
+    = "127.0.0.1",
+    token_file: TokenFileOpt = None,
+    web_config: WebConfigOpt = None,
 ) -> None:
     """Ask for op captures when alerts fire (DataQueueStall from the alerts topic; with --webhook-port, every
     alert Alertmanager sends), rate-limited per run; refuse requests for runs that do not exist."""
-    _serve(bootstrap, topic_prefix, policy, True, webhook_port, addr)
+    _serve(bootstrap, topic_prefix, policy, True, webhook_port, addr, token_file, web_config)
 
 
 @app.command()
@@ -289,7 +319,9 @@ def webhook(
     topic_prefix: PrefixOpt = "profstream",
     policy: PolicyOpt = None,
     port: Annotated[int, typer.Option(min=1, max=65535, help="serve Alertmanager's webhook here")] = 9466,
-    addr: Annotated[str, typer.Option(help="address to listen on")] = "0.0.0.0",
+    addr: Annotated[str, typer.Option(help="address to listen on (0.0.0.0: every interface)")] = "127.0.0.1",
+    token_file: TokenFileOpt = None,
+    web_config: WebConfigOpt = None,
 ) -> None:
     """Alertmanager's webhook receiver alone: firing alerts with a run label become capture requests."""
-    _serve(bootstrap, topic_prefix, policy, False, port, addr)
+    _serve(bootstrap, topic_prefix, policy, False, port, addr, token_file, web_config)

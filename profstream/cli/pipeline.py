@@ -11,6 +11,7 @@ from profstream.cli.common import (
     KafkaConfigOpt,
     KafkaPropertyOpt,
     PrefixOpt,
+    WebConfigOpt,
     app,
     connect,
     err,
@@ -115,6 +116,9 @@ def process(
     top_k: Annotated[int, typer.Option(min=1, help="op types reported per step (the rest: other)")] = 10,
     rolling_steps: Annotated[int, typer.Option(min=1, help="steps in the rolling window")] = 100,
     metrics_port: Annotated[int, typer.Option(min=0, max=65535, help="serve health metrics here (0: off)")] = 9465,
+    metrics_addr: Annotated[str, typer.Option(help="address the health metrics listen on (127.0.0.1: this machine "
+                                                   "only)")] = "0.0.0.0",
+    web_config: WebConfigOpt = None,
     raw_partitions: Annotated[int, typer.Option(min=1, help="partitions of a raw topic created here")] = 12,
     max_outage_s: Annotated[float, typer.Option(min=1.0, help="exit (status 2, one line on stderr) when Kafka "
                                                               "has not come back after this long, for a "
@@ -131,6 +135,15 @@ def process(
         fail(str(e))
     if stages not in ("all", "steps", "run"):
         fail(f"--stages {stages!r}: expected all, steps or run")
+    web = None
+    if web_config is not None:
+        from profstream.config import ConfigError
+        from profstream.web_config import WebConfig
+
+        try:
+            web = WebConfig(web_config)
+        except ConfigError as e:
+            fail(str(e))
     boot, topics = connect(bootstrap, topic_prefix, timeout=30.0)
     ensure_topics(boot, topics, raw_partitions=raw_partitions, needed=PROCESSOR_TOPICS)
     processor = Processor(boot, topics, group_id=group_id, instance_id=instance_id, grace_s=grace_s,
@@ -139,13 +152,13 @@ def process(
                           commit_interval_ms=commit_interval_ms, stages=stages, max_outage_s=max_outage_s)
     if metrics_port:
         try:
-            processor.health.serve(metrics_port)
+            processor.health.serve(metrics_port, metrics_addr, web)
         except OSError as e:
             fail(f"cannot serve metrics on port {metrics_port} ({e.strerror}): choose another --metrics-port "
                   "or 0 to turn them off")
+    where = f"{web.scheme if web else 'http'}://{metrics_addr}:{metrics_port}/metrics"
     err.print(f"processing {topics.raw} from {boot} (group {group_id}, instance {instance_id})"
-              + (f", metrics on :{metrics_port}/metrics" if metrics_port else "") + "; Ctrl-C stops",
-              highlight=False)
+              + (f", metrics on {where}" if metrics_port else "") + "; Ctrl-C stops", highlight=False)
     try:
         processor.run()
     except KeyboardInterrupt:

@@ -13,6 +13,7 @@ from profstream.cli.common import (
     KafkaPropertyOpt,
     PrefixOpt,
     WaitTopicsOpt,
+    WebConfigOpt,
     connect,
     err,
     fail,
@@ -33,7 +34,8 @@ def sink_prometheus(
     kafka_property: KafkaPropertyOpt = None,
     topic_prefix: PrefixOpt = "profstream",
     port: Annotated[int, typer.Option(min=0, max=65535, help="serve /metrics on this port")] = 9464,
-    addr: Annotated[str, typer.Option(help="address to listen on")] = "0.0.0.0",
+    addr: Annotated[str, typer.Option(help="address to listen on (127.0.0.1: this machine only)")] = "0.0.0.0",
+    web_config: WebConfigOpt = None,
     group_id: Annotated[str, typer.Option(help="consumer group; give every exporter replica its own")]
     = "profstream-prometheus",
     ttl_s: Annotated[float, typer.Option(min=1.0, help="drop the series of a run or rank silent this long")]
@@ -53,9 +55,10 @@ def sink_prometheus(
         kept_ranks = parse_top_ranks(top_ranks)
     except ValueError as e:
         fail(str(e))
+    web = _web(web_config)
     boot, topics = connect(bootstrap, topic_prefix)
     exporter = PrometheusExporter(boot, topics, port=port, addr=addr, group_id=group_id,
-                                  ttl_s=ttl_s, top_k=top_k, top_ranks=kept_ranks, wait_topics_s=wait_topics_s)
+                                  ttl_s=ttl_s, top_k=top_k, top_ranks=kept_ranks, wait_topics_s=wait_topics_s, web=web)
     try:
         url = exporter.serve()
     except ExporterError as e:
@@ -68,6 +71,18 @@ def sink_prometheus(
         pass
     finally:
         exporter.close()
+
+
+def _web(path):
+    """The --web-config of an endpoint, read now (a bad file: one line)."""
+    if path is None:
+        return None
+    from profstream.web_config import WebConfig
+
+    try:
+        return WebConfig(path)
+    except ConfigError as e:
+        fail(str(e))
 
 
 GrafanaUrlOpt = Annotated[str | None, typer.Option("--url", help="Grafana base URL (default: "
@@ -149,7 +164,8 @@ def sink_archive(
     kafka_property: KafkaPropertyOpt = None,
     topic_prefix: PrefixOpt = "profstream",
     topics: Annotated[str, typer.Option(help="comma-separated topics to archive, by their name after the "
-                                             "prefix")] = "raw,steps,control",
+                                             "prefix (requests: every request topic <prefix>.requests.*)")]
+    = "raw,steps,control,requests",
     group_id: Annotated[str, typer.Option(help="consumer group of the archive sink")] = "profstream-archive",
     instance_id: Annotated[str, typer.Option(help="stable across restarts (static group membership)")] = "0",
     codec: Annotated[str, typer.Option(help="zstandard, deflate or null")] = "zstandard",
@@ -171,7 +187,8 @@ def sink_archive(
     if codec not in CODECS:
         fail(f"--codec {codec!r}: expected one of {', '.join(CODECS)}")
     boot, prefix = connect(bootstrap, topic_prefix)
-    names = [f"{prefix.prefix}.{t.strip()}" for t in topics.split(",") if t.strip()]
+    names = [prefix.requests_prefix if t.strip() == "requests" else f"{prefix.prefix}.{t.strip()}"
+             for t in topics.split(",") if t.strip()]
     stop = stop_on_signals()
     bar, show = work_progress("archive", progress, unit="messages")
 

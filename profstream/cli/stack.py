@@ -15,12 +15,35 @@ TimeoutOpt = Annotated[float, typer.Option(help="seconds to wait for the broker(
 def stack_up_cmd(dir: DirOpt = None, timeout: TimeoutOpt = 120.0,
                  brokers: Annotated[int | None, typer.Option(
                      min=1, max=9, help="brokers of a new cluster on loopback (default 1; 3 is the tested "
-                                        "cluster); an existing one keeps its own")] = None) -> None:
+                                        "cluster); an existing one keeps its own")] = None,
+                 secure: Annotated[bool, typer.Option(
+                     "--secure", help="a broker as production runs one: SASL_SSL with SCRAM-SHA-512 users, mutual "
+                                      "TLS, ACLs (a CA and certificates made on the spot); prints the client "
+                                      "properties file of each user (docs/security.md)")] = False) -> None:
     """Start the local broker or cluster (or reuse the one running) and print its bootstrap address."""
     from profstream.stack import stack_up
+    from profstream.stack.secure import is_secure
+    from profstream.stack.state import resolve_state_dir
 
-    stack = stack_up(dir, timeout=timeout, brokers=brokers)
+    stack = stack_up(dir, timeout=timeout, brokers=brokers, secure=secure)
     out.print(stack.bootstrap, highlight=False)
+    state_dir = resolve_state_dir(dir)
+    if is_secure(state_dir):
+        _print_secure(state_dir)
+
+
+def _print_secure(state_dir) -> None:
+    """Where the secured broker's client properties are, on stderr (stdout keeps the address)."""
+    from profstream.kafka.acls import ROLES
+    from profstream.stack.secure import ADMIN, client_connection, secure_dir
+
+    d = secure_dir(state_dir)
+    mtls = client_connection(state_dir, ADMIN, mtls=True).bootstrap
+    err.print(f"secured: SASL_SSL (SCRAM-SHA-512) on {client_connection(state_dir).bootstrap}, mutual TLS on {mtls}, "
+              f"ACLs on. Client properties (--kafka-config): {d}/<user>.properties (SCRAM), "
+              f"{d}/<user>-mtls.properties (certificate); users {ADMIN} (super user) and the roles "
+              f"{', '.join(ROLES)}, with their ACLs on the topics of prefix profstream", highlight=False, soft_wrap=True)
+    out.print(f"{d}/{ADMIN}.properties", highlight=False)
 
 
 @stack_app.command("status")
@@ -40,6 +63,19 @@ def stack_status_cmd(dir: DirOpt = None) -> None:
         out.print("not running")
         raise typer.Exit(1)
     out.print(f"running  bootstrap={broker.bootstrap}  pid={broker.pid}  dir={broker.state_dir}", highlight=False)
+    from profstream.stack.secure import client_connection, is_secure
+
+    if is_secure(state_dir):
+        from profstream.stack import StackError, wait_for_broker
+
+        conn = client_connection(state_dir)
+        try:
+            wait_for_broker(conn, 5.0)
+            answer = "answers"
+        except StackError as e:
+            answer = f"does not answer: {e}"
+        out.print(f"secured  {conn.describe()} {answer}  client properties={conn.source}", highlight=False,
+                  soft_wrap=True)
 
 
 def _cluster_status(cluster) -> None:

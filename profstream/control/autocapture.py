@@ -88,6 +88,7 @@ class AutoCapture:
     policy: CapturePolicy
     outlet: Outlet
     clock: object = time.time
+    requester: str | None = None  # the user of the service's own request topic: only its requests count
     runs: dict[str, RunSeen] = field(default_factory=dict)
     outcomes: Counter = field(default_factory=Counter)  # action -> count
 
@@ -137,7 +138,9 @@ class AutoCapture:
         feed the rate limits)."""
         with self._lock:
             if name == REQUEST:
-                if record["requested_by"] == AUTO_BY:
+                # an automatic request counts only from our own request topic: another principal
+                # cannot write there, so it cannot use up our allowance by claiming to be us
+                if record["requested_by"] == AUTO_BY and record.get("requester") == self.requester:
                     self.limiter.record(record["request_id"], record["run_id"], record["requested_ns"] / 1e9)
                 if live:
                     self._guard(record)

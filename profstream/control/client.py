@@ -1,6 +1,8 @@
 """Sending capture requests and following their statuses (``profstream capture``).
 
-``send_request`` puts a request on the control topic; ``CaptureProgress`` folds the
+``send_request`` puts a request on the requester's own request topic
+(``<prefix>.requests.<user>``, created on first use where the broker lets it); the statuses
+come back on the control topic. ``CaptureProgress`` folds the
 statuses of one request into a state per rank and says when every rank it waits for has
 finished or refused; ``follow`` reads them as they come; ``recent_requests`` lists the
 requests of the last hours with what became of them. kafka-python: nothing here runs in a
@@ -23,6 +25,7 @@ from profstream.control.records import (
     decode_control,
     encode_request,
     listed_ranks,
+    request_from,
 )
 from profstream.kafka.clients import make_consumer, make_producer, position_by
 from profstream.kafka.connection import Connection
@@ -34,23 +37,78 @@ SETTLE_S = 3.0  # for "all ranks" of a run that does not say its world size: wai
 RUN_SEEN_S = 900.0  # a run the processors showed this recently is live (autocapture's run_ttl_s)
 
 
-def send_request(conn: Connection | str, topics: Topics, request: dict, timeout: float = 10.0) -> int:
-    """Put ``request`` on the control topic (key: its run); returns its offset."""
-    from kafka.errors import KafkaTimeoutError
+def request_topic(conn: Connection | str, topics: Topics, requester: str | None = None) -> str:
+    """The request topic of ``requester`` (default: the connection's principal)."""
+    try:
+        return topics.requests(requester or Connection.of(conn).principal())
+    except ValueError as e:
+        raise LookupError(str(e)) from None
 
+
+def send_request(conn: Connection | str, topics: Topics, request: dict, timeout: float = 10.0,
+                 requester: str | None = None) -> int:
+    """Put ``request`` on the request topic of ``requester`` (default: the principal of
+    ``conn``; key: its run); returns its offset. LookupError (one line) when that topic
+    does not exist and cannot be made, or the broker denies writing it."""
+    from kafka.errors import KafkaError, KafkaTimeoutError, TopicAuthorizationFailedError
+
+    conn = Connection.of(conn)
+    topic = request_topic(conn, topics, requester)
+    ensure_request_topic(conn, topics, topic, timeout)
     producer = make_producer(conn)
     try:
-        meta = producer.send(topics.control, encode_request(request), control_key(request["run_id"]))
+        meta = producer.send(topic, encode_request(request), control_key(request["run_id"]))
         return meta.get(timeout=timeout).offset
+    except TopicAuthorizationFailedError:
+        raise LookupError(_denied_write(conn, topic)) from None
     except KafkaTimeoutError:  # no metadata for the topic: it does not exist
-        raise LookupError(_no_topic(conn, topics)) from None
+        raise LookupError(f"topic {topic} does not exist on {conn}: have an admin run `profstream acl apply --role "
+                          f"capture --user {topic[len(topics.requests_prefix):]}` (it creates it)") from None
+    except KafkaError as e:
+        from profstream.kafka.diagnose import failure
+
+        raise LookupError(f"the request was not written to {topic} ({failure(conn, e)})") from None
     finally:
         producer.close(timeout=5)
 
 
+def _denied_write(conn: Connection, topic: str) -> str:
+    from profstream.kafka.diagnose import authorization_error
+
+    return authorization_error(conn.principal(), "WRITE", "TOPIC", topic,
+                               hint="a requester writes its own request topic only (`profstream acl show --role "
+                                    "capture`); check --kafka-config")
+
+
+def ensure_request_topic(conn: Connection, topics: Topics, topic: str, timeout: float = 10.0) -> None:
+    """Create the request topic ``topic`` when this client can see it does not exist and
+    the broker lets it (a broker without ACLs; with them, `profstream acl apply` made it).
+    LookupError when the control topic, where the answers come, does not exist."""
+    from kafka.errors import KafkaError
+
+    from profstream.kafka.topics import _admin, ensure_topic_exists
+
+    with _admin(conn, timeout) as admin:
+        if topics.control not in set(admin.list_topics()):
+            raise LookupError(_no_topic(conn, topics))
+        try:
+            ensure_topic_exists(admin, topic)
+        except KafkaError:
+            pass  # denied: the send says so
+
+
+def request_topics(consumer, topics: Topics) -> list[str]:
+    """The request topics this consumer may see (kafka-python), sorted."""
+    return sorted(t for t in consumer.topics() if topics.requester_of(t))
+
+
 def _no_topic(conn: Connection | str, topics: Topics) -> str:
-    return (f"topic {topics.control} does not exist on {conn}: start a processor or a Monitor of this version "
-            "(they create it), or check --topic-prefix")
+    from profstream.kafka.diagnose import topic_denied
+
+    denied = topic_denied(Connection.of(conn), topics.control, "READ",
+                          hint="`profstream acl show --role capture` lists a requester's ACLs")
+    return denied or (f"topic {topics.control} does not exist on {conn}: start a processor or a Monitor of this "
+                      "version (they create it), or check --topic-prefix")
 
 
 @dataclass
@@ -111,9 +169,11 @@ class CaptureProgress:
         return {r: s for r, s in sorted(self.ranks.items()) if s["state"] == FINISHED}
 
 
-def _control_consumer(conn: Connection | str, topics: Topics, run_id: str | None, since_ms: int):
+def _control_consumer(conn: Connection | str, topics: Topics, run_id: str | None, since_ms: int,
+                      with_requests: bool = False):
     """A group-less consumer of the control partition of ``run_id`` (all partitions when
-    None), from the first record at or after ``since_ms``."""
+    None) and, ``with_requests``, of every request topic it may read, from the first record
+    at or after ``since_ms``."""
     from kafka import TopicPartition
 
     consumer = make_consumer(conn, group_id=None)
@@ -121,9 +181,12 @@ def _control_consumer(conn: Connection | str, topics: Topics, run_id: str | None
     if not parts:
         consumer.close()
         raise LookupError(_no_topic(conn, topics))
-    if run_id is not None:
-        parts = [control_partition(run_id, len(parts))]
-    tps = [TopicPartition(topics.control, p) for p in parts]
+    tps = []
+    for topic in [topics.control] + (request_topics(consumer, topics) if with_requests else []):
+        parts = sorted(consumer.partitions_for_topic(topic) or ())
+        if parts and run_id is not None:
+            parts = [control_partition(run_id, len(parts))]
+        tps += [TopicPartition(topic, p) for p in parts]
     consumer.assign(tps)
     found = consumer.offsets_for_times(dict.fromkeys(tps, since_ms))
     ends = consumer.end_offsets(tps)
@@ -133,8 +196,9 @@ def _control_consumer(conn: Connection | str, topics: Topics, run_id: str | None
     return consumer, ends
 
 
-def _polls(consumer, run_id: str | None, poll_ms: int = 200) -> Iterator[list[tuple[str, dict]]]:
-    """The decodable (name, record) pairs of ``run_id`` of each poll (an empty list: none came)."""
+def _polls(consumer, run_id: str | None, topics: Topics, poll_ms: int = 200) -> Iterator[list[tuple[str, dict]]]:
+    """The decodable (name, record) pairs of ``run_id`` of each poll (an empty list: none
+    came); a request of a request topic carries its ``requester``."""
     key = control_key(run_id) if run_id is not None else None
     while True:
         got = []
@@ -143,9 +207,12 @@ def _polls(consumer, run_id: str | None, poll_ms: int = 200) -> Iterator[list[tu
                 if key is not None and rec.key != key:
                     continue
                 try:
-                    got.append(decode_control(rec.value))
+                    name, record = decode_control(rec.value)
                 except DecodeError:
                     continue
+                if name == REQUEST:
+                    record = request_from(rec.topic, topics.requests_prefix, record) or record
+                got.append((name, record))
         yield got
 
 
@@ -159,7 +226,7 @@ def follow(conn: Connection | str, topics: Topics, request: dict, timeout: float
     started = time.monotonic()
     deadline = started + timeout
     try:
-        for got in _polls(consumer, request["run_id"]):
+        for got in _polls(consumer, request["run_id"], topics):
             changed = [record for name, record in got if name == STATUS and progress.add(record)]
             if on_change is not None and (changed or not got):  # also refreshed when idle (the time shown)
                 on_change(progress)
@@ -216,13 +283,15 @@ class RequestSummary:
 
 def recent_requests(conn: Connection | str, topics: Topics, since_s: float, run_id: str | None = None) -> list[RequestSummary]:
     """The requests of the last ``since_s`` seconds (of ``run_id``, or of every run), oldest
-    first, each with its statuses so far."""
-    consumer, ends = _control_consumer(conn, topics, run_id, int((time.time() - since_s) * 1000))
+    first, each with its statuses so far: from the request topics this client may read, and
+    those of older clients on the control topic (their requester not authenticated)."""
+    consumer, ends = _control_consumer(conn, topics, run_id, int((time.time() - since_s) * 1000),
+                                       with_requests=True)
     by_id: dict[str, RequestSummary] = {}
     orphans: list[dict] = []
     try:
         deadline = time.monotonic() + 30.0
-        for got in _polls(consumer, run_id):
+        for got in _polls(consumer, run_id, topics):
             for name, record in got:
                 if name == REQUEST:
                     by_id.setdefault(record["request_id"], RequestSummary(record, CaptureProgress(record)))

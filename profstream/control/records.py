@@ -1,5 +1,10 @@
 """CaptureRequest and CaptureStatus as plain dicts: building, checking, encoding, reading.
 
+Requests travel on the request topic of their requester, ``<prefix>.requests.<user>``, which
+only that principal may write (its ACL): the reader of a request sets ``requester`` from
+the topic (``request_from``), never from the request's own ``requested_by`` (free text,
+shown for people). Statuses travel on ``<prefix>.control`` and carry the requester on.
+
 A request names a run, its ranks (all, or ranges such as ``0,3-5``), a start (each rank's
 next step, or step N), a number of steps and what the profiler records; a status says
 what one rank (or, with ``rank`` None, a service for the whole request) did with it:
@@ -125,12 +130,33 @@ def new_status(request: dict, state: str, rank: int | None, *, first_step: int |
                last_step: int | None = None, ops: int = 0, window_start_ns: int | None = None,
                window_end_ns: int | None = None, reason: str = "", world_size: int | None = None,
                host: str = "", ts_ns: int | None = None) -> dict:
-    """The CaptureStatus of ``request`` on ``rank`` (None: for the whole request)."""
+    """The CaptureStatus of ``request`` on ``rank`` (None: for the whole request); it carries
+    the request's authenticated requester and its reason."""
     assert state in STATES, state
     return {"request_id": request["request_id"], "run_id": request["run_id"], "rank": rank, "state": state,
             "first_step": first_step, "last_step": last_step, "ops": ops, "window_start_ns": window_start_ns,
             "window_end_ns": window_end_ns, "reason": reason, "world_size": world_size, "host": host,
+            "requester": request.get("requester", ""), "request_reason": request.get("reason", ""),
             "ts_ns": time.time_ns() if ts_ns is None else ts_ns}
+
+
+def request_from(topic: str, requests_prefix: str, record: dict) -> dict | None:
+    """``record`` (a CaptureRequest read from ``topic``) with its ``requester``: the user of
+    its request topic; None when ``topic`` is no request topic (a request on the legacy
+    control topic: history, never acted on)."""
+    if not topic.startswith(requests_prefix) or len(topic) == len(requests_prefix):
+        return None
+    return {**record, "requester": topic[len(requests_prefix):]}
+
+
+def who_asked(request: dict) -> str:
+    """Who sent a request, for people: the authenticated requester, with what it says of
+    itself when that differs; a legacy one's free text, marked as not authenticated."""
+    said = request.get("requested_by", "")
+    requester = request.get("requester")
+    if not requester:
+        return f"{said or '?'} (unauthenticated)"
+    return requester if not said or said == requester else f"{requester} ({said})"
 
 
 def encode_request(request: dict) -> bytes:
@@ -142,13 +168,15 @@ def encode_status(status: dict) -> bytes:
 
 
 def control_key(run_id: str) -> bytes:
-    """The key of every control record of a run: its partition is the run's."""
+    """The key of every control record of a run (a request or a status): its partition is
+    the run's."""
     return run_id.encode()
 
 
 def control_partition(run_id: str, partitions: int) -> int:
-    """The partition of ``<prefix>.control`` holding ``run_id``'s records: Kafka's default
-    partitioner (murmur2 of the key), which every profstream client uses."""
+    """The partition of ``<prefix>.control`` (or of a request topic) holding ``run_id``'s
+    records: Kafka's default partitioner (murmur2 of the key), which every profstream
+    client uses."""
     from kafka.partitioner.default import murmur2
 
     return (murmur2(control_key(run_id)) & 0x7FFFFFFF) % partitions

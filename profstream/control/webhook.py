@@ -6,6 +6,11 @@ Alertmanager POSTs its documented JSON (``version`` "4": ``status``, ``receiver`
 and ``run`` (and ``rank`` where the rule has it) is handed to ``on_alert``; the answer
 lists what each became. A body that is not such JSON gets 400 and a one-line reason
 (Alertmanager logs it and does not retry); ``GET /healthz`` answers 200.
+
+Every POST must carry ``Authorization: Bearer <token>`` (Alertmanager's
+``http_config.authorization``): without it, or with another token, 401 and nothing is
+created. With a web config (``web_config.WebConfig``) the receiver speaks TLS; it binds
+loopback unless told otherwise.
 """
 
 from __future__ import annotations
@@ -14,10 +19,12 @@ import json
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from profstream.schema.names import is_valid_name
+from profstream.web_config import WebConfig, bearer_ok
 
 log = logging.getLogger("profstream.webhook")
 
@@ -59,10 +66,16 @@ class _QuietHandler(WSGIRequestHandler):
         log.debug("webhook: " + format, *args)
 
 
-def serve_webhook(addr: str, port: int, on_alert: Callable[[str, str, int | None, str], object]) -> WSGIServer:
-    """Serve the receiver on http://addr:port/alerts from a daemon thread; ``on_alert``
-    returns an outcome whose ``line()`` is reported back. Raises OSError when the port
-    cannot be bound; ``server.shutdown()`` stops it."""
+def serve_webhook(addr: str, port: int, on_alert: Callable[[str, str, int | None, str], object], token: str,
+                  web: WebConfig | None = None) -> WSGIServer:
+    """Serve the receiver on http(s)://addr:port/alerts from a daemon thread; ``on_alert``
+    returns an outcome whose ``line()`` is reported back; a request without ``Bearer
+    <token>`` gets 401. Raises OSError when the port cannot be bound; ``server.shutdown()``
+    stops it."""
+    if not token:
+        raise ValueError("the webhook needs a bearer token")
+
+    refused = [0, -1e18]  # POSTs refused for their token, when the last was said
 
     def reply(start_response: Callable, status: str, body: dict) -> list[bytes]:
         data = (json.dumps(body) + "\n").encode()
@@ -78,6 +91,19 @@ def serve_webhook(addr: str, port: int, on_alert: Callable[[str, str, int | None
                                                                     f"not {path}"})
         if method != "POST":
             return reply(start_response, "405 Method Not Allowed", {"error": "POST Alertmanager notifications"})
+        if not bearer_ok(environ.get("HTTP_AUTHORIZATION"), token):
+            try:  # read what was sent (bounded): closing on an unread body resets the answer away
+                environ["wsgi.input"].read(min(int(environ.get("CONTENT_LENGTH") or 0), MAX_BODY_BYTES))
+            except (ValueError, OSError):
+                pass
+            refused[0] += 1
+            if time.monotonic() - refused[1] >= 60.0:  # one line a minute at most, whoever knocks
+                refused[1] = time.monotonic()
+                log.warning("webhook: a POST from %s without the bearer token was refused (401; %d so far)",
+                            environ.get("REMOTE_ADDR", "?"), refused[0])
+            start_response("401 Unauthorized", [("Content-Type", "application/json"),
+                                                ("WWW-Authenticate", 'Bearer realm="profstream webhook"')])
+            return [b'{"error": "send Authorization: Bearer <token> (Alertmanager: http_config.authorization)"}\n']
         try:
             length = int(environ.get("CONTENT_LENGTH") or 0)
         except ValueError:
@@ -102,7 +128,10 @@ def serve_webhook(addr: str, port: int, on_alert: Callable[[str, str, int | None
     from socketserver import ThreadingMixIn
 
     class ThreadingServer(ThreadingMixIn, Server):
-        pass
+        def finish_request(self, request, client_address) -> None:
+            if web is not None:  # the TLS handshake on the request's thread, not the accept loop's
+                request = web.wrap(request)
+            super().finish_request(request, client_address)
 
     server = make_server(addr, port, app, ThreadingServer, handler_class=_QuietHandler)
     threading.Thread(target=server.serve_forever, name="profstream-webhook", daemon=True).start()

@@ -26,6 +26,11 @@ from profstream.kafka.limits import MAX_MESSAGE_BYTES
 _kafka_log = logging.getLogger("kafka")
 if _kafka_log.level == logging.NOTSET:
     _kafka_log.setLevel(logging.CRITICAL)
+# librdkafka's FATAL line (a producer id refused for want of an ACL, say) is said by
+# profstream, explained, once: not twice.
+_librdkafka_log = logging.getLogger("kafka.librdkafka")
+if _librdkafka_log.level == logging.NOTSET:
+    _librdkafka_log.setLevel(logging.CRITICAL + 1)
 
 
 _PRODUCER_DEFAULTS: dict[str, Any] = {

@@ -11,7 +11,7 @@ SASL outcome. Neither ever shows a secret: texts pass through ``Connection.redac
 
 from __future__ import annotations
 
-import re
+import logging
 import socket
 import ssl
 import struct
@@ -26,6 +26,13 @@ TRANSACTIONAL_ID_AUTHORIZATION_FAILED = 53
 AUTHORIZATION_CODES = {TOPIC_AUTHORIZATION_FAILED: "TOPIC", GROUP_AUTHORIZATION_FAILED: "GROUP",
                        CLUSTER_AUTHORIZATION_FAILED: "CLUSTER",
                        TRANSACTIONAL_ID_AUTHORIZATION_FAILED: "TRANSACTIONAL_ID"}
+
+
+# The probes' own librdkafka lines (its FATAL line of a refused producer id, say) are not
+# the user's: what they found is said once, explained, by whoever asked.
+_QUIET = logging.getLogger("profstream.diagnose.librdkafka")
+_QUIET.setLevel(logging.CRITICAL + 1)
+_QUIET.propagate = False
 
 
 class SecurityError(ConnectionError):
@@ -176,13 +183,11 @@ def handshake_problem(conn: Connection, timeout: float = 3.0) -> str | None:
 def librdkafka_problem(conn: Connection, timeout: float = 5.0) -> str | None:
     """Ask for metadata through librdkafka with ``conn``'s settings; the first security
     error it reports, explained (None when it answered or said nothing we can name)."""
-    import logging
-
     import confluent_kafka
 
     errors: list[str] = []
     config = dict(conn.librdkafka(), **{"socket.timeout.ms": max(1000, int(timeout * 1000)),
-                                        "logger": logging.getLogger("kafka.librdkafka"),
+                                        "logger": _QUIET,
                                         "error_cb": lambda err: errors.append(err.str())})
     try:
         client = confluent_kafka.Producer(config)
@@ -205,6 +210,28 @@ def librdkafka_problem(conn: Connection, timeout: float = 5.0) -> str | None:
     finally:
         client.purge()
         client.flush(0)
+
+
+def fatal_reason(conn: Connection, timeout: float = 5.0) -> str | None:
+    """What makes an idempotent producer of ``conn`` fail for good ("Local: Fatal error" is
+    all a client's later calls say): its first fatal error's text, None when none came.
+    It sends nothing: the producer id it asks for is what fails (no WRITE on any topic)."""
+    import confluent_kafka
+
+    errors: list[str] = []
+    client = confluent_kafka.Producer(dict(conn.librdkafka(), **{
+        "enable.idempotence": True, "logger": _QUIET,
+        "error_cb": lambda err: errors.append(err.str()) if err.fatal() else None}))
+    deadline = time.monotonic() + timeout
+    try:
+        while not errors and time.monotonic() < deadline:
+            try:
+                client.poll(0.1)
+            except confluent_kafka.KafkaException as e:  # a fatal error may come as an exception too
+                errors.append(e.args[0].str() if e.args else str(e))
+    finally:
+        client.purge()
+    return conn.redact(errors[0]) if errors else None
 
 
 def check(conn: Connection, timeout: float = 5.0) -> str | None:
@@ -234,8 +261,20 @@ def authorization_error(principal: str, operation: str, resource: str, name: str
             + "'" + (f"; {hint}" if hint else "; `profstream acl show --role ROLE` lists each role's ACLs"))
 
 
-def is_authorization(code: int | None) -> bool:
-    return code in AUTHORIZATION_CODES
+def topic_denied(conn: Connection, topic: str, operation: str = "READ", timeout: float = 5.0,
+                 hint: str = "") -> str | None:
+    """The one line of an ACL denial when the broker will not describe ``topic`` to this
+    client (it exists or not: Kafka does not say), None when it will or when the client
+    is not authenticated (no ACLs to blame)."""
+    if not conn.secured:
+        return None
+    import confluent_kafka
 
-
-_CODE_RE = re.compile(r"code=(-?\d+)|\[Error (\d+)\]")
+    client = confluent_kafka.Producer(dict(conn.librdkafka(), logger=_QUIET))
+    try:
+        meta = client.list_topics(topic, timeout=timeout).topics.get(topic)
+    except confluent_kafka.KafkaException:
+        return None
+    if meta is None or meta.error is None or meta.error.code() != confluent_kafka.KafkaError.TOPIC_AUTHORIZATION_FAILED:
+        return None
+    return authorization_error(conn.principal(), operation, "TOPIC", topic, hint=hint)

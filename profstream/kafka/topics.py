@@ -6,7 +6,7 @@ import re
 import time
 from dataclasses import dataclass
 
-from profstream.kafka.connection import Connection
+from profstream.kafka.connection import ANONYMOUS, Connection
 from profstream.kafka.limits import TOPIC_MAX_MESSAGE_BYTES
 
 BASE_TOPICS = ("raw", "steps", "run", "alerts", "dlq", "state", "run-state", "control")
@@ -18,6 +18,9 @@ _COMPACT_CONFIGS = {"cleanup.policy": "compact", "segment.ms": "60000", "min.cle
 # Every topic takes what profstream's clients send (profstream.kafka.limits).
 _SIZE_CONFIGS = {"max.message.bytes": str(TOPIC_MAX_MESSAGE_BYTES)}
 DEFAULT_PREFIX = "profstream"
+# The group ids of the Monitors' capture request readers, which never join them (librdkafka
+# wants one, and looks its coordinator up: a broker with ACLs asks DESCRIBE on it).
+CONTROL_GROUP_PREFIX = "profstream-control-"
 # Replicas per partition and the in-sync replicas an acks=all write needs, by cluster size:
 # three copies where there are three brokers, and a write on two of them before it counts,
 # so that one broker may die without losing or refusing anything.
@@ -145,6 +148,7 @@ def ensure_topics(
     partitions: int = 3,
     timeout: float = 30.0,
     needed: tuple[str, ...] | None = None,
+    operation: str = "DESCRIBE",
 ) -> list[str]:
     """Create the topics of ``topics`` that do not exist yet.
 
@@ -160,7 +164,8 @@ def ensure_topics(
     ``needed``: the base names (``raw``, ``control``...) the caller uses (None: all). On a
     broker with ACLs a client sees only the topics it may use and may create none: the
     others are then left to whoever may (``profstream acl apply``), and a needed one it can
-    neither see nor create is a one-line error naming the ACL that is missing.
+    neither see nor create is a ``TopicAccessError`` naming the ACL that is missing (for
+    ``operation``, what the caller does with it: WRITE for a Monitor).
     """
     from kafka.errors import KafkaError, KafkaTimeoutError
 
@@ -182,6 +187,9 @@ def ensure_topics(
     wanted = {topics._name(base): counts[base] for base in BASE_TOPICS}
     configs = {topics._name(base): dict(_SIZE_CONFIGS, **(_COMPACT_CONFIGS if base in COMPACTED else {}))
                for base in BASE_TOPICS}
+    if conn.principal() == ANONYMOUS:  # no authentication: everyone's requests go to the one request topic
+        anonymous = topics.requests(ANONYMOUS)
+        wanted[anonymous], configs[anonymous] = partitions, dict(_SIZE_CONFIGS)
     needed_names = set(wanted) if needed is None else {topics._name(base) for base in needed}
     created: list[str] = []
     denied: list[str] = []
@@ -217,11 +225,12 @@ def ensure_topics(
             lacking = [n for n in denied if n in needed_names]
             if lacking:
                 from profstream.kafka.diagnose import authorization_error
+                from profstream.stack.errors import TopicAccessError
 
-                raise StackError(authorization_error(
-                    conn.principal(), "CREATE", "TOPIC", lacking[0],
-                    hint=f"or have an admin create the topics first (`profstream acl apply --topic-prefix "
-                         f"{topics.prefix}`); a client that may DESCRIBE {lacking[0]} sees it and creates nothing"))
+                raise TopicAccessError(authorization_error(
+                    conn.principal(), operation, "TOPIC", lacking[0],
+                    hint=f"it does not see the topic and may not create it (an admin creates the topics: "
+                         f"`profstream acl apply --topic-prefix {topics.prefix}`)"))
             admin.wait_for_topics([n for n in wanted if n not in denied], timeout_ms=remaining_ms())
     except KafkaTimeoutError as exc:
         raise StackError(
@@ -239,12 +248,32 @@ def ensure_topics(
     return sorted(created, key=order.__getitem__)
 
 
+def ensure_topic_exists(admin, topic: str, partitions: int = 3, timeout: float = 10.0) -> bool:
+    """Create ``topic`` (a request topic: keyed by run like the control topic) with the
+    replication of profstream's topics, unless this admin client sees it; True when made.
+    Raises kafka-python's error when the broker refuses (e.g. no CREATE ACL)."""
+    from kafka.admin import NewTopic
+    from kafka.errors import TopicAlreadyExistsError
+
+    if topic in set(admin.list_topics()):
+        return False
+    factor, min_insync = replication(len(admin.describe_cluster()["brokers"]))
+    try:
+        admin.create_topics([NewTopic(topic, partitions, factor, topic_configs={
+            **_SIZE_CONFIGS, "min.insync.replicas": str(min_insync)})], timeout_ms=int(timeout * 1000))
+    except TopicAlreadyExistsError:
+        return False
+    admin.wait_for_topics([topic], timeout_ms=int(timeout * 1000))
+    return True
+
+
 def delete_topics(conn: Connection | str, topics: Topics, timeout: float = 30.0) -> list[str]:
-    """Delete the topics of ``topics`` that exist; returns the names deleted."""
+    """Delete the topics of ``topics`` that exist (its request topics too); returns the
+    names deleted."""
     validate_prefix(topics.prefix)
     with _admin(conn, timeout) as admin:
         existing = set(admin.list_topics())
-        names = [n for n in topics.all() if n in existing]
+        names = [n for n in topics.all() if n in existing] + sorted(n for n in existing if topics.requester_of(n))
         if names:
             admin.delete_topics(
                 names, timeout_ms=max(1000, int(timeout * 1000)), raise_errors=False

@@ -14,7 +14,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from profstream.control.records import FINISHED, REQUEST, decode_control, describe_request
+from profstream.control.records import (
+    FINISHED,
+    REQUEST,
+    decode_control,
+    describe_request,
+    request_from,
+    who_asked,
+)
 from profstream.offline.archive import Loss, records, select_files
 from profstream.offline.archive import finished_files as archived_files
 from profstream.schema.codec import DecodeError
@@ -36,13 +43,23 @@ class Capture:
 
 
 def archived_captures(archive: Path, run_id: str, on_loss=None) -> list[Capture]:
-    """The capture requests of ``run_id`` in the archive's control topic, oldest first (none
-    when the control topic is not archived: `profstream sink archive --topics raw,steps,control`)."""
-    files = select_files(archived_files(archive), "control", None, run_id, archive, required=False)
+    """The capture requests of ``run_id`` in the archive's request topics (each with its
+    authenticated requester) and control topic (statuses, and the requests of older
+    clients), oldest first (none when they are not archived: `profstream sink archive
+    --topics raw,steps,control,requests`)."""
+    every = archived_files(archive)
+    files = select_files(every, "control", None, run_id, archive, required=False)
+    prefixes = {f.topic[:-len("control")] + "requests." for f in files}
+    files += [f for f in every if f.run_id == run_id and any(
+        f.topic.startswith(p) and len(f.topic) > len(p) for p in prefixes)]
     by_id: dict[str, Capture] = {}
     statuses = []
     losses: list[Loss] = []
-    for rec in records(files, on_loss or losses.append):
+    by_topic: dict[str, list] = {}
+    for f in files:
+        by_topic.setdefault(f.topic, []).append(f)
+    every_record = (rec for group in by_topic.values() for rec in records(group, on_loss or losses.append))
+    for rec in every_record:  # each topic apart: records() merges the partitions of one topic
         try:
             name, record = decode_control(rec["value"])
         except DecodeError:
@@ -50,6 +67,8 @@ def archived_captures(archive: Path, run_id: str, on_loss=None) -> list[Capture]
         if record["run_id"] != run_id:
             continue
         if name == REQUEST:
+            topic = rec["topic"]
+            record = next((request_from(topic, p, record) for p in prefixes if topic.startswith(p)), None) or record
             by_id.setdefault(record["request_id"], Capture(record))
         else:
             statuses.append(record)
@@ -90,7 +109,7 @@ def render_captures(captures: list[Capture], by_rank: dict[int, list[dict]], tim
 
     if not captures:
         return ('<p class="sub" id="captures">No capture request for this run in the archive (archive the control '
-                'topic too: <code>profstream sink archive --topics raw,steps,control</code>).</p>')
+                'and request topics too: <code>profstream sink archive --topics raw,steps,control,requests</code>).</p>')
     e = html.escape
     requested = [w for c in captures for w in c.windows().values()]
     parts = []
@@ -100,7 +119,7 @@ def render_captures(captures: list[Capture], by_rank: dict[int, list[dict]], tim
                             + (f" ({e(s['reason'])})" if s["reason"] else "")
                             for rank, s in sorted(c.statuses.items(), key=lambda i: -1 if i[0] is None else i[0]))
         parts.append(f'<h3 data-request="{e(r["request_id"])}">{e(describe_request(r))}</h3>'
-                     f'<p class="sub">asked by {e(r["requested_by"] or "?")}'
+                     f'<p class="sub">asked by {e(who_asked(r))}'
                      f'{": " + e(r["reason"]) if r["reason"] else ""}; {answers or "no answer archived"}</p>')
         for rank, (first, last) in c.windows().items():
             change = op_type_change(by_rank.get(rank, []), first, last, requested)

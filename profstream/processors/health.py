@@ -119,6 +119,7 @@ class ProcessorHealth(_Counters):
     """Committed totals of a processor's stages, and their Prometheus collector."""
 
     def __init__(self, keep_freshness: int = 100_000) -> None:
+        self.server = None  # the HTTP server of serve()
         self._zero()
         self.transactions = 0
         self.freshness_s: deque[float] = deque(maxlen=keep_freshness)
@@ -200,9 +201,10 @@ class ProcessorHealth(_Counters):
                                     "end of a step (producer clock) to its StepMetrics committed",
                                     buckets=buckets, sum_value=self._fresh_sum)
 
-    def serve(self, port: int, addr: str = "0.0.0.0") -> CollectorRegistry:
-        """Serve these metrics on http://addr:port/metrics (a registry of their own)."""
+    def serve(self, port: int, addr: str = "0.0.0.0", web=None) -> CollectorRegistry:
+        """Serve these metrics on http://addr:port/metrics (a registry of their own); ``web``:
+        a ``web_config.WebConfig`` (TLS, basic auth)."""
         registry = CollectorRegistry(auto_describe=False)
         registry.register(self)
-        serve_metrics(addr, port, lambda: generate_latest(registry), "profstream processor")
+        self.server = serve_metrics(addr, port, lambda: generate_latest(registry), "profstream processor", web=web)
         return registry

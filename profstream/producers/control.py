@@ -1,9 +1,12 @@
 """``ControlReader``: the training process's thread that reads capture requests.
 
 One thread per Monitor, with its own librdkafka consumer and no consumer-group state: it
-assigns itself the one partition of ``<prefix>.control`` that carries its run (the key's
-murmur2 partition, as every Kafka producer computes it), from the offset of the moment
-the Monitor was made, and never commits. Requests for its run and rank are checked and
+assigns itself, in every request topic ``<prefix>.requests.<user>`` it may read (one per
+requester: who asked is what the broker authenticated, docs/security.md), the one
+partition that carries its run (the key's murmur2 partition, as every Kafka producer
+computes it), from the offset of the moment the Monitor was made, and never commits; it
+looks for new request topics every ``SCAN_S``. Requests on the control topic itself
+(older clients) are never acted on. Requests for its run and rank are checked and
 offered to the ``CapturePlan``; the statuses that come back (armed, refused, and the
 started / finished ones the training thread queues) are sent by a producer made at the
 first status. Nothing here runs on the training thread; a broker outage means no
@@ -32,10 +35,11 @@ from profstream.control.records import (
     encode_status,
     new_status,
     rank_in,
+    request_from,
 )
 from profstream.kafka.clients import make_native_producer, native_consumer_config
 from profstream.kafka.connection import Connection
-from profstream.kafka.topics import Topics
+from profstream.kafka.topics import CONTROL_GROUP_PREFIX, Topics
 from profstream.producers.capture_plan import CapturePlan
 from profstream.schema.codec import DecodeError
 
@@ -44,6 +48,7 @@ log = logging.getLogger("profstream.monitor")
 IDLE_POLL_S = 0.5  # poll timeout while nothing is asked: the thread wakes twice a second
 BUSY_POLL_S = 0.05  # while a capture is armed or running: its statuses leave within this
 SEEN_REQUESTS = 1024  # request ids remembered, so that a request is handled once
+SCAN_S = 5.0  # how often the reader looks for request topics it does not read yet (a new requester's)
 
 
 class Owner(Protocol):
@@ -64,7 +69,8 @@ class ControlReader(threading.Thread):
         super().__init__(name=f"profstream-control-{owner.run_id}-{owner.rank}", daemon=True)
         self.owner = owner
         self.plan = plan
-        self.topic = owner.topics.control
+        self.topic = owner.topics.control  # where statuses go
+        self.requests_prefix = owner.topics.requests_prefix
         self.key = control_key(owner.run_id)
         self.since_ms = int(time.time() * 1000) if since_ms is None else since_ms
         opts = owner.options
@@ -78,6 +84,8 @@ class ControlReader(threading.Thread):
         self._backoff = 0.5
         self._down_since: float | None = None
         self._next_probe = 0.0
+        self._next_scan = 0.0
+        self._reading: set[str] = set()  # request topics assigned
         self._warned_down = False
         # counters (read by Monitor.stats)
         self.requests = 0  # requests for this rank
@@ -111,7 +119,7 @@ class ControlReader(threading.Thread):
         while msg is not None:
             error = msg.error()
             if error is None:
-                self._handle(msg.key(), msg.value())
+                self._handle(msg.topic(), msg.key(), msg.value())
                 self._mark_up()
             elif error.code() != confluent_kafka.KafkaError._PARTITION_EOF:
                 self._mark_down(confluent_kafka.KafkaException(error))
@@ -123,8 +131,37 @@ class ControlReader(threading.Thread):
                 self._mark_up()
             except confluent_kafka.KafkaException:
                 pass
+        if self._down_since is None and time.monotonic() >= self._next_scan:
+            try:
+                self._scan(consumer, 1.0)
+            except (confluent_kafka.KafkaException, LookupError):
+                self._next_scan = time.monotonic() + SCAN_S
 
-    def _handle(self, key: bytes | None, value: bytes | None) -> None:
+    def _scan(self, consumer: confluent_kafka.Consumer, timeout: float) -> None:
+        """Assign the run's partition of every request topic not read yet, from since_ms."""
+        self._next_scan = time.monotonic() + SCAN_S
+        meta = consumer.list_topics(timeout=timeout)
+        tps = []
+        for name, topic in meta.topics.items():
+            if name in self._reading or not name.startswith(self.requests_prefix) or name == self.requests_prefix:
+                continue
+            if topic.error is not None or not topic.partitions:
+                continue
+            partition = control_partition(self.owner.run_id, len(topic.partitions))
+            tps.append(confluent_kafka.TopicPartition(name, partition, self.since_ms))
+        if not tps:
+            return
+        found = consumer.offsets_for_times(tps, timeout=timeout)
+        for tp in found:
+            if tp.error is not None:
+                raise confluent_kafka.KafkaException(tp.error)
+            if tp.offset < 0:  # nothing written since: from the end as of now, as a number (a logical
+                # OFFSET_END would be resolved later, past requests written meanwhile)
+                tp.offset = consumer.get_watermark_offsets(tp, timeout=timeout)[1]
+        consumer.incremental_assign(found)
+        self._reading.update(tp.topic for tp in found)
+
+    def _handle(self, topic: str, key: bytes | None, value: bytes | None) -> None:
         if key != self.key:  # another run on the same partition
             return
         try:
@@ -137,6 +174,9 @@ class ControlReader(threading.Thread):
                             self.owner.run_id, e)
             return
         if name != REQUEST or record["run_id"] != self.owner.run_id:
+            return
+        record = request_from(topic, self.requests_prefix, record)
+        if record is None:  # not from a request topic: no authenticated requester
             return
         rid = record["request_id"]
         if rid in self._seen:
@@ -197,24 +237,13 @@ class ControlReader(threading.Thread):
         consumer = None
         try:
             # never subscribes or commits: the group id is required by librdkafka, unused by the broker
-            config = native_consumer_config(self._conn, f"profstream-control-{self.owner.producer_id}",
+            config = native_consumer_config(self._conn, f"{CONTROL_GROUP_PREFIX}{self.owner.producer_id}",
                                             **{"queued.max.messages.kbytes": 1024, "fetch.max.bytes": 1 << 20,
                                                "max.partition.fetch.bytes": 1 << 20})
             config["error_cb"] = self._on_client_error
             consumer = confluent_kafka.Consumer(config)
-            meta = consumer.list_topics(self.topic, timeout=self._connect_timeout)
-            topic = meta.topics.get(self.topic)
-            if topic is None or topic.error is not None or not topic.partitions:
-                raise LookupError(f"topic {self.topic} does not exist yet")
-            partition = control_partition(self.owner.run_id, len(topic.partitions))
-            (tp,) = consumer.offsets_for_times(
-                [confluent_kafka.TopicPartition(self.topic, partition, self.since_ms)], timeout=self._connect_timeout)
-            if tp.error is not None:
-                raise confluent_kafka.KafkaException(tp.error)
-            if tp.offset < 0:  # nothing written since: from the end as of now, as a number (a logical
-                # OFFSET_END would be resolved later, past requests written meanwhile)
-                tp.offset = consumer.get_watermark_offsets(tp, timeout=self._connect_timeout)[1]
-            consumer.assign([tp])
+            self._reading = set()
+            self._scan(consumer, self._connect_timeout)
         except Exception as e:  # broker down, topic not made yet: try again later
             if consumer is not None:
                 consumer.close()

@@ -272,6 +272,7 @@ class Sender(SpoolSending, threading.Thread):
         self._next_connect = 0.0
         self._connect_backoff = 0.5
         self._attempt: _Attempt | None = None  # a connection attempt on a thread of its own (with a spool)
+        self._diagnosed = False  # a failed connection was looked into (once: diagnose.check)
         self._spool_acks = 0  # spooled messages acknowledged or refused for good (spool_sending.py)
         self._rescued: list[tuple[bytes, int, int]] = []  # batches a close purged, for the spool
         self._open_spool()
@@ -400,6 +401,11 @@ class Sender(SpoolSending, threading.Thread):
         now = time.monotonic()
         if now - self._lost_said_at >= 60.0 and not self._stopping.is_set():  # at close: one summary
             self._lost_said_at = now
+            if "authorization failed" in why.lower():  # an ACL: say which one is missing
+                from profstream.kafka.diagnose import authorization_error
+
+                why = authorization_error(self.m.connection.principal(), "WRITE", "TOPIC", self.m.topics.raw,
+                                          hint="`profstream acl show --role trainer` lists a training job's ACLs")
             log.warning("profstream: %d ops and %d samples lost (%s); counted as dropped", ops, samples, why)
 
     def _buffered(self) -> bool:
@@ -452,20 +458,42 @@ class Sender(SpoolSending, threading.Thread):
             return self._attempted(now, None, e)
 
     def _open_producer(self) -> Any:
-        """A producer that reached a broker, the topics there; raises what failed."""
-        opts = self.m.options
-        producer = self._producer_factory(
-            self.m.connection, compression=opts["compression"],
-            bootstrap_timeout_ms=int(self._connect_timeout * 1000), on_error=self._on_client_error,
-            **self._producer_options())
-        try:
-            from profstream.kafka.topics import ensure_topics
+        """A producer that reached a broker, the topics there; raises what failed (a
+        ``SecurityError`` saying what, when the broker refused this Monitor)."""
+        from profstream.kafka.diagnose import SecurityError
+        from profstream.kafka.topics import ensure_topics
+        from profstream.stack.errors import TopicAccessError
 
-            ensure_topics(self.m.connection, self.m.topics, timeout=self._connect_timeout, needed=MONITOR_TOPICS)
+        opts = self.m.options
+        try:
+            producer = self._producer_factory(
+                self.m.connection, compression=opts["compression"],
+                bootstrap_timeout_ms=int(self._connect_timeout * 1000), on_error=self._on_client_error,
+                **self._producer_options())
+        except Exception as e:
+            raise self._explained(e) from None
+        try:
+            ensure_topics(self.m.connection, self.m.topics, timeout=self._connect_timeout, needed=MONITOR_TOPICS,
+                          operation="WRITE")
+        except TopicAccessError as e:
+            producer.close(timeout=0)
+            raise SecurityError(str(e)) from None
         except Exception:
             producer.close(timeout=0)
             raise
         return producer
+
+    def _explained(self, error: Exception) -> Exception:
+        """``error`` of a failed connection, or the security problem behind it (credentials,
+        certificate, TLS vs plaintext: ``diagnose.check``), found out once per Monitor."""
+        conn = self.m.connection
+        if self._diagnosed or not conn.secured and not isinstance(error, ConnectionError):
+            return error
+        self._diagnosed = True
+        from profstream.kafka.diagnose import SecurityError, check
+
+        why = check(conn, timeout=min(5.0, self._connect_timeout))
+        return SecurityError(why) if why is not None else error
 
     def _attempted(self, now: float, producer: Any, error: BaseException | None) -> bool:
         if error is not None:
@@ -497,9 +525,31 @@ class Sender(SpoolSending, threading.Thread):
             where = (f"written to the spool at {self._spool.dir} (up to {self._spool.max_bytes >> 20} MiB) and "
                      "sent when it is back" if self._spool is not None else
                      f"buffered up to {self.m.options['buffer_bytes'] >> 20} MiB and then dropped and counted")
+            why = self._refusal(error)
+            if why is not None:  # the broker answered and refused us: say what to fix
+                log.warning("profstream: Kafka at %s refused this Monitor: %s; training continues, events are %s.",
+                            self.m.connection, why, where)
+                return
             log.warning("profstream: Kafka at %s is not reachable (%s); training continues, events are %s. Check "
                         "--bootstrap or start a broker with `profstream stack up`.",
                         self.m.connection, type(error).__name__, where)
+
+    def _refusal(self, error: BaseException) -> str | None:
+        """What the broker refused this Monitor, in one line, when ``error`` says it did:
+        a ``SecurityError`` (credentials, certificates), a write its ACLs deny."""
+        from profstream.kafka.diagnose import SecurityError, authorization_error
+
+        if isinstance(error, SecurityError):
+            return str(error)
+        text = str(error).lower()
+        if "fatal error" in text and self.m.connection.secured:  # the producer's own words say no more
+            from profstream.kafka.diagnose import fatal_reason
+
+            text = (fatal_reason(self.m.connection) or "").lower()
+        if "authorization failed" in text:
+            return authorization_error(self.m.connection.principal(), "WRITE", "TOPIC", self.m.topics.raw,
+                                       hint="`profstream acl show --role trainer` lists a training job's ACLs")
+        return None
 
     def _mark_up(self) -> None:
         if self._warned_down:

@@ -165,6 +165,11 @@ def _step_metrics_v3_to_v4(record: dict) -> dict:
     return {**record, "devices": []}
 
 
+def _capture_status_v1_to_v2(record: dict) -> dict:
+    """A status from before the requests had topics of their own: who asked is not known."""
+    return {**record, "requester": "", "request_reason": ""}
+
+
 def _rank_checkpoint_v1_to_v2(record: dict) -> dict:
     return {**record, "carry": {"compute_start": b"", "compute_end": b"", "comm_start": b"", "comm_end": b""},
             "device_end_step": None, "device_end_ns": None}
@@ -190,9 +195,10 @@ _VERSIONS: list[SchemaVersion] = [
     _version(_load("step_metrics.v5.avsc"), 5, _step_metrics_v5_to_v6),  # + collectives
     _version(_load("run_step_metrics.v2.avsc"), 2),  # + collectives matched across ranks
     _version(_load("capture_request.avsc"), 1),  # the control topic (docs/capture.md)
-    _version(_load("capture_status.avsc"), 1),
+    _version(_load("capture_status.avsc"), 1, _capture_status_v1_to_v2),
     _version(_load("rank_end.avsc"), 1),  # on the steps topic: a rank that ended normally
     _version(_load("step_metrics.v6.avsc"), 6),  # op figures null when not measured
+    _version(_load("capture_status.v2.avsc"), 2),  # + requester (authenticated), request_reason
 ]
 
 SCHEMAS: dict[int, SchemaVersion] = {v.fingerprint: v for v in _VERSIONS}

@@ -470,8 +470,9 @@ class PrometheusExporter:
     def __init__(self, conn: Connection | str, topics: Topics, port: int = DEFAULT_PORT, addr: str = "0.0.0.0",
                  group_id: str = DEFAULT_GROUP, ttl_s: float = DEFAULT_TTL_S,
                  top_k: int = DEFAULT_TOP_K, top_ranks: int | None = DEFAULT_TOP_RANKS,
-                 wait_topics_s: float = 0.0) -> None:
+                 wait_topics_s: float = 0.0, web=None) -> None:
         self.conn = conn
+        self.web = web  # web_config.WebConfig: TLS and basic auth of /metrics
         self.wait_topics_s = wait_topics_s
         self.topics = topics
         self.port = port
@@ -487,7 +488,8 @@ class PrometheusExporter:
         from profstream.sinks.runner import SinkLoop
 
         try:
-            self._server = serve_metrics(self.addr, self.port, self.state.exposition, "profstream exporter")
+            self._server = serve_metrics(self.addr, self.port, self.state.exposition, "profstream exporter",
+                                         web=self.web)
         except OSError as e:
             raise ExporterError(f"cannot serve metrics on {self.addr}:{self.port} ({e.strerror or e}): "
                                 "choose another --port") from None
@@ -504,7 +506,7 @@ class PrometheusExporter:
             raise
         port = self._server.server_port
         host = "localhost" if self.addr in ("", "0.0.0.0", "::") else self.addr
-        return f"http://{host}:{port}/metrics"
+        return f"{self.web.scheme if self.web is not None else 'http'}://{host}:{port}/metrics"
 
     def run(self) -> None:
         """Consume until ``stop()``; commits what was handled and closes the consumer."""

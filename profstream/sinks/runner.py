@@ -48,11 +48,17 @@ FINAL_COMMIT_S = 10.0
 KAFKA_WAIT_MS = 3000  # the longest a commit or the lag's positions wait for Kafka in one poll
 
 
-def wait_for_topics(consumer: Any, topics: Sequence[str], wait_s: float) -> None:
+def wait_for_topics(consumer: Any, topics: Sequence[str], wait_s: float,
+                    denied: Callable[[str], str | None] | None = None) -> None:
     """Return once every topic exists; wait up to ``wait_s`` for the missing ones (a sink
     started beside the processor that creates them), saying so in one line; then raise
-    RuntimeError naming the first missing topic and what to do."""
+    RuntimeError naming the first missing topic and what to do. ``denied(topic)``: the
+    one line of an ACL that keeps the client from seeing it (raised at once), or None."""
     missing = [t for t in topics if not consumer.partitions_for_topic(t)]
+    for topic in missing if denied is not None else ():
+        why = denied(topic)
+        if why is not None:
+            raise RuntimeError(why)
     if missing and wait_s > 0:
         log.warning("topic %s does not exist yet: waiting up to %g s for it (`profstream process` and the Monitors "
                     "create the topics)", ", ".join(missing), wait_s)
@@ -71,7 +77,9 @@ class Sink(Protocol):
 
 
 class SinkLoop:
-    """Consume ``topics`` in consumer group ``group_id`` and feed ``sink``."""
+    """Consume ``topics`` in consumer group ``group_id`` and feed ``sink``. A name that ends
+    with a dot is a prefix: every topic that starts with it, found as they come (the
+    request topics, ``<prefix>.requests.``)."""
 
     def __init__(self, conn: Connection | str, topics: Sequence[str], group_id: str, sink: Sink,
                  poll_ms: int = 100, from_beginning: bool = True, wait_topics_s: float = 0.0,
@@ -81,12 +89,25 @@ class SinkLoop:
         self._consumer = make_consumer(conn, group_id=group_id,
                                        auto_offset_reset="earliest" if from_beginning else "latest",
                                        **consumer_options)
+        literal = [t for t in topics if not t.endswith(".")]
+        prefixes = [t for t in topics if t.endswith(".")]
+        from profstream.kafka.connection import Connection
+        from profstream.kafka.diagnose import topic_denied
+
+        conn = Connection.of(conn)
         try:  # know the partitions before joining (see processors/checkpoint.py)
-            wait_for_topics(self._consumer, topics, wait_topics_s)
+            wait_for_topics(self._consumer, literal, wait_topics_s, denied=lambda t: topic_denied(
+                conn, t, hint="`profstream acl show --role sink` lists a sink's ACLs"))
         except RuntimeError:
             self._consumer.close()
             raise
-        self._consumer.subscribe(list(topics))
+        if prefixes:
+            import re
+
+            self._consumer.subscribe(pattern="^(?:" + "|".join(
+                [re.escape(t) for t in literal] + [re.escape(p) + ".+" for p in prefixes]) + ")$")
+        else:
+            self._consumer.subscribe(list(topics))
         self._handled: dict[TopicPartition, int] = {}
         self._said_at = -1e18  # when a commit that timed out was last logged
         self._committed: dict[TopicPartition, int] = {}

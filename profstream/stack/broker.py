@@ -38,6 +38,7 @@ from profstream.stack.node import (
 from profstream.stack.probe import wait_for_broker
 from profstream.stack.process import terminate
 from profstream.stack.properties import NodeConfig, quorum_voters
+from profstream.stack.secure import client_connection, is_secure
 from profstream.stack.state import (
     DATA_DIR,
     LOCK_FILE,
@@ -55,28 +56,47 @@ from profstream.stack.state import (
 )
 
 
-def stack_up(state_dir: Path | None = None, timeout: float = 120.0, brokers: int | None = None) -> Broker | Cluster:
+def stack_up(state_dir: Path | None = None, timeout: float = 120.0, brokers: int | None = None,
+             secure: bool = False) -> Broker | Cluster:
     """Start the local Kafka of ``state_dir``, or return the one running there.
 
     ``brokers``: 1 for a single broker (the default for a new directory), N > 1 for a
-    cluster of N (``cluster.cluster_up``); None takes what the directory holds. Raises
-    :class:`StackError` (one line, says what to do) when Java or the jars are missing or
-    the broker does not come up within ``timeout`` seconds.
+    cluster of N (``cluster.cluster_up``); None takes what the directory holds. ``secure``:
+    a single broker with SASL_SSL (SCRAM), mutual TLS and ACLs (``stack/secure.py``); a
+    directory that holds one keeps it secured. Raises :class:`StackError` (one line, says
+    what to do) when Java or the jars are missing or the broker does not come up within
+    ``timeout`` seconds.
     """
     java = find_java()  # before anything else: no files, no fetch without Java
     if brokers is not None and brokers < 1:
         raise StackError(f"--brokers {brokers}: a cluster needs at least 1 broker")
     state_dir = resolve_state_dir(state_dir)
+    if secure and ((brokers or 1) > 1 or holds_cluster(state_dir)):
+        raise StackError("--secure runs a single broker: leave out --brokers, or give another --dir")
     if (brokers or 1) > 1 or holds_cluster(state_dir):
         return cluster_up(java, state_dir, brokers, timeout)
     state_dir.mkdir(parents=True, exist_ok=True)
 
     with locked(state_dir / LOCK_FILE):
         running = _running_broker(state_dir, time.monotonic() + timeout)
-        if running is not None:
-            return running
-        libs = kafka_libs()  # a first-time fetch does not count against `timeout`
-        return _start(java, libs, state_dir, time.monotonic() + timeout, timeout)
+        if running is not None and secure and not is_secure(state_dir):
+            raise StackError(f"the broker of {state_dir} runs without security: stop it (`profstream stack down`) "
+                             "to start it secured, or give --secure another --dir")
+        if running is None:
+            libs = kafka_libs()  # a first-time fetch does not count against `timeout`
+            running = _start(java, libs, state_dir, time.monotonic() + timeout, timeout,
+                             secure or _was_secure(state_dir))
+    if is_secure(state_dir) and secure:
+        from profstream.kafka.acls import setup_stack
+
+        setup_stack(state_dir)  # the default prefix's topics and every role's ACLs, as admin
+    return running
+
+
+def _was_secure(state_dir: Path) -> bool:
+    """Whether the stopped broker of ``state_dir`` was secured (it starts so again)."""
+    ports = configured_ports(state_dir / SERVER_PROPERTIES)
+    return ports is not None and len(ports) == 3
 
 
 def _running_broker(state_dir: Path, deadline: float) -> Broker | None:
@@ -85,7 +105,7 @@ def _running_broker(state_dir: Path, deadline: float) -> Broker | None:
     if broker is not None:
         try:
             wait_for_broker(
-                broker.bootstrap,
+                client_connection(state_dir) if is_secure(state_dir) else broker.bootstrap,
                 max(0.0, min(10.0, deadline - time.monotonic())),
                 alive=lambda: check_alive(broker.pid, state_dir),
             )
@@ -96,16 +116,26 @@ def _running_broker(state_dir: Path, deadline: float) -> Broker | None:
     return None
 
 
-def _start(java: str, libs: Path, state_dir: Path, deadline: float, timeout: float) -> Broker:
+def _start(java: str, libs: Path, state_dir: Path, deadline: float, timeout: float, secure: bool = False) -> Broker:
     # Keep the ports the storage was formatted with when they are still free; otherwise
     # take new ones and start from empty storage (a dev broker; data is disposable).
     old = configured_ports(state_dir / SERVER_PROPERTIES)
-    if old and old[0] != old[1] and ports_released(old, min(PORT_RELEASE_S, deadline - time.monotonic())):
-        port, cport = old
+    wanted = 3 if secure else 2
+    if old and len(old) == wanted and len(set(old)) == wanted and ports_released(
+            old, min(PORT_RELEASE_S, deadline - time.monotonic())):
+        ports = list(old)
     else:
-        port, cport = free_ports(2)
+        ports = free_ports(wanted)
         shutil.rmtree(state_dir / DATA_DIR, ignore_errors=True)
-    node = NodeConfig(node_id=1, port=port, controller_port=cport, voters=quorum_voters({1: cport}))
+    if secure:
+        from profstream.stack.secure import ensure_material
+
+        ensure_material(state_dir)
+        port, ssl_port, cport = ports
+    else:
+        (port, cport), ssl_port = ports, 0
+    node = NodeConfig(node_id=1, port=port, controller_port=cport, voters=quorum_voters({1: cport}),
+                      ssl_port=ssl_port)
     return Launch(java, libs, state_dir, node, "", deadline).wait(deadline, timeout)
 
 

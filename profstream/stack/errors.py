@@ -11,3 +11,8 @@ class StackError(Exception):
         super().__init__(message)
         self.detail = detail
         """Optional multi-line context (e.g. the tail of a log), for verbose output."""
+
+
+class TopicAccessError(StackError):
+    """A topic the broker does not show this client and does not let it create: an ACL is
+    missing (the message, one line, names it)."""

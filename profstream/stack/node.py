@@ -95,13 +95,18 @@ def ports_released(ports: tuple[int, ...], timeout: float) -> bool:
     return True
 
 
-def configured_ports(props: Path) -> tuple[int, int] | None:
+def configured_ports(props: Path) -> tuple[int, ...] | None:
+    """(client port, controller port) of a plaintext node's properties; (SASL_SSL port,
+    SSL port, controller port) of a secured one."""
     try:
         text = props.read_text()
     except OSError:
         return None
     m = re.search(r"^listeners=PLAINTEXT://[^:]+:(\d+),CONTROLLER://[^:]+:(\d+)\s*$", text, re.M)
-    return (int(m.group(1)), int(m.group(2))) if m else None
+    if m:
+        return int(m.group(1)), int(m.group(2))
+    m = re.search(r"^listeners=SASL_SSL://[^:]+:(\d+),SSL://[^:]+:(\d+),CONTROLLER://[^:]+:(\d+)\s*$", text, re.M)
+    return (int(m.group(1)), int(m.group(2)), int(m.group(3))) if m else None
 
 
 def running_node(state_dir: Path) -> Broker | None:
@@ -147,7 +152,12 @@ class Launch:
         write_atomic(log4j, log4j_properties(self.log_file))
         log4j_opt = f"-Dlog4j.configuration={log4j.as_uri()}"
         if not (data_dir / "meta.properties").is_file():
-            format_storage(java, libs, state_dir, log4j_opt, deadline)
+            extra: list[str] = []
+            if node.secure:  # the SCRAM users exist from the start
+                from profstream.stack.secure import scram_arguments
+
+                extra = scram_arguments(state_dir)
+            format_storage(java, libs, state_dir, log4j_opt, deadline, extra)
         cmd = [java, *heap, *JVM_OPTS, f"-Dkafka.logs.dir={log_dir}", log4j_opt, "-cp", str(libs / "*"),
                "kafka.Kafka", str(props)]
         self.offsets = (0, file_size(self.log_file))  # kafka.out is truncated below; server.log appends
@@ -160,6 +170,16 @@ class Launch:
     def bootstrap(self) -> str:
         return f"127.0.0.1:{self.node.port}"
 
+    @property
+    def connection(self):
+        """How to reach the node: its address, with the admin's credentials when secured."""
+        if self.node.secure:
+            from profstream.stack.secure import client_connection, write_client_properties
+
+            write_client_properties(self.state_dir, self.bootstrap, f"127.0.0.1:{self.node.ssl_port}")
+            return client_connection(self.state_dir)
+        return self.bootstrap
+
     def check_exited(self) -> None:
         code = self.proc.poll()
         if code is not None:
@@ -169,7 +189,7 @@ class Launch:
         """Wait until the node answers, record it and return it; stop it on failure."""
         try:
             try:
-                wait_for_broker(self.bootstrap, max(0.0, deadline - time.monotonic()), alive=self.check_exited)
+                wait_for_broker(self.connection, max(0.0, deadline - time.monotonic()), alive=self.check_exited)
             except StackError as exc:
                 if self.proc.poll() is not None:
                     raise
@@ -195,13 +215,15 @@ class Launch:
         state = {"bootstrap": self.bootstrap, "pid": self.proc.pid, "port": node.port,
                  "controller_port": node.controller_port, "node_id": node.node_id, "version": KAFKA_VERSION,
                  "kafka_libs": str(self.libs), "log_file": str(self.log_file), "started_at": time.time(),
-                 "python": sys.executable}
+                 "python": sys.executable, **({"ssl_port": node.ssl_port} if node.secure else {})}
         write_atomic(self.state_dir / STATE_FILE, json.dumps(state, indent=2) + "\n")
         return broker
 
 
-def format_storage(java: str, libs: Path, state_dir: Path, log4j_opt: str, deadline: float) -> None:
-    """``kafka-storage format`` the data dir once (a restart finds it formatted)."""
+def format_storage(java: str, libs: Path, state_dir: Path, log4j_opt: str, deadline: float,
+                   extra: list[str] | None = None) -> None:
+    """``kafka-storage format`` the data dir once (a restart finds it formatted); ``extra``:
+    more arguments (a secured broker's ``--add-scram`` users)."""
     props = state_dir / SERVER_PROPERTIES
     data_dir = state_dir / DATA_DIR
     cluster_id_file = state_dir / CLUSTER_ID_FILE
@@ -224,6 +246,7 @@ def format_storage(java: str, libs: Path, state_dir: Path, log4j_opt: str, deadl
         "-c",
         str(props),
         "--ignore-formatted",
+        *(extra or ()),
     ]
     try:
         proc = subprocess.run(
@@ -239,7 +262,11 @@ def format_storage(java: str, libs: Path, state_dir: Path, log4j_opt: str, deadl
             "timeout or check the machine load"
         ) from exc
     if proc.returncode != 0:
-        out = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip()]
+        secret_words = re.findall(r"password=([^\],]+)", " ".join(extra or ()))
+        text = proc.stdout + proc.stderr
+        for word in secret_words:  # kafka-storage may quote an --add-scram argument back
+            text = text.replace(word, "***")
+        out = [ln for ln in text.splitlines() if ln.strip()]
         hint = failure_hint(out) if out else f"exit code {proc.returncode}"
         if re.search(
             r"ClassNotFoundException|NoClassDefFoundError|find or load main class",

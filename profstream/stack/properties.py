@@ -38,6 +38,11 @@ class NodeConfig:
     controller_port: int
     voters: str  # controller.quorum.voters: "1@127.0.0.1:PORT,2@..."
     brokers: int = 1  # nodes in the cluster
+    ssl_port: int = 0  # a secured broker (stack/secure.py): its mutual-TLS listener; ``port`` is SASL_SSL
+
+    @property
+    def secure(self) -> bool:
+        return self.ssl_port != 0
 
     @property
     def controller(self) -> bool:
@@ -59,6 +64,16 @@ def server_properties(state_dir: Path, node: NodeConfig) -> str:
         roles = "broker"
         listeners = f"PLAINTEXT://127.0.0.1:{node.port}"
     failover = ""
+    security = ""
+    advertised, inter, protocols = f"PLAINTEXT://127.0.0.1:{node.port}", "PLAINTEXT", "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT"
+    if node.secure:
+        from profstream.stack.secure import server_properties as secured
+
+        settings = secured(state_dir, node.port, node.ssl_port, node.controller_port)
+        listeners, advertised = settings.pop("listeners"), settings.pop("advertised.listeners")
+        inter, protocols = settings.pop("inter.broker.listener.name"), settings.pop("listener.security.protocol.map")
+        security = "\n# Secured (profstream stack up --secure, profstream/stack/secure.py)\n" + "".join(
+            f"{k}={v}\n" for k, v in settings.items())
     if node.brokers == 1:
         title = "# Single-node KRaft broker in combined mode, loopback only."
     else:
@@ -72,10 +87,10 @@ process.roles={roles}
 node.id={node.node_id}
 controller.quorum.voters={node.voters}
 listeners={listeners}
-advertised.listeners=PLAINTEXT://127.0.0.1:{node.port}
-inter.broker.listener.name=PLAINTEXT
+advertised.listeners={advertised}
+inter.broker.listener.name={inter}
 controller.listener.names=CONTROLLER
-listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
+listener.security.protocol.map={protocols}
 log.dirs={data}
 
 num.network.threads=3
@@ -102,4 +117,4 @@ log.cleaner.dedupe.buffer.size=16777216
 # profstream.kafka.limits: what profstream's topics take
 message.max.bytes={TOPIC_MAX_MESSAGE_BYTES}
 replica.fetch.max.bytes={TOPIC_MAX_MESSAGE_BYTES}
-{failover}"""
+{failover}{security}"""
