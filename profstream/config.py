@@ -84,15 +84,37 @@ def _parse_float(v: Any) -> float:
     return float(v)
 
 
-def _parse_properties(v: Any) -> dict[str, str]:
-    from profstream.kafka.connection import parse_properties
-
-    return parse_properties(v)
+def parse_properties(value: Any) -> dict[str, str]:
+    """The overrides option: a mapping, a JSON object, or ``key=value`` pairs separated by
+    newlines or commas. ValueError (without the value: it may hold a secret) when not."""
+    if isinstance(value, Mapping):
+        return {str(k).strip(): "" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+                for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        pairs = value
+    else:
+        text = str(value).strip()
+        if text.startswith("{"):
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError:
+                raise ValueError("expected a JSON object of Kafka client properties") from None
+            if not isinstance(data, dict):
+                raise ValueError("expected a JSON object of Kafka client properties")
+            return parse_properties(data)
+        pairs = [p for p in re.split(r"[\n,]", text) if p.strip()]
+    out = {}
+    for pair in pairs:
+        key, sep, val = str(pair).partition("=")
+        if not sep or not key.strip():
+            raise ValueError("expected KEY=VALUE pairs such as security.protocol=SASL_SSL (or a JSON object)")
+        out[key.strip()] = val.strip()
+    return out
 
 
 PARSERS: dict[str, Callable[[Any], Any]] = {
     "str": str, "int": _parse_int, "float": _parse_float, "bool": _parse_bool, "size": _parse_size,
-    "properties": _parse_properties,
+    "properties": parse_properties,
 }
 
 

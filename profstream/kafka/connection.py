@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from profstream.config import ConfigError
+from profstream.config import ConfigError, parse_properties
 
 PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER", "GSSAPI")
@@ -116,36 +116,6 @@ def read_properties(path: str | Path, what: str = "Kafka client properties file"
             out[line] = ""
             continue
         out[m.group(1)] = m.group(2).strip()
-    return out
-
-
-def parse_properties(value: Any) -> dict[str, str]:
-    """The overrides option: a mapping, a JSON object, or ``key=value`` pairs separated by
-    newlines or commas. ValueError (without the value: it may hold a secret) when not."""
-    if isinstance(value, Mapping):
-        return {str(k).strip(): "" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
-                for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        pairs = value
-    else:
-        text = str(value).strip()
-        if text.startswith("{"):
-            import json
-
-            try:
-                data = json.loads(text)
-            except json.JSONDecodeError:
-                raise ValueError("expected a JSON object of Kafka client properties") from None
-            if not isinstance(data, dict):
-                raise ValueError("expected a JSON object of Kafka client properties")
-            return parse_properties(data)
-        pairs = [p for p in re.split(r"[\n,]", text) if p.strip()]
-    out = {}
-    for pair in pairs:
-        key, sep, val = str(pair).partition("=")
-        if not sep or not key.strip():
-            raise ValueError("expected KEY=VALUE pairs such as security.protocol=SASL_SSL (or a JSON object)")
-        out[key.strip()] = val.strip()
     return out
 
 
