@@ -53,6 +53,11 @@ def _mounts(service: dict) -> dict[str, str]:
     return out
 
 
+def _published(service: dict, port: int | str) -> bool:
+    """Whether ``service`` publishes container port ``port`` on the same host port."""
+    return any(p.split(":")[-2:] == [str(port), str(port)] for p in service.get("ports", ()))
+
+
 def _depends(service: dict) -> dict[str, str]:
     deps = service.get("depends_on", {})
     if isinstance(deps, list):
@@ -163,7 +168,7 @@ def test_the_profstream_services_find_kafka_on_its_advertised_listener():
     for name, service in PROFSTREAM.items():
         assert _interpolate(_option(_command(service), "--bootstrap")) == advertised["PLAINTEXT"], name
     host_port = advertised["HOST"].rsplit(":", 1)[1]
-    assert f"{host_port}:{host_port}" in SERVICES["kafka"]["ports"]
+    assert _published(SERVICES["kafka"], host_port)
 
 
 def test_prometheus_scrapes_the_services_where_they_serve_and_loads_the_rules():
@@ -193,7 +198,7 @@ def test_grafana_is_provisioned_with_the_prometheus_datasource_and_the_generated
     (prometheus,) = datasources
     assert prometheus["type"] == "prometheus" and prometheus["isDefault"] is True
     url = urlsplit(prometheus["url"])
-    assert url.hostname == "prometheus" and f"{url.port}:{url.port}" in SERVICES["prometheus"]["ports"]
+    assert url.hostname == "prometheus" and _published(SERVICES["prometheus"], url.port)
     providers = [p for f in sorted((ROOT / "dashboards/provisioning/dashboards").glob("*.yml"))
                  for p in yaml.safe_load(f.read_text())["providers"]]
     (provider,) = providers
@@ -209,7 +214,7 @@ def test_the_grafana_sink_reaches_grafana_without_showing_its_password():
     env = SERVICES["sink-grafana"]["environment"]
     url = _interpolate(env["PROFSTREAM_GRAFANA_URL"])
     parts = urlsplit(url)
-    assert parts.hostname == "grafana" and f"{parts.port}:{parts.port}" in SERVICES["grafana"]["ports"]
+    assert parts.hostname == "grafana" and _published(SERVICES["grafana"], parts.port)
     assert parts.password == _interpolate(SERVICES["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"])
     grafana = Grafana.from_options(environ={"PROFSTREAM_GRAFANA_URL": url,
                                             "PROFSTREAM_GRAFANA_TOKEN": _interpolate(env["PROFSTREAM_GRAFANA_TOKEN"])})
@@ -225,7 +230,15 @@ def test_alertmanager_s_capture_route_reaches_the_autocapture_webhook_with_the_m
     service = SERVICES[url.hostname]
     args = _command(service)
     assert args[:2] == ["profstream", "autocapture"] and int(_option(args, "--webhook-port")) == url.port
-    assert url.path == "/alerts" and f"{url.port}:{url.port}" in service["ports"]
+    # it listens on the compose network, is not published on the host, and takes Alertmanager's token
+    assert url.path == "/alerts" and _option(args, "--addr") == "0.0.0.0" and "ports" not in service
+    auth = receiver["webhook_configs"][0]["http_config"]["authorization"]
+    assert auth["type"] == "Bearer"
+    (am_token,) = [c for c in SERVICES["alertmanager"]["configs"] if c["source"] == "webhook-token"]
+    assert Path(am_token["target"]) == Path("/etc/alertmanager") / auth["credentials_file"]  # beside its config
+    (own_token,) = [c for c in service["configs"] if c["source"] == "webhook-token"]
+    assert own_token["target"] == _option(args, "--token-file")
+    assert "PROFSTREAM_WEBHOOK_TOKEN" in COMPOSE["configs"]["webhook-token"]["content"]
     assert _mounts(service)[_option(args, "--policy")] == "./deploy/autocapture.yml"
     assert f"localhost:{url.port}/healthz" in " ".join(service["healthcheck"]["test"])
 
@@ -254,7 +267,7 @@ def test_the_cluster_profile_is_a_three_node_quorum_that_lists_every_node():
         advertised = _listeners(env, "KAFKA_ADVERTISED_LISTENERS")
         assert advertised["PLAINTEXT"] == f"{name}:9092"
         host_port = advertised["HOST"].rsplit(":", 1)[1]
-        assert f"{host_port}:{host_port}" in CLUSTER[name]["ports"]
+        assert _published(CLUSTER[name], host_port)
         assert _listeners(env, "KAFKA_LISTENERS")["HOST"] == f":{host_port}"
 
 
@@ -277,9 +290,17 @@ def test_the_cluster_profile_replicates_as_the_bundled_cluster_does():
 
 
 def test_no_two_services_publish_the_same_host_port():
-    published = [(name, port.split(":")[0]) for name, s in SERVICES.items() for port in s.get("ports", ())]
+    published = [(name, port.split(":")[-2]) for name, s in SERVICES.items() for port in s.get("ports", ())]
     ports = [p for _, p in published]
     assert len(ports) == len(set(ports)), sorted(published)
+
+
+def test_every_published_port_is_bound_to_loopback_only():
+    """Kafka's PLAINTEXT listener, the endpoints and the UIs are for this machine: another
+    machine on the network reaches none of them (docs/security.md)."""
+    for name, service in SERVICES.items():
+        for port in service.get("ports", ()):
+            assert port.startswith("127.0.0.1:"), f"{name} publishes {port} on every interface"
 
 
 def test_the_profstream_services_reach_the_cluster_by_the_bootstrap_its_header_gives():
