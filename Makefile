@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install jars demo system test test-faults test-cluster test-multiproc test-bundle test-mindspore test-fast lint bench stack-up stack-down clean dashboards gpu-check device-bundle
+.PHONY: install jars demo system test test-faults test-cluster test-multiproc test-bundle test-secure test-mindspore test-fast lint bench stack-up stack-down clean dashboards gpu-check device-bundle
 
 # Re-installed when the compiled Monitor's sources change too: pip rebuilds the extension,
 # which an editable install would otherwise keep from before the change.
@@ -58,7 +58,7 @@ endef
 
 test: system jars $(TORCH_STAMP) $(HTA_STAMP)
 	$(BIN)/ruff check profstream tests $(wildcard benchmarks)
-	$(call pytest_limited,20,-m "not mindspore and not faults and not multiproc and not bundle")
+	$(call pytest_limited,20,-m "not mindspore and not faults and not multiproc and not bundle and not secure")
 
 # The fault suite: a broker of its own stopped, killed and restarted under a streaming run,
 # processors killed, the Monitor flushed and closed across outages, the leader of a 3-broker
@@ -96,6 +96,14 @@ device-bundle: install
 # then judged against the real broker (tests/test_device_bundle.py, ~2 min).
 test-bundle: jars $(TORCH_STAMP) $(HTA_STAMP)
 	$(call pytest_limited,10,-m bundle tests/test_device_bundle.py)
+
+# Against the secured broker of `profstream stack up --secure` (SASL_SSL with SCRAM, mutual
+# TLS, the StandardAuthorizer with each role's ACLs), started once for the suite: the whole
+# pipeline with SCRAM and with mTLS, each role's ACLs enforced, every bad credential,
+# certificate and protocol one line (tests/test_secure_pipeline.py, test_acls.py,
+# test_security_faults.py; ~5 min on 2 shared cores).
+test-secure: jars
+	$(call pytest_limited,15,-m secure tests/test_secure_pipeline.py tests/test_acls.py tests/test_security_faults.py)
 
 # The MindSpore callback against a real MindSpore (CPU wheel, ~800 MB), in a virtual
 # environment of its own so that the main one keeps its torch and numpy: docs/mindspore.md.

@@ -39,8 +39,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "kafka_bootstrap" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.kafka)
-        if "secure_stack" in getattr(item, "fixturenames", ()):
+        if "secure_stack" in getattr(item, "fixturenames", ()):  # a broker too: not for `-m "not kafka"`
             item.add_marker(pytest.mark.secure)
+            item.add_marker(pytest.mark.kafka)
 
 
 @pytest.fixture(scope="session")
