@@ -96,14 +96,25 @@ def note(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def broker_bootstrap(bootstrap: str | None) -> str:
-    """``bootstrap`` if given (checked to answer), else the local broker of `profstream stack up`."""
+def broker_bootstrap(bootstrap: str | None, kafka_config: str | None = None) -> Any:
+    """The connection (``profstream.kafka.connection.Connection``; ``str()``: its address) to
+    ``bootstrap`` if given, else to the ``bootstrap.servers`` of ``kafka_config``, else to the
+    local broker of `profstream stack up`, with the client properties of ``kafka_config``
+    (TLS, SASL: bench_security.py runs the benchmarks both ways); checked to answer."""
+    from profstream.kafka.connection import Connection
     from profstream.stack import stack_up, wait_for_broker
 
-    if bootstrap:
-        wait_for_broker(bootstrap, timeout=30.0)
-        return bootstrap
-    return stack_up().bootstrap
+    conn = Connection.from_options({"bootstrap": bootstrap, "kafka_config": kafka_config},
+                                   bootstrap_given=bool(bootstrap))
+    if not conn.bootstrap:
+        conn = conn.with_bootstrap(stack_up().bootstrap)
+    wait_for_broker(conn, timeout=30.0)
+    return conn
+
+
+def add_kafka_config(parser: Any) -> None:
+    """The --kafka-config option of the benchmarks that talk to a broker."""
+    parser.add_argument("--kafka-config", help="Kafka client properties file (TLS, SASL: docs/security.md)")
 
 
 def wait_connected(monitor: Any, bootstrap: str, timeout_s: float = 60.0) -> None:

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from _common import (
+    add_kafka_config,
     broker_bootstrap,
     cpu_hog,
     drop_topics,
@@ -158,6 +159,7 @@ def measured_with_sender(monitor: Monitor, run: Callable[[], list[float]], repea
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--bootstrap", help="broker host:port (default: start/reuse `profstream stack up`)")
+    add_kafka_config(p)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--chunk", type=int, default=10_000, help="op() calls per timed chunk")
     p.add_argument("--chunks", type=int, default=50, help="chunks per repeat (real broker)")
@@ -178,10 +180,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def measure(args: argparse.Namespace) -> int:
-    bootstrap = broker_bootstrap(args.bootstrap)
+    bootstrap = broker_bootstrap(args.bootstrap, args.kafka_config)
     prefix = unique_prefix()
     note(f"broker {bootstrap}, topic prefix {prefix}")
-    results: dict[str, Any] = {"bootstrap": bootstrap, "topic_prefix": prefix}
+    results: dict[str, Any] = {"bootstrap": str(bootstrap), "security": bootstrap.protocol, "topic_prefix": prefix}
     figures: dict[str, Any] = {}
 
     # Context: the bare loop, and op() with no sender thread.
@@ -198,7 +200,7 @@ def measure(args: argparse.Namespace) -> int:
     figures["op_no_sender"] = figure(per_repeat, dropped_ops=dropped)
 
     # The target: op() with the sender thread talking to a real broker.
-    monitor = Monitor(run_id="bench-op", bootstrap=bootstrap, topic_prefix=prefix,
+    monitor = Monitor(run_id="bench-op", connection=bootstrap, topic_prefix=prefix,
                       buffer_bytes=args.buffer_mib << 20)
     try:
         wait_connected(monitor, bootstrap)

@@ -35,7 +35,16 @@ import time
 from collections import namedtuple
 from typing import Any
 
-from _common import broker_bootstrap, drop_topics, emit, envelope, note, summary, unique_prefix
+from _common import (
+    add_kafka_config,
+    broker_bootstrap,
+    drop_topics,
+    emit,
+    envelope,
+    note,
+    summary,
+    unique_prefix,
+)
 
 from profstream.kafka.clients import make_producer
 from profstream.kafka.topics import Topics, ensure_topics
@@ -251,7 +260,7 @@ def end_to_end(bootstrap: str, messages: list[tuple[bytes, bytes]], expected_ste
                 errors.append(e)
 
         thread = threading.Thread(target=work, name="bench-processor", daemon=True)
-        t_start = time.perf_counter()
+        t_start, cpu_start = time.perf_counter(), time.process_time()
         thread.start()
         t_first = None
         deadline = t_start + timeout
@@ -259,7 +268,7 @@ def end_to_end(bootstrap: str, messages: list[tuple[bytes, bytes]], expected_ste
             if t_first is None and health.batches:
                 t_first = time.perf_counter()
             time.sleep(0.002)
-        t_end = time.perf_counter()
+        t_end, cpu_end = time.perf_counter(), time.process_time()
         committed = len(health.freshness_s)
         stop.set()
         thread.join(30)
@@ -274,6 +283,8 @@ def end_to_end(bootstrap: str, messages: list[tuple[bytes, bytes]], expected_ste
                 "first_batch_folded_after_s": (t_first - t_start) if t_first else None,
                 "ops_per_s_from_first_batch": total_ops / (t_end - t_first) if t_first else None,
                 "steps_committed": committed, "transactions": health.transactions,
+                # this process's CPU (the processor's threads, librdkafka's with its TLS): per CPU second
+                "cpu_s": cpu_end - cpu_start, "ops_per_cpu_s": total_ops / max(cpu_end - cpu_start, 1e-9),
                 "steps_closed_per_s": committed / elapsed}
     finally:
         if not keep:
@@ -283,6 +294,7 @@ def end_to_end(bootstrap: str, messages: list[tuple[bytes, bytes]], expected_ste
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--bootstrap", help="broker host:port (default: start/reuse `profstream stack up`)")
+    add_kafka_config(p)
     p.add_argument("--ranks", type=int, default=8)
     p.add_argument("--steps", type=int, default=50, help="steps per rank")
     p.add_argument("--ops-per-step", type=int, default=2000)
@@ -313,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
 
     bootstrap = None
     if args.e2e_repeats:
-        bootstrap = broker_bootstrap(args.bootstrap)
+        bootstrap = broker_bootstrap(args.bootstrap, args.kafka_config)
         reps = []
         for r in range(args.e2e_repeats):
             rep = end_to_end(bootstrap, messages, len(truth), total_ops, args.e2e_timeout, args.keep_topics)
@@ -322,18 +334,21 @@ def main(argv: list[str] | None = None) -> int:
                  f"({rep['elapsed_s']:.2f} s from run(), first batch folded after "
                  f"{rep['first_batch_folded_after_s'] or float('nan'):.2f} s, {rep['transactions']} transactions)")
         rates = [r["ops_per_s"] for r in reps]
+        per_cpu = [r["ops_per_cpu_s"] for r in reps]
         figures["end_to_end"] = {
+            "ops_per_cpu_s": per_cpu, "ops_per_cpu_s_summary": summary(per_cpu),
             "label": "real Processor (step stage, one thread) on the broker, pre-filled topic: "
                      "op events / (Processor.run() start -> all StepMetrics committed)",
             "ops_per_s": rates, "summary": summary(rates),
             "median_ops_per_s_from_first_batch": statistics.median(
-                [r["ops_per_s_from_first_batch"] for r in reps if r["ops_per_s_from_first_batch"]]),
+                [r["ops_per_s_from_first_batch"] for r in reps if r["ops_per_s_from_first_batch"]] or [0.0]),
             "repeats": reps}
 
     mem = figures["in_memory"]
     median = mem["summary"]["median"]
     results = {
-        "bootstrap": bootstrap,
+        "bootstrap": str(bootstrap) if bootstrap is not None else None,
+        "security": bootstrap.protocol if bootstrap is not None else None,
         "metric": "in_memory: op events/s through StepStage.fold + StepStage.ready, one thread, no Kafka",
         "unit": "ops/s",
         "workload": {"ranks": args.ranks, "steps_per_rank": args.steps, "ops_per_step": args.ops_per_step,

@@ -26,6 +26,7 @@ import time
 from typing import Any
 
 from _common import (
+    add_kafka_config,
     broker_bootstrap,
     drop_topics,
     emit,
@@ -103,7 +104,7 @@ def one_repeat(bootstrap: str, prefix: str, variant: str, args: argparse.Namespa
     options: dict[str, Any] = {"buffer_bytes": args.buffer_mib << 20}
     if args.batch_max_ops:
         options["batch_max_ops"] = args.batch_max_ops
-    monitor = Monitor(run_id=f"bench-{variant}", bootstrap=bootstrap, topic_prefix=prefix, **options)
+    monitor = Monitor(run_id=f"bench-{variant}", connection=bootstrap, topic_prefix=prefix, **options)
     try:
         wait_connected(monitor, bootstrap)
         s0 = monitor.stats()
@@ -170,6 +171,7 @@ def variant_figure(repeats: list[dict[str, Any]]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--bootstrap", help="broker host:port (default: start/reuse `profstream stack up`)")
+    add_kafka_config(p)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--duration", type=float, default=10.0, help="seconds of offered load, bulk variant")
     p.add_argument("--op-duration", type=float, default=3.0, help="seconds of offered load, per-call variant")
@@ -185,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep-topics", action="store_true", help="do not delete the benchmark's topics")
     args = p.parse_args(argv)
 
-    bootstrap = broker_bootstrap(args.bootstrap)
+    bootstrap = broker_bootstrap(args.bootstrap, args.kafka_config)
     prefix = unique_prefix()
     note(f"broker {bootstrap}, topic prefix {prefix}")
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
@@ -213,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     median = bulk.get("median_delivered_ops_per_s")
     verified = on_topic == acked_total
     results = {
-        "bootstrap": bootstrap, "topic_prefix": prefix,
+        "bootstrap": str(bootstrap), "security": bootstrap.protocol, "topic_prefix": prefix,
         "metric": "bulk: op events/s recorded with Monitor.ops() and acknowledged by the broker",
         "unit": "ops/s",
         "per_repeat": bulk.get("delivered_ops_per_s"),
