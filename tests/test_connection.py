@@ -134,3 +134,53 @@ def test_a_plain_address_is_a_plaintext_connection():
         "PLAINTEXT", False, "ANONYMOUS", "127.0.0.1:9092")
     assert Connection.of(conn) is conn
     assert parse_properties('{"a": 1, "b": true}') == {"a": "1", "b": "true"}
+
+
+def test_oidc_client_credentials_give_kafka_python_its_token(tmp_path):
+    """OAUTHBEARER with sasl.oauthbearer.method=oidc: librdkafka gets the properties, and
+    kafka-python a token provider of profstream's that asks the token endpoint (client
+    credentials, HTTP basic auth of the client) and reuses the token until near its expiry."""
+    import base64
+    import json
+    import threading
+    import urllib.parse
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    asked = []
+
+    class Endpoint(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (http.server's name)
+            body = urllib.parse.parse_qs(self.rfile.read(int(self.headers["Content-Length"])).decode())
+            asked.append((self.headers["Authorization"], body))
+            data = json.dumps({"access_token": "tok-1", "expires_in": 3600}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Endpoint)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        conn = _conn(tmp_path, f"""\
+security.protocol=SASL_PLAINTEXT
+sasl.mechanism=OAUTHBEARER
+sasl.oauthbearer.method=oidc
+sasl.oauthbearer.client.id=job-17
+sasl.oauthbearer.client.secret={SECRET}
+sasl.oauthbearer.token.endpoint.url=http://127.0.0.1:{server.server_port}/token
+sasl.oauthbearer.scope=kafka
+""", bootstrap="h:1")
+        assert conn.librdkafka()["sasl.oauthbearer.client.secret"] == SECRET
+        provider = conn.kafka_python()["sasl_oauth_token_provider"]
+        assert provider.token() == "tok-1" and provider.token() == "tok-1"
+        assert len(asked) == 1  # reused
+        auth, body = asked[0]
+        assert auth == "Basic " + base64.b64encode(f"job-17:{SECRET}".encode()).decode()
+        assert body == {"grant_type": ["client_credentials"], "scope": ["kafka"]}
+        assert conn.principal() == "job-17" and SECRET not in repr(conn)
+    finally:
+        server.shutdown()
