@@ -138,3 +138,12 @@ def test_a_training_process_without_the_write_acl_names_it_once(secure_stack, ca
     (line,) = [r.getMessage() for r in caplog.records if "missing ACL" in r.getMessage()]
     assert f"missing ACL 'ALLOW User:sink WRITE TOPIC {topics.raw}'" in line
     wait_until(lambda: m.stats()["dropped_ops"] == 5, 30, "the refused ops counted as dropped")
+
+
+def test_a_processor_with_a_sink_s_credentials_is_told_which_acl_it_lacks(secure_stack):
+    topics = secure_stack.topics("sink-as-processor")
+    code, output, took = _cli("process", "-F", str(secure_stack.material / "sink.properties"), "--topic-prefix",
+                              topics.prefix, "--metrics-port", "0")
+    lines = [line for line in output.strip().splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and took < 60, output
+    assert lines[0].startswith("error: the broker denied User:sink ") and "missing ACL 'ALLOW User:sink " in lines[0]

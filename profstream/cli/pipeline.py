@@ -146,10 +146,13 @@ def process(
             fail(str(e))
     boot, topics = connect(bootstrap, topic_prefix, timeout=30.0)
     ensure_topics(boot, topics, raw_partitions=raw_partitions, needed=PROCESSOR_TOPICS)
-    processor = Processor(boot, topics, group_id=group_id, instance_id=instance_id, grace_s=grace_s,
-                          idle_timeout_s=idle_timeout_s, run_grace_s=run_grace_s,
-                          figure_options=FigureOptions(top_k, stall_ratio, stall_steps, rolling_steps),
-                          commit_interval_ms=commit_interval_ms, stages=stages, max_outage_s=max_outage_s)
+    try:
+        processor = Processor(boot, topics, group_id=group_id, instance_id=instance_id, grace_s=grace_s,
+                              idle_timeout_s=idle_timeout_s, run_grace_s=run_grace_s,
+                              figure_options=FigureOptions(top_k, stall_ratio, stall_steps, rolling_steps),
+                              commit_interval_ms=commit_interval_ms, stages=stages, max_outage_s=max_outage_s)
+    except RuntimeError as e:  # a topic it may not use, a transaction Kafka would not start: one line
+        fail(str(e))
     if metrics_port:
         try:
             processor.health.serve(metrics_port, metrics_addr, web)

@@ -186,7 +186,11 @@ class TransactionalLoop:
         topic = self._consumer.list_topics(stage.input_topic, timeout=self.call_timeout).topics.get(stage.input_topic)
         if topic is None or topic.error is not None or not topic.partitions:
             self._consumer.close()
-            raise RuntimeError(f"input topic {stage.input_topic} does not exist: create it first "
+            from profstream.kafka.diagnose import topic_denied
+
+            raise RuntimeError(topic_denied(conn, stage.input_topic, "READ", hint="`profstream acl show --role "
+                                                                                "processor` lists a processor's ACLs")
+                               or f"input topic {stage.input_topic} does not exist: create it first "
                                "(`profstream process` does)")
         self._subscribe()
         self._positions: dict[int, int] = {}  # input partition -> next offset to consume

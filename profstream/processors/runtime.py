@@ -397,6 +397,7 @@ class RunStage:
         return Output(self.topics.run, run_id.encode(), encode_run_step_metrics(record), None)
 
 
+_PROCESSOR_ACLS = "`profstream acl show --role processor` lists a processor's ACLs"
 # The topics a processor reads and writes (base names): on a broker with ACLs it sees no other.
 PROCESSOR_TOPICS = ("raw", "steps", "run", "alerts", "dlq", "state", "run-state")
 
@@ -488,5 +489,8 @@ def _partition_count(conn: Connection | str, topic: str) -> int:
     finally:
         consumer.close()
     if not parts:
-        raise RuntimeError(f"topic {topic} does not exist: create it with ensure_topics / `profstream process`")
+        from profstream.kafka.diagnose import topic_denied
+
+        raise RuntimeError(topic_denied(Connection.of(conn), topic, "WRITE", hint=_PROCESSOR_ACLS)
+                           or f"topic {topic} does not exist: create it with ensure_topics / `profstream process`")
     return len(parts)
