@@ -103,9 +103,12 @@ class StepStage:
         self.idle_timeout_s = idle_timeout_s
         self.figure_options = figure_options or FigureOptions()
         self.ranks: dict[tuple[str, int], _Rank] = {}
-        # ranks that ended or went idle: each producer's next seq, so that a copy of one of
-        # their batches read later (a spool published twice, a resend) is no new step
-        self._retired: OrderedDict[tuple[str, int], dict[str, int]] = OrderedDict()
+        # ranks that ended or went idle: their input partition and each producer's next seq,
+        # so that a copy of one of their batches read later (a spool published twice, a
+        # resend) is no new step. Not checkpointed: a rebuild of a partition (an aborted
+        # transaction, a restart, a rebalance) forgets its ranks here, as their input is
+        # read again from the last commit anyway (docs/exactly-once.md).
+        self._retired: OrderedDict[tuple[str, int], tuple[int, dict[str, int]]] = OrderedDict()
         self._changed: set[tuple[str, int]] = set()
         self._orders = itertools.count()
         self.schedule = CloseSchedule(grace_s, idle_timeout_s)
@@ -141,6 +144,8 @@ class StepStage:
         parts = set(partitions)
         for ident in [i for i, r in self.ranks.items() if r.assembler.partition in parts]:
             self._forget(ident)
+        for ident in [i for i, (part, _) in self._retired.items() if part in parts]:
+            del self._retired[ident]
 
     def _add_rank(self, ident: tuple[str, int], rank: _Rank) -> _Rank:
         """Put a new or restored rank in (a restored one in its old place) and schedule it."""
@@ -152,7 +157,7 @@ class StepStage:
 
     def _retire(self, ident: tuple[str, int], asm: RankAssembler) -> None:
         """Remember where a finished rank's producers were (the last RETIRED_RANKS ranks)."""
-        self._retired[ident] = {**self._retired.get(ident, {}), **asm.next_seq}
+        self._retired[ident] = (asm.partition, {**self._retired.get(ident, (0, {}))[1], **asm.next_seq})
         self._retired.move_to_end(ident)
         while len(self._retired) > RETIRED_RANKS:
             self._retired.popitem(last=False)
@@ -171,7 +176,7 @@ class StepStage:
             self.counts.decode_errors[e.reason] += 1
             return [dead_letter(self.topics.dlq, rec, e)]
         ident = (batch.run_id, batch.rank)
-        if self._retired and batch.seq < self._retired.get(ident, {}).get(batch.producer_id, -1):
+        if self._retired and batch.seq < self._retired.get(ident, (0, {}))[1].get(batch.producer_id, -1):
             self.counts.duplicate_batches += 1  # of a rank that ended: its steps are closed and sent
             return []
         rank = self.ranks.get(ident)
