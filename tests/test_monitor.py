@@ -200,6 +200,47 @@ def test_bulk_ops_are_copied_split_across_batches_and_covered_by_the_watermark(k
         assert sorted(got[s]) == (np.arange(n) * 100 + s * 10**6).tolist()
 
 
+def _handed_to_kafka(mon: Monitor) -> bool:
+    """Everything recorded is built into batches that the Kafka client holds or delivered."""
+    st = mon.stats()
+    return st["buffered_ops"] == 0 and st["buffered_samples"] == 0 and st["batches_sent"] == st["seq"] > 0
+
+
+def test_the_first_batch_arrives_first_and_whole_when_the_broker_would_take_a_later_one_first(
+        kafka_bootstrap, topics):
+    """The broker must never see a second produce request of a new Monitor before its
+    first: it would write the second as the producer's first, and the first could then
+    never be written, or only after the others (issue 28: the first step's batches were
+    lost, and close() said all was delivered). A proxy (tests/kafka_proxy.py) holds the
+    first request back and sends any second one first; the Monitor sends no second one
+    while the first waits, so every batch arrives once, in order."""
+    from tests.kafka_proxy import ReorderingProxy
+
+    with ReorderingProxy(kafka_bootstrap) as proxy:
+        mon = Monitor(run_id="first", bootstrap=proxy.bootstrap, topic_prefix=topics.prefix, batch_max_ops=100,
+                      host_sample_interval_s=0, control=False)
+        with mon.step(0):
+            mon.ops(["load"] * 50, np.arange(50, dtype=np.int64) * 10, np.full(50, 5, dtype=np.int64))
+        wait_until(proxy.holding.is_set, 30, "the Monitor's first produce request")
+        for s in range(1, 5):  # more batches while the first waits
+            with mon.step(s):
+                mon.ops(["gemm"] * 250, np.arange(250, dtype=np.int64) * 10 + s * 10**6,
+                        np.full(250, 5, dtype=np.int64))
+        wait_until(lambda: _handed_to_kafka(mon), 30, "every batch handed to the Kafka client")
+        # the client had every batch and 2 s to send a second request while the first waited
+        assert not proxy.swapped.wait(2.0), "a second produce request went out while the first was unanswered"
+        assert proxy.release()
+        assert mon.close(timeout=30)
+    stats = mon.stats()
+    assert stats["dropped_ops"] == 0 and stats["undelivered_ops"] == 0
+    batches = raw_batches(kafka_bootstrap, topics.raw, "first", stats["seq"])
+    assert [b.seq for b in batches] == list(range(stats["seq"]))  # each once, in the order they were built
+    starts = {s: sorted(t for b in batches for t, st in zip(b.ops["start_ns"].tolist(), b.ops["step"].tolist())
+                        if st == s) for s in range(5)}
+    assert starts[0] == (np.arange(50) * 10).tolist()
+    assert all(starts[s] == (np.arange(250) * 10 + s * 10**6).tolist() for s in range(1, 5))
+
+
 def test_per_call_and_bulk_ops_share_one_buffer_bound():
     mon = Monitor(run_id="bound", bootstrap=UNREACHABLE, buffer_bytes="1MiB", host_sample_interval_s=0)
     limit = mon.buffer.max_ops
