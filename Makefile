@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install jars demo system test test-faults test-cluster test-multiproc test-mindspore test-fast lint bench stack-up stack-down clean dashboards gpu-check
+.PHONY: install jars demo system test test-faults test-cluster test-multiproc test-bundle test-mindspore test-fast lint bench stack-up stack-down clean dashboards gpu-check device-bundle
 
 # Re-installed when the compiled Monitor's sources change too: pip rebuilds the extension,
 # which an editable install would otherwise keep from before the change.
@@ -58,7 +58,7 @@ endef
 
 test: system jars $(TORCH_STAMP) $(HTA_STAMP)
 	$(BIN)/ruff check profstream tests $(wildcard benchmarks)
-	$(call pytest_limited,20,-m "not mindspore and not faults and not multiproc")
+	$(call pytest_limited,20,-m "not mindspore and not faults and not multiproc and not bundle")
 
 # The fault suite: a broker of its own stopped, killed and restarted under a streaming run,
 # processors killed, the Monitor flushed and closed across outages, the leader of a 3-broker
@@ -84,6 +84,18 @@ test-multiproc: jars $(TORCH_STAMP)
 # line where there is no CUDA GPU).
 gpu-check: system jars $(TORCH_STAMP) $(HTA_STAMP)
 	$(BIN)/python benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
+
+# What a GPU machine with no registry and no Java runs: build/device-bundle (wheels for its
+# Python 3.12, profstream's sources, benchmarks/device_check.py); there, `python3
+# build/device-bundle/device_check.py --out $$OUT`; here, `.venv/bin/python
+# benchmarks/device_results.py DIR` on the files that came back (docs/benchmarks.md).
+device-bundle: install
+	$(BIN)/python benchmarks/device_bundle.py $(DEVICE_BUNDLE_ARGS)
+
+# The bundle built for this Python and run offline on CPU in a network namespace of its own,
+# then judged against the real broker (tests/test_device_bundle.py, ~2 min).
+test-bundle: jars $(TORCH_STAMP) $(HTA_STAMP)
+	$(call pytest_limited,10,-m bundle tests/test_device_bundle.py)
 
 # The MindSpore callback against a real MindSpore (CPU wheel, ~800 MB), in a virtual
 # environment of its own so that the main one keeps its torch and numpy: docs/mindspore.md.

@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the fault sui
 
 from profstream.kafka.clients import make_native_consumer  # noqa: E402
 from profstream.kafka.topics import Topics, ensure_topics  # noqa: E402
-from profstream.schema.codec import decode  # noqa: E402
+from profstream.schema.codec import decode, record_name  # noqa: E402
 from profstream.simulate import SimConfig, run_simulation  # noqa: E402
 from profstream.stack import stack_down  # noqa: E402
 from tests.faults.conftest import Broker, ProcessorProcess  # noqa: E402
@@ -76,7 +76,7 @@ class NativeTail(threading.Thread):
         try:
             while not self.halt.is_set():
                 for m in consumer.consume(500, 0.1):
-                    if m.error() is None:
+                    if m.error() is None and record_name(m.value()) == "StepMetrics":  # not a RankEnd
                         self.seen.append((time.monotonic(), decode("StepMetrics", m.value())))
         finally:
             consumer.close()

@@ -50,7 +50,7 @@ from profstream.kafka.clients import read_topic
 from profstream.kafka.topics import Topics, ensure_topics
 from profstream.processors.health import ProcessorHealth
 from profstream.processors.runtime import Processor
-from profstream.schema.codec import decode
+from profstream.schema.codec import decode, record_name
 
 TARGET_P99_MS = 200.0
 
@@ -104,8 +104,8 @@ def one_run(bootstrap: str, topics: Topics, health: ProcessorHealth, run_id: str
     sim = simulate(bootstrap, topics.prefix, run_id, args)
     wait_for(lambda: len(health.freshness_s) - before >= expected, 60, f"{expected} StepMetrics of {run_id}")
     fresh_ms = [f * 1000 for f in list(health.freshness_s)[before:before + expected]]
-    metrics = read_topic(bootstrap, topics.steps, lambda m: m["run_id"] == run_id, expected, 60,
-                         decode=lambda v: decode("StepMetrics", v))
+    metrics = read_topic(bootstrap, topics.steps, lambda m: m is not None and m["run_id"] == run_id, expected, 60,
+                         decode=lambda v: decode("StepMetrics", v) if record_name(v) == "StepMetrics" else None)
     warm_steps = int(args.warmup_s * 1000 / args.step_time_ms) * args.ranks
     # freshness_s is in commit order, which is step order up to the interleaving of ranks
     steady = fresh_ms[warm_steps:]

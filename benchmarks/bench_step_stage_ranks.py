@@ -43,7 +43,7 @@ import profstream
 from profstream.kafka.topics import Topics
 from profstream.processors.health import StageCounts
 from profstream.processors.runtime import StepStage
-from profstream.schema.codec import decode
+from profstream.schema.codec import decode, record_name
 from profstream.simulate import SimConfig
 from profstream.sinks.timeline import TimelineSink
 
@@ -97,7 +97,7 @@ def run_once(messages: list[tuple[float, Record]], ready_every: int, stage_cls: 
     total_s = time.thread_time() - start
     keys = Counter()
     for o in outputs:
-        if o.topic == topics.steps:
+        if record_name(o.value) == "StepMetrics":
             m = decode("StepMetrics", o.value)
             keys[(m["rank"], m["step"])] += 1
     return {"steps": len(keys), "steps_twice": sum(1 for n in keys.values() if n > 1),

@@ -107,10 +107,12 @@ def ratio_series(title: str, description: str, *queries: PromQuery, width: int =
     return series(title, description, "percentunit", *queries, width=width).min(0).max(1)
 
 
-def single(title: str, description: str, unit: str, query: PromQuery, width: int = 4) -> stat.Panel:
-    return (stat.Panel().title(title).description(description).unit(unit).span(width).height(4)
-            .datasource(PROMETHEUS).graph_mode(BigValueGraphMode.AREA).reduce_options(LAST)
-            .with_target(query))
+def single(title: str, description: str, unit: str, *queries: PromQuery, width: int = 4) -> stat.Panel:
+    panel = (stat.Panel().title(title).description(description).unit(unit).span(width).height(4)
+             .datasource(PROMETHEUS).graph_mode(BigValueGraphMode.AREA).reduce_options(LAST))
+    for q in queries:
+        panel = panel.with_target(q)
+    return panel
 
 
 def thresholds(*steps: tuple[float | None, str]) -> ThresholdsConfig:
@@ -180,8 +182,11 @@ def training_run() -> Dashboard:
                            prom(f"sum(increase(profstream_starved_steps_total{{{RUN_RANK}}}[$__range]))",
                                 "starved steps"), width=4)
                     .thresholds(thresholds((None, "green"), (1, "orange"), (5, "red"))))
-        .with_panel(single("Device utilization (mean of ranks)", "compute time / step time", "percentunit",
-                           prom(f"avg(profstream_device_utilization_ratio{{{RUN_RANK}}})", "utilization"),
+        .with_panel(single("Device utilization (mean of ranks)", "ops: compute time / step time of each rank's "
+                           "latest step whose ops were captured (no value, never 0, before one was); NVML: the share "
+                           "of time a kernel ran, read by the device counters without op capture", "percentunit",
+                           prom(f"avg(profstream_device_utilization_ratio{{{RUN_RANK}}})", "ops"),
+                           prom(f"avg(profstream_device_gpu_utilization_ratio{{{RUN_RANK}}})", "NVML", "B"),
                            width=4).min(0).max(1))
         .with_panel(single("Compute/comm overlap (mean of ranks)", "share of communication hidden behind "
                            "compute", "percentunit",
@@ -206,7 +211,8 @@ def training_run() -> Dashboard:
         .with_row(Row("Device"))
         .with_panel(ratio_series("Device utilization and idle",
                                  "utilization = |compute| / step time; idle = share of the step with neither "
-                                 "compute nor communication",
+                                 "compute nor communication; of each rank's latest step whose ops were captured "
+                                 "(steps without captured ops are not measured: no point, never 0)",
                                  prom(f"profstream_device_utilization_ratio{{{RUN_RANK}}}", "util rank {{rank}}"),
                                  prom(f"profstream_idle_ratio{{{RUN_RANK}}}", "idle rank {{rank}}", "B"), width=8))
         .with_panel(ratio_series("Compute/communication overlap",

@@ -196,6 +196,15 @@ MONITOR_OPTIONS: tuple[Option, ...] = (
            optional=True),
     Option("auto_watermark", "bool", True,
            "advance the watermark at each step end (turn off when ops of a step arrive after it ends)"),
+    Option("spool_dir", "str", None,
+           "directory of the disk spool: batches Kafka cannot take (an outage) are written there and sent "
+           "in order when it is back (default: none, the memory buffer alone; docs/monitor.md)", optional=True),
+    Option("spool_max_bytes", "size", 1024**3, "most disk the spool of one rank may use; when full, new events "
+           "wait in the memory buffer (and drop from there, counted)", lambda v: v >= 16 * 1024**2,
+           "at least 16MiB"),
+    Option("record_only", "bool", False,
+           "connect to no broker: every batch goes to the spool, for `profstream spool publish` later "
+           "(needs spool_dir; no capture requests)"),
     Option("connect_timeout_s", "float", 10.0, "seconds one attempt to reach the broker may take (the first failure logs one warning)",
            _positive, "a number > 0"),
     Option("enabled", "bool", True, "false turns every Monitor call into a no-op"),
@@ -203,6 +212,13 @@ MONITOR_OPTIONS: tuple[Option, ...] = (
            "record, encode and send in the compiled extension when it loads (false: the pure-Python Monitor, "
            "whose sender thread holds the GIL for its per-batch work)"),
 )
+
+
+def check_monitor_options(opts: Mapping[str, Any]) -> None:
+    """What one option cannot say alone: ConfigError for a combination that cannot work."""
+    if opts.get("record_only") and not opts.get("spool_dir"):
+        raise ConfigError("record_only needs spool_dir: give the directory the batches are written to "
+                          "(--spool-dir, PROFSTREAM_SPOOL_DIR)")
 
 
 def _env_options(environ: Mapping[str, str]) -> dict:
@@ -282,13 +298,12 @@ def callback_options(options: Mapping[str, Any], source: str, log: logging.Logge
     known = [o.name for o in MONITOR_OPTIONS] + own
     for name in options:
         if name not in known and name not in PROFILE_OPTIONS:
-            raise UnknownOptionError(f"{source}: unknown option {name!r}; known options: {', '.join(known)}; "
-                                     f"profile options: {', '.join(PROFILE_OPTIONS)}")
+            raise unknown_option(name, known, profile=True, prefix=f"{source}: ")
     given_own = {k: v for k, v in options.items() if k in own}
     try:
         out = from_profile_options({k: v for k, v in options.items() if k not in own}, source)
-        window = resolve(MONITOR_OPTIONS, out)
-        resolve(extra, given_own, {k: v for k, v in os.environ.items() if k != "PROFSTREAM_OPTIONS"})
+        window = resolve(MONITOR_OPTIONS, out, keywords=True)
+        resolve(extra, given_own, {k: v for k, v in os.environ.items() if k != "PROFSTREAM_OPTIONS"}, keywords=True)
         start, stop = window["start_step"], window["stop_step"]
         if start is not None and stop is not None and stop < start:
             raise ConfigError(f"{source}: stop_step {stop} < start_step {start}: no step would be profiled")
@@ -300,26 +315,38 @@ def callback_options(options: Mapping[str, Any], source: str, log: logging.Logge
     return {**out, **given_own}
 
 
+def unknown_option(name: str, known: list[str], where: str = "", profile: bool = False,
+                   prefix: str = "") -> UnknownOptionError:
+    """The one-line error for option ``name`` (given ``where``), naming the closest known one."""
+    import difflib
+
+    close = difflib.get_close_matches(name, known + list(PROFILE_OPTIONS if profile else ()), n=1, cutoff=0.6)
+    return UnknownOptionError(
+        f"{prefix}unknown option {name!r}{where}" + (f" (did you mean {close[0]!r}?)" if close else "")
+        + f"; known options: {', '.join(known)}" + (f"; profile options: {', '.join(PROFILE_OPTIONS)}" if profile else ""))
+
+
 def resolve(table: tuple[Option, ...], args: Mapping[str, Any] | None = None,
-            environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+            environ: Mapping[str, str] | None = None, keywords: bool = False) -> dict[str, Any]:
     """Options of ``table`` from arguments, PROFSTREAM_* variables, PROFSTREAM_OPTIONS, defaults.
 
-    Arguments whose value is None count as not given."""
+    Arguments whose value is None count as not given. ``keywords``: the arguments are a
+    function's keyword arguments (``Monitor(run_id=...)``), named so in errors, else the
+    command line's options (``--run-id``)."""
     environ = os.environ if environ is None else environ
     args = {k: v for k, v in (args or {}).items() if v is not None}
     known = {o.name: o for o in table}
     for name in args:
         if name not in known:
-            raise UnknownOptionError(f"unknown option {name!r}; known options: {', '.join(known)}")
+            raise unknown_option(name, list(known))
     from_json = _env_options(environ)
     for name in from_json:
         if name not in known:
-            raise UnknownOptionError(f"unknown option {name!r} in PROFSTREAM_OPTIONS; known options: "
-                                     f"{', '.join(known)}; profile options: {', '.join(PROFILE_OPTIONS)}")
+            raise unknown_option(name, list(known), " in PROFSTREAM_OPTIONS", profile=True)
     out = {}
     for opt in table:
         if opt.name in args:
-            value, source = args[opt.name], f"option {opt.flag}"
+            value, source = args[opt.name], (f"argument {opt.name}" if keywords else f"option {opt.flag}")
         elif opt.env in environ:
             value, source = environ[opt.env], opt.env
         elif opt.name in from_json:

@@ -13,7 +13,7 @@ from profstream.kafka.clients import read_topic
 from profstream.kafka.topics import Topics, ensure_topics
 from profstream.processors.health import ProcessorHealth
 from profstream.processors.runtime import Processor
-from profstream.schema.codec import decode
+from profstream.schema.codec import decode, record_name
 from profstream.simulate import SimConfig, SimResult, expected, run_simulation
 
 
@@ -40,8 +40,11 @@ class DemoResult:
                 "data_wait_ms": float(np.mean([r["data_wait_ns"] for r in recs]) / 1e6),
                 "fp_bp_ms": float(np.mean([r["fp_bp_ns"] for r in recs]) / 1e6),
                 "tail_ms": float(np.mean([r["tail_ns"] for r in recs]) / 1e6),
-                "utilization": float(np.mean([r["utilization"] for r in recs])),
-                "overlap_ratio": float(np.mean([r["overlap_ratio"] for r in recs])),
+                # over the steps whose ops were captured (NaN: none was)
+                "utilization": float(np.mean([r["utilization"] for r in recs if r["utilization"] is not None]
+                                             or [np.nan])),
+                "overlap_ratio": float(np.mean([r["overlap_ratio"] for r in recs if r["overlap_ratio"] is not None]
+                                               or [np.nan])),
                 "queue_mean": float(np.mean([q["mean"] for r in recs for q in r["queues"]] or [np.nan])),
                 "queue_empty_ratio": float(np.mean([q["empty_ratio"] for r in recs for q in r["queues"]] or [np.nan])),
                 "starved_steps": sum(r["starved"] for r in recs),
@@ -49,6 +52,11 @@ class DemoResult:
                     r["step_time_ns"] == self.truth[(rank, r["step"])]["step_time_ns"] for r in recs),
             })
         return rows
+
+
+def _step_metrics(value: bytes) -> dict | None:
+    """A StepMetrics of the steps topic; None for its other records (a rank's RankEnd)."""
+    return decode("StepMetrics", value) if record_name(value) == "StepMetrics" else None
 
 
 def demo_bootstrap(bootstrap: str | None, starting: Callable[[], None] | None = None) -> str:
@@ -79,8 +87,8 @@ def run_demo(bootstrap: str, cfg: SimConfig, topics: Topics | None = None,
     try:
         sim = run_simulation(cfg, {"bootstrap": bootstrap, "topic_prefix": topics.prefix}, progress=progress)
         want = cfg.ranks * cfg.steps
-        steps = read_topic(bootstrap, topics.steps, lambda r: r["run_id"] == cfg.run_id, want,
-                           timeout=timeout, decode=lambda v: decode("StepMetrics", v))
+        steps = read_topic(bootstrap, topics.steps, lambda r: r is not None and r["run_id"] == cfg.run_id, want,
+                           timeout=timeout, decode=_step_metrics)
         alerts = read_topic(bootstrap, topics.alerts, lambda a: a["run_id"] == cfg.run_id,
                             processor.health.alerts, timeout=10, decode=lambda v: decode("Alert", v))
     finally:

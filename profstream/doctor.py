@@ -127,8 +127,10 @@ def _known_broker() -> str | None:
     try:
         if option_given("bootstrap", {}, os.environ):
             return resolve(MONITOR_OPTIONS)["bootstrap"]
-    except ConfigError:
-        return None  # check_options reports it
+    except ConfigError:  # check_options reports it; $PROFSTREAM_BOOTSTRAP may still be good
+        given = os.environ.get("PROFSTREAM_BOOTSTRAP", "")
+        option = next(o for o in MONITOR_OPTIONS if o.name == "bootstrap")
+        return given if given and option.check(given) else None
     from profstream.stack import stack_status
 
     broker = stack_status()

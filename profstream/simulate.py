@@ -16,6 +16,7 @@ import numpy as np
 
 from profstream.devices.backend import DeviceSample
 from profstream.schema.batch import COMMUNICATION, COMPUTE
+from profstream.schema.codec import OP_FIGURES
 
 FORWARD_TYPES = ("MatMul", "LayerNorm", "Softmax", "GeLU", "Add", "Conv2D")
 BACKWARD_TYPES = ("MatMulGrad", "LayerNormGrad", "SoftmaxGrad", "GeLUGrad", "Conv2DGrad")
@@ -45,6 +46,9 @@ class SimConfig:
     rate: str = "max"  # "max": as fast as possible; "realtime": steps take their virtual time
     device_counters: bool = False  # two device counter samples per step (rank r on cuda:r)
     throttle: tuple[int, int] | None = None  # inclusive step range with thermal throttling (and hot)
+    # ops captured on every n-th step only (the Monitor's every_n_steps): the op figures of the
+    # other steps are not measured (None in the truth)
+    capture_every_n_steps: int | None = None
 
     def __post_init__(self) -> None:
         if self.ranks < 1 or self.steps < 1 or self.ops_per_step < 4:
@@ -59,9 +63,15 @@ class SimConfig:
             raise ValueError("stall range A:B needs A <= B")
         if self.throttle is not None and self.throttle[0] > self.throttle[1]:
             raise ValueError("throttle range A:B needs A <= B")
+        if self.capture_every_n_steps is not None and self.capture_every_n_steps < 1:
+            raise ValueError("capture_every_n_steps must be >= 1")
 
     def is_stalled(self, step: int) -> bool:
         return self.stall is not None and self.stall[0] <= step <= self.stall[1]
+
+    def captures(self, step: int) -> bool:
+        """Whether the Monitor captures the step's ops (every_n_steps counts from step 0)."""
+        return self.capture_every_n_steps is None or step % self.capture_every_n_steps == 0
 
 
 @dataclass
@@ -158,7 +168,13 @@ def plan_step(cfg: SimConfig, rank: int, step: int, start_ns: int) -> StepPlan:
     if cfg.device_counters:
         plan.devices = _device_samples(cfg, plan, rng)
         plan.truth["device"] = _device_truth(plan.devices)
+    if not cfg.captures(step):  # the device ran the ops; no op event was sent
+        plan.truth.update(NOT_MEASURED, op_types={})
     return plan
+
+
+# The op figures of a step whose ops were not captured (StepMetrics v6)
+NOT_MEASURED = dict.fromkeys(OP_FIGURES)
 
 
 def _device_samples(cfg: SimConfig, plan: StepPlan, rng: np.random.Generator) -> list[tuple[int, DeviceSample]]:
@@ -321,8 +337,9 @@ class SimResult:
 
 
 def run_simulation(cfg: SimConfig, monitor_options: dict | None = None, progress=None,
-                   ranks: range | None = None, start=None) -> SimResult:
+                   ranks: range | None = None, start=None, ended: bool = True) -> SimResult:
     """Simulate ``cfg`` through one real Monitor per rank; returns when all is flushed.
+    ``ended=False``: the Monitors close as a failed run's do, without their end marks.
 
     ``ranks`` simulates only those ranks of the run (the others run in other processes,
     :mod:`profstream.simulate_procs`); ``start``, if given, is called once the Monitors
@@ -336,6 +353,8 @@ def run_simulation(cfg: SimConfig, monitor_options: dict | None = None, progress
     opts["world_size"] = cfg.ranks
     opts.setdefault("host_sample_interval_s", 0)
     opts.setdefault("device_interval_ms", 0)  # simulated counters only, never the machine's
+    if cfg.capture_every_n_steps is not None:
+        opts["every_n_steps"] = cfg.capture_every_n_steps
     monitors = {r: Monitor(rank=r, **{**opts, "device": opts.get("device", f"cuda:{r}" if cfg.device_counters
                                                                   else "cpu")}) for r in ranks}
     steps = ops = 0
@@ -374,7 +393,7 @@ def run_simulation(cfg: SimConfig, monitor_options: dict | None = None, progress
     finally:
         flushed = all([m.flush(timeout=30) for m in monitors.values()])
         for m in monitors.values():
-            m.close(timeout=5)
+            m.close(timeout=5, ended=ended)
         stats = [m.stats() for m in monitors.values()]  # after close: what it could not deliver is counted
     return SimResult(steps, ops, time.monotonic() - wall0, flushed,
                      sum(s["dropped_ops"] for s in stats), stats)

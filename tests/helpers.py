@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from profstream.kafka.clients import make_consumer, read_topic
 from profstream.schema.batch import EventBatch, decode_batch
-from profstream.schema.codec import decode
+from profstream.schema.codec import decode, record_name
 
 
 def read_full(bootstrap: str, topic: str, want, count: int, timeout: float, decode=None,
@@ -30,12 +30,13 @@ def raw_batches(bootstrap: str, topic: str, run_id: str, count: int, timeout: fl
 
 
 def step_records(bootstrap: str, topic: str, run_id: str, count: int, timeout: float = 60.0,
-                 full: bool = True) -> list[dict]:
-    """``count`` StepMetrics of ``run_id`` (as ``raw_batches``)."""
+                 name: str = "StepMetrics", full: bool = True) -> list[dict]:
+    """``count`` records of ``run_id`` on the steps topic: its StepMetrics (or its RankEnds),
+    as ``raw_batches``."""
     read = read_full if full else read_topic
-    kw = {"what": f"StepMetrics of {run_id}"} if full else {}
-    return read(bootstrap, topic, lambda r: r["run_id"] == run_id, count, timeout,
-                decode=lambda v: decode("StepMetrics", v), **kw)
+    kw = {"what": f"{name}s of {run_id}"} if full else {}
+    return read(bootstrap, topic, lambda r: r is not None and r["run_id"] == run_id, count, timeout,
+                decode=lambda v: decode(name, v) if record_name(v) == name else None, **kw)
 
 
 def topic_size(bootstrap: str, topic: str) -> int:
@@ -114,4 +115,66 @@ def scrape(port: int) -> dict[str, float]:
         for s in family.samples:
             labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
             out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+class IdleSender:
+    """A Monitor's sender that never runs (``Monitor(sender_factory=IdleSender)``): the test
+    builds the batches itself."""
+
+    def __init__(self, monitor) -> None:
+        pass
+
+    def start(self) -> None:
+        pass
+
+    def stop(self, timeout: float) -> bool:
+        return True
+
+    def flush(self, timeout: float) -> bool:
+        return True
+
+    def stats(self) -> dict:
+        return {"undelivered_ops": 0, "undelivered_samples": 0}
+
+
+def simulated_messages(cfg, close: bool = True, partitions: int = 4, **monitor_options):
+    """The raw messages the Monitors of a simulated run (``SimConfig``) send, built with no
+    broker and no thread, step by step (each rank's batch after each of its steps), as
+    ``processors.stream.RawMessage`` (the clock: the step's end). ``close``: then each
+    Monitor closes normally, and what its close sends (the end mark) follows."""
+    from profstream.processors.stream import RawMessage
+    from profstream.producers.monitor import Monitor
+    from profstream.producers.sender import Sender
+    from profstream.simulate import plan_run, record_step
+
+    opts = {"bootstrap": "127.0.0.1:1", "host_sample_interval_s": 0, "control": False, "native": False,
+            "device_interval_ms": 0, **monitor_options}
+    if cfg.capture_every_n_steps is not None:
+        opts["every_n_steps"] = cfg.capture_every_n_steps
+    monitors = {r: Monitor(run_id=cfg.run_id, rank=r, world_size=cfg.ranks, sender_factory=IdleSender, **opts)
+                for r in range(cfg.ranks)}
+    senders = {r: Sender(m) for r, m in monitors.items()}
+    offsets = [0] * partitions
+    out = []
+    clock = 0.0
+
+    def build(rank: int) -> None:
+        p = rank % partitions
+        sender = senders[rank]
+        while sender._pending or sender._build():  # a build may queue a batch of device samples too
+            value = sender._pending.popleft()[0]
+            out.append(RawMessage(clock, p, offsets[p], monitors[rank].key, value))
+            offsets[p] += 1
+
+    for plan in plan_run(cfg):
+        record_step(monitors[plan.rank], plan)
+        clock = max(clock, plan.end_ns / 1e9)
+        build(plan.rank)
+    for rank, m in monitors.items():
+        if close:
+            m.close()
+            build(rank)
+        else:
+            m.close(ended=False)
     return out

@@ -116,7 +116,8 @@ def test_every_message_is_archived_once_with_its_bytes_and_no_key_can_write_outs
     assert sorted(e["file"] for e in index) == sorted(f.relative_to(out.resolve()) for f in files)
     assert sum(e["messages"] for e in index) == len(expected)
     run_entries = [e for e in index if e["run_id"] == "round"]
-    assert min(e["steps"][0] for e in run_entries) == 0 and max(e["steps"][1] for e in run_entries) == 19
+    steps = [e["steps"] for e in run_entries if e["steps"]]  # the file of a late undecodable message has none
+    assert min(lo for lo, _ in steps) == 0 and max(hi for _, hi in steps) == 19
     assert sorted({r for e in run_entries for r in e["ranks"]}) == [0, 1]
     assert sum(e["undecodable"] for e in index) == 1
     # offsets were committed: a restarted sink has nothing to read again
@@ -275,3 +276,69 @@ def test_replay_reports_a_truncated_file_and_goes_on(tmp_path):
     steps = [json.loads(line) for line in (tmp_path / "o" / "steps.jsonl").read_text().splitlines()]
     assert sorted(s["step"] for s in steps if s["rank"] == 0) == list(range(30))  # rank 0 untouched
     assert sorted(s["step"] for s in steps if s["rank"] == 1) == sorted(set(range(30)) - lost)  # step = offset
+
+
+def _sink_records(cfg: SimConfig, close: bool) -> list[Msg]:
+    """The raw messages of a simulated run as the archive sink gets them (topic "p.raw")."""
+    from tests.helpers import simulated_messages
+
+    return [Msg("p.raw", m.partition, m.offset, int(m.clock * 1000), m.key, m.value, [])
+            for m in simulated_messages(cfg, close=close)]
+
+
+def test_a_run_that_ended_is_reportable_at_once_and_one_still_written_is_named(tmp_path):
+    """The run's files are finished as soon as every rank's end mark is archived (not after
+    --max-age-s), so its report can be made; a run whose files are still being written
+    gets a one-line error that says so and what to do, not "not in the archive"."""
+    ended = SimConfig(run_id="done", ranks=2, steps=8, ops_per_step=20, seed=1)
+    going = SimConfig(run_id="going", ranks=2, steps=8, ops_per_step=20, seed=2)
+    sink = ArchiveSink(tmp_path / "a", max_age_s=300.0)
+    try:
+        sink.handle(_sink_records(going, close=False))  # its Monitors have not closed
+        sink.handle(_sink_records(ended, close=True))
+        assert {f.run_id for f in finished_files(tmp_path / "a")} == {"done"}
+        assert sink.open_files == len({m.partition for m in _sink_records(going, close=False)})
+        report = CliRunner().invoke(app, ["report", str(tmp_path / "a"), "--run", "done", "-o",
+                                          str(tmp_path / "done.html")])
+        assert report.exit_code == 0, report.output
+        assert "Every rank ended normally" in (tmp_path / "done.html").read_text()
+        for argv in (["report", str(tmp_path / "a"), "--run", "going", "-o", str(tmp_path / "g.html")],
+                     ["export", "parquet", str(tmp_path / "a"), "--run", "going", "--output", str(tmp_path / "x")]):
+            result = CliRunner().invoke(app, argv)
+            assert result.exit_code != 0 and len(result.output.strip().splitlines()) == 1, result.output
+            assert "still writing" in result.output and "--max-age-s" in result.output, result.output
+    finally:
+        sink.close()
+    assert {f.run_id for f in finished_files(tmp_path / "a")} == {"done", "going"}  # the stop finished the rest
+
+
+def test_a_sink_started_before_its_topics_waits_for_them_with_a_deadline(kafka_bootstrap, tmp_path):
+    """Started beside the processor that creates the topics (as a supervisor starts them), the
+    archive and timeline sinks wait for the topics, saying so, instead of exiting."""
+    import time
+    import uuid
+
+    from profstream.kafka.topics import Topics, delete_topics, ensure_topics
+
+    topics = Topics(f"t-late-{uuid.uuid4().hex[:8]}")
+    log = tmp_path / "sink.log"
+    with open(log, "w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "profstream.cli", "sink", "archive", str(tmp_path / "a"),
+                                 "--bootstrap", kafka_bootstrap, "--topic-prefix", topics.prefix, "--topics", "raw"],
+                                stderr=stderr, stdout=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: "waiting up to 60 s" in log.read_text(), 60, "the sink to say it waits for its topic")
+        ensure_topics(kafka_bootstrap, topics, raw_partitions=2, partitions=1)  # the processor starts
+        wait_until(lambda: "archiving" in log.read_text() or proc.poll() is not None, 60, "the sink to start")
+        assert proc.poll() is None, log.read_text()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        delete_topics(kafka_bootstrap, topics, timeout=5.0)
+    # and with nothing coming, it gives up at its deadline with one line that says what to do
+    started = time.monotonic()
+    result = CliRunner().invoke(app, ["sink", "timeline", "--out", str(tmp_path / "t"), "--bootstrap", kafka_bootstrap,
+                                      "--topic-prefix", "t-never-there", "--wait-topics-s", "1"])
+    assert result.exit_code == 2 and time.monotonic() - started < 30, result.output
+    last = result.output.strip().splitlines()[-1]
+    assert "t-never-there.raw does not exist after waiting 1 s" in last and "profstream process" in last

@@ -7,6 +7,7 @@ Each test runs ranks as real Monitors driven by a loop on a thread of its own (t
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -16,7 +17,7 @@ from confluent_kafka.admin import AdminClient
 from typer.testing import CliRunner
 
 from profstream.cli import app
-from profstream.control.client import recent_requests, send_request
+from profstream.control.client import recent_requests, runs_seen, send_request
 from profstream.control.policy import CapturePolicy
 from profstream.control.records import (
     control_key,
@@ -32,6 +33,7 @@ from profstream.schema.codec import DecodeError
 from profstream.sinks.runner import SinkLoop
 from profstream.sinks.timeline import TimelineSink
 from tests.helpers import raw_batches, read_full, wait_until
+from tests.test_processor import RunningProcessor
 
 OPS_PER_STEP = 10
 
@@ -152,6 +154,7 @@ def test_a_capture_mid_run_gives_ops_for_exactly_the_requested_steps_and_ranks(k
         assert path.is_file() and f"rank {rank}: {path}" in result.output.replace("\n", "")
     assert 1 not in sent  # no op of an unasked rank
     assert "finished" in result.output and "waiting" not in result.output
+    assert len(re.findall(r"capture [0-9a-f]{12}: run cap", result.output)) == 1  # not a terminal: the table once
     # while they read, the readers had no consumer group on the broker
     assert not [g for g in groups if g.startswith("profstream-control-")], groups
 
@@ -253,6 +256,26 @@ def test_capture_against_a_prefix_without_its_control_topic_says_so_in_one_line(
         result = CliRunner().invoke(app, ["capture", *argv, "--bootstrap", kafka_bootstrap,
                                           "--topic-prefix", "nowhere-else"])
         assert result.exit_code == 2 and said in result.output, result.output
+
+
+def test_a_capture_for_a_run_nobody_has_seen_says_so_at_once_not_after_the_timeout(kafka_bootstrap, topics):
+    """--wait's default timeout is 600 s: a run id with a typo waited for all of it, then
+    quoted another timeout. It now says within seconds that no rank of the run was seen."""
+    from profstream.simulate import SimConfig, run_simulation
+
+    run_simulation(SimConfig(run_id="real-run", ranks=1, steps=5, ops_per_step=20),
+                   {"bootstrap": kafka_bootstrap, "topic_prefix": topics.prefix})
+    with RunningProcessor(kafka_bootstrap, topics):  # it shows real-run on the run topic
+        wait_until(lambda: runs_seen(kafka_bootstrap, topics, 600).get("real-run"), 60, "the run topic to show it")
+    started = time.monotonic()
+    result = CliRunner().invoke(app, ["capture", "--run", "rael-run", "--wait", "--bootstrap", kafka_bootstrap,
+                                      "--topic-prefix", topics.prefix])
+    waited = time.monotonic() - started
+    assert result.exit_code == 2 and waited < 60, (waited, result.output)
+    last = result.output.strip().splitlines()[-1]
+    assert last.startswith("error: no rank of run rael-run has been seen") and "runs of the last 2 min: real-run" in last
+    assert "warning: the processors have shown no step of run rael-run" in result.output
+    assert "600" not in result.output  # no timeout quoted that did not pass
 
 
 def test_the_report_sets_a_captured_window_s_op_types_beside_the_baseline(kafka_bootstrap, topics, tmp_path):

@@ -61,18 +61,18 @@ def test_shipped_v4_message_decodes_with_no_collectives():
 def test_only_records_with_collectives_are_written_as_the_new_versions():
     """Batches, steps and cross-rank steps without collectives keep the versions before
     them (older readers read them whole); with collectives they are EventBatch v6,
-    StepMetrics v5, RunStepMetrics v2."""
+    StepMetrics v5 (v6 only for steps without ops), RunStepMetrics v2."""
     from profstream.schema.codec import VERSIONS, encode_run_step_metrics, encode_step_metrics
 
     assert (CURRENT["EventBatch"].version, CURRENT["StepMetrics"].version, CURRENT["RunStepMetrics"].version) == (
-        6, 5, 2)
+        6, 6, 2)
     data = encode_batch(random_batch(3, 10))
     assert data[:10] == CURRENT["EventBatch"].header and decode_batch(data).n("collectives") == 5
     assert encode_batch(random_batch(3, 10, collectives=False))[:10] == VERSIONS[("EventBatch", 5)].header
     step = decode("StepMetrics", (DATA / "stepmetrics-v3.bin").read_bytes())
     assert encode_step_metrics(step)[:10] == VERSIONS[("StepMetrics", 3)].header
     with_calls = {**step, "collectives": pack_calls(calls_of([CollectiveCall("all_reduce", "0", 2, 4, 4000, 2, 5)]))}
-    assert encode_step_metrics(with_calls)[:10] == CURRENT["StepMetrics"].header
+    assert encode_step_metrics(with_calls)[:10] == VERSIONS[("StepMetrics", 5)].header
     assert decode("StepMetrics", encode_step_metrics(with_calls)) == with_calls
     run = decode("RunStepMetrics", (DATA / "runstepmetrics-v1.bin").read_bytes())
     assert encode_run_step_metrics(run) == (DATA / "runstepmetrics-v1.bin").read_bytes()

@@ -106,9 +106,34 @@ def test_bad_mindformers_profile_options_get_one_line_errors(profile, must_say):
 
 
 def test_an_unknown_name_beside_the_profile_options_lists_both():
-    with pytest.raises(UnknownOptionError, match="unknown option 'profile_start' in PROFSTREAM_OPTIONS; known "
-                                                 "options: bootstrap.*profile options: profile, profile_start_step"):
+    with pytest.raises(UnknownOptionError, match="unknown option 'profile_start' in PROFSTREAM_OPTIONS \\(did you "
+                                                 "mean 'profile_start_step'\\?\\); known options: bootstrap.*profile "
+                                                 "options: profile, profile_start_step"):
         resolve(MONITOR_OPTIONS, {}, {"PROFSTREAM_OPTIONS": '{"profile": true, "profile_start": 3}'})
+
+
+@pytest.mark.parametrize("given, where", [
+    ({"evry_n_steps": 10}, {}),  # an argument
+    ({}, {"PROFSTREAM_OPTIONS": '{"evry_n_steps": 10}'}),
+])
+def test_an_unknown_option_names_the_closest_known_one(given, where):
+    with pytest.raises(UnknownOptionError) as e:
+        resolve(MONITOR_OPTIONS, given, where)
+    assert "unknown option 'evry_n_steps'" in str(e.value) and "(did you mean 'every_n_steps'?)" in str(e.value)
+    with pytest.raises(UnknownOptionError) as e:
+        resolve(MONITOR_OPTIONS, {"zzz": 1}, {})
+    assert "did you mean" not in str(e.value)  # nothing close: no guess
+
+
+def test_a_bad_monitor_argument_is_named_as_the_argument_not_the_command_line_flag():
+    from profstream import Monitor
+
+    with pytest.raises(ConfigError) as e:
+        Monitor(run_id="a/b", enabled=False)
+    assert str(e.value).startswith("argument run_id='a/b': expected") and "--run-id" not in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        resolve(MONITOR_OPTIONS, {"run_id": "a/b"}, {})  # the command line's: `profstream run --run-id a/b`
+    assert str(e.value).startswith("option --run-id='a/b'")
 
 
 def test_callback_options_take_the_mindformers_profile_section_as_it_is_written():
@@ -121,8 +146,9 @@ def test_callback_options_take_the_mindformers_profile_section_as_it_is_written(
 def test_callback_options_raise_for_an_unknown_name_and_warn_for_a_bad_value(caplog, monkeypatch):
     log = logging.getLogger("profstream.t")
     own = (Option("capture_ops", "bool", True, "capture ops"),)
-    with pytest.raises(UnknownOptionError, match="ProfstreamCallback: unknown option 'profile_start'; known "
-                                                 "options: bootstrap.*capture_ops; profile options: profile, "):
+    with pytest.raises(UnknownOptionError, match="ProfstreamCallback: unknown option 'profile_start' \\(did you mean "
+                                                 "'profile_start_step'\\?\\); known options: bootstrap.*capture_ops; "
+                                                 "profile options: profile, "):
         callback_options({"profile": True, "profile_start": 3}, "ProfstreamCallback", log, own)
     monkeypatch.setenv("PROFSTREAM_OPTIONS", '{"runid": "x"}')
     with pytest.raises(UnknownOptionError, match="unknown option 'runid' in PROFSTREAM_OPTIONS"):
@@ -135,6 +161,6 @@ def test_callback_options_raise_for_an_unknown_name_and_warn_for_a_bad_value(cap
         assert callback_options({}, "Cb", log) is None
     assert [r.getMessage().split(": ", 1)[1] for r in caplog.records] == [
         "Cb is off, training goes on without it: Cb: stop_step 2 < start_step 5: no step would be profiled",
-        "Cb is off, training goes on without it: option --capture-ops='sometimes': expected true or false",
+        "Cb is off, training goes on without it: argument capture_ops='sometimes': expected true or false",
         "Cb is off, training goes on without it: PROFSTREAM_EVERY_N_STEPS=0: expected an integer >= 1",
     ]

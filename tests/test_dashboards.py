@@ -232,6 +232,17 @@ def test_the_training_run_dashboard_has_the_promised_panels_and_annotations():
     assert ["profstream", "alert", "run:$run"] in tags and ["profstream", "run", "run:$run"] in tags
 
 
+def test_the_utilization_stat_shows_the_measured_figure_and_nvml_labelled_never_a_0_of_its_own():
+    """With ops captured every N steps the stat read 0 between captures; the exporter now has
+    no sample for what was not measured, and the stat shows NVML's reading beside it, named."""
+    stat = next(p for p in _panels(_load("training-run.json")) if p["title"].startswith("Device utilization (mean"))
+    legends = {t["legendFormat"]: t["expr"] for t in stat["targets"]}
+    assert set(legends) == {"ops", "NVML"}
+    assert "profstream_device_utilization_ratio" in legends["ops"] and "or" not in legends["ops"].split()  # no fill
+    assert "profstream_device_gpu_utilization_ratio" in legends["NVML"]
+    assert "never 0" in stat["description"]
+
+
 def test_the_cluster_and_pipeline_dashboards_show_what_they_promise():
     cluster = "\n".join(_exprs(_load("cluster.json")))
     for metric in ("profstream_rank_skew_ratio", "profstream_straggler_rank", "profstream_step_duration_seconds"):

@@ -193,6 +193,8 @@ ops_strategy = st.lists(st.tuples(st.sampled_from([COMPUTE, COMMUNICATION]), st.
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(steps_strategy, ops_strategy)
 def test_summed_over_steps_compute_comm_overlap_and_idle_equal_the_totals_over_the_covered_time(gaps, ops):
+    """Over the steps with ops of their own (the others were not measured: no figure, not 0),
+    whatever ran in them, carried from earlier steps too, counts once."""
     bounds, t = [], 0
     for gap, length in gaps:
         bounds.append((t + gap, t + gap + length))
@@ -201,11 +203,14 @@ def test_summed_over_steps_compute_comm_overlap_and_idle_equal_the_totals_over_t
     out = [decode("StepMetrics", f.value) for f in figures(_messages(list(profile_batches(p, "r", 0))))
            if f.kind == STEPS]
     assert [s["step"] for s in out] == list(range(len(bounds)))
+    for s in out:  # a step without an op event of its own has no op figure
+        assert (s["op_count"] == 0) == (s["utilization"] is None) == (s["idle_ns"] is None)
+    out = [s for s in out if s["op_count"]]
 
     world = max(t, N + 70)  # six steps of up to 52 ns reach past the ops' N + 70
     covered = np.zeros(world, bool)
-    for a, b in bounds:
-        covered[a:b] = True
+    for s in out:
+        covered[bounds[s["step"]][0]:bounds[s["step"]][1]] = True
     masks = {COMPUTE: np.zeros(world, bool), COMMUNICATION: np.zeros(world, bool)}
     for kind, start, dur in ops:
         masks[kind][start:start + dur] = True
@@ -219,22 +224,25 @@ def test_summed_over_steps_compute_comm_overlap_and_idle_equal_the_totals_over_t
 
 def test_an_op_running_past_its_step_counts_in_the_next_ones_across_a_restart():
     """The part of an op past E is carried; the carry survives the checkpoint."""
-    p = _profile([(0, 100), (100, 200), (200, 300)], [(COMPUTE, 50, 200)])  # [50, 250)
+    p = _profile([(0, 100), (100, 200), (200, 300)],  # [50, 250), and an op of their own in steps 1 and 2
+                 [(COMPUTE, 50, 200), (COMMUNICATION, 120, 10), (COMMUNICATION, 220, 10)])
     batches = list(profile_batches(p, "r", 0))
     asm, figs = RankAssembler("r", 0), RankFigures(FigureOptions())
     out = []
+    restarted = False
     for i, b in enumerate(batches):
         asm.add(b, 0.0, i)
         for ev, reason in asm.close_ready(0.0):
             out.append(figs.step_metrics(ev, reason, 0)[0])
-        if len(out) == 1:  # restart after the first step closed: restore from the checkpoint
+        if len(out) == 1 and not restarted:  # restart after the first step closed: restore from the checkpoint
+            restarted = True
             from profstream.schema.codec import encode
             cp = decode("RankCheckpoint", encode("RankCheckpoint", {**asm.snapshot(), **figs.snapshot()}))
             asm, figs = RankAssembler.restore(cp, 2.0, 0, 0.0), RankFigures.restore(FigureOptions(), cp)
     assert [s["compute_ns"] for s in out] == [50, 100, 50]
     assert [s["idle_ns"] for s in out] == [50, 0, 50]
     # op types count the op once, whole, in the step where it starts
-    assert [sum(c["count"] for c in s["op_types"]) for s in out] == [1, 0, 0]
+    assert [sum(c["count"] for c in s["op_types"] if c["op_type"] == "mm") for s in out] == [1, 0, 0]
 
 
 # ---------------------------------------------------------------- device windows tile the device span
@@ -270,6 +278,25 @@ _device_step = st.tuples(st.integers(5, 40), st.integers(0, 8), st.integers(0, 9
                          st.lists(_main_op, min_size=1, max_size=5), st.lists(_early_op, max_size=3))
 
 
+def _interleaving(steps, first_kind: int | None = None) -> tuple[list[tuple[int, int]], list[tuple]]:
+    """Host steps and device ops of the strategy's steps (``first_kind``: the kind of each
+    step's first main op, else as drawn). Every op starts after its launch, inside its
+    host step."""
+    bounds, ops, t = [], [], 0
+    for length, gap, lag, main, early in steps:
+        S = t + gap
+        bounds.append((S, S + length))
+        for i, (kind, stream, at, after, dur) in enumerate(main):
+            launch = S + at * (length - 1) // 100
+            ops.append((first_kind if i == 0 and first_kind is not None else kind, stream, launch + lag + after,
+                        dur, launch))
+        for (kind, stream), at, after, dur in early:
+            launch = S + at * (length - 1) // 100
+            ops.append((kind, stream, launch + after, dur, launch))
+        t = S + length
+    return bounds, ops
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(_device_step, min_size=1, max_size=7))
 def test_device_windows_tile_the_device_span_and_summed_figures_equal_the_whole_spans(steps):
@@ -280,17 +307,7 @@ def test_device_windows_tile_the_device_span_and_summed_figures_equal_the_whole_
     to last op's end), and compute, communication, overlap and idle are those of the whole
     span; consecutive windows meet exactly; every op counts once, whole, in its step's
     device kinds."""
-    bounds, ops, t = [], [], 0
-    for length, gap, lag, main, early in steps:
-        S = t + gap
-        bounds.append((S, S + length))
-        for kind, stream, at, after, dur in main:
-            launch = S + at * (length - 1) // 100
-            ops.append((kind, stream, launch + lag + after, dur, launch))
-        for (kind, stream), at, after, dur in early:
-            launch = S + at * (length - 1) // 100
-            ops.append((kind, stream, launch + after, dur, launch))
-        t = S + length
+    bounds, ops = _interleaving(steps)
     p = _device_profile(bounds, ops)
     out = [decode("StepMetrics", f.value) for f in figures(_messages(list(profile_batches(p, "r", 0))))
            if f.kind == STEPS]
@@ -319,6 +336,52 @@ def test_device_windows_tile_the_device_span_and_summed_figures_equal_the_whole_
     assert summed("overlap_ns") == (compute & comm).sum()
     assert summed("idle_ns") == (span & ~busy).sum()
     for s in out:  # the phases tile each window
+        assert s["data_wait_ns"] >= 0 and s["fp_bp_ns"] >= 0 and s["tail_ns"] >= 0
+        assert s["data_wait_ns"] + s["fp_bp_ns"] + s["tail_ns"] == s["step_time_ns"]
+    assert sum(k["total_ns"] for s in out for k in s["device_kinds"]) == sum(o[3] for o in ops) * UNIT
+    assert sum(k["count"] for s in out for k in s["device_kinds"]) == len(ops)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(_device_step, min_size=1, max_size=7), st.sampled_from([COMPUTE, COMMUNICATION]))
+def test_on_ascend_the_windows_tile_the_span_of_compute_and_communication(steps, first_kind):
+    """The same interleaving steps on an Ascend device (issue 38's msprof definitions with
+    issue 28's tiling): each step has a compute or communication task, so its own bounds
+    come from those; copies bound no window and are free time. Summed over the steps, step
+    time is the span from the first compute or communication task to the last (the second
+    step's window and every later one start at the previous window's end: the previous
+    step's last such task), and compute, communication, overlap and idle (the time neither
+    runs) are those of that span; copies still count whole in device kinds."""
+    bounds, ops = _interleaving(steps, first_kind)
+    p = _device_profile(bounds, ops)
+    out = [decode("StepMetrics", f.value)
+           for f in figures(_messages(list(profile_batches(p, "r", 0, device="npu:0")))) if f.kind == STEPS]
+    assert [s["step"] for s in out] == list(range(len(bounds)))
+    assert all(s["device"] == "npu:0" and s["device_end_ns"] is not None for s in out)
+
+    tasks = [o for o in ops if o[0] in (COMPUTE, COMMUNICATION)]
+    first = min(o[2] for o in tasks)
+    world = max(o[2] + o[3] for o in ops)
+    last = max(o[2] + o[3] for o in tasks)
+    masks = {k: np.zeros(world, bool) for k in (COMPUTE, COMMUNICATION)}
+    for kind, _stream, start, dur, _launch in tasks:
+        masks[kind][start:start + dur] = True
+    compute, comm = masks[COMPUTE], masks[COMMUNICATION]
+    span = np.zeros(world, bool)
+    span[first:last] = True
+
+    def summed(field: str) -> float:
+        return sum(s[field] for s in out) / UNIT
+
+    assert out[0]["device_start_ns"] == first * UNIT and out[-1]["device_end_ns"] == last * UNIT
+    for before, after in zip(out, out[1:]):
+        assert after["device_start_ns"] == before["device_end_ns"]  # neither overlap nor gap
+    assert summed("step_time_ns") == span.sum()
+    assert summed("compute_ns") == compute.sum()
+    assert summed("comm_ns") == comm.sum()
+    assert summed("overlap_ns") == (compute & comm).sum()
+    assert summed("idle_ns") == (span & ~(compute | comm)).sum()
+    for s in out:
         assert s["data_wait_ns"] >= 0 and s["fp_bp_ns"] >= 0 and s["tail_ns"] >= 0
         assert s["data_wait_ns"] + s["fp_bp_ns"] + s["tail_ns"] == s["step_time_ns"]
     assert sum(k["total_ns"] for s in out for k in s["device_kinds"]) == sum(o[3] for o in ops) * UNIT
@@ -380,3 +443,33 @@ def test_without_a_watermark_a_waiting_device_step_closes_when_a_later_step_s_gr
     # step 1 waits for step 3 (ends at 13 ms >= 11.78 + 1), marked at 5 s: closes at 7 s;
     # step 2 for step 4, marked at 7 s; steps 3 and 4 for a step that never comes
     assert out == {1: (7.0, "grace"), 2: (9.0, "grace"), 3: (math.inf, "idle"), 4: (math.inf, "idle")}
+
+
+def test_a_rank_that_ends_closes_its_waiting_device_steps_at_its_end_mark(tmp_path):
+    """The last device steps of a rank wait for a later step that never comes; the
+    producer's end mark (issue 29) says none will: they close when it arrives, with the
+    figures they would have had at the idle timeout, and the rank's RankEnd follows them
+    at once, not 60 s later."""
+    from profstream.integrations.ingest import load_profile
+    from profstream.processors.stream import ENDS
+    from profstream.schema.batch import END_MARK, NO_VALUE
+
+    path = lagging_device_trace(steps=4, lag=0.8, early=True).write(tmp_path / "rank0.json")
+    batches = list(profile_batches(load_profile(path), "r", 0))
+    last = batches[-1]
+    end_ns = int(last.steps["end_ns"][-1]) + 1000
+    mark = EventBatch(run_id="r", rank=0, producer_id=last.producer_id, seq=last.seq + 1,
+                      complete_through_step=last.complete_through_step,
+                      steps={"step": np.array([END_MARK]), "start_ns": np.array([end_ns]),
+                             "end_ns": np.array([end_ns]), "fp_start_ns": np.array([NO_VALUE]),
+                             "bp_end_ns": np.array([NO_VALUE])})
+    without = [(f.kind, f.clock, decode("StepMetrics", f.value)) for f in figures(_messages(batches))
+               if f.kind == STEPS]
+    got = [(f.kind, f.clock, decode("RankEnd" if f.kind == ENDS else "StepMetrics", f.value))
+           for f in figures(_messages(batches + [mark])) if f.kind in (STEPS, ENDS)]
+    at = float(len(batches))  # the end mark's clock
+    assert [(k, c) for k, c, _ in without][-2:] == [(STEPS, math.inf)] * 2  # without it: at the idle timeout
+    assert [(k, c, m.get("step")) for k, c, m in got][-3:] == [(STEPS, at, 3), (STEPS, at, 4), (ENDS, at, None)]
+    assert got[-1][2]["last_step"] == 4
+    same = ("step_time_ns", "device_start_ns", "device_end_ns", "compute_ns", "comm_ns", "overlap_ns", "idle_ns")
+    assert [{f: m[f] for f in same} for _, _, m in got[:-1]] == [{f: m[f] for f in same} for _, _, m in without]

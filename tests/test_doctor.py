@@ -37,6 +37,16 @@ def test_a_bad_option_in_the_environment_fails_naming_it(monkeypatch):
     assert doctor.check_options() == doctor.Finding("options", OK, "PROFSTREAM_OPTIONS valid")
 
 
+def test_a_broken_profstream_options_does_not_hide_the_broker_of_profstream_bootstrap(monkeypatch):
+    """The options row fails on the bad JSON; the broker row still checks $PROFSTREAM_BOOTSTRAP
+    (it said "none given")."""
+    monkeypatch.setenv("PROFSTREAM_OPTIONS", "{not json")
+    monkeypatch.setenv("PROFSTREAM_BOOTSTRAP", "127.0.0.1:1")
+    found = _by_check(run_checks(broker_timeout_s=0.5))
+    assert found["options"].status == FAIL
+    assert found["broker"].status == FAIL and "127.0.0.1:1 does not answer" in found["broker"].found
+
+
 def test_the_native_monitor_row_says_which_monitor_runs_and_why_not_native(monkeypatch):
     from profstream.producers import native
 

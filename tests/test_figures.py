@@ -313,6 +313,23 @@ def test_stall_fires_on_fifth_starved_step_and_resolves_after_five_healthy() -> 
     assert detector.state == "ok"
 
 
+def test_a_stall_alert_carries_the_time_its_step_ended_not_when_it_was_computed() -> None:
+    """Live, replayed or in a report made years later, DataQueueStall says when it fired in
+    the run: the end of the step at which it changed (the report showed its own time)."""
+    from profstream.processors.figures import FigureOptions, RankFigures
+    from profstream.processors.stalls import stall_alert
+
+    cfg = SimConfig(ranks=1, steps=30, ops_per_step=20, stall=(5, 12))
+    figures, alerts, ends = RankFigures(FigureOptions()), [], {}
+    for plan in plan_run(cfg, ORIGIN_NS):  # a run of 2023
+        ends[plan.step] = plan.end_ns
+        record, transition = figures.step_metrics(events_of(plan), "watermark", 0)
+        if transition is not None:
+            alerts.append(stall_alert(record, transition, 5, figures.stall.since_step, figures.starved_steps))
+    assert [(a["step"], a["state"]) for a in alerts] == [(9, "firing"), (17, "resolved")]
+    assert [a["ts_ns"] for a in alerts] == [ends[9], ends[17]]
+
+
 def test_stall_never_fires_on_a_clean_run_or_short_stalls() -> None:
     detector = StallDetector()
     starved = [s % 6 < 4 for s in range(100)]  # 4 starved steps, then 2 healthy, repeatedly

@@ -172,3 +172,15 @@ def test_workers_are_forked_by_default_only_from_a_process_without_other_threads
                          timeout=60, check=True).stdout.split()
     workers, cpus = int(out[0]), int(out[1])
     assert workers == (cpus if beside == "nothing" else 1)
+
+
+def test_a_torch_npu_trace_in_chunks_is_the_one_process_profile(tmp_path):
+    """Ascend's task types, flows and string timestamps merged across chunks as one pass reads them."""
+    import gzip
+
+    src = Path(__file__).parent / "data/ascend/torch_npu/rank0_ascend_pt/ASCEND_PROFILER_OUTPUT/trace_view.json.gz"
+    path = tmp_path / "trace_view.json"
+    path.write_bytes(gzip.decompress(src.read_bytes()))
+    assert parsed_in_chunks(path)
+    profile = both(path)
+    assert profile.source == "torch_npu trace" and (profile.op_launch_ns[profile.op_on_device] > 0).all()

@@ -3,7 +3,10 @@ processor. Needs the mindspore wheel (~800 MB): run with `make test-mindspore`."
 
 from __future__ import annotations
 
+import csv
+import shutil
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,7 +16,9 @@ ms = pytest.importorskip("mindspore")
 from mindspore import dataset as ds  # noqa: E402
 from mindspore import nn  # noqa: E402
 
+from profstream.integrations.mindspore_capture import ANALYSE_TYPE  # noqa: E402
 from profstream.mindspore import ProfstreamCallback  # noqa: E402
+from profstream.processors.figures import FigureOptions  # noqa: E402
 from tests.helpers import step_records  # noqa: E402
 from tests.test_processor import RunningProcessor  # noqa: E402
 
@@ -46,7 +51,7 @@ def test_callback_marks_the_window_of_steps_with_the_data_wait(kafka_bootstrap, 
     net = nn.SequentialCell(nn.Dense(16, 32), nn.ReLU(), nn.Dense(32, 4))
     model = ms.train.Model(net, loss_fn=nn.MSELoss(), optimizer=nn.SGD(net.trainable_params(), 0.01))
     callback = ProfstreamCallback(run_id="ms-cb", bootstrap=kafka_bootstrap, topic_prefix=topics.prefix,
-                                  start_step=8, stop_step=12)
+                                  start_step=8, stop_step=12, capture_ops=False)  # the window limits the marks
     with RunningProcessor(kafka_bootstrap, topics):
         model.train(1, data, callbacks=[callback], dataset_sink_mode=False)
         steps = step_records(kafka_bootstrap, topics.steps, "ms-cb", 5)
@@ -71,14 +76,74 @@ def _fast_train(callback, n: int = 6) -> None:
     model.train(1, data, callbacks=[callback], dataset_sink_mode=False)
 
 
-def test_the_mindformers_profile_section_sets_the_window(kafka_bootstrap, topics):
+@pytest.fixture
+def kept_profiles(monkeypatch):
+    """Keep the folders MindSpore's Profiler writes (the capture removes them once read);
+    the list fills with the ones the capture read."""
+    from profstream.integrations import mindspore_capture
+
+    kept: list[Path] = []
+    monkeypatch.setattr(mindspore_capture.shutil, "rmtree", lambda path, **kw: kept.append(Path(path)))
+    yield kept
+    monkeypatch.undo()
+    for path in kept:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _mindspore_op_types(folder: Path) -> dict[str, tuple[int, float]]:
+    """MindSpore's own per-type table of a window (FRAMEWORK/cpu_op_type_info_<rank>.csv):
+    type -> (calls, total ms)."""
+    (path,) = folder.glob("*_ascend_ms/FRAMEWORK/cpu_op_type_info_*.csv")
+    with path.open() as f:
+        return {r["op_type"]: (int(r["type_occurrences"]), float(r["total_compute_time"])) for r in csv.DictReader(f)}
+
+
+def test_the_mindformers_profile_section_sets_the_capture_window(kafka_bootstrap, topics, kept_profiles):
+    kept = kept_profiles
     section = {"profile": True, "profile_start_step": 2, "profile_stop_step": 4, "init_start_profile": False,
                "profile_communication": False, "profile_memory": True}  # as a mindformers config writes it
     callback = ProfstreamCallback(run_id="ms-mf", bootstrap=kafka_bootstrap, topic_prefix=topics.prefix, **section)
-    with RunningProcessor(kafka_bootstrap, topics):
+    with RunningProcessor(kafka_bootstrap, topics, figure_options=FigureOptions(top_k=100)):
         _fast_train(callback)
-        steps = step_records(kafka_bootstrap, topics.steps, "ms-mf", 3)
-    assert callback.steps_marked == 3 and sorted(s["step"] for s in steps) == [2, 3, 4]
+        steps = sorted(step_records(kafka_bootstrap, topics.steps, "ms-mf", 6), key=lambda s: s["step"])
+    assert callback.steps_marked == 6 and [s["step"] for s in steps] == [1, 2, 3, 4, 5, 6]  # every step marked
+    assert callback.capture.windows == 1 and callback.capture.steps_captured == 3
+    types = {s["step"]: {t["op_type"]: t for t in s["op_types"]} for s in steps}
+    assert {s for s, t in types.items() if "MatMul" in t} == {2, 3, 4}  # ops of the window only
+    assert ANALYSE_TYPE in types[5]  # the step MindSpore's analysis ran in says so
+    # the window's ops equal MindSpore's own per-type table of them, call for call
+    (folder,) = {p for p in kept if p.name.startswith("window-")}
+    own = _mindspore_op_types(folder)
+    calls: dict[str, int] = {}
+    total_ns: dict[str, int] = {}
+    for step in (2, 3, 4):
+        for t, cost in types[step].items():
+            calls[t] = calls.get(t, 0) + cost["count"]
+            total_ns[t] = total_ns.get(t, 0) + cost["total_ns"]
+    assert {t: c for t, (c, _) in own.items()} == calls
+    for t, (_, total_ms) in own.items():  # MindSpore's table rounds to the ns
+        assert total_ns[t] / 1e6 == pytest.approx(total_ms, rel=1e-4, abs=1e-5), t
+
+
+def test_a_capture_request_gets_the_ops_of_its_steps_into_the_report(kafka_bootstrap, topics, tmp_path):
+    from profstream.control.client import follow, send_request
+    from profstream.control.records import new_request
+    from profstream.offline.report import ReportData, write_report
+    from tests.helpers import wait_until
+
+    callback = ProfstreamCallback(run_id="ms-asked", bootstrap=kafka_bootstrap, topic_prefix=topics.prefix)
+    request = new_request("ms-asked", start_step=5, steps=2)
+    send_request(kafka_bootstrap, topics, request)
+    wait_until(lambda: callback.monitor.stats()["capture_requests"] == 1, 30, "the rank to arm the request")
+    with RunningProcessor(kafka_bootstrap, topics, figure_options=FigureOptions(top_k=100)):
+        _fast_train(callback, n=10)
+        steps = sorted(step_records(kafka_bootstrap, topics.steps, "ms-asked", 10), key=lambda s: s["step"])
+    progress = follow(kafka_bootstrap, topics, request, timeout=30)
+    assert progress.ranks[0]["state"] == "finished"
+    captured = [s["step"] for s in steps if any(t["op_type"] == "MatMul" for t in s["op_types"])]
+    assert captured == [5, 6] and progress.ranks[0]["ops"] == sum(s["op_count"] for s in steps if s["step"] in (5, 6))
+    page = write_report(ReportData("ms-asked", Path("live"), steps=steps), tmp_path / "report.html")
+    assert "MatMul" in page.read_text()
 
 
 def test_a_bad_option_value_logs_one_warning_and_training_goes_on(caplog):
@@ -89,7 +154,7 @@ def test_a_bad_option_value_logs_one_warning_and_training_goes_on(caplog):
         _fast_train(callback)
     assert callback.steps_marked == 0
     warnings = [r.getMessage() for r in caplog.records if r.name.startswith("profstream")]
-    assert len(warnings) == 1 and "every-n-steps=0" in warnings[0], warnings
+    assert len(warnings) == 1 and "argument every_n_steps=0" in warnings[0], warnings
 
 
 def test_a_disabled_monitor_marks_nothing_and_reads_no_device_memory(monkeypatch):
@@ -100,13 +165,14 @@ def test_a_disabled_monitor_marks_nothing_and_reads_no_device_memory(monkeypatch
     assert callback.steps_marked == 0 and not asked
 
 
-def test_a_capture_request_is_refused_with_what_to_do_and_training_goes_on(kafka_bootstrap, topics):
+def test_without_op_capture_a_request_is_refused_with_what_to_do_and_training_goes_on(kafka_bootstrap, topics):
     from profstream.control.client import follow, send_request
     from profstream.control.records import new_request
     from profstream.integrations.mindspore import CAPTURE_UNAVAILABLE
 
-    callback = ProfstreamCallback(run_id="ms-asked", bootstrap=kafka_bootstrap, topic_prefix=topics.prefix)
-    request = new_request("ms-asked", steps=2)
+    callback = ProfstreamCallback(run_id="ms-refused", bootstrap=kafka_bootstrap, topic_prefix=topics.prefix,
+                                  capture_ops=False)
+    request = new_request("ms-refused", steps=2)
     send_request(kafka_bootstrap, topics, request)
     from tests.helpers import wait_until
 

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from profstream import COMMUNICATION, COMPUTE, ConfigError, Monitor
-from tests.helpers import raw_batches, topic_size, wait_until
+from profstream.schema.batch import END_MARK
+from tests.helpers import raw_batches, read_full, topic_size, wait_until
 
 UNREACHABLE = "127.0.0.1:1"
 
@@ -59,6 +60,40 @@ def test_training_goes_on_with_the_broker_down_and_one_warning_is_logged(caplog)
     started = time.monotonic()
     assert mon.close(timeout=2.0) is False  # not delivered, and says so
     assert time.monotonic() - started < 5.0
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name.startswith("profstream") and r.levelno >= logging.WARNING]
+
+
+def test_a_wrong_broker_address_is_said_at_once_and_close_keeps_to_its_timeout(caplog):
+    """A short run with a wrong --bootstrap was silent (the warning came when the first
+    10-s connection attempt failed, often after the run), and closing took 17 s."""
+    caplog.set_level(logging.WARNING, logger="profstream")
+    mon = Monitor(run_id="wrong-address", bootstrap=UNREACHABLE, host_sample_interval_s=0)  # connect_timeout_s 10
+    _train(mon, steps=3, ops_per_step=10)
+    wait_until(lambda: _warnings(caplog), 3, "a warning well before the first connection attempt gives up")
+    assert "127.0.0.1:1 is not reachable" in _warnings(caplog)[0]
+    started = time.monotonic()
+    assert mon.close(timeout=2.0) is False
+    assert time.monotonic() - started < 3.5  # its timeout (and a second for the thread), not timeout + 5
+
+
+def test_a_run_that_ends_while_the_first_connection_is_pending_still_says_kafka_was_not_reached(caplog):
+    """A port that takes TCP connections but speaks no Kafka: nothing fails before the run
+    ends, so the close says it."""
+    import socket
+
+    caplog.set_level(logging.WARNING, logger="profstream")
+    with socket.create_server(("127.0.0.1", 0)) as server:  # accepts, never answers
+        address = f"127.0.0.1:{server.getsockname()[1]}"
+        mon = Monitor(run_id="mute", bootstrap=address, host_sample_interval_s=0)
+        _train(mon, steps=2, ops_per_step=10)
+        started = time.monotonic()
+        assert mon.close(timeout=1.0) is False
+        assert time.monotonic() - started < 2.5
+    said = _warnings(caplog)
+    assert len(said) == 1 and f"Kafka at {address} was not reached" in said[0] and "--bootstrap" in said[0]
 
 
 def test_calls_with_garbage_never_raise_into_the_training_loop():
@@ -126,13 +161,13 @@ def test_drops_during_an_outage_are_counted_in_batch_headers(kafka_bootstrap, to
     gate.open.set()
     assert mon.flush(timeout=60) or mon.flush(timeout=30)
     seq = mon.stats()["seq"]
-    mon.close()
-    batches = raw_batches(kafka_bootstrap, topics.raw, "outage", seq)
-    assert [b.seq for b in batches] == list(range(seq))  # no gaps
+    mon.close()  # its end mark leaves in one more batch
+    batches = raw_batches(kafka_bootstrap, topics.raw, "outage", seq + 1)
+    assert [b.seq for b in batches] == list(range(seq + 1))  # no gaps
     assert sum(b.dropped_ops for b in batches) == dropped
     assert sum(b.n("ops") for b in batches) == 20 * 500 - dropped
     marks = np.concatenate([b.steps["step"] for b in batches])
-    assert sorted(marks.tolist()) == list(range(20))  # every step mark survived the outage
+    assert sorted(marks.tolist()) == [END_MARK, *range(20)]  # every step mark survived the outage, then the end
 
 
 def test_step_window_captures_ops_only_on_the_chosen_steps(kafka_bootstrap, topics):
@@ -144,7 +179,7 @@ def test_step_window_captures_ops_only_on_the_chosen_steps(kafka_bootstrap, topi
     op_steps = set(np.concatenate([b.ops["step"] for b in batches]).tolist())
     assert op_steps == {3, 5, 7}
     assert sum(b.dropped_ops for b in batches) == 0  # outside the window is not a drop
-    assert sorted(np.concatenate([b.steps["step"] for b in batches]).tolist()) == list(range(12))
+    assert sorted(np.concatenate([b.steps["step"] for b in batches]).tolist()) == [END_MARK, *range(12)]
 
 
 def test_watermark_never_runs_ahead_of_the_ops_it_covers(kafka_bootstrap, topics):
@@ -258,7 +293,6 @@ def test_a_batch_over_the_message_limit_is_split_and_nothing_is_lost(kafka_boots
     """Long, distinct op names make a batch of 8192 ops encode to megabytes: the Sender
     splits it under Kafka's message limit instead of losing it (or, as it once did,
     retrying it forever while the buffer filled up)."""
-    from profstream.kafka.clients import read_topic
     from profstream.kafka.limits import MAX_MESSAGE_BYTES
     from profstream.schema.batch import decode_batch
 
@@ -272,13 +306,15 @@ def test_a_batch_over_the_message_limit_is_split_and_nothing_is_lost(kafka_boots
     stats = mon.stats()
     mon.close()
     assert stats["dropped_ops"] == 0 and stats["dropped_samples"] == 0
-    values = read_topic(kafka_bootstrap, topics.raw, lambda v: True, stats["seq"], 30)
-    assert len(values) == stats["seq"] >= 3
+    values = read_full(kafka_bootstrap, topics.raw, lambda v: True, stats["seq"] + 1, 30,  # + the end mark's
+                       what="batches of long-names")
+    assert len(values) == stats["seq"] + 1 >= 4
     assert max(len(v) for v in values) <= MAX_MESSAGE_BYTES
     batches = [decode_batch(v) for v in values]
     got = [b.op_names[i] for b in batches for i in b.ops["name_idx"]]
     assert sorted(got) == names  # every op once
-    assert batches[-1].complete_through_step == 0  # the watermark came with the last part
+    assert batches[-2].complete_through_step == 0  # the watermark came with the last part
+    assert batches[-1].steps["step"].tolist() == [END_MARK]  # then the Monitor's close
 
 
 def _ops_on_topic(bootstrap: str, topic: str, run_id: str, seq: int) -> list[int]:

@@ -22,28 +22,11 @@ from profstream.producers.sender import Sender
 from profstream.schema import batch as batch_schema
 from profstream.schema.batch import decode_batch
 from profstream.schema.codec import VERSIONS
+from tests.helpers import IdleSender as _Idle
 from tests.helpers import wait_until
 
 UNREACHABLE = "127.0.0.1:1"
 
-
-class _Idle:
-    """A sender that never runs: the test builds the batches itself."""
-
-    def __init__(self, monitor: Monitor) -> None:
-        pass
-
-    def start(self) -> None:
-        pass
-
-    def flush(self, timeout: float) -> bool:
-        return True
-
-    def stop(self, timeout: float) -> bool:
-        return True
-
-    def stats(self) -> dict[str, Any]:
-        return {"undelivered_ops": 0, "undelivered_samples": 0}
 
 
 def test_the_native_monitor_is_built_with_the_package_and_loads():
@@ -480,3 +463,22 @@ def test_the_native_sender_stays_out_of_the_gil_while_nothing_needs_python(kafka
     after = mon.stats()
     assert mon.close(timeout=30)
     assert after["python_returns"] - before["python_returns"] <= 1, (before, after)
+
+
+def test_the_end_mark_of_a_monitor_that_closes_is_the_python_bytes(monkeypatch):
+    """A Monitor that closes normally sends its end mark after its last step: natively the
+    same bytes as from the Python sender (a step mark row whose step is END_MARK)."""
+    from profstream.schema.batch import END_MARK
+
+    py, py_sender, nat, nat_sender = _pair()
+    step = {"ops": [("mm", 5, 10, 0, None, 0, None)], "bulk": None, "bulk_types": None, "bulk_launch": False,
+            "memory": [], "queues": []}
+    _record(py, [step])
+    _record(nat, [step])
+    monkeypatch.setattr(monitor_module, "_time_ns", lambda: 1_790_000_000_000_000_123)
+    py.close()
+    nat.close()
+    got_py, got_nat = _messages(py_sender, nat_sender, monkeypatch)
+    assert got_py == got_nat
+    marks = [row for b in map(decode_batch, got_nat) for row in zip(b.steps["step"].tolist(), b.steps["end_ns"].tolist())]
+    assert marks[-1] == (END_MARK, 1_790_000_000_000_000_123) and [s for s, _ in marks[:-1]] == [0]

@@ -82,8 +82,10 @@ def test_a_scrape_shows_the_simulators_figures_and_passes_promtool(kafka_bootstr
     with RunningProcessor(kafka_bootstrap, topics, figure_options=FigureOptions(top_k=20)), \
             exporter(kafka_bootstrap, topics, top_k=4) as url:
         t0 = time.time()
-        sim(kafka_bootstrap, topics, cfg)
-        s = wait_until(_steps_seen(url, "truth", 3, last), 60, "every rank's last step in the scrape")
+        sim(kafka_bootstrap, topics, cfg)  # its Monitors close normally: each rank sends its end mark
+        seen = _steps_seen(url, "truth", 3, last)
+        s = wait_until(lambda: (x := seen()) and x.all("profstream_run_ended", run="truth")[0].value == 1 and x, 60,
+                       "every rank's last step and the run's end in the scrape")
     for rank in range(3):
         t, lab = truth[(rank, last)], {"run": "truth", "rank": str(rank)}
         assert s("profstream_step_duration_seconds", **lab) == t["step_time_ns"] / 1e9
@@ -123,7 +125,7 @@ def test_a_scrape_shows_the_simulators_figures_and_passes_promtool(kafka_bootstr
     assert s("profstream_straggler_rank", run="truth") == 2
     assert s("profstream_rank_skew_ratio", run="truth") == pytest.approx((times[2] - times[0]) / times[1], rel=1e-12)
     assert s("profstream_run_ranks_reported", run="truth") == 3
-    assert s("profstream_sink_records_total", topic="steps") == 90
+    assert s("profstream_sink_records_total", topic="steps") == 93  # 90 StepMetrics, then a RankEnd per rank
     assert sum(x.value for x in s.all("profstream_sink_decode_errors_total")) == 0
 
     res = subprocess.run([prometheus_tool("promtool"), "check", "metrics"], input=s.text, capture_output=True,
@@ -182,12 +184,14 @@ def test_malformed_records_are_counted_and_skipped(kafka_bootstrap, topics):
         s = wait_until(lambda: (lambda s: s if s("profstream_sink_decode_errors_total", topic="steps",
                                                    reason="not_avro") == 2 else None)(scrape(url)),
                        60, "the trailing bad record to be counted")
-        s = wait_until(_steps_seen(url, "bad", 2, 9), 30, "the valid steps in the scrape")
+        seen = _steps_seen(url, "bad", 2, 9)
+        s = wait_until(lambda: (x := seen()) and x.all("profstream_run_ended", run="bad")[0].value == 1 and x, 30,
+                       "the valid steps and the run's end in the scrape")
     errors = {(x.labels["topic"], x.labels["reason"]): x.value
               for x in s.all("profstream_sink_decode_errors_total") if x.value}
     assert errors == {("steps", "not_avro"): 2, ("steps", "wrong_type"): 1, ("steps", "truncated"): 1,
                       ("run", "unknown_fingerprint"): 1, ("alerts", "not_avro"): 1}
-    assert s("profstream_sink_records_total", topic="steps") == 20 + 4
+    assert s("profstream_sink_records_total", topic="steps") == 20 + 2 + 4  # steps, a RankEnd per rank, the bad
     truth = expected(cfg)
     assert s("profstream_step_duration_seconds", run="bad", rank="1") == truth[(1, 9)]["step_time_ns"] / 1e9
     assert s("profstream_step_duration_seconds_hist_count", run="bad", rank="0") == 10

@@ -73,8 +73,8 @@ def recorded(kafka_bootstrap, tmp_path_factory) -> Recorded:
         def archived(topic: str) -> int:
             return sum(1 for f in finished_files(archive) if f.topic == topic for r, _ in iter_file(f) if r)
 
-        wait_until(lambda: archived(topics.raw) == raw_total and archived(topics.steps) == total, 60,
-                   "the archive to hold every raw message and every StepMetrics")
+        wait_until(lambda: archived(topics.raw) == raw_total and archived(topics.steps) == total + CFG.ranks, 60,
+                   "the archive to hold every raw message, every StepMetrics and each rank's RankEnd")
     finally:
         stop.set()
         sink.join(30)

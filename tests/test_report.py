@@ -6,6 +6,7 @@ import re
 import shutil
 import threading
 import uuid
+from datetime import UTC, datetime
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -15,13 +16,20 @@ from typer.testing import CliRunner
 
 from profstream.cli import app
 from profstream.kafka.topics import Topics, delete_topics, ensure_topics
+from profstream.offline import charts
 from profstream.offline.archive import finished_files, iter_file
-from profstream.simulate import SimConfig, expected, run_simulation
+from profstream.simulate import SimConfig, expected, plan_run, run_simulation
 from profstream.sinks.archive import run_archive
 from tests.helpers import chromium, render_in_chromium, topic_size, wait_until
 
+# ops captured on every 4th step, as docs/capture.md recommends for long runs; the run's
+# clock starts on a day long before the report is made, so that an alert shown at the
+# report's own time cannot pass for the alert's
+START_NS = int(datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC).timestamp()) * 10**9
 CFG = SimConfig(run_id="postmortem", ranks=3, steps=40, ops_per_step=60, seed=21, stall=(10, 19),
-                straggler_rank=2, leak_bytes_per_step=1 << 20, device_counters=True, throttle=(30, 33))
+                straggler_rank=2, leak_bytes_per_step=1 << 20, device_counters=True, throttle=(30, 33),
+                start_ns=START_NS, capture_every_n_steps=4)
+CAPTURED = range(0, CFG.steps, 4)
 
 
 @pytest.fixture(scope="module")
@@ -53,20 +61,39 @@ class _Page(HTMLParser):
         super().__init__()
         self.summary: dict[tuple[int, str], float] = {}
         self.alerts: list[tuple[str, str]] = []
+        self.alert_rows: list[list[str]] = []  # the cells of each alert row, as shown
+        self.points: dict[tuple[str, str], list[tuple[float, float]]] = {}  # (chart, series) -> drawn (x, y)
+        self.kpis: dict[str, str] = {}  # data-kpi -> the text shown
         self.charts: list[str] = []
         self.series: list[str] = []
         self.urls: list[str] = []
         self.links: list[str] = []
         self._rank: int | None = None
+        self._chart = self._series = self._series_tag = self._kpi = None
+        self._cells: list[str] | None = None
 
     def handle_starttag(self, tag: str, attrs: list) -> None:
         a = dict(attrs)
+        if tag == "svg":
+            self._chart = a.get("data-chart")
+        if a.get("class") == "series" and self._chart is not None:
+            self._series, self._series_tag = a.get("data-series"), tag
+        if self._series is not None and tag in ("polyline", "circle"):
+            pts = a["points"].split() if tag == "polyline" else [f'{a["cx"]},{a["cy"]}']
+            self.points.setdefault((self._chart, self._series), []).extend(
+                tuple(map(float, p.split(","))) for p in pts)
+        if tag == "div" and "data-kpi" in a:
+            self._kpi = a["data-kpi"]
+            self.kpis[self._kpi] = ""
+        if tag == "td" and self._cells is not None:
+            self._cells.append("")
         if tag == "tr" and "data-rank" in a:
             self._rank = int(a["data-rank"])
         if tag == "td" and "data-metric" in a and self._rank is not None:
             self.summary[(self._rank, a["data-metric"])] = float(a["data-value"])
         if tag == "tr" and "data-alert" in a:
             self.alerts.append((a["data-alert"], a["data-state"]))
+            self._cells = []
         if tag == "svg" and "data-chart" in a:
             self.charts.append(a["data-chart"])
         if tag in ("polyline", "polygon") or (tag == "g" and a.get("class") == "series"):
@@ -76,6 +103,23 @@ class _Page(HTMLParser):
                 self.urls.append(a[key])
         if tag == "a":
             self.links.append(a.get("href", ""))
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "svg":
+            self._chart = None
+        if tag == self._series_tag:
+            self._series = self._series_tag = None
+        if tag == "tr" and self._cells is not None:
+            self.alert_rows.append(self._cells)
+            self._cells = None
+        if tag == "div":
+            self._kpi = None
+
+    def handle_data(self, data: str) -> None:
+        if self._cells:
+            self._cells[-1] += data
+        if self._kpi is not None:
+            self.kpis[self._kpi] += data
 
 
 def _report(archive: Path, out: Path, *args: str) -> tuple[_Page, str]:
@@ -101,14 +145,43 @@ def test_the_report_shows_the_simulators_figures_and_the_stall(archive, tmp_path
     # the straggler has the slowest mean, and is named the slowest rank on the steps it held up
     assert max(range(CFG.ranks), key=lambda r: page.summary[(r, "mean_step_ms")]) == CFG.straggler_rank
     assert re.search(rf'<tr data-straggler="{CFG.straggler_rank}">', text)
-    # DataQueueStall fired and resolved on every rank
+    # DataQueueStall fired and resolved on every rank, each at its own time: the end of the step
+    # at which it changed (starved steps 10-19: firing at the 5th, 14; resolved after 5 healthy, 24)
     assert sorted(page.alerts) == sorted([("DataQueueStall", "firing"), ("DataQueueStall", "resolved")] * CFG.ranks)
+    assert sorted(row[:5] for row in page.alert_rows) == _alert_rows_at_their_steps()
+    # utilization: the mean over the steps whose ops were captured, drawn at those steps alone
+    for rank in range(CFG.ranks):
+        assert page.summary[(rank, "measured_steps")] == len(CAPTURED)
+        assert page.summary[(rank, "utilization")] == pytest.approx(
+            np.mean([truth[(rank, s)]["utilization"] for s in CAPTURED]), rel=1e-12)
+    _no_point_at_0(page)
+    assert page.kpis["utilization"] == f"{np.mean([t['utilization'] for (r, s), t in truth.items() if s in CAPTURED]):.1%}" \
+        f"utilization (of the {len(CAPTURED)} of {CFG.steps} steps with ops captured)"
     # ... and is marked once per transition along the step-time chart
     assert text.count('data-mark="DataQueueStall firing"') == 1 and text.count('data-mark="DataQueueStall resolved"') == 1
     for chart in ("step-time", "utilization", "overlap", "memory", "queues", "op-types", "skew", "rank-heat",
                   *(f"phases-rank-{r}" for r in range(CFG.ranks))):
         assert chart in page.charts, chart
     assert "AllReduce" in page.series and "rank 2" in page.series
+
+
+def _shown(ns: int) -> str:
+    return datetime.fromtimestamp(ns / 1e9, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _alert_rows_at_their_steps() -> list[list[str]]:
+    """(alert, state, rank, step, time) of the run's DataQueueStall transitions."""
+    ends = {(p.rank, p.step): p.end_ns for p in plan_run(CFG)}
+    return sorted(["DataQueueStall", state, str(rank), str(step), _shown(ends[(rank, step)])]
+                  for rank in range(CFG.ranks) for state, step in (("firing", 14), ("resolved", 24)))
+
+
+def _no_point_at_0(page: _Page) -> None:
+    """Every rank's utilization is drawn at its captured steps only, none at 0 %."""
+    zero_y = charts.HEIGHT - charts.BOTTOM  # the y of 0 (the chart starts at 0)
+    for rank in range(CFG.ranks):
+        points = page.points[("utilization", f"rank {rank}")]
+        assert len(points) == len(CAPTURED) and all(y < zero_y - 50 for _, y in points), points
 
 
 def test_the_report_has_a_device_counter_section_with_the_simulators_readings(archive, tmp_path):
@@ -153,7 +226,14 @@ def test_the_report_renders_in_chromium_without_console_errors(archive, tmp_path
     rendered = _Page()
     rendered.feed(dom)
     assert len(rendered.charts) >= 8 + CFG.ranks and rendered.summary
-    assert dom.count("<polyline") >= 4 * CFG.ranks  # step time, utilization, overlap, memory lines
+    assert dom.count("<polyline") >= 2 * CFG.ranks  # step time, memory lines
+    # as a reader sees it: each alert at its own time, not the report's; no 0 % utilization
+    # for the steps whose ops were not captured, and the headline says what it is over
+    assert sorted(row[:5] for row in rendered.alert_rows) == _alert_rows_at_their_steps()
+    made = re.search(r"made (\d{4}-\d\d-\d\d \d\d:\d\d) UTC", dom).group(1)
+    assert not [row for row in rendered.alert_rows if row[4].startswith(made)]
+    _no_point_at_0(rendered)
+    assert "0.0%" not in rendered.kpis["utilization"] and "steps with ops captured" in rendered.kpis["utilization"]
     # the check itself sees a page that fails
     broken = tmp_path / "broken.html"
     broken.write_text(out.read_text().replace("</body>", "<script>notAFunction();</script></body>"))

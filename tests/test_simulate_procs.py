@@ -8,6 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from profstream.cli import app
+from profstream.schema.batch import END_MARK
 from profstream.simulate import SimConfig, expected
 from profstream.simulate_procs import shares
 from tests.helpers import raw_batches, topic_size
@@ -26,11 +27,15 @@ def test_every_rank_step_reaches_the_raw_topic_once_from_two_processes(kafka_boo
     batches = raw_batches(kafka_bootstrap, topics.raw, cfg.run_id, topic_size(kafka_bootstrap, topics.raw))
     seqs: dict[str, list[int]] = defaultdict(list)
     steps: Counter = Counter()
+    ends: Counter = Counter()
     durations = {}
     for b in batches:
         assert b.world_size == cfg.ranks
         seqs[b.producer_id].append(b.seq)
         for step, start, end in zip(b.steps["step"], b.steps["start_ns"], b.steps["end_ns"]):
+            if step == END_MARK:  # each Monitor's close: counted apart
+                ends[b.rank] += 1
+                continue
             steps[(b.rank, int(step))] += 1
             durations[(b.rank, int(step))] = int(end - start)
     assert len(seqs) == cfg.ranks  # one Monitor per rank, whichever process ran it
@@ -38,6 +43,7 @@ def test_every_rank_step_reaches_the_raw_topic_once_from_two_processes(kafka_boo
         assert got == list(range(len(got))), f"producer {producer} has seq gaps: {got}"
     want = expected(cfg)
     assert steps == Counter(dict.fromkeys(want, 1))  # every (rank, step) once, no other
+    assert ends == Counter(range(cfg.ranks))  # and every rank ended once
     # the same plans as one process would record
     assert durations == {key: truth["step_time_ns"] for key, truth in want.items()}
 

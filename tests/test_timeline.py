@@ -324,7 +324,8 @@ ops_strategy = st.lists(st.tuples(st.integers(0, 90), st.integers(0, 25), st.sam
 @given(ops_strategy, st.integers(0, 40), st.integers(0, 60))
 def test_overlap_tracks_cover_exactly_the_right_nanoseconds(ops, S, length):
     """Any ops (overlapping, outside the step, empty steps): each track is disjoint
-    intervals covering exactly its nanoseconds, and the sums are utilization()'s figures."""
+    intervals covering exactly its nanoseconds, and the sums are utilization()'s figures;
+    a step without ops (not captured) has no track, not a free one."""
     E = S + length
     ev = StepEvents(run_id="p", rank=0, step=0, start_ns=S, end_ns=E,
                     op_kind=np.array([k for _, _, k in ops], np.uint8), op_type=np.zeros(len(ops), np.int32),
@@ -339,7 +340,7 @@ def test_overlap_tracks_cover_exactly_the_right_nanoseconds(ops, S, length):
         return m
 
     step = np.zeros(200, bool)
-    step[S:E] = True
+    step[S:E] = bool(ops)
     want = [mask(COMPUTE), mask(COMMUNICATION), mask(COMMUNICATION) & ~mask(COMPUTE),
             step & ~mask(COMPUTE) & ~mask(COMMUNICATION)]
     for (start, end), expect in zip(timeline.overlap_tracks(ev), want):
@@ -350,7 +351,9 @@ def test_overlap_tracks_cover_exactly_the_right_nanoseconds(ops, S, length):
         assert np.array_equal(got, expect)
     figures = utilization(ev)
     sums = [int((e - s).sum()) for s, e in timeline.overlap_tracks(ev)]
-    assert sums == [figures["compute_ns"], figures["comm_ns"], figures["pure_comm_ns"], figures["idle_ns"]]
+    assert sums == [figures["compute_ns"] or 0, figures["comm_ns"] or 0, figures["pure_comm_ns"] or 0,
+                    figures["idle_ns"] or 0]
+    assert (figures["idle_ns"] is None) == (not ops)
 
 
 @pytest.mark.parametrize("block_rows", [7, 32768])

@@ -114,7 +114,7 @@ class AfterTheWarning(transformers.TrainerCallback):
 
 
 @pytest.mark.parametrize("options, says", [
-    ({"every_n_steps": 0}, "every-n-steps=0: expected an integer >= 1"),
+    ({"every_n_steps": 0}, "argument every_n_steps=0: expected an integer >= 1"),
     ({"bootstrap": "127.0.0.1:1", "connect_timeout_s": 0.5}, "127.0.0.1:1"),
 ])
 def test_bad_options_or_no_broker_log_one_warning_and_training_goes_on(tmp_path, caplog, options, says):

@@ -99,6 +99,8 @@ DirOpt = Annotated[Path | None, typer.Option("--dir", help="state directory of t
 BootstrapOpt = Annotated[str | None, typer.Option(help="Kafka bootstrap servers host:port (default: "
                                                        "$PROFSTREAM_BOOTSTRAP, else the local `stack up` broker)")]
 PrefixOpt = Annotated[str, typer.Option(help="topic name prefix (<prefix>.raw, <prefix>.steps, ...)")]
+WaitTopicsOpt = Annotated[float, typer.Option(min=0.0, help="wait this long for the input topics to exist (a sink "
+                                                            "started beside the processor that creates them); 0: not")]
 
 
 def step_progress(total: int, what: str):

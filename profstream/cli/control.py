@@ -101,7 +101,13 @@ def capture(
     import getpass
     import socket
 
-    from profstream.control.client import follow, recent_requests, send_request
+    from profstream.control.client import (
+        RUN_SEEN_S,
+        follow,
+        recent_requests,
+        runs_seen,
+        send_request,
+    )
     from profstream.control.records import RequestError, new_request, parse_ranks
 
     if run is not None:
@@ -131,31 +137,60 @@ def capture(
     if bad:
         fail(f"--activities {activities!r}: use cpu, cuda or cpu,cuda")
     boot, topics = connect(bootstrap, topic_prefix)
+    seen = runs_seen(boot, topics, RUN_SEEN_S, run).get(run)  # the processors' last step of the run
     try:
         offset = send_request(boot, topics, request)
     except LookupError as e:
         fail(str(e))
     err.print(f"sent capture request {request['request_id']} to {topics.control} (offset {offset})", highlight=False)
+    if seen is None:
+        err.print(f"warning: the processors have shown no step of run {run} in the last {RUN_SEEN_S / 60:g} min: "
+                  "is the run id right?", highlight=False, soft_wrap=True)
     if not wait:
         out.print(request["request_id"], highlight=False)
         return
     from rich.live import Live
 
     stop = stop_on_signals()
-    with Live(_progress_table(_empty(request)), console=err, auto_refresh=False, transient=err.is_terminal) as live:
-        progress = follow(boot, topics, request, timeout_s, on_change=lambda p: live.update(_progress_table(p),
-                                                                                            refresh=True),
-                          stop=stop.is_set)
+    # a live Monitor answers within a second: an unknown run is said at once, not after --timeout-s
+    unanswered_s = min(timeout_s, UNSEEN_ANSWER_S if seen is None else LIVE_ANSWER_S)
+    started = time.monotonic()
+    if err.is_terminal:  # a live table while it waits, gone when the final one is printed
+        with Live(_progress_table(_empty(request)), console=err, auto_refresh=False, transient=True) as live:
+            progress = follow(boot, topics, request, timeout_s, stop=stop.is_set, unanswered_s=unanswered_s,
+                              on_change=lambda p: live.update(_progress_table(p), refresh=True))
+    else:  # a log or a pipe: the final table once
+        progress = follow(boot, topics, request, timeout_s, stop=stop.is_set, unanswered_s=unanswered_s)
+    waited = time.monotonic() - started
+    if not progress.ranks and progress.whole is None:
+        fail(_unanswered(run, seen, waited, boot, topics))
     out.print(_progress_table(progress))
     for line in _timeline_lines(progress, timeline_dir, wait_s=30.0):
         out.print(line, highlight=False, soft_wrap=True)
     missing = progress.missing()
     if not progress.done():
-        fail(f"ranks {', '.join(map(str, missing)) or '(none answered)'} have not finished within {timeout_s:g} s: "
-             "is the run going (a Monitor of this version, control on)? `profstream capture --list` shows what came "
-             "back")
+        fail(f"ranks {', '.join(map(str, missing))} have not finished within {waited:.0f} s (--timeout-s): is the "
+             "run still going? `profstream capture --list` shows what came back")
     if progress.whole is not None or missing or len(progress.finished()) < len(progress.ranks):
         raise typer.Exit(1)
+
+
+LIVE_ANSWER_S = 10.0  # a run the processors show: its ranks' readers answer within a second
+UNSEEN_ANSWER_S = 5.0  # a run they do not: a rank starting now would still answer in this time
+
+
+def _unanswered(run: str, seen: float | None, waited: float, bootstrap: str, topics) -> str:
+    """Why no rank of ``run`` answered a capture request, in one line."""
+    from profstream.control.client import RUN_SEEN_S, runs_seen
+
+    if seen is not None:
+        return (f"no rank of run {run} answered within {waited:.0f} s, though the processors showed a step of it "
+                f"{time.time() - seen:.0f} s ago: its Monitors read no capture requests (control=false, or a "
+                "Monitor older than capture requests)")
+    others = sorted(runs_seen(bootstrap, topics, 120.0))
+    return (f"no rank of run {run} has been seen: none answered within {waited:.0f} s and the processors have shown "
+            f"no step of it in the last {RUN_SEEN_S / 60:g} min; check --run (runs of the last 2 min: "
+            f"{', '.join(others[:10]) or 'none'}{' ...' if len(others) > 10 else ''})")
 
 
 def _empty(request: dict):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -82,6 +83,10 @@ def demo(
         outputs.close()
 
 
+def _percent(ratio: float) -> str:
+    return "—" if math.isnan(ratio) else f"{100 * ratio:.1f}"  # NaN: not measured
+
+
 def print_summary(cfg, result) -> None:
     table = Table(title=f"run {cfg.run_id}: {cfg.ranks} ranks x {cfg.steps} steps "
                         f"({result.sim.ops_recorded} ops) in {result.wall_s:.1f} s")
@@ -91,7 +96,7 @@ def print_summary(cfg, result) -> None:
     for r in result.per_rank():
         table.add_row(str(r["rank"]), str(r["steps"]), f"{r['step_ms_mean']:.2f}", f"{r['step_ms_p50']:.2f}",
                       f"{r['step_ms_p95']:.2f}", f"{r['data_wait_ms']:.2f}", f"{r['fp_bp_ms']:.2f}",
-                      f"{r['tail_ms']:.2f}", f"{100 * r['utilization']:.1f}", f"{100 * r['overlap_ratio']:.1f}",
+                      f"{r['tail_ms']:.2f}", _percent(r["utilization"]), _percent(r["overlap_ratio"]),
                       f"{r['queue_mean']:.1f}", f"{100 * r['queue_empty_ratio']:.0f}",
                       str(r["starved_steps"]), "yes" if r["matches_truth"] else "NO")
     out.print(table)

@@ -24,19 +24,24 @@ from profstream.config import check_name
 @app.command()
 def ingest(
     path: Annotated[Path, typer.Argument(help="Chrome trace JSON (.json/.json.gz: PyTorch, Kineto, MindSpore "
-                                              "or msprof timeline) or a MindSpore profiler output directory")],
+                                              "or msprof timeline), a MindSpore profiler output directory, a "
+                                              "torch_npu / MindSpore *_ascend_pt / *_ascend_ms folder or an "
+                                              "msprof PROF_* directory")],
     run_id: Annotated[str, typer.Option(help="run identifier the profile is sent as")],
     rank: Annotated[int | None, typer.Option(min=0, help="rank (default: the one the profile names, else 0)")]
     = None,
     pace: Annotated[str, typer.Option(help="max: as fast as possible; realtime: steps as far apart as "
                                            "they were")] = "max",
-    format: Annotated[str, typer.Option(help="auto, chrome or mindspore")] = "auto",
+    format: Annotated[str, typer.Option(help="auto, chrome, mindspore, ascend or msprof")] = "auto",
     base_ns: Annotated[int | None, typer.Option(help="ns since the epoch of time 0 of a relative trace "
                                                      "(default: it ended at the file's modification time)")]
     = None,
-    step_trace_unit_ns: Annotated[float, typer.Option(min=0.001, help="ns per unit of a MindSpore step trace "
-                                                                    "(10 for Ascend's 100 MHz counter)")] = 1.0,
-    device: Annotated[str, typer.Option(help="device reported with the events, e.g. cuda:0, npu:3")] = "cpu",
+    step_trace_unit_ns: Annotated[float | None, typer.Option(min=0.001, help="ns per unit of a MindSpore step "
+                                                                           "trace (default: from the profiler's "
+                                                                           "files; 10 for Ascend's 100 MHz counter)")]
+    = None,
+    device: Annotated[str | None, typer.Option(help="device reported with the events, e.g. cuda:0, npu:3 "
+                                                    "(default: the profile's, else the Monitor's)")] = None,
     workers: Annotated[int | None, typer.Option(min=1, help="processes that parse a Chrome trace of 16 MiB or "
                                                            "more (default: one per CPU; 1: one process)")] = None,
     bootstrap: BootstrapOpt = None,
@@ -82,13 +87,17 @@ def run(
                                                      help="op capture with torch.profiler (default: on)")] = None,
     collective_bytes: Annotated[bool | None, typer.Option(
         "--collective-bytes", help="record tensor shapes so collectives carry their message size (bandwidth)")] = None,
+    spool_dir: Annotated[str | None, typer.Option(help="disk spool: what Kafka cannot take is written there and "
+                                                       "sent when it is back")] = None,
+    record_only: Annotated[bool | None, typer.Option(
+        "--record-only", help="no broker: every batch goes to --spool-dir, for `profstream spool publish`")] = None,
 ) -> None:
     """Profile a PyTorch training script without changing it: profstream run -- python train.py ARGS (docs/torch.md)."""
     from profstream.integrations.launch import run_profiled
 
     options = {"bootstrap": resolve_bootstrap(bootstrap), "run_id": run_id, "topic_prefix": topic_prefix,
                "start_step": start_step, "stop_step": stop_step, "every_n_steps": every_n_steps,
-               "collective_bytes": collective_bytes}
+               "collective_bytes": collective_bytes, "spool_dir": spool_dir, "record_only": record_only}
     try:
         code = run_profiled(command, options, {"capture_ops": capture_ops})
     except FileNotFoundError:

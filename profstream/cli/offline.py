@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated
 
@@ -183,12 +184,15 @@ def report(
 def analyze(
     traces: Annotated[list[Path], typer.Argument(help="profiles: Kineto/PyTorch, MindSpore or msprof timeline "
                                                       "JSON (.json/.json.gz), one file per rank, a directory of "
-                                                      "them, or a MindSpore profiler directory")],
+                                                      "them, a MindSpore profiler directory, torch_npu / MindSpore "
+                                                      "*_ascend_pt / *_ascend_ms folders or msprof PROF_* "
+                                                      "directories")],
     output: Annotated[Path | None, typer.Option("--output", "-o", help="write the HTML report here")] = None,
     parquet: Annotated[Path | None, typer.Option(help="write <run>.steps.parquet and <run>.ops.parquet into "
                                                       "this directory")] = None,
     run_id: Annotated[str, typer.Option(help="run id the figures carry")] = "analyze",
-    device: Annotated[str, typer.Option(help="device reported with the figures, e.g. cuda:0")] = "",
+    device: Annotated[str, typer.Option(help="device reported with the figures, e.g. cuda:0 (default: the "
+                                             "profile's where it says, e.g. npu:0)")] = "",
     workers: Annotated[int | None, typer.Option(min=1, help="processes that parse a trace of 16 MiB or more "
                                                            "(default: one per CPU; 1: one process)")] = None,
     stall_ratio: Annotated[float, typer.Option(min=0.0, max=1.0, help="as for `profstream process`")] = 0.3,
@@ -210,10 +214,12 @@ def analyze(
     except (IngestError, OSError) as e:
         fail(str(e))
     result = done.result
+    for problem in result.problems:
+        err.print(f"[red]not read:[/red] {problem}", highlight=False, soft_wrap=True)
     print_ranks(result, rank_rows(result))
     for r in result.ranks:
         for note in r.profile.notes:
-            err.print(f"[yellow]note:[/yellow] {note}", highlight=False, soft_wrap=True)
+            err.print(f"[yellow]note:[/yellow] rank {r.rank}: {note}", highlight=False, soft_wrap=True)
     for path in [done.report, *done.parquet]:
         if path is not None:
             out.print(str(path), highlight=False)
@@ -238,8 +244,8 @@ def print_ranks(result, rows: list[dict]) -> None:
         kinds = r["kinds"]
         table.add_row(str(r["rank"]), str(r["steps"]), str(r["device_steps"]), f"{r['mean_step_ms']:.3f}",
                       f"{r['mean_host_step_ms']:.3f}", f"{100 * r['data_wait_share']:.1f}",
-                      f"{100 * r['utilization']:.1f}", f"{100 * r['overlap_ratio']:.1f}",
-                      f"{100 * r['idle_share']:.1f}",
+                      *(("—" if math.isnan(r[k]) else f"{100 * r[k]:.1f}")  # NaN: not measured
+                        for k in ("utilization", "overlap_ratio", "idle_share")),
                       *(f"{100 * kinds[k]:.1f}" for k in ("compute", "communication", "memcpy", "memset")),
                       str(r["uncorrelated_ops"]))
     out.print(table)

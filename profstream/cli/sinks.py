@@ -10,6 +10,7 @@ import typer
 from profstream.cli.common import (
     BootstrapOpt,
     PrefixOpt,
+    WaitTopicsOpt,
     connect,
     err,
     fail,
@@ -38,6 +39,7 @@ def sink_prometheus(
     top_ranks: Annotated[str, typer.Option(metavar="K|all", help="a run with more ranks keeps per-rank series "
                                            "for its K slowest only (mean of their last 5 steps); every run "
                                            "also gets quantiles over all its ranks")] = "64",
+    wait_topics_s: WaitTopicsOpt = 60.0,
 ) -> None:
     """Serve every profstream figure to Prometheus (docs/metrics.md): steps, run and alerts topics in."""
     from profstream.sinks.prometheus import ExporterError, PrometheusExporter
@@ -49,7 +51,7 @@ def sink_prometheus(
         fail(str(e))
     boot, topics = connect(bootstrap, topic_prefix)
     exporter = PrometheusExporter(boot, topics, port=port, addr=addr, group_id=group_id,
-                                  ttl_s=ttl_s, top_k=top_k, top_ranks=kept_ranks)
+                                  ttl_s=ttl_s, top_k=top_k, top_ranks=kept_ranks, wait_topics_s=wait_topics_s)
     try:
         url = exporter.serve()
     except ExporterError as e:
@@ -111,6 +113,7 @@ def sink_grafana(
                                                          "oldest are dropped beyond)")] = 10000,
     timeline_url: Annotated[str, typer.Option(help="URL where the --out of `profstream sink timeline` is served: "
                                                    "capture annotations link their timeline file there")] = "",
+    wait_topics_s: WaitTopicsOpt = 60.0,
 ) -> None:
     """Annotate Grafana: run start and end, alerts firing and resolved, op captures (steps, alerts and control
     topics in)."""
@@ -127,7 +130,7 @@ def sink_grafana(
 
     try:
         run_sink(boot, [topics.steps, topics.alerts, topics.control], group_id, sink, stop_on_signals(),
-                 ready=started)
+                 ready=started, wait_topics_s=wait_topics_s)
     except RuntimeError as e:  # a topic missing
         fail(str(e))
 
@@ -146,6 +149,7 @@ def sink_archive(
     max_age_s: Annotated[float, typer.Option(min=0.001, help="finish a file this old")] = 300.0,
     progress: Annotated[bool | None, typer.Option("--progress/--no-progress", help="show progress (default: "
                                                   "when stderr is a terminal)")] = None,
+    wait_topics_s: WaitTopicsOpt = 60.0,
 ) -> None:
     """Archive topics into Avro files (<dir>/<topic>/<run>/p<partition>/<first>-<last>.avro), exactly once."""
     from profstream.config import PARSERS
@@ -170,7 +174,8 @@ def sink_archive(
     try:
         with bar:
             stats = run_archive(boot, names, out_dir, stop, group_id=group_id, instance_id=instance_id,
-                                progress=show, ready=started, codec=codec, max_bytes=size, max_age_s=max_age_s)
+                                progress=show, ready=started, codec=codec, max_bytes=size, max_age_s=max_age_s,
+                                wait_topics_s=wait_topics_s)
     except (ArchiveError, RuntimeError) as e:
         fail(str(e))
     err.print(f"archived {stats.messages} messages in {stats.files} files", highlight=False)
@@ -185,6 +190,7 @@ def sink_timeline(
     max_bytes: Annotated[str, typer.Option(help="most JSON text per file, before gzip (a bigger window is "
                                                 "split into more files)")] = "20MB",
     group_id: Annotated[str, typer.Option(help="consumer group of the timeline sink")] = "profstream-timeline",
+    wait_topics_s: WaitTopicsOpt = 60.0,
 ) -> None:
     """Write Perfetto / chrome://tracing timelines from the raw topic (<out>/<run>/rank-<r>/steps-<a>-<b>.json.gz);
     the steps of a capture request get a file of their own."""
@@ -210,7 +216,8 @@ def sink_timeline(
                   highlight=False, soft_wrap=True)
 
     try:
-        run_sink(boot, [topics.raw, topics.control], group_id, sink, stop_on_signals(), ready=started)
+        run_sink(boot, [topics.raw, topics.control], group_id, sink, stop_on_signals(), ready=started,
+                 wait_topics_s=wait_topics_s)
     except RuntimeError as e:  # a topic missing
         fail(str(e))
     except OSError as e:

@@ -30,6 +30,7 @@ from profstream.schema.codec import DecodeError
 
 TERMINAL = (FINISHED, REFUSED)
 SETTLE_S = 3.0  # for "all ranks" of a run that does not say its world size: wait this long for more
+RUN_SEEN_S = 900.0  # a run the processors showed this recently is live (autocapture's run_ttl_s)
 
 
 def send_request(bootstrap: str, topics: Topics, request: dict, timeout: float = 10.0) -> int:
@@ -149,21 +150,61 @@ def _polls(consumer, run_id: str | None, poll_ms: int = 200) -> Iterator[list[tu
 
 def follow(bootstrap: str, topics: Topics, request: dict, timeout: float,
            on_change: Callable[[CaptureProgress], None] | None = None,
-           stop: Callable[[], bool] | None = None) -> CaptureProgress:
-    """Read the statuses of ``request`` until it is done, ``timeout`` passes or ``stop()``."""
+           stop: Callable[[], bool] | None = None, unanswered_s: float | None = None) -> CaptureProgress:
+    """Read the statuses of ``request`` until it is done, ``timeout`` passes or ``stop()``;
+    with ``unanswered_s``, also once that long has passed without any status of it."""
     progress = CaptureProgress(request)
     consumer, _ends = _control_consumer(bootstrap, topics, request["run_id"], request["requested_ns"] // 10**6 - 1000)
-    deadline = time.monotonic() + timeout
+    started = time.monotonic()
+    deadline = started + timeout
     try:
         for got in _polls(consumer, request["run_id"]):
             changed = [record for name, record in got if name == STATUS and progress.add(record)]
             if on_change is not None and (changed or not got):  # also refreshed when idle (the time shown)
                 on_change(progress)
-            if progress.done() or time.monotonic() >= deadline or (stop is not None and stop()):
+            now = time.monotonic()
+            unanswered = unanswered_s is not None and not progress.ranks and progress.whole is None and (
+                now - started >= unanswered_s)
+            if progress.done() or now >= deadline or unanswered or (stop is not None and stop()):
                 return progress
     finally:
         consumer.close()
     return progress
+
+
+def runs_seen(bootstrap: str, topics: Topics, since_s: float, run_id: str | None = None,
+              timeout: float = 10.0) -> dict[str, float]:
+    """The runs the processors showed on the run topic in the last ``since_s`` seconds (of
+    ``run_id`` alone: only its partition is read), each with the time of its newest
+    cross-rank step there (Kafka's timestamp, s). Empty where the topic does not exist."""
+    from kafka import TopicPartition
+
+    consumer = make_consumer(bootstrap, group_id=None)
+    seen: dict[str, float] = {}
+    try:
+        parts = sorted(consumer.partitions_for_topic(topics.run) or ())
+        if not parts:
+            return seen
+        if run_id is not None:
+            parts = [control_partition(run_id, len(parts))]  # keyed by run, as the control topic
+        tps = [TopicPartition(topics.run, p) for p in parts]
+        consumer.assign(tps)
+        found = consumer.offsets_for_times(dict.fromkeys(tps, int((time.time() - since_s) * 1000)))
+        ends = consumer.end_offsets(tps)
+        for tp in tps:
+            at = found.get(tp)
+            consumer.seek(tp, at.offset if at is not None else ends[tp])
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not all(
+                (position_by(consumer, tp, deadline) or 0) >= end for tp, end in ends.items()):
+            for records in consumer.poll(timeout_ms=200).values():
+                for rec in records:
+                    run = rec.key.decode(errors="replace") if rec.key else ""
+                    if run_id is None or run == run_id:
+                        seen[run] = max(seen.get(run, 0.0), rec.timestamp / 1000)
+    finally:
+        consumer.close()
+    return seen
 
 
 @dataclass

@@ -32,13 +32,21 @@ def child_environment(options: Mapping[str, Any], torch_options: Mapping[str, An
     """The environment of the profiled command: options checked and merged into
     PROFSTREAM_OPTIONS, one run id for every process of the run, the start-up hook first
     on PYTHONPATH. A bad option raises ConfigError before anything starts."""
-    from profstream.config import MONITOR_OPTIONS, _default_run_id, _env_options, resolve
+    from profstream.config import (
+        MONITOR_OPTIONS,
+        _default_run_id,
+        _env_options,
+        check_monitor_options,
+        resolve,
+    )
     from profstream.integrations.torch import TORCH_OPTIONS
 
     env = dict(os.environ if environ is None else environ)
     given = {k: v for k, v in options.items() if v is not None}
+    if given.get("spool_dir"):  # the child may change its directory
+        given["spool_dir"] = str(Path(given["spool_dir"]).resolve())
     merged = {**_env_options(env), **given}
-    resolve(MONITOR_OPTIONS, merged, environ={})  # every value checked now, with its name
+    check_monitor_options(resolve(MONITOR_OPTIONS, merged, environ={}))  # every value checked now, with its name
     if "run_id" not in merged and "PROFSTREAM_RUN_ID" not in env:
         merged["run_id"] = _default_run_id(env)  # ranks of one launch share it
     env["PROFSTREAM_OPTIONS"] = json.dumps(merged)

@@ -73,7 +73,7 @@ class ProfstreamCallback(StepsCallback, Callback):
         self.close_steps()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        self.close_steps()
+        self.close_steps(ended=False)  # the run failed: RunSilent may fire for it
 
 
 __all__ = ["ProfstreamCallback"]

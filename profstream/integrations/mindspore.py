@@ -1,8 +1,9 @@
-"""MindSpore: ``ProfstreamCallback``, a ``mindspore.train.Callback`` that streams step marks,
-the device data queue and memory of ``Model.train`` to profstream.
+"""MindSpore: ``ProfstreamCallback``, a ``mindspore.train.Callback`` that streams the steps
+of ``Model.train`` to profstream: step marks, the device data queue, memory, and the ops
+MindSpore's own Profiler records on capture windows.
 
     from profstream.mindspore import ProfstreamCallback
-    model.train(epochs, dataset, callbacks=[ProfstreamCallback(run_id="my-run")])
+    model.train(epochs, dataset, callbacks=[ProfstreamCallback(run_id="my-run", start_step=100, stop_step=110)])
 
 Where the marks come from (``Model.train``'s loop fetches a batch, then calls
 ``on_train_step_begin``, runs the network, then ``on_train_step_end``):
@@ -14,15 +15,16 @@ Where the marks come from (``Model.train``'s loop fetches a batch, then calls
   optimizer in one call, so a callback cannot see the end of backward: tail is 0 and
   fp_bp holds the whole network call.
 
-Capture requests (docs/capture.md) are refused with ``unavailable`` and the reason
-``CAPTURE_UNAVAILABLE``: the callback records no op, so it cannot capture them on request
-(a Monitor given to it keeps whatever its owner records).
+Ops (``capture_ops``, on by default): ``start_step`` / ``stop_step`` / ``every_n_steps``
+(or a mindformers profile section) are the steps whose ops MindSpore's Profiler captures,
+and capture requests (docs/capture.md) add windows of their own (``mindspore_capture``);
+every step is marked. With ``capture_ops=False`` no op is captured, requests are refused
+with ``CAPTURE_UNAVAILABLE``, and the window options limit the steps marked instead.
 
-Steps are MindSpore's ``cur_step_num`` (1-based; in sink mode one step per sink).
-``start_step`` / ``stop_step`` (inclusive) limit the steps marked, as the profilers' step
-windows do. In dataset sink mode the device queue (``DatasetHelper.get_mbuf_queue_size``,
-batches waiting in the device channel) is sampled at each step begin and stamped at S;
-without sink mode MindSpore exposes no queue size and none is sent. Memory
+Steps are MindSpore's ``cur_step_num`` (1-based; in sink mode one step per sink). In
+dataset sink mode the device queue (``DatasetHelper.get_mbuf_queue_size``, batches waiting
+in the device channel) is sampled at each step begin and stamped at S; without sink mode
+MindSpore exposes no queue size and none is sent. Memory
 (``mindspore.runtime.memory_allocated`` / ``memory_reserved`` / ``max_memory_allocated``)
 is sampled at each step end.
 """
@@ -30,6 +32,7 @@ is sampled at each step end.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -39,14 +42,20 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("profstream.mindspore needs MindSpore: pip install 'profstream[mindspore]'") from e
 
-from profstream.config import callback_options
+from profstream.config import Option, callback_options, option_given, resolve
+from profstream.integrations.mindspore_capture import MindSporeCapture, Window
 from profstream.producers.monitor import Monitor
 
 log = logging.getLogger("profstream.mindspore")
 
 DEVICE_QUEUE = "device_queue"
-CAPTURE_UNAVAILABLE = ("the MindSpore callback streams step marks, the data queue and memory, not ops: run "
-                       "MindSpore's Profiler on the steps and `profstream ingest` its output directory")
+CAPTURE_UNAVAILABLE = ("op capture is off in this MindSpore callback (capture_ops=False): it streams step marks, "
+                       "the data queue and memory only")
+MINDSPORE_OPTIONS = (
+    Option("capture_ops", "bool", True,
+           "run MindSpore's Profiler on the step window's steps and on capture requests, and stream their ops; "
+           "false: no ops, and the window limits the steps marked"),
+)
 
 
 class ProfstreamCallback(Callback):
@@ -63,25 +72,36 @@ class ProfstreamCallback(Callback):
         self._owns_monitor = monitor is None
         self.monitor: Monitor | None = monitor
         self.start_step = self.stop_step = None
+        self.capture: MindSporeCapture | None = None
         checked = callback_options({"start_step": start_step, "stop_step": stop_step, **options},
-                                   "ProfstreamCallback", log)
+                                   "ProfstreamCallback", log, MINDSPORE_OPTIONS)
         if checked is None:  # warned: off, training goes on
             self.monitor = None
         else:
+            capture_ops = resolve(MINDSPORE_OPTIONS, {"capture_ops": checked.pop("capture_ops", None)})["capture_ops"]
+            target = ms.get_context("device_target")
+            if target == "Ascend" and not option_given("device", checked, os.environ):
+                checked["device"] = f"npu:{ms.get_context('device_id')}"  # Ascend's figures follow msprof's
             if monitor is None:
                 self.monitor = Monitor(**checked)
                 checked = self.monitor.options
-                if self.monitor.capture_plan is not None:  # this callback records no op: say so to requests
+            window = Window(checked)
+            if capture_ops and self.monitor.enabled:
+                self.capture = MindSporeCapture(self.monitor, window, target)
+            else:
+                self.start_step, self.stop_step = checked.get("start_step"), checked.get("stop_step")
+                if self.monitor.capture_plan is not None:  # no op is recorded here: say so to requests
                     self.monitor.capture_plan.unavailable = CAPTURE_UNAVAILABLE
-            self.start_step, self.stop_step = checked.get("start_step"), checked.get("stop_step")
         self.queue_name = queue_name
         self.steps_marked = 0
         self.queue_samples = 0
         self._asked_ns: int | None = None  # when the loop asked for the next batch (S)
+        self._start_ns = 0  # S of the open step
         self._open = False
         self._memory = self.monitor is not None and self.monitor.enabled and _memory_probe()
 
     def in_window(self, step: int) -> bool:
+        """Whether ``step`` is marked: every step with op capture, else those of the window."""
         return ((self.start_step is None or step >= self.start_step)
                 and (self.stop_step is None or step <= self.stop_step))
 
@@ -101,6 +121,9 @@ class ProfstreamCallback(Callback):
         self.monitor.begin_step(step, ts_ns=start)
         self.monitor.mark_fp_start(now)
         self._open = True
+        self._start_ns = start
+        if self.capture is not None:
+            self.capture.begin(step)
         size = _device_queue_size(cb)
         if size is not None:
             self.monitor.queue(self.queue_name, size, ts_ns=start, step=step)
@@ -119,10 +142,14 @@ class ProfstreamCallback(Callback):
         self.monitor.mark_bp_end(now)
         self.monitor.end_step(now)
         self.steps_marked += 1
+        if self.capture is not None:
+            self.capture.end(self.monitor.current_step, self._start_ns, now)
 
     def on_train_end(self, run_context) -> None:
         if self.monitor is None:
             return
+        if self.capture is not None:  # the last window's ops, then the Monitor
+            self.capture.close()
         if self._owns_monitor:
             self.monitor.close()
         else:

@@ -9,7 +9,9 @@ Where each mark comes from:
   outermost module, or on any module with the global hook) in the step.
 - B (backward end): the first ``optimizer.step()`` of the step is about to run.
 - E (step end): the last ``optimizer.step()`` of the step has returned (the next batch
-  request when the step had none).
+  request when the step had none). A batch the loop fetched and then did not train on (no
+  forward call, no ``optimizer.step()`` before the next request or the end: a loop that
+  breaks after fetching one more) is no step: nothing of it is sent.
 - queue: batches fetched by a multi-worker DataLoader and waiting, sampled at S.
 - memory: torch.cuda memory statistics at E when CUDA is there, else the process RSS.
 - ops: torch.profiler on the window start_step / stop_step / every_n_steps
@@ -82,7 +84,7 @@ def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, An
     keyword options."""
     torch_names = {o.name for o in TORCH_OPTIONS}
     torch_opts = resolve(TORCH_OPTIONS, {k: v for k, v in options.items() if k in torch_names},
-                         environ={k: v for k, v in os.environ.items() if k != "PROFSTREAM_OPTIONS"})
+                         environ={k: v for k, v in os.environ.items() if k != "PROFSTREAM_OPTIONS"}, keywords=True)
     return torch_opts, {k: v for k, v in options.items() if k not in torch_names}
 
 
@@ -94,9 +96,11 @@ def close_at_exit(inst: TorchInstrumentation) -> None:
     ref = weakref.ref(inst)
 
     def close() -> None:
+        from profstream.producers.monitor import exiting_on_error
+
         live = ref()
         if live is not None:
-            live.close(timeout=5.0)
+            live.close(timeout=5.0, ended=not exiting_on_error())  # a traceback: the run did not end normally
 
     register = getattr(threading, "_register_atexit", None)  # runs before atexit (CPython >= 3.9)
     try:
@@ -214,9 +218,9 @@ class TorchInstrumentation:
 
     # -- lifecycle --------------------------------------------------------------------
 
-    def close(self, timeout: float = 10.0) -> None:
+    def close(self, timeout: float = 10.0, ended: bool = True) -> None:
         """End the open step, send the captured ops, remove the hooks; close the Monitor
-        if instrument() made it."""
+        if instrument() made it (``ended``: as ``Monitor.close``'s, the run ended normally)."""
         with self._lock:
             if self._closed:
                 return
@@ -231,7 +235,7 @@ class TorchInstrumentation:
             except Exception as e:  # noqa: BLE001 - closing must not raise
                 self._fail(e)
         if self.owns_monitor and self.monitor is not None:
-            self.monitor.close(timeout)
+            self.monitor.close(timeout, ended=ended)
         if self._rss is not None:
             self._rss.close()
 
@@ -240,8 +244,8 @@ class TorchInstrumentation:
     def __enter__(self) -> TorchInstrumentation:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.close(ended=exc_type is None)
 
     def _remove_hooks(self) -> None:
         for hook in self._hooks:
@@ -328,7 +332,7 @@ class TorchInstrumentation:
             return None
         self._loader_driven = True
         if self.mark_steps:
-            ended = self._end_step(self._last_opt_end)
+            ended = self._end_or_cancel_step()
             if self.capture is not None:
                 self.capture.advance(ended, self.monitor.current_step + 1, self._ended_fp_ns)
         return _time_ns()
@@ -379,6 +383,16 @@ class TorchInstrumentation:
         self._fp_marked = self._bp_marked = False
         self._fp_ns = self._last_opt_end = None
 
+    def _end_or_cancel_step(self) -> int | None:
+        """End the open step (at its last optimizer step, else now); a step that trained on
+        nothing (its batch fetched, then no forward and no optimizer step) is cancelled
+        instead. Returns the number of the step ended, None if none was."""
+        if self._in_step and not (self._fp_marked or self._bp_marked or self._last_opt_end is not None):
+            self.monitor.cancel_step()
+            self._in_step = False
+            return None
+        return self._end_step(self._last_opt_end)
+
     def _end_step(self, e_ns: int | None) -> int | None:
         """End the open step at ``e_ns`` (now if None); returns its number."""
         if not self._in_step:
@@ -408,7 +422,7 @@ class TorchInstrumentation:
     def _finish_run(self) -> None:
         if self.monitor is None:
             return
-        ended = self._end_step(self._last_opt_end) if self.mark_steps else (
+        ended = self._end_or_cancel_step() if self.mark_steps else (
             self._seen_step if self._seen_step >= 0 else None)
         if self.capture is not None:
             self.capture.advance(ended, None, self._ended_fp_ns if self.mark_steps else None)

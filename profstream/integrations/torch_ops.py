@@ -65,6 +65,8 @@ def op_type(name: str) -> str:
     function name without its template arguments and parameters."""
     if name.startswith(_AUTOGRAD_PREFIX):
         return name[len(_AUTOGRAD_PREFIX):]
+    if "(anonymous namespace)::" in name:  # a scope, not the parameter list: at::native::(anonymous namespace)::f
+        name = name.replace("(anonymous namespace)::", "")
     if "<" in name or "(" in name:
         cut = min(i for i in (name.find("<"), name.find("(")) if i >= 0)
         short = name[:cut].strip()
@@ -124,6 +126,17 @@ def table_from_raw(events: Sequence[RawEvent]) -> EventTable:
         lambda i: events[i].name, lambda i: events[i].activity, np.array([e.correlation for e in events], np.int64))
 
 
+_RUNTIME_CALL_RE = re.compile(r"^(cuda|cu|hip|hsa)[A-Z]")  # cudaLaunchKernel, cuLaunchKernelEx, hipMemcpyAsync
+
+
+def activity_of_name(name: str, on_device: bool) -> str:
+    """The Kineto activity of an event from its name, for a torch whose events do not say
+    it (before 2.12): device copies and sets, kernels; CUDA/HIP runtime and driver calls."""
+    if on_device:
+        return "gpu_memcpy" if name.startswith("Memcpy") else "gpu_memset" if name.startswith("Memset") else "kernel"
+    return "cuda_runtime" if _RUNTIME_CALL_RE.match(name) else "cpu_op"
+
+
 def table_from_kineto(events: list[Any], run_has_device: bool) -> EventTable:
     """Columns of torch's ``_KinetoEvent`` objects (``prof.profiler.kineto_results.events()``)."""
     n = len(events)
@@ -139,10 +152,14 @@ def table_from_kineto(events: list[Any], run_has_device: bool) -> EventTable:
         on_device = np.zeros(n, bool)
         thread = np.array([e.start_thread_id() for e in events], np.int64)
         correlation = None
+    if n and hasattr(events[0], "activity_type"):
+        activity = lambda i: str(events[i].activity_type())  # noqa: E731
+    else:  # torch before 2.12 has no activity_type(): told by the name
+        activity = lambda i: activity_of_name(events[i].name(), bool(on_device[i]))  # noqa: E731
     return EventTable(
         np.array([e.start_ns() for e in events], np.int64), np.array([e.duration_ns() for e in events], np.int64),
         thread, on_device, np.array([e.is_user_annotation() for e in events], bool),
-        lambda i: events[i].name(), lambda i: str(events[i].activity_type()), correlation)
+        lambda i: events[i].name(), activity, correlation)
 
 
 class OpColumns(NamedTuple):

@@ -94,10 +94,11 @@ class StepsCallback:
         self.steps.next_step = next_step
         return self.steps
 
-    def close_steps(self) -> None:
+    def close_steps(self, ended: bool = True) -> None:
+        """Close the producer (``ended=False`` when training failed: no end mark)."""
         steps, self.steps = self.steps, None
         if steps is not None:
-            steps.close()
+            steps.close(ended=ended)
 
 
 class TrainerSteps(TorchInstrumentation):

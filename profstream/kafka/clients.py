@@ -60,6 +60,23 @@ def _compression(name: str | None) -> str | None:
     return None if name in (None, "none") else name
 
 
+def refused(bootstrap: str, timeout: float = 1.0) -> str | None:
+    """Why no bootstrap server of ``bootstrap`` takes a TCP connection (a name that does not
+    resolve, a refused or unanswered port), or None when one does: a wrong address is known
+    at once, not after a client's whole bootstrap timeout. Says nothing of Kafka itself."""
+    import socket
+
+    reasons = []
+    for item in bootstrap.split(","):
+        host, _, port = item.strip().rpartition(":")
+        try:
+            with socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout):
+                return None
+        except (OSError, ValueError) as e:
+            reasons.append(f"{item.strip()}: {getattr(e, 'strerror', None) or e}")
+    return "; ".join(reasons)
+
+
 def make_producer(bootstrap: str, compression: str | None = "lz4", **overrides: Any) -> KafkaProducer:
     """An idempotent producer (acks=all). Raises kafka.errors.NoBrokersAvailable when the
     bootstrap servers do not answer within bootstrap_timeout_ms."""

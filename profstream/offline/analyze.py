@@ -1,10 +1,11 @@
 """``profstream analyze TRACE...``: the figures of existing profiles in one process, no broker.
 
-Each trace (one file per rank, or a directory of them; a MindSpore profiler directory
-gives one profile per rank it holds) is read by ingest (``load_profile``) and turned into
-the raw batches a live producer would have sent (``profile_batches``); the processors'
-own entry point (``processors.stream.figures``) computes StepMetrics, RunStepMetrics and
-alerts from them, exactly as the live processors would. The ranks' batches are fed
+Each rank's profile (one file per rank, a directory of them, or profiler folders as their
+profilers wrote them: ``ingest.layout``) is read by ingest (``read_found``) and turned into
+the raw batches a live producer would have sent (``profile_batches``, with the end mark
+that ``ingest``'s Monitor sends when it closes); the processors' own entry point
+(``processors.stream.figures``) computes StepMetrics, RunStepMetrics and alerts from
+them, exactly as the live processors would. The ranks' batches are fed
 interleaved by their step ends, so that the cross-rank stage sees them as it would live.
 """
 
@@ -19,8 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from profstream.config import check_name
-from profstream.integrations.ingest import IngestError, Profile, load_profile, sniff
+from profstream.integrations.ingest import IngestError, Profile, read_found
 from profstream.integrations.ingest.batches import profile_batches
+from profstream.integrations.ingest.layout import Found, find_profiles, group_files
 from profstream.processors.stream import (
     ALERTS,
     DEAD_LETTERS,
@@ -33,8 +35,6 @@ from profstream.processors.stream import (
 from profstream.schema.batch import EventBatch, encode_batch
 from profstream.schema.codec import decode
 from profstream.schema.names import is_valid_name
-
-TRACE_SUFFIXES = (".json", ".json.gz")
 
 
 @dataclass
@@ -50,6 +50,7 @@ class AnalyzeResult:
     steps: list[dict] = field(default_factory=list)  # StepMetrics, sorted by (rank, step)
     run_steps: list[dict] = field(default_factory=list)  # RunStepMetrics, sorted by step
     alerts: list[dict] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)  # profiles not read (one line each, naming the file)
     dead_letters: int = 0
     messages: int = 0
     ops: int = 0
@@ -57,48 +58,44 @@ class AnalyzeResult:
     figures_s: float = 0.0
 
 
-def trace_paths(paths: list[Path]) -> list[tuple[Path, str]]:
-    """(path, format) of each profile to read: a file as it is; a directory holding a
-    MindSpore step trace as a MindSpore profiler directory; another directory's trace
-    files (``*.json``, ``*.json.gz``), each a rank. IngestError when there is nothing."""
-    found: list[tuple[Path, str]] = []
+def profile_paths(paths: list[Path]) -> list[Found]:
+    """What to read for each rank in ``paths`` (``ingest.layout``): files one by one (msprof's
+    per-iteration files of a device together), folders as their profiler wrote them.
+    IngestError naming a path that holds no profile."""
+    files = [p for p in paths if p.is_file()]
+    found = group_files(files) if files else []
     for path in paths:
-        if not path.exists():
-            raise IngestError(f"{path}: no such file or directory")
-        if path.is_dir():
-            try:
-                from profstream.integrations.ingest.mindspore_dir import find_profiler_dir
-
-                find_profiler_dir(path)
-                found.append((path, "mindspore"))
-                continue
-            except IngestError:
-                pass
-            files = sorted(p for p in path.iterdir() if p.is_file() and p.name.endswith(TRACE_SUFFIXES))
-            if not files:
-                raise IngestError(f"{path}: no trace files (*.json, *.json.gz) and no MindSpore step trace here")
-            found.extend((f, "chrome") for f in files)
-        else:
-            found.append((path, sniff(path)))
+        if not path.is_file():
+            found += find_profiles(path)
     return found
 
 
-def load_ranks(paths: list[Path], workers: int | None = None) -> list[RankProfile]:
-    """Every rank's profile from ``paths``: ranks as the files name them (Kineto's
-    ``distributedInfo``, MindSpore's file names), else in the order given. Two profiles of
-    one rank are an error. Calls without a group size (HCCL's) get the number of profiles
-    holding calls of their group."""
+def load_ranks(paths: list[Path], workers: int | None = None, problems: list[str] | None = None) -> list[RankProfile]:
+    """Every rank's profile from ``paths``: ranks as the profiles name them (Kineto's
+    ``distributedInfo``, MindSpore's file names, Ascend's info files), else in the order
+    given. A profile that cannot be read is one line in ``problems`` (naming its file) and
+    the others are read; IngestError when none can be, or ``problems`` is None. Two
+    profiles of one rank are an error. Calls without a group size (HCCL's) get the number
+    of profiles holding calls of their group."""
     from profstream.integrations.ingest.hccl import fill_group_sizes
 
     profiles: list[Profile] = []
-    for path, fmt in trace_paths(paths):
-        if fmt == "mindspore":
-            from profstream.integrations.ingest.mindspore_dir import find_profiler_dir, rank_of
-
-            _, files = find_profiler_dir(path)
-            profiles.extend(load_profile(path, "mindspore", rank_of(f)) for f in files)
-        else:
-            profiles.append(load_profile(path, fmt, workers=workers))
+    failed: list[str] = []
+    for found in profile_paths(paths):
+        try:
+            profiles.append(load_one(found, workers))
+        except IngestError as e:
+            if problems is None:
+                raise
+            failed.append(str(e))
+    if not profiles and failed:
+        raise IngestError(failed[0] if len(failed) == 1 else f"no profile could be read: {'; '.join(failed)}")
+    if problems is not None:
+        problems += failed
+        sources = sorted({p.source for p in profiles})
+        if len(sources) > 1:
+            problems.append(f"the ranks come from different profilers ({', '.join(sources)}): their figures may "
+                            "not be comparable")
     fill_group_sizes(profiles)  # HCCL calls carry none: the ranks given that hold the group
     taken = {p.rank for p in profiles if p.rank is not None}
     free = (r for r in itertools.count() if r not in taken)
@@ -111,6 +108,15 @@ def load_ranks(paths: list[Path], workers: int | None = None) -> list[RankProfil
     return [ranks[r] for r in sorted(ranks)]
 
 
+def load_one(found: Found, workers: int | None = None) -> Profile:
+    """One rank's profile, as ``load_profile`` reads it (clock note included)."""
+    profile = read_found(found, workers=workers)
+    clocks = profile.check_clocks()
+    if clocks is not None:
+        profile.notes.append(clocks)
+    return profile
+
+
 def rank_messages(ranks: list[RankProfile], run_id: str, device: str = "",
                   on_batch: Callable[[EventBatch], None] | None = None) -> Iterator[RawMessage]:
     """The raw messages of every rank, each rank on a partition of its own, interleaved by
@@ -118,7 +124,9 @@ def rank_messages(ranks: list[RankProfile], run_id: str, device: str = "",
     def of_rank(i: int, r: RankProfile) -> Iterator[tuple[float, int, RawMessage]]:
         host = r.profile.host if r.profile.host and is_valid_name(r.profile.host) else ""
         key = f"{run_id}/{r.rank}".encode()
-        for offset, batch in enumerate(profile_batches(r.profile, run_id, r.rank, host, device, len(ranks))):
+        dev = device or r.profile.device
+        for offset, batch in enumerate(profile_batches(r.profile, run_id, r.rank, host, dev, len(ranks),
+                                                       ended=True)):
             if on_batch is not None:
                 on_batch(batch)
             clock = batch.sent_ns / 1e9
@@ -135,8 +143,9 @@ def analyze(paths: list[Path | str], run_id: str = "analyze", options: StreamOpt
     sees every raw batch (the op table of ``--parquet``)."""
     check_name(run_id, "run id")
     t0 = time.perf_counter()
-    ranks = load_ranks([Path(p) for p in paths], workers)
-    result = AnalyzeResult(run_id, ranks, parse_s=time.perf_counter() - t0)
+    problems: list[str] = []
+    ranks = load_ranks([Path(p) for p in paths], workers, problems)
+    result = AnalyzeResult(run_id, ranks, problems=problems, parse_s=time.perf_counter() - t0)
     t1 = time.perf_counter()
 
     def counted(batch: EventBatch) -> None:
@@ -175,8 +184,9 @@ def rank_rows(result: AnalyzeResult) -> list[dict]:
             row.update(rank_summary(mine))
             row["mean_host_step_ms"] = sum(s["host_step_time_ns"] for s in mine) / len(mine) / 1e6
             row["device_steps"] = sum(s["device_end_ns"] is not None for s in mine)
-            row["idle_share"] = (sum(s["idle_ns"] for s in mine) / total
-                                 if (total := sum(s["step_time_ns"] for s in mine)) > 0 else math.nan)
+            with_ops = [s for s in mine if s["idle_ns"] is not None]  # ops captured
+            row["idle_share"] = (sum(s["idle_ns"] for s in with_ops) / total
+                                 if (total := sum(s["step_time_ns"] for s in with_ops)) > 0 else math.nan)
             row["uncorrelated_ops"] = sum(s["uncorrelated_ops"] for s in mine)
             row["kinds"] = kind_shares(mine)
         rows.append(row)

@@ -26,6 +26,7 @@ from pathlib import Path
 from fastavro import reader, schemaless_reader
 
 _FILE_RE = re.compile(r"(\d+)-(\d+)\.avro")
+OPEN_SUFFIX = ".avro.tmp"  # a file the archive sink is still writing
 
 
 class ArchiveError(Exception):
@@ -203,6 +204,24 @@ class Reporter:
 
 # -- choosing files and reading them in order --------------------------------------------------------------
 
+def open_files(archive: Path, run: str) -> list[Path]:
+    """The files of ``run`` the archive sink is still writing (``*.avro.tmp``)."""
+    return sorted(Path(archive).glob(f"*/{run}/p*/*{OPEN_SUFFIX}"))
+
+
+def missing_run(archive: Path, run: str, runs: list[str], where: str = "") -> ArchiveError:
+    """The one-line error for ``run`` without a finished file in ``archive`` (``runs``: those
+    there): when the sink is still writing its files, it says so and what to do."""
+    pending = open_files(archive, run)
+    if pending:
+        return ArchiveError(
+            f"run {run} has no finished archive file yet: the archive sink is still writing {len(pending)} of its "
+            f"files ({pending[0]}). It finishes a run's files once every rank's Monitor has closed, after its "
+            "--max-age-s (300 s by default) or when it stops: run this again then")
+    return ArchiveError(f"run {run} is not in {where or archive}; runs there: "
+                        f"{', '.join(runs[:20]) or 'none'}{' ...' if len(runs) > 20 else ''}")
+
+
 def select_files(files: list[ArchiveFile], kind: str, topic: str | None, run: str | None, archive: Path,
                  required: bool = True) -> list[ArchiveFile]:
     """The files of the archived ``<prefix>.<kind>`` topic (``topic``: its full name, needed
@@ -211,6 +230,8 @@ def select_files(files: list[ArchiveFile], kind: str, topic: str | None, run: st
     if not topics:
         if not required:
             return []
+        if run is not None and open_files(archive, run):
+            raise missing_run(archive, run, [])
         raise ArchiveError(f"no archive of {'topic ' + topic if topic else 'a ' + kind + ' topic'} under "
                            f"{archive}: point at the directory given to `profstream sink archive`")
     if len(topics) > 1:
@@ -220,8 +241,7 @@ def select_files(files: list[ArchiveFile], kind: str, topic: str | None, run: st
         runs = sorted({f.run_id for f in chosen})
         chosen = [f for f in chosen if f.run_id == run]
         if not chosen and required:
-            raise ArchiveError(f"run {run} is not in the archive of {topics[0]} under {archive}; runs there: "
-                               f"{', '.join(runs[:20])}{' ...' if len(runs) > 20 else ''}")
+            raise missing_run(archive, run, runs, f"the archive of {topics[0]} under {archive}")
     return chosen
 
 

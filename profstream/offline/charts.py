@@ -140,7 +140,8 @@ def line_chart(name: str, title: str, series: Sequence[Series], y_label: str, x_
                shaded: Sequence[tuple[float, float]] = (), y_min: float | None = 0.0,
                marks: Sequence[tuple[float, str, str]] = ()) -> str:
     """Lines, one per series; ``shaded`` step ranges are drawn as bands behind them and
-    ``marks`` (step, label, colour) as labelled vertical lines, e.g. alerts."""
+    ``marks`` (step, label, colour) as labelled vertical lines, e.g. alerts. A NaN value is
+    a step not measured: the line breaks there (a point alone is a dot), never drawn at 0."""
     series = [(label, np.asarray(xs, float), np.asarray(ys, float)) for label, xs, ys in series if len(xs)]
     if not series:
         return _empty(name, title)
@@ -156,12 +157,29 @@ def line_chart(name: str, title: str, series: Sequence[Series], y_label: str, x_
     frame = _Frame(float(x_all.min()), float(x_all.max()), y_lo, y_hi)
     body = _bands(frame, shaded) + frame.axes(x_label, y_label) + _marks(frame, marks)
     for i, (label, xs, ys) in enumerate(series):
-        ok = np.isfinite(ys)
-        pts = " ".join(f"{px:.1f},{py:.1f}" for px, py in zip(frame.x(xs[ok]), frame.y(ys[ok])))
-        body.append(f'<polyline class="series" data-series="{_esc(label)}" fill="none" stroke-width="1.5" '
-                    f'stroke="{PALETTE[i % len(PALETTE)]}" points="{pts}"/>')
+        body.append(_line(frame, label, xs, ys, PALETTE[i % len(PALETTE)]))
     body += frame.legend([s[0] for s in series])
     return _svg(name, title, body)
+
+
+def _line(frame: _Frame, label: str, xs: np.ndarray, ys: np.ndarray, colour: str) -> str:
+    """One series: a polyline, or where values are missing (NaN) a group of the pieces
+    between them, each a polyline or, alone, a dot."""
+    ok = np.isfinite(ys)
+    if ok.all():
+        pts = " ".join(f"{px:.1f},{py:.1f}" for px, py in zip(frame.x(xs), frame.y(ys)))
+        return (f'<polyline class="series" data-series="{_esc(label)}" fill="none" stroke-width="1.5" '
+                f'stroke="{colour}" points="{pts}"/>')
+    edges = np.flatnonzero(np.diff(np.concatenate(([False], ok, [False])).astype(np.int8)))
+    pieces = []
+    for lo, hi in zip(edges[::2], edges[1::2]):  # [lo, hi): a run of measured values
+        px, py = frame.x(xs[lo:hi]), frame.y(ys[lo:hi])
+        if hi - lo == 1:
+            pieces.append(f'<circle cx="{px[0]:.1f}" cy="{py[0]:.1f}" r="2.5" fill="{colour}"/>')
+        else:
+            pts = " ".join(f"{x:.1f},{y:.1f}" for x, y in zip(px, py))
+            pieces.append(f'<polyline fill="none" stroke-width="1.5" stroke="{colour}" points="{pts}"/>')
+    return f'<g class="series" data-series="{_esc(label)}">{"".join(pieces)}</g>'
 
 
 def stacked_chart(name: str, title: str, xs: np.ndarray, layers: Sequence[tuple[str, np.ndarray]],

@@ -25,13 +25,14 @@ from profstream.offline.archive import (
     Loss,
     Tally,
     finished_files,
+    missing_run,
     records,
     select_files,
 )
 from profstream.offline.record_files import RecordWriter
 from profstream.offline.replay import replay_offline
 from profstream.schema.batch import KIND_NAMES, decode_batch, launch_column
-from profstream.schema.codec import DecodeError, decode
+from profstream.schema.codec import DecodeError, decode, record_name
 
 ROWS_PER_GROUP = 1_000_000  # Parquet row group of the op table
 
@@ -149,7 +150,7 @@ def export_parquet(archive: Path, out_dir: Path, run: str | None = None, steps: 
     raw = [f for f in raw if f.run_id == run]
     steps_files = [f for f in steps_files if f.run_id == run]
     if not raw and not steps_files:
-        raise ArchiveError(f"run {run} is not in {archive}: runs there: {', '.join(runs[:10]) or 'none'}")
+        raise missing_run(archive, run, runs)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     result = ExportResult()
@@ -173,6 +174,8 @@ def export_parquet(archive: Path, out_dir: Path, run: str | None = None, steps: 
                 tally = Tally("export steps", len(steps_files), sum(f.path.stat().st_size for f in steps_files))
                 seen: set[tuple[int, int]] = set()
                 for rec in records(steps_files, lost, tally, progress):
+                    if record_name(rec["value"]) == "RankEnd":  # a rank that ended, not a step
+                        continue
                     try:
                         m = decode("StepMetrics", rec["value"])
                     except DecodeError:

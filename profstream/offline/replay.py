@@ -32,6 +32,7 @@ from profstream.offline.record_files import RecordWriter
 from profstream.processors.stream import (
     ALERTS,
     DEAD_LETTERS,
+    ENDS,
     Figure,
     RawMessage,
     RunFigures,
@@ -266,10 +267,11 @@ def replay_offline(files: list[ArchiveFile], options: StreamOptions | None = Non
                    steps: tuple[int, int] | None = None, workers: int = 1, rewrite_run: str | None = None,
                    on_step: Callable[[dict], None] | None = None, on_run_step: Callable[[dict], None] | None = None,
                    on_alert: Callable[[dict], None] | None = None, progress: Callable[[Tally], None] | None = None,
-                   on_loss: Callable[[Loss], None] | None = None) -> ReplayResult:
+                   on_loss: Callable[[Loss], None] | None = None,
+                   on_rank_end: Callable[[dict], None] | None = None) -> ReplayResult:
     """Run the processors (``processors.stream``) over archived raw ``files`` without a
     broker; hand each StepMetrics / RunStepMetrics / Alert of steps A..B (``steps``; None:
-    all) to the callbacks. ``workers`` > 1 computes the step figures of disjoint partition
+    all), and each RankEnd (a rank that ended normally), to the callbacks. ``workers`` > 1 computes the step figures of disjoint partition
     sets in that many processes: the figures are the same."""
     options = options or StreamOptions()
     result = ReplayResult()
@@ -298,6 +300,11 @@ def replay_offline(files: list[ArchiveFile], options: StreamOptions | None = Non
                 result.alerts += 1
                 if on_alert is not None:
                     on_alert(alert)
+            continue
+        if figure.kind == ENDS:
+            if on_rank_end is not None:
+                on_rank_end(decode("RankEnd", figure.value))
+            _run_figures(run.feed(figure), wanted, result, on_run_step)
             continue
         m = decode("StepMetrics", figure.value)
         if wanted(m["step"]):

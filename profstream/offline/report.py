@@ -50,6 +50,7 @@ class ReportData:
     timeline_files: list[Path] = field(default_factory=list)
     timeline_dir: Path | None = None
     captures: list[Capture] = field(default_factory=list)  # capture requests of the run (archived control topic)
+    ends: list[dict] = field(default_factory=list)  # RankEnd of each rank that ended normally
 
     @cached_property
     def by_rank(self) -> dict[int, list[dict]]:
@@ -82,7 +83,7 @@ def gather(archive: Path | str, run_id: str, timeline_dir: Path | None = None, w
     data = ReportData(run_id, archive)
     result = replay_offline(files, options, workers=workers or default_workers(), on_step=data.steps.append,
                             on_run_step=data.run_steps.append, on_alert=data.alerts.append, progress=progress,
-                            on_loss=on_loss)
+                            on_loss=on_loss, on_rank_end=data.ends.append)
     data.steps.sort(key=lambda s: (s["rank"], s["step"]))
     data.run_steps.sort(key=lambda r: r["step"])
     data.alerts.sort(key=lambda a: (a["ts_ns"], -1 if a["rank"] is None else a["rank"]))  # rank: None = the run
@@ -95,19 +96,38 @@ def gather(archive: Path | str, run_id: str, timeline_dir: Path | None = None, w
     return data
 
 
+def _mean(values: list[float]) -> float:
+    """The mean, NaN (shown as "—": not measured) of no value."""
+    return float(np.mean(values)) if values else float("nan")
+
+
+def measured(steps: list[dict]) -> list[dict]:
+    """The steps whose op figures were measured (ops captured), StepMetrics v6's rule."""
+    return [s for s in steps if s["utilization"] is not None]
+
+
+def with_communication(steps: list[dict]) -> list[dict]:
+    """Measured steps with communication: the ones an overlap ratio says something of."""
+    return [s for s in steps if s["comm_ns"]]
+
+
 def rank_summary(steps: list[dict]) -> dict[str, float | int]:
-    """Per-rank figures of the summary table (times in ms)."""
+    """Per-rank figures of the summary table (times in ms). Utilization is the mean over the
+    steps whose ops were captured and the overlap over those with communication; NaN
+    (not measured) without one, never 0."""
     st = np.array([s["step_time_ns"] for s in steps], float)
     wait = np.array([s["data_wait_ns"] for s in steps], float)
     peaks = [s["memory"]["peak"] for s in steps if s.get("memory") and s["memory"]["peak"] >= 0]
+    with_ops = measured(steps)
     return {
         "steps": len(steps),
         "mean_step_ms": float(st.mean() / 1e6),
         "p50_step_ms": float(np.percentile(st, 50) / 1e6),
         "p95_step_ms": float(np.percentile(st, 95) / 1e6),
         "data_wait_share": float(wait.sum() / st.sum()) if st.sum() > 0 else 0.0,
-        "utilization": float(np.mean([s["utilization"] for s in steps])),
-        "overlap_ratio": float(np.mean([s["overlap_ratio"] for s in steps])),
+        "measured_steps": len(with_ops),
+        "utilization": _mean([s["utilization"] for s in with_ops]),
+        "overlap_ratio": _mean([s["overlap_ratio"] for s in with_communication(with_ops)]),
         "starved_steps": int(sum(bool(s["starved"]) for s in steps)),
         "peak_memory_mib": float(max(peaks) / 2**20) if peaks else float("nan"),
     }
@@ -176,7 +196,8 @@ def _time(ns: int) -> str:
 def _summary_table(data: ReportData) -> str:
     cols = (("steps", "steps", "{:d}"), ("mean_step_ms", "mean step (ms)", "{:.2f}"),
             ("p50_step_ms", "p50 (ms)", "{:.2f}"), ("p95_step_ms", "p95 (ms)", "{:.2f}"),
-            ("data_wait_share", "data wait", "{:.1%}"), ("utilization", "utilization", "{:.1%}"),
+            ("data_wait_share", "data wait", "{:.1%}"), ("measured_steps", "steps with ops", "{:d}"),
+            ("utilization", "utilization", "{:.1%}"),
             ("overlap_ratio", "comm overlap", "{:.1%}"), ("starved_steps", "starved steps", "{:d}"),
             ("peak_memory_mib", "peak memory (MiB)", "{:.0f}"))
     rows = []
@@ -247,8 +268,10 @@ def _op_types(data: ReportData, top: int = 15, field: str = "op_types", chart: s
             totals[c["op_type"]] += c["total_ns"]
     ranks = max(len(data.ranks()), 1)
     bars = [(name, _ms(ns) / ranks) for name, ns in totals.most_common(top)]
-    return charts.bar_chart(chart, f"Time per {what}, summed over the run, mean per rank", bars,
-                            "ms per rank over the run")
+    with_ops, total = len({s["step"] for s in measured(data.steps)}), len({s["step"] for s in data.steps})
+    over = "the run" if with_ops == total else f"the steps with captured ops ({with_ops:,} of {total:,})"
+    return charts.bar_chart(chart, f"Time per {what}, summed over {over}, mean per rank", bars,
+                            "ms per rank over those steps")
 
 
 def _device(data: ReportData) -> str:
@@ -297,6 +320,28 @@ def _cross_rank(data: ReportData) -> str:
     return skew + table + heat
 
 
+def _utilization_kpi(data: ReportData) -> tuple[str, str]:
+    """(value, label) of the headline utilization: the mean over the steps whose ops were
+    captured, saying how many; else the device counters' GPU utilization, named as such;
+    else "not measured". Never 0 for what was not measured."""
+    with_ops = measured(data.steps)
+    if with_ops:
+        label = "utilization" if len(with_ops) == len(data.steps) else \
+            f"utilization (of the {len({s['step'] for s in with_ops}):,} of {len({s['step'] for s in data.steps}):,} " \
+            "steps with ops captured)"
+        return f"{np.mean([s['utilization'] for s in with_ops]):.1%}", label
+    gpu = [f["gpu_util"] for s in data.steps for f in s.get("devices") or () if f["gpu_util"] is not None]
+    if gpu:
+        return f"{np.mean(gpu):.1%}", "GPU utilization (NVML; no op captured)"
+    return "not measured", "utilization (no op captured)"
+
+
+def _op_figure(key: str, scale: float = 100.0, only: Callable[[dict], bool] = lambda s: True
+               ) -> Callable[[dict], float]:
+    """A step's op figure for a chart: NaN (no point) where it was not measured."""
+    return lambda s: scale * s[key] if s[key] is not None and only(s) else float("nan")
+
+
 def _alert_marks(data: ReportData) -> list[tuple[float, str, str]]:
     """One mark per (step, alert, state), however many ranks it fired on."""
     colour = {"firing": "#d62728", "resolved": "#2ca02c"}
@@ -313,6 +358,18 @@ def _alerts(data: ReportData) -> str:
                    f'<td style="text-align:left">{_e(a["summary"])}</td></tr>' for a in data.alerts)
     return (f'<table id="alerts"><tr><th>alert</th><th>state</th><th>rank</th><th>step</th><th>time</th>'
             f'<th style="text-align:left">summary</th></tr>{rows}</table>')
+
+
+def _ending(data: ReportData) -> str:
+    """Whether the ranks ended normally (their Monitors closed), as the RunSilent alert sees it."""
+    ended = {e["rank"] for e in data.ends}
+    silent = [r for r in data.ranks() if r not in ended]
+    if not silent:
+        return '<p class="sub" id="ending">Every rank ended normally (its Monitor closed after its last step).</p>'
+    ranks = ", ".join(map(str, silent[:20])) + (" ..." if len(silent) > 20 else "")
+    return (f'<p class="warn" id="ending">Rank{"s" if len(silent) > 1 else ""} {ranks} did not say '
+            f'{"they" if len(silent) > 1 else "it"} ended (no end mark): killed, hung, or exited on an error '
+            '(or a Monitor older than the end mark).</p>')
 
 
 def _timelines(data: ReportData, out_dir: Path) -> str:
@@ -338,14 +395,15 @@ def render(data: ReportData, out_path: Path) -> str:
         kpis = [("ranks", len(data.ranks())), ("steps", len({s["step"] for s in data.steps})),
                 ("mean step", f"{st.mean() / 1e6:.1f} ms"),
                 ("data wait", f"{sum(s['data_wait_ns'] for s in data.steps) / st.sum():.1%}"),
-                ("utilization", f"{np.mean([s['utilization'] for s in data.steps]):.1%}"),
+                ("utilization", *_utilization_kpi(data)),
                 ("starved steps", len({s["step"] for s in data.steps if s["starved"]})), ("alerts fired", fired)]
-        kpi_html = "".join(f'<div class="kpi" data-kpi="{_e(k)}"><b>{_e(v)}</b>{_e(k)}</div>' for k, v in kpis)
+        kpi_html = "".join(f'<div class="kpi" data-kpi="{_e(k)}"><b>{_e(v)}</b>{_e(label[0] if label else k)}</div>'
+                           for k, v, *label in kpis)
         losses = "".join(f'<li class="warn">{_e(loss)}</li>' for loss in data.losses)
         body = "".join([
             f'<p class="sub">{_time(start)} – {_time(end)}; {data.messages:,} raw messages, {data.events:,} op '
             f'events from <code>{_e(data.archive)}</code></p>',
-            f'<div class="kpis">{kpi_html}</div>',
+            f'<div class="kpis">{kpi_html}</div>', _ending(data),
             f'<h2>Lost while reading the archive</h2><ul id="losses">{losses}</ul>' if losses else "",
             "<h2>Per rank</h2>", _summary_table(data),
             "<h2>Step time</h2>",
@@ -355,10 +413,13 @@ def render(data: ReportData, out_path: Path) -> str:
             'and resolved (green), listed under Alerts.</p>',
             "<h2>Step phases</h2>", _phase_charts(data),
             "<h2>Utilization and overlap</h2>",
-            charts.line_chart("utilization", "Device utilization per rank", _per_rank_series(
-                data, lambda s: 100 * s["utilization"]), "% of step time"),
-            charts.line_chart("overlap", "Communication overlapped by compute", _per_rank_series(
-                data, lambda s: 100 * s["overlap_ratio"]), "% of communication"),
+            charts.line_chart("utilization", "Device utilization per rank (steps with captured ops)",
+                              _per_rank_series(data, _op_figure("utilization")), "% of step time"),
+            charts.line_chart("overlap", "Communication overlapped by compute (steps with communication)",
+                              _per_rank_series(data, _op_figure("overlap_ratio", only=lambda s: bool(s["comm_ns"]))),
+                              "% of communication"),
+            '<p class="sub">Utilization and overlap come from the ops of a step: steps whose ops were not '
+            'captured (op capture off, or between <code>every_n_steps</code> captures) have no point, not 0.</p>',
             "<h2>Memory</h2>",
             charts.line_chart("memory", "Peak memory per step", _per_rank_series(
                 data, lambda s: s["memory"]["peak"] / 2**20 if s.get("memory") and s["memory"]["peak"] >= 0

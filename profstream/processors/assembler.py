@@ -5,10 +5,12 @@ A step closes as soon as its end mark has arrived and the producer's watermark
 a grace period after the mark instead. A step measured on the device's window
 (``window.py``) also waits until no later step can still add device ops to that window:
 until it, or a later step ready to close, ended on the host after the window's end
-(``window.CLOCK_SKEW_NS`` later); it then takes the device ops of the steps in between
-that ran inside its window (``StepEvents.ahead_*``). Steps close in order. Events that
-arrive for a step already closed are counted as late and never folded in; events of a
-step that never got its mark are discarded (and counted) when a later step closes.
+(``window.CLOCK_SKEW_NS`` later), or the producer's end mark came (no later step); it
+then takes the device ops of the steps in between that ran inside its window
+(``StepEvents.ahead_*``). Steps close in order. Events that arrive for a step already
+closed are counted as late and never folded in; events of a step that never got its mark
+are discarded (and counted) when a later step closes. The producer's end mark (step
+``END_MARK``) is no step: the rank is ``finished`` once every step it marked closed.
 
 Restarts: ``snapshot()`` is what the processor checkpoints (no open-step events: the
 committed input offset stays at ``min_open_offset`` so they are read again). A batch
@@ -36,9 +38,10 @@ from profstream.processors.window import (
     ahead_ops,
     carry_past_end,
     device_window_end,
+    is_ascend_device,
     step_window,
 )
-from profstream.schema.batch import NO_VALUE, SECTIONS, EventBatch, launch_column
+from profstream.schema.batch import END_MARK, NO_VALUE, SECTIONS, EventBatch, launch_column
 
 _OP_COLS = ("kind", "type", "stream", "start_ns", "dur_ns", "launch_ns")
 _MEM_COLS = ("ts_ns", "allocated", "reserved", "peak")
@@ -60,7 +63,8 @@ class _OpenStep:
     events: int = 0
     first_offset: int = -1  # input offset of the first batch that fed this step
     batches: set[tuple[str, int]] = field(default_factory=set)  # (producer id, seq) of each batch that fed it
-    device_end: tuple[int, int | None] = (-1, None)  # (events then, end of its own device ops or None: a host step)
+    # (events and ascend then; the end of its own device ops that bound it, or None: a host step)
+    device_end: tuple[int, bool, int | None] = (-1, False, None)
 
     def op_columns(self) -> dict[str, np.ndarray]:
         """The step's op columns, concatenated once (later parts are concatenated again)."""
@@ -68,13 +72,15 @@ class _OpenStep:
             self.ops[:] = [_concat(self.ops, _OP_COLS, _DTYPES)]
         return self.ops[0]
 
-    def own_device_end(self) -> int | None:
-        """End of the step's own device ops if any op carries a launch time, else None."""
-        if self.device_end[0] != self.events:
+    def own_device_end(self, ascend: bool) -> int | None:
+        """End of the step's own device ops that bound its window (on an Ascend device, its
+        compute and communication ones where it has any: ``window.device_window_end``) if any
+        op carries a launch time, else None."""
+        if self.device_end[:2] != (self.events, ascend):
             ops = self.op_columns()
-            self.device_end = (self.events, device_window_end(ops["kind"], ops["start_ns"], ops["dur_ns"],
-                                                              ops["launch_ns"], NO_VALUE))
-        return self.device_end[1]
+            self.device_end = (self.events, ascend, device_window_end(ops["kind"], ops["start_ns"], ops["dur_ns"],
+                                                                      ops["launch_ns"], NO_VALUE, ascend))
+        return self.device_end[2]
 
 
 _NO_CARRY = (np.empty(0, np.int64), np.empty(0, np.int64))
@@ -147,6 +153,7 @@ class RankAssembler:
         self.device_end: tuple[int, int] | None = None  # (step, end of its device window)
         self.held_step: int | None = None  # a device step ready but for later steps (close_ready)
         self._grace_wait: float | None = None  # mark time of the later step it waits for (no watermark)
+        self.ended_ns: int | None = None  # the producer's end mark: it ended normally, at this time
         # health counters (totals)
         self.late_events = 0
         self.orphan_events = 0
@@ -229,6 +236,9 @@ class RankAssembler:
         st = batch.steps
         for i in range(len(st["step"])):
             step = int(st["step"][i])
+            if step == END_MARK:  # no step: the rank ended (``finished`` once its steps are closed)
+                self.ended_ns = int(st["end_ns"][i])
+                continue
             if self._closed(step):
                 self.late_events += fresh
                 continue
@@ -318,9 +328,10 @@ class RankAssembler:
     def _window_complete_through(self, marked: list[int], i: int, now: float) -> int | None:
         """The last step whose device ops the window of ``marked[i]`` takes (``marked``:
         the marked steps in order), or None while a later step may still add to it. A host
-        step's is itself."""
+        step's is itself; once the producer sent its end mark no later step comes, and the
+        last marked step's is the last."""
         step = marked[i]
-        own = self.open[step].own_device_end()
+        own = self.open[step].own_device_end(is_ascend_device(self.device))
         if own is None:
             return step
         prev = self._prev_device_end(step)
@@ -332,6 +343,8 @@ class RankAssembler:
                 return None
             if self.open[k].mark[1] >= end + CLOCK_SKEW_NS:  # step k + 1 launches after the window
                 return k
+        if self.ended_ns is not None:  # the rank ended: no step after the last marked one
+            return marked[-1]
         return None
 
     def grace_mark(self) -> float | None:
@@ -341,6 +354,16 @@ class RankAssembler:
             return self._grace_wait
         marked = [s for s, e in self.open.items() if e.mark is not None]
         return self.open[min(marked)].mark_seen_at if marked else None
+
+    @property
+    def finished(self) -> bool:
+        """The producer sent its end mark and no step it marked is still open."""
+        return self.ended_ns is not None and all(e.mark is None for e in self.open.values())
+
+    @property
+    def last_step(self) -> int | None:
+        """The last closed step, None before one."""
+        return None if self.floor is None else self.floor - 1
 
     def close_all(self) -> list[StepEvents]:
         """Close every step that has its mark (idle run); discard the rest."""
@@ -377,7 +400,7 @@ class RankAssembler:
         q = _concat(entry.queues, _QUEUE_COLS, _DTYPES)
         dev = _concat(entry.devices, _DEVICE_COLS, _DEVICE_DTYPES)
         prev = self._prev_device_end(step)
-        own = entry.own_device_end()
+        own = entry.own_device_end(is_ascend_device(self.device))
         ahead = _NO_AHEAD if own is None else self._ahead(step, through, own if prev == NO_VALUE else max(own, prev))
         ev = StepEvents(
             run_id=self.run_id, rank=self.rank, step=step, start_ns=S, end_ns=E,

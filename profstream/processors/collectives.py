@@ -13,11 +13,14 @@ one the others waited for most (summing, over the calls where it arrived last, e
 rank's wait), and ``held_ns`` the longest any one other rank waited for it in the step.
 A call not every member of its group reported by the time the step is emitted is
 unmatched: the ranks that arrived and, where the group is the whole run, those missing.
+A rank that reported the step without ops (its ops, collectives included, were not
+captured there) is not missing: a call the ranks without a capture could account for is
+left out, neither matched nor unmatched (not measured).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -137,10 +140,32 @@ def step_collectives(calls: Mapping[int, Calls], ranks: Sequence[int]) -> dict:
     return _any_calls(calls, reporting, ranks)
 
 
-def packed_step_collectives(records: Mapping[int, dict], ranks: Sequence[int]) -> dict:
+def packed_step_collectives(records: Mapping[int, dict], ranks: Sequence[int],
+                            unmeasured: Collection[int] = ()) -> dict:
     """``step_collectives`` of StepMetrics ``collectives`` records (``check_calls`` passed):
     where every rank's names, groups and sequence numbers are the same bytes, the matrices
-    are read straight from the ranks' columns joined; else each record is unpacked."""
+    are read straight from the ranks' columns joined; else each record is unpacked.
+    ``unmeasured``: ranks that reported the step without ops (``without_unmeasured``)."""
+    figures = _packed_step_collectives(records, ranks)
+    if unmeasured and figures["unmatched_collectives"]:
+        figures["unmatched_collectives"] = without_unmeasured(figures["unmatched_collectives"], unmeasured)
+    return figures
+
+
+def without_unmeasured(unmatched: list[dict], unmeasured: Collection[int]) -> list[dict]:
+    """The unmatched calls that the ranks whose ops were not captured in the step cannot
+    account for: those are not measured there, not missing."""
+    out = []
+    for call in unmatched:
+        if call["missing"]:
+            if not set(call["missing"]) <= set(unmeasured):
+                out.append({**call, "missing": [r for r in call["missing"] if r not in unmeasured]})
+        elif call["expected"] - len(call["arrived"]) > len(set(unmeasured) - set(call["arrived"])):
+            out.append(call)
+    return out
+
+
+def _packed_step_collectives(records: Mapping[int, dict], ranks: Sequence[int]) -> dict:
     reporting = sorted(r for r, x in records.items() if x["count"])
     if not reporting:
         return dict(_NO_FIGURES)

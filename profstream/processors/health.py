@@ -86,12 +86,13 @@ class _Counters:
         self.steps_closed = 0
         self.run_steps = 0
         self.runs_closed = 0
+        self.ranks_ended = 0
         self.alerts = 0
         self.uncorrelated_ops = 0
 
 
 _TOTALS = ("batches", "late_events", "lost_batches", "duplicate_batches", "producer_dropped", "steps_closed",
-           "run_steps", "runs_closed", "alerts", "uncorrelated_ops")
+           "run_steps", "runs_closed", "ranks_ended", "alerts", "uncorrelated_ops")
 
 
 class StageCounts(_Counters):
@@ -167,6 +168,8 @@ class ProcessorHealth(_Counters):
             ("producer_dropped", "op events producers dropped (buffer full, send failure)", self.producer_dropped),
             ("steps_closed", "StepMetrics produced", self.steps_closed),
             ("run_steps", "RunStepMetrics produced", self.run_steps),
+            ("ranks_ended", "ranks whose producer ended normally (end mark), every step closed: RankEnd "
+             "records produced", self.ranks_ended),
             ("alerts", "alert transitions produced", self.alerts),
             ("uncorrelated_device_ops", "device ops without a launch time in steps whose other device ops "
              "have one: counted in the host step holding their start", self.uncorrelated_ops),

@@ -5,10 +5,12 @@ from __future__ import annotations
 import numpy as np
 
 WINDOW_STEPS = 100
+_NOT_MEASURED = float("nan")
 
 
 class RollingWindow:
-    """Step time, data wait and utilization of the last ``n`` steps (bounded memory)."""
+    """Step time, data wait and utilization of the last ``n`` steps (bounded memory); a
+    step whose utilization was not measured holds NaN and counts in no utilization mean."""
 
     def __init__(self, n: int = WINDOW_STEPS) -> None:
         if n < 1:
@@ -22,11 +24,11 @@ class RollingWindow:
     def __len__(self) -> int:
         return min(self._added, self.n)
 
-    def add(self, step_time_ns: int, data_wait_ns: int, utilization: float) -> None:
+    def add(self, step_time_ns: int, data_wait_ns: int, utilization: float | None) -> None:
         i = self._added % self.n
         self._step_time[i] = step_time_ns
         self._data_wait[i] = data_wait_ns
-        self._utilization[i] = utilization
+        self._utilization[i] = _NOT_MEASURED if utilization is None else utilization
         self._added += 1
 
     def to_state(self) -> dict:
@@ -53,31 +55,35 @@ class RollingWindow:
         util = np.frombuffer(state["utilization"], np.float64)
         for i in range(max(0, added - old_n), added):
             j = i % old_n
-            self.add(int(step_time[j]), int(data_wait[j]), float(util[j]))
+            self.add(int(step_time[j]), int(data_wait[j]), float(util[j]))  # NaN stays not measured
 
     def figures(self) -> dict[str, int | float]:
         """``{window, mean/p50/p95_step_time_ns, data_wait_share, mean_utilization}``.
 
         window is the number of steps held (<= n). Percentiles use numpy's default
         linear interpolation between the closest ranks. data_wait_share is
-        sum(data_wait) / sum(step_time). All values are 0 while the window is empty.
+        sum(data_wait) / sum(step_time). All values are 0 while the window is empty, but
+        mean_utilization: the mean over the steps whose utilization was measured, None
+        when none was.
         """
         count = len(self)
         if count == 0:
             return {"window": 0, "mean_step_time_ns": 0.0, "p50_step_time_ns": 0.0,
-                    "p95_step_time_ns": 0.0, "data_wait_share": 0.0, "mean_utilization": 0.0}
+                    "p95_step_time_ns": 0.0, "data_wait_share": 0.0, "mean_utilization": None}
         step_time = self._step_time[:count]
         ordered = np.sort(step_time)
         p50, p95 = _linear_percentile(ordered, 0.50), _linear_percentile(ordered, 0.95)
         step_sum = int(step_time.sum())
         wait_sum = int(self._data_wait[:count].sum())
+        util = self._utilization[:count]
+        measured = util[util == util]  # NaN: not measured
         return {
             "window": count,
             "mean_step_time_ns": float(step_time.mean()),
             "p50_step_time_ns": float(p50),
             "p95_step_time_ns": float(p95),
             "data_wait_share": wait_sum / step_sum if step_sum > 0 else 0.0,
-            "mean_utilization": float(self._utilization[:count].mean()),
+            "mean_utilization": float(measured.mean()) if len(measured) else None,
         }
 
 

@@ -18,6 +18,7 @@ import itertools
 import logging
 import threading
 import zlib
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -32,14 +33,19 @@ from profstream.processors.health import EVENT_FAMILIES, ProcessorHealth, StageC
 from profstream.processors.lag import LagProbe
 from profstream.processors.ranks import rank_figures
 from profstream.processors.stalls import stall_alert
-from profstream.schema.batch import decode_batch
+from profstream.schema.batch import END_MARK, decode_batch
 from profstream.schema.codec import (
     DecodeError,
     decode,
+    decode_any,
     encode,
     encode_run_step_metrics,
     encode_step_metrics,
 )
+
+# How many finished ranks a stage remembers to drop late copies of their batches (a few
+# hundred bytes each): a day of jobs of 1,024 ranks restarting every hour.
+RETIRED_RANKS = 65536
 
 log = logging.getLogger("profstream.processor")
 
@@ -97,6 +103,9 @@ class StepStage:
         self.idle_timeout_s = idle_timeout_s
         self.figure_options = figure_options or FigureOptions()
         self.ranks: dict[tuple[str, int], _Rank] = {}
+        # ranks that ended or went idle: each producer's next seq, so that a copy of one of
+        # their batches read later (a spool published twice, a resend) is no new step
+        self._retired: OrderedDict[tuple[str, int], dict[str, int]] = OrderedDict()
         self._changed: set[tuple[str, int]] = set()
         self._orders = itertools.count()
         self.schedule = CloseSchedule(grace_s, idle_timeout_s)
@@ -141,6 +150,13 @@ class StepStage:
         self.schedule.add(ident, rank.assembler)  # a restored rank has no open step: only its idle time to watch
         return rank
 
+    def _retire(self, ident: tuple[str, int], asm: RankAssembler) -> None:
+        """Remember where a finished rank's producers were (the last RETIRED_RANKS ranks)."""
+        self._retired[ident] = {**self._retired.get(ident, {}), **asm.next_seq}
+        self._retired.move_to_end(ident)
+        while len(self._retired) > RETIRED_RANKS:
+            self._retired.popitem(last=False)
+
     def _forget(self, ident: tuple[str, int]) -> None:
         self.ranks.pop(ident, None)
         self._changed.discard(ident)
@@ -155,6 +171,9 @@ class StepStage:
             self.counts.decode_errors[e.reason] += 1
             return [dead_letter(self.topics.dlq, rec, e)]
         ident = (batch.run_id, batch.rank)
+        if self._retired and batch.seq < self._retired.get(ident, {}).get(batch.producer_id, -1):
+            self.counts.duplicate_batches += 1  # of a rank that ended: its steps are closed and sent
+            return []
         rank = self.ranks.get(ident)
         if rank is None:
             rank = self._add_rank(ident, _Rank(RankAssembler(batch.run_id, batch.rank, self.grace_s, rec.partition),
@@ -172,6 +191,8 @@ class StepStage:
             h.batches += 1
             for section in EVENT_FAMILIES:
                 h.events[section] += batch.n(section)
+            if batch.n("steps") and END_MARK in batch.steps["step"]:  # an end mark is no step
+                h.events["steps"] -= 1
             h.late_events += asm.late_events - before[0]
             h.lost_batches += asm.lost_batches - before[1]
             h.producer_dropped += asm.dropped_ops - before[2]
@@ -186,10 +207,11 @@ class StepStage:
             rank = self.ranks[ident]
             asm = rank.assembler
             closed = asm.close_ready(now)
-            if not closed and now - asm.last_seen >= self.idle_timeout_s:
-                closed = [(ev, "idle") for ev in asm.close_all()]
+            idle = not closed and now - asm.last_seen >= self.idle_timeout_s
+            if idle or asm.finished:  # silent for the idle timeout, or ended with every step closed
+                closed += [(ev, "idle") for ev in asm.close_all()]
+                self._retire(ident, asm)
                 self._forget(ident)
-                out.append(Output(self.state_topic, f"{ident[0]}/{ident[1]}".encode(), None, asm.partition))
                 self.counts.runs_closed += 1
             else:
                 if closed:
@@ -197,7 +219,18 @@ class StepStage:
                 self.schedule.visited(ident, asm)
             for ev, reason in closed:
                 out.extend(self._step_outputs(rank, ev, reason))
+            if idle or asm.finished:
+                if asm.ended_ns is not None:  # after its last StepMetrics, on the same partition
+                    out.append(self._rank_end(asm))
+                out.append(Output(self.state_topic, f"{ident[0]}/{ident[1]}".encode(), None, asm.partition))
         return out
+
+    def _rank_end(self, asm: RankAssembler) -> Output:
+        record = {"run_id": asm.run_id, "rank": asm.rank, "world_size": asm.world_size, "host": asm.host,
+                  "last_step": asm.last_step, "ended_ns": asm.ended_ns}
+        self.counts.ranks_ended += 1
+        return Output(self.topics.steps, f"{asm.run_id}/{asm.rank}".encode(), encode("RankEnd", record),
+                      run_partition(asm.run_id, self.steps_partitions))
 
     def _due(self, now: float) -> list[tuple[str, int]]:
         """The ranks ready(now) must visit, in the order they entered the stage."""
@@ -235,6 +268,8 @@ class _RunState:
     floor: int | None = None  # every step below has been emitted
     pending: dict[int, dict[int, int]] = field(default_factory=dict)  # step -> rank -> step_time_ns
     calls: dict[int, dict[int, dict]] = field(default_factory=dict)  # step -> rank -> its collective calls (packed)
+    unmeasured: dict[int, set[int]] = field(default_factory=dict)  # step -> ranks that reported it without ops
+    ended: dict[int, int | None] = field(default_factory=dict)  # rank -> its last step, from its RankEnd
     first_offset: dict[int, int] = field(default_factory=dict)  # step -> input offset
     first_seen: dict[int, float] = field(default_factory=dict)
     last_seen: float = 0.0
@@ -288,7 +323,12 @@ class RunStage:
 
     def fold(self, rec, now: float) -> list[Output]:
         try:
-            m = decode("StepMetrics", rec.value)
+            name, m = decode_any(rec.value)
+            if name == "RankEnd":
+                self._rank_ended(m)
+                return []
+            if name != "StepMetrics":
+                raise DecodeError("wrong_type", f"expected StepMetrics or RankEnd, got {name}")
         except DecodeError as e:
             self.counts.decode_errors[e.reason] += 1
             return []
@@ -309,6 +349,8 @@ class RunStage:
             run.first_offset[step] = rec.offset
             run.first_seen[step] = now
         run.pending[step][m["rank"]] = m["step_time_ns"]
+        if not m["op_count"]:  # its ops (collectives too) were not captured on that rank
+            run.unmeasured.setdefault(step, set()).add(m["rank"])
         if m["collectives"]["count"]:
             try:
                 check_calls(m["collectives"])
@@ -317,31 +359,39 @@ class RunStage:
                 self.counts.decode_errors["malformed"] += 1
         return []
 
+    def _rank_ended(self, end: dict) -> None:
+        run = self.runs.get(end["run_id"])
+        if run is not None:
+            run.ended[end["rank"]] = end["last_step"]
+
     def ready(self, now: float) -> list[Output]:
         out: list[Output] = []
         for run_id, run in list(self.runs.items()):
             expected = run.world_size or len(run.ranks)
             for step in sorted(run.pending):
                 reported = run.pending[step]
-                if len(reported) < expected and now - run.first_seen[step] < self.grace_s:
+                gone = sum(1 for r, last in run.ended.items() if r not in reported and (last is None or last < step))
+                if len(reported) < expected - gone and now - run.first_seen[step] < self.grace_s:
                     break
                 everyone = range(run.world_size) if run.world_size else sorted(run.ranks)
-                out.append(self._emit(run_id, step, reported, run.calls.pop(step, {}), everyone))
+                out.append(self._emit(run_id, step, reported, run.calls.pop(step, {}), everyone,
+                                      run.unmeasured.pop(step, set())))
                 del run.pending[step], run.first_offset[step], run.first_seen[step]
                 run.floor = step + 1
                 self._changed.add(run_id)
-            if not run.pending and now - run.last_seen >= self.idle_timeout_s:
+            ended = len(run.ended) >= expected and run.ranks <= run.ended.keys()  # every rank said it ended
+            if not run.pending and (ended or now - run.last_seen >= self.idle_timeout_s):
                 del self.runs[run_id]
                 self._changed.discard(run_id)
                 out.append(Output(self.state_topic, run_id.encode(), None, run.partition))
         return out
 
     def _emit(self, run_id: str, step: int, step_times: dict[int, int], calls: dict[int, dict],
-              everyone: Iterable[int]) -> Output:
+              everyone: Iterable[int], unmeasured: set[int]) -> Output:
         figures = rank_figures(step_times)
         record = {"run_id": run_id, "step": step, **figures,
                   "step_times_ns": {str(r): t for r, t in sorted(step_times.items())},
-                  **packed_step_collectives(calls, list(everyone))}
+                  **packed_step_collectives(calls, list(everyone), unmeasured)}
         self.counts.run_steps += 1
         return Output(self.topics.run, run_id.encode(), encode_run_step_metrics(record), None)
 

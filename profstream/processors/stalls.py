@@ -8,7 +8,6 @@ consecutive starved step and resolves after K consecutive healthy steps.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -92,13 +91,15 @@ class StallDetector:
 def stall_alert(step_metrics: Mapping[str, Any], transition: str, stall_steps: int, since_step: int | None,
                 starved_steps: int) -> dict:
     """The Alert record of a DataQueueStall ``transition`` ("firing" or "resolved") at the
-    step whose StepMetrics record is ``step_metrics``."""
+    step whose StepMetrics record is ``step_metrics``. Its time is that step's end (E, the
+    producer's clock): when the state changed in the run, the same live, replayed or in a
+    report made days later, not when a processor got to it."""
     m = step_metrics
     run_id, rank = m["run_id"], m["rank"]
     firing = transition == FIRING
     return {
         "name": STALL_ALERT, "state": transition, "run_id": run_id, "rank": rank,
-        "step": m["step"], "ts_ns": time.time_ns(),
+        "step": m["step"], "ts_ns": m["end_ns"],
         "summary": (f"run {run_id} rank {rank}: data queue starved for {stall_steps} "
                     f"consecutive steps (since step {since_step})" if firing else
                     f"run {run_id} rank {rank}: data queue healthy for {stall_steps} steps"),

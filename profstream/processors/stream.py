@@ -6,7 +6,7 @@ transactions (``runtime.StepStage``, ``runtime.RunStage``):
 
 - ``StepFigures``: one StepStage per input partition (a rank's state lives in its
   partition), fed raw messages in partition order with the messages' own clock as
-  ``now``; StepMetrics, Alerts and dead letters out.
+  ``now``; StepMetrics, RankEnds, Alerts and dead letters out.
 - ``RunFigures``: the RunStage, fed those StepMetrics in the order they came out;
   RunStepMetrics out.
 - ``figures(messages)``: both, as one iterator.
@@ -29,8 +29,10 @@ from profstream.kafka.topics import Topics
 from profstream.processors.figures import FigureOptions
 from profstream.processors.health import StageCounts
 from profstream.processors.runtime import RunStage, StepStage
+from profstream.schema.codec import CURRENT
 
-STEPS, ALERTS, DEAD_LETTERS, RUN = "steps", "alerts", "dead_letters", "run"
+STEPS, ALERTS, DEAD_LETTERS, RUN, ENDS = "steps", "alerts", "dead_letters", "run", "ends"
+_RANK_END = CURRENT["RankEnd"].header
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,7 @@ class Figure(NamedTuple):
     clock: float
     partition: int
     seq: int
-    kind: str  # STEPS, ALERTS, DEAD_LETTERS or RUN
+    kind: str  # STEPS, ENDS (RankEnd: a rank that ended normally), ALERTS, DEAD_LETTERS or RUN
     value: bytes
 
 
@@ -121,12 +123,12 @@ class StepFigures:
 
     def _figures(self, clock: float, partition: int, outputs) -> list[Figure]:
         kinds = self._kinds
-        return [Figure(clock, partition, next(self._seq), kinds[o.topic], o.value)
-                for o in outputs if o.topic in kinds]
+        return [Figure(clock, partition, next(self._seq), ENDS if o.value[:10] == _RANK_END else kinds[o.topic],
+                       o.value) for o in outputs if o.topic in kinds]
 
 
 class RunFigures:
-    """StepMetrics (STEPS figures, in ``Figure`` order) -> RunStepMetrics."""
+    """StepMetrics and RankEnds (STEPS and ENDS figures, in ``Figure`` order) -> RunStepMetrics."""
 
     def __init__(self, options: StreamOptions | None = None) -> None:
         self.options = o = options or StreamOptions()
@@ -137,7 +139,7 @@ class RunFigures:
         self._now = -math.inf
 
     def feed(self, step: Figure) -> list[Figure]:
-        """Fold one StepMetrics figure in; the RunStepMetrics it completed."""
+        """Fold one StepMetrics (or RankEnd) figure in; the RunStepMetrics it completed."""
         if step.clock != math.inf:
             self._now = step.clock
         elif self._now == -math.inf:
@@ -167,7 +169,7 @@ def figures(messages: Iterable[RawMessage], options: StreamOptions | None = None
     def with_run(out: list[Figure]) -> Iterator[Figure]:
         for f in out:
             yield f
-            if f.kind == STEPS:
+            if f.kind in (STEPS, ENDS):
                 yield from run.feed(f)
 
     for message in messages:

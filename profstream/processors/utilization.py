@@ -10,6 +10,10 @@ window the step's device ops count whole. Overlapping ops of one kind count once
 
 busy is compute ∪ comm on the host window; on a device window every device op (copies
 and sets too), so that idle is the time no device op runs, as in Holistic Trace Analysis.
+
+A step without any op event of its own was not measured (its ops were not captured: op
+capture off, or a step between ``every_n_steps`` captures): every figure here is None
+then, never 0.
 """
 
 from __future__ import annotations
@@ -18,11 +22,21 @@ from profstream.processors.intervals import intersection_length, total, union
 from profstream.processors.model import StepEvents
 from profstream.processors.window import Window, busy_intervals, intervals, step_window
 from profstream.schema.batch import COMMUNICATION, COMPUTE
+from profstream.schema.codec import OP_FIGURES
+
+NOT_MEASURED: dict[str, None] = dict.fromkeys(OP_FIGURES)
 
 
-def utilization(ev: StepEvents, window: Window | None = None) -> dict[str, int | float]:
+def ops_measured(ev: StepEvents) -> bool:
+    """Whether the step's ops were captured: it has op events of its own."""
+    return len(ev.op_kind) > 0
+
+
+def utilization(ev: StepEvents, window: Window | None = None) -> dict[str, int | float | None]:
     """Compute/communication figures of one step (ns, and ratios in [0, 1]) on ``window``
-    (default: ``step_window(ev)``)."""
+    (default: ``step_window(ev)``); ``NOT_MEASURED`` (all None) for a step without ops."""
+    if not ops_measured(ev):
+        return NOT_MEASURED
     w = window or step_window(ev)
     step_time = w.length_ns
     compute = union(*intervals(ev, COMPUTE, w))

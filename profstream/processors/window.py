@@ -24,9 +24,19 @@ The assembler closes a device step only when no later step can add an ahead op t
 window: once a closed-ready step M (this one or a later one) has ended on the host at
 least ``CLOCK_SKEW_NS`` after the window's end, since a step launches its device ops
 after it starts on the host (no earlier than step M's end) and a device op starts after
-its launch. Device ops without a launch time in such a step are counted by the time rule
-(the producer put them in the host step holding their start) and reported
-(``uncorrelated_ops``).
+its launch; or once the producer sent its end mark (no later step comes). Device ops
+without a launch time in such a step are counted by the time rule (the producer put them
+in the host step holding their start) and reported (``uncorrelated_ops``).
+
+**Ascend** (the batch's device is ``npu`` or ``npu:N``): msprof's Overlap Analysis counts
+only compute and communication tasks as busy, and spans a step from its first such task to
+its last. So on an Ascend device window the step's own D, and a first window's W, come
+from compute and communication ops (all its device ops where the step has none of them),
+and idle is the time neither runs: a DMA copy between two kernels is free time there, as
+in msprof's ``Free``. The windows still tile: from the second step on W is the previous
+window's end, the previous step's last compute or communication task (the same rule as
+torch_npu's step from its previous step's last task), and D is never before it; time
+counts in the window it ran in. Copies and sets still count whole in ``device_kinds``.
 """
 
 from __future__ import annotations
@@ -65,15 +75,46 @@ def device_ops(ev: StepEvents) -> np.ndarray:
     return _IS_DEVICE_KIND[ev.op_kind] | ev.launched
 
 
+_IS_BUSY_KIND = np.zeros(256, bool)  # compute and communication: what msprof counts busy
+_IS_BUSY_KIND[[COMPUTE, COMMUNICATION]] = True
+
+
+def is_ascend_device(device: str) -> bool:
+    """An Ascend device (``npu``, ``npu:N``): msprof's definitions of busy and of a step's span."""
+    return device == "npu" or device.startswith("npu:")
+
+
+def is_ascend(ev: StepEvents) -> bool:
+    """``ev`` ran on an Ascend device (``is_ascend_device``)."""
+    return is_ascend_device(ev.device)
+
+
+def _bounding(kind: np.ndarray, dev: np.ndarray, ascend: bool) -> np.ndarray:
+    """Of the device ops ``dev`` (a mask over ``kind``), those that bound a device window:
+    all of them; on Ascend the compute and communication ones where there are any."""
+    if ascend:
+        busy = dev & _IS_BUSY_KIND[kind]
+        if busy.any():
+            return busy
+    return dev
+
+
+def _bounding_ops(ev: StepEvents) -> np.ndarray:
+    """The step's own ops that bound its device window (``_bounding``)."""
+    return _bounding(ev.op_kind, device_ops(ev), is_ascend(ev))
+
+
 def device_window_end(kind: np.ndarray, start: np.ndarray, dur: np.ndarray, launch: np.ndarray,
-                      prev_end: int) -> int | None:
+                      prev_end: int, ascend: bool = False) -> int | None:
     """End of the device window of a step with these op columns (``prev_end``: the window
-    end of step - 1, NO_VALUE if it had none); None when no op carries a launch time (a
-    host window). The assembler decides with it when a step may close."""
+    end of step - 1, NO_VALUE if it had none; ``ascend``: on an Ascend device, where the
+    step's compute and communication ops bound it); None when no op carries a launch time
+    (a host window). The assembler decides with it when a step may close; ``step_window``
+    gives the same end."""
     launched = launch >= 0
     if not launched.any():
         return None
-    dev = _IS_DEVICE_KIND[kind] | launched
+    dev = _bounding(kind, _IS_DEVICE_KIND[kind] | launched, ascend)
     end = int((start[dev] + dur[dev]).max())
     return end if prev_end == NO_VALUE else max(end, prev_end)
 
@@ -92,14 +133,19 @@ def step_window(ev: StepEvents) -> Window:
     launched = ev.launched
     if not launched.any():
         return Window(False, ev.start_ns, ev.end_ns)
-    dev = device_ops(ev)
+    dev = _bounding_ops(ev)
     start = ev.op_start_ns[dev]
     end = int((start + ev.op_dur_ns[dev]).max())
     prev = ev.prev_device_end_ns
     if prev != NO_VALUE:
         return Window(True, prev, max(end, prev))
     first = int(start.min())
-    ahead = ev.ahead_start_ns[ev.ahead_start_ns < end]
+    # a first window starts at the first op that runs in it, of the kinds that bound it
+    # (on Ascend with compute or communication of its own: those kinds)
+    bounding = ev.ahead_start_ns < end
+    if is_ascend(ev) and _IS_BUSY_KIND[ev.op_kind[dev]].any():
+        bounding &= _IS_BUSY_KIND[ev.ahead_kind]
+    ahead = ev.ahead_start_ns[bounding]
     return Window(True, min(first, int(ahead.min())) if len(ahead) else first, end)
 
 
@@ -133,16 +179,18 @@ def intervals(ev: StepEvents, kind: int, window: Window) -> tuple[np.ndarray, np
 
 
 def busy_intervals(ev: StepEvents, window: Window) -> tuple[np.ndarray, np.ndarray]:
-    """What keeps the device busy: compute and communication in a host window; every
-    device op (copies and sets too, as Holistic Trace Analysis counts) in a device window."""
-    kinds = DEVICE_KINDS if window.device else (COMPUTE, COMMUNICATION)
+    """What keeps the device busy: compute and communication in a host window and on an
+    Ascend device; every device op (copies and sets too, as Holistic Trace Analysis counts)
+    in another device window."""
+    kinds = DEVICE_KINDS if window.device and not is_ascend(ev) else (COMPUTE, COMMUNICATION)
     parts = [intervals(ev, k, window) for k in kinds]
     return union(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
 
 
 def carry_past_end(ev: StepEvents) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
     """(compute, communication) of a host-window step that lies past its E, as unions:
-    what the next steps count. Nothing for a device window (it ends after its last op)."""
+    what the next steps count. Nothing for a device window (its ops count in the windows
+    they ran in)."""
     empty = (np.empty(0, _I64), np.empty(0, _I64))
     if ev.launched.any():
         return empty, empty

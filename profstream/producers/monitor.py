@@ -16,16 +16,17 @@ from __future__ import annotations
 
 import atexit
 import logging
+import sys
 import time
 import uuid
 import weakref
 from typing import Any
 
-from profstream.config import MONITOR_OPTIONS, resolve
+from profstream.config import MONITOR_OPTIONS, check_monitor_options, resolve
 from profstream.devices.backend import DeviceSample
 from profstream.kafka.topics import Topics
 from profstream.producers.buffer import EventBuffer
-from profstream.schema.batch import NO_VALUE
+from profstream.schema.batch import END_MARK, NO_VALUE
 
 log = logging.getLogger("profstream.monitor")
 
@@ -58,10 +59,17 @@ def _make_buffer(opts: dict[str, Any]) -> tuple[Any, str]:
     return EventBuffer(opts["buffer_bytes"], opts["batch_max_ops"]), "python"
 
 
+def exiting_on_error() -> bool:
+    """Whether the interpreter is exiting on an uncaught exception (it printed one): in an
+    exit hook, a run that did not end normally."""
+    return getattr(sys, "last_value", None) is not None
+
+
 @atexit.register
 def _close_all_at_exit() -> None:
+    ended = not exiting_on_error()
     for monitor in list(_live_monitors):
-        monitor.close(timeout=5.0)
+        monitor.close(timeout=5.0, ended=ended)
 
 
 class _StepContext:
@@ -128,7 +136,8 @@ class Monitor:
     """
 
     def __init__(self, sender_factory: Any = None, **options: Any) -> None:
-        self.options = opts = resolve(MONITOR_OPTIONS, options)
+        self.options = opts = resolve(MONITOR_OPTIONS, options, keywords=True)
+        check_monitor_options(opts)
         self.run_id: str = opts["run_id"]
         self.rank: int = opts["rank"]
         self.topics = Topics(opts["topic_prefix"])
@@ -150,6 +159,7 @@ class Monitor:
 
         # Step state.
         self._step: int = -1
+        self._step_before = -1  # the step before the open one (cancel_step goes back to it)
         self._next_step = 0
         self._step_start: int | None = None
         self._fp_start = NO_VALUE
@@ -166,7 +176,7 @@ class Monitor:
         # Capture requests (docs/capture.md): read by a thread of their own, taken up at
         # step boundaries by the Monitor's gate, or by an integration after defer_ops().
         self.capture_plan = self._plan_gate = self._control = self._counting = None
-        if self._enabled and opts["control"]:
+        if self._enabled and opts["control"] and not opts["record_only"]:  # record_only: no broker to read
             from profstream.producers.control import start_control
 
             self.capture_plan, self._control = start_control(self)
@@ -228,8 +238,9 @@ class Monitor:
             return -1
         if self._step_start is not None:  # begin without end: close the open step first
             self.end_step(ts_ns)
-        if step is None or not isinstance(step, int):
+        if step is None or not isinstance(step, int) or step < 0:  # negative: END_MARK's
             step = self._next_step
+        self._step_before = self._step
         self._step = step
         self._next_step = step + 1
         self._step_start = _time_ns() if ts_ns is None else ts_ns
@@ -256,6 +267,16 @@ class Monitor:
         # the step is complete (or its ops follow and complete_through rings): send it at the
         # end of the batch interval rather than wait for more (producers/sender.py: IDLE_SEND_S)
         self._wake.set()
+
+    def cancel_step(self) -> None:
+        """Forget the step begun and not ended: no mark of it is sent (a loop that fetched a
+        batch it then did not train on), and the next step takes its number. Its ops and
+        samples, if any, belong to no step (the processors discard them)."""
+        if self._step_start is None:
+            return
+        self._step_start = None
+        self._step, self._next_step = self._step_before, self._step
+        self._sync_recorder()
 
     def step(self, step: int | None = None) -> _StepContext:
         """``with monitor.step(): ...`` marks the start and end of one step."""
@@ -409,30 +430,44 @@ class Monitor:
             return self._sender is None
         return self._sender.flush(timeout)
 
-    def close(self, timeout: float = 10.0) -> bool:
-        """Flush (within ``timeout``), stop the background thread and the Kafka producer."""
+    def close(self, timeout: float = 10.0, ended: bool = True) -> bool:
+        """Flush (within ``timeout``), stop the background thread and the Kafka producer.
+
+        ``ended``: the rank ended normally (its last step is done): the Monitor sends its end
+        mark after the last step, and the processors say the rank ended (RunSilent does not
+        fire for a run whose ranks all did). False for a run that failed: the exit hook and
+        ``with Monitor(...)`` on an exception pass it."""
         if self._closed:
             return True
+        deadline = time.monotonic() + timeout  # one timeout for all that waits below
+
+        def left() -> float:
+            return max(0.0, deadline - time.monotonic())
+
         if self._step_start is not None:
             self.end_step()
+        if ended and self._enabled:
+            now = _time_ns()
+            self.buffer.add_sample(self.buffer.marks, (END_MARK, now, now, NO_VALUE, NO_VALUE))
+            self._wake.set()
         self._closed = True
         self._capturing = False
         self._sync_recorder()
         _live_monitors.discard(self)
         if self._device_sampler is not None:  # its last samples go with the final flush
-            self._device_sampler.stop(min(timeout, 5.0))
+            self._device_sampler.stop(min(left(), 5.0))
         if self._control is not None:
             self.capture_plan.close("the Monitor closed")
-            self._control.stop(timeout)
+            self._control.stop(left())
         if self._sender is None:
             return True
-        return self._sender.stop(timeout)
+        return self._sender.stop(left())
 
     def __enter__(self) -> Monitor:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.close(ended=exc_type is None)
 
     def stats(self) -> dict[str, Any]:
         """Producer health: drops, buffer fill, batches sent, send latency."""

@@ -10,6 +10,8 @@ outage, lost events, invalid values), host samples where /proc cannot be read, a
 samples, collective calls: ``native.foreign_sections``), which the Python encoder sends from
 here in batches of their own, queued before the next native batch (the Batcher holds the
 watermark back while they wait), so no step is complete on the wire before them.
+While the Monitor spools (``spool_sending.py``), Python builds, writes and reads back the
+batches, and the Batcher sends what it is handed and hears the broker.
 Everything else, and every rule, is ``sender.Sender``'s.
 """
 
@@ -70,6 +72,7 @@ class NativeSender(Sender):
         self._core = module.Batcher(buf, plan, MAX_MESSAGE_BYTES, m.inflight_limit_bytes, self._interval,
                                     self.idle_send_s, self._host_interval or 0.0, buf.host)
         self._foreign_taken = 0  # foreign rows recorded and taken (buffer.foreign_recorded_count)
+        self._spool_rescue(self._spool is not None)
 
     # -- thread -----------------------------------------------------------------------
 
@@ -93,7 +96,13 @@ class NativeSender(Sender):
                 self._close_producer()
                 self._handle_events()
                 return
-            if self._producer is None:  # the next connection attempt; host samples meanwhile
+            if self._spool_now:  # Python's cycles: run() returns as soon as one is due
+                core.run(STEADY_S if self._record_only or self._producer is not None
+                         else max(self._next_connect - time.monotonic(), self._interval))
+                cycle = True
+            elif self._spooling():  # Kafka just went away (an event said so): spool from the next cycle on
+                cycle = True
+            elif self._producer is None:  # the next connection attempt; host samples meanwhile
                 core.run(max(self._next_connect - time.monotonic(), self._interval))
                 cycle = True
             else:  # the steady state: no GIL until something needs Python
@@ -105,10 +114,17 @@ class NativeSender(Sender):
             return self._flush_requested > self._flush_done
 
     def _cycle(self) -> None:
-        if self._producer is None:
+        if self._producer is None and not self._record_only:
             self._connect(time.monotonic())
         self._send_foreign()
+        spooling = self._spooling()
+        self._core.set_spooling(spooling)
+        if spooling:
+            self._spool_cycle()
+            return
+        self._spool_now = False
         self._core.cycle()  # host samples even while Kafka is away
+        self._spool_settle()  # records handed over before batches went straight to Kafka again
 
     def _send_foreign(self) -> None:
         """The rows of the sections the native encoder does not write (device samples,
@@ -219,9 +235,41 @@ class NativeSender(Sender):
         super()._poke()
         self._core.interrupt()
 
+    # -- the spool's hooks (spool_sending.py) -----------------------------------------
+
+    def _spool_poll(self) -> None:
+        self._core.cycle()  # in spooling mode: host samples, acknowledgements, what was handed over
+
+    def _build_batch(self) -> bool:
+        return self._core.build()
+
+    def _take_built(self) -> list[tuple[bytes, int, int]]:
+        built = []
+        while (message := self._core.take_message()) is not None:
+            built.append(message)
+        return built
+
+    def _hand_spooled(self, value: bytes, ops: int, samples: int) -> bool:
+        core = self._core
+        if not core.send():  # one handed over earlier still waits for room in librdkafka's queue
+            return False
+        core.enqueue(value, ops, samples, True)
+        core.send()  # if librdkafka's queue is full it waits in the Batcher, handed over all the same
+        return True
+
+    def _spool_settled_count(self) -> int:
+        return self._core.stats()["spool_settled"]
+
+    def _spool_rescue(self, on: bool) -> None:
+        self._core.set_rescue(on)
+
+    def _take_rescued(self) -> list[tuple[bytes, int, int]]:
+        return self._core.take_rescued()
+
     def stats(self) -> dict[str, Any]:
         out = self._core.stats()
         out["connected"] = self._producer is not None
+        out.update(self.spool_stats())
         return out
 
 

@@ -4,7 +4,8 @@ The Sender drains the Monitor's ``EventBuffer`` (``buffer.py``, which also keeps
 watermark's order) and reads nothing else of the Monitor but the public ``Source``.
 
 Seq numbers are given when a batch is built; a batch the broker cannot take yet is kept
-and sent again (same seq), so a gap in seq always means a lost batch.
+and sent again (same seq), so a gap in seq always means a lost batch. With a spool
+(``spool_sending.py``) the batches Kafka cannot take go to disk instead, in order.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ import confluent_kafka
 import numpy as np
 import psutil
 
-from profstream.kafka.clients import make_native_producer
+from profstream.kafka.clients import make_native_producer, refused
 from profstream.kafka.limits import MAX_MESSAGE_BYTES
 from profstream.kafka.topics import Topics
 from profstream.producers.buffer import EventBuffer, OpChunk, rows_chunk
+from profstream.producers.spool_sending import SpoolSending
 from profstream.schema.batch import (
     HOST,
     I32,
@@ -56,6 +58,7 @@ COLLECTIVE_ROWS_PER_BATCH = 1024  # their names travel with them: a smaller batc
 # the sender thread wakes once per message rather than once per step: on a box with no
 # idle core every wake-up of a profstream thread is taken from the training loop.
 IDLE_SEND_S = 1.0
+_CHECK_BOOTSTRAP = "; check --bootstrap (PROFSTREAM_BOOTSTRAP) or start a broker with `profstream stack up`"
 
 
 class Source(Protocol):
@@ -182,7 +185,38 @@ def fill_collectives(batch: EventBatch, rows: list[tuple]) -> None:
     batch.collective_names, batch.collectives = collective_columns(rows)
 
 
-class Sender(threading.Thread):
+_PURGED = (confluent_kafka.KafkaError._PURGE_QUEUE, confluent_kafka.KafkaError._PURGE_INFLIGHT)
+
+
+def _purged(error: BaseException) -> bool:
+    """Whether a delivery failed because a close purged the message (not refused)."""
+    return bool(error.args) and isinstance(error.args[0], confluent_kafka.KafkaError) and (
+        error.args[0].code() in _PURGED)
+
+
+class _Attempt(threading.Thread):
+    """One connection attempt off the sender thread: ``outcome`` is (producer, None) or
+    (None, the error). A producer opened after the Monitor began to stop is closed here."""
+
+    def __init__(self, open_producer: Callable[[], Any], stopping: threading.Event) -> None:
+        super().__init__(name="profstream-connect", daemon=True)
+        self._open, self._stopping = open_producer, stopping
+        self.outcome: tuple[Any, BaseException | None] = (None, None)
+
+    def run(self) -> None:
+        try:
+            producer = self._open()
+        except Exception as e:
+            self.outcome = (None, e)
+            return
+        if self._stopping.is_set():
+            producer.close(timeout=0)
+            self.outcome = (None, ConnectionAbortedError("the Monitor stopped"))
+            return
+        self.outcome = (producer, None)
+
+
+class Sender(SpoolSending, threading.Thread):
     """Builds and sends the batches of one Monitor."""
 
     default_producer = staticmethod(make_native_producer)
@@ -233,6 +267,10 @@ class Sender(threading.Thread):
         self._warned_down = False
         self._next_connect = 0.0
         self._connect_backoff = 0.5
+        self._attempt: _Attempt | None = None  # a connection attempt on a thread of its own (with a spool)
+        self._spool_acks = 0  # spooled messages acknowledged or refused for good (spool_sending.py)
+        self._rescued: list[tuple[bytes, int, int]] = []  # batches a close purged, for the spool
+        self._open_spool()
 
     # -- thread -----------------------------------------------------------------------
 
@@ -273,7 +311,7 @@ class Sender(threading.Thread):
         deadline = cycle_started + max(self.idle_send_s, self._interval)
         if self._host_interval:
             deadline = min(deadline, self._next_host_sample)
-        if self._producer is None:
+        if self._producer is None and not self._record_only:
             deadline = min(deadline, self._next_connect)
         return deadline
 
@@ -285,7 +323,7 @@ class Sender(threading.Thread):
         if target <= self._flush_done:
             return False
         left = deadline - time.monotonic()
-        delivered = not self._buffered() and self._inflight() == 0
+        delivered = not self._buffered() and (self._inflight() == 0 or self._spool_flushed())
         if left > 0 and not delivered:
             if self._producer is None:  # reconnect within a second of the broker's return
                 self._next_connect = min(self._next_connect, time.monotonic() + 1.0)
@@ -307,22 +345,26 @@ class Sender(threading.Thread):
     def _close_producer(self) -> None:
         """Close the producer; whatever it still held (purged) or was never sent counts as
         undelivered: the Monitor's stats and the caller's report say so."""
+        attempt, self._attempt = self._attempt, None
+        if attempt is not None and not attempt.is_alive() and attempt.outcome[0] is not None:
+            attempt.outcome[0].close(timeout=0)  # (one still under way closes its own: it sees the stop)
         if self._producer is not None:
             try:
                 self._producer.close(timeout=0.5)
             except Exception as e:
                 log.warning("profstream: closing the Kafka producer failed: %s", e)
             self._producer = None
+        self._spool_close()
         ops, samples = self._drop_unsent()
         if ops or samples:
             self._undelivered(ops, samples, "the Monitor closed before Kafka took them")
         lost_ops, lost_samples = self._undelivered_totals()
         if lost_ops or lost_samples:
-            # a warning, unless Kafka was never reached: the one warning then said events are dropped
-            level = logging.WARNING if self._acked() or self._down_since is None else logging.INFO
+            # a warning, unless the outage's one warning already said events are dropped
+            level = logging.WARNING if self._acked() or not self._warned_down else logging.INFO
             log.log(level, "profstream: %d ops and %d samples of %s rank %d never reached Kafka at %s: they are "
-                    "counted as dropped", lost_ops, lost_samples, self.m.run_id,
-                    self.m.rank, self.m.options["bootstrap"])
+                    "counted as dropped%s", lost_ops, lost_samples, self.m.run_id, self.m.rank,
+                    self.m.options["bootstrap"], "" if self._acked() else _CHECK_BOOTSTRAP)
 
     def _drop_unsent(self) -> tuple[int, int]:
         """Forget the batches built and not handed to Kafka; (ops, samples) of those and of
@@ -364,9 +406,16 @@ class Sender(threading.Thread):
         if self._host_interval and now >= self._next_host_sample:
             self._sample_host()
             self._next_host_sample = now + self._host_interval
-        if self._producer is None and not self._connect(now):
+        if self._producer is None and not self._record_only:
+            self._connect(now)
+        if self._spooling():
+            self._spool_cycle()
+            return
+        self._spool_now = False
+        if self._producer is None:
             return
         self._producer.poll()  # delivery reports and client errors, on this thread
+        self._spool_settle()  # records handed over before batches went straight to Kafka again
         self._send_pending()
         while not self._pending and self._inflight() < self.m.inflight_limit_bytes and self._build():
             self._send_pending()
@@ -374,28 +423,57 @@ class Sender(threading.Thread):
     # -- connection -------------------------------------------------------------------
 
     def _connect(self, now: float) -> bool:
+        """One attempt to reach Kafka, when one is due; True once connected. With a spool
+        the attempt runs on a thread of its own (``_Attempt``), so that this one goes on
+        writing batches to disk while it waits for a broker (up to connect_timeout_s)."""
+        attempt = self._attempt
+        if attempt is not None:
+            if attempt.is_alive():
+                return False
+            self._attempt = None
+            return self._attempted(now, *attempt.outcome)
         if now < self._next_connect:
             return False
         opts = self.m.options
+        if self._down_since is None and not self._acked():  # the first attempt: a wrong address is said at once
+            why = refused(opts["bootstrap"])
+            if why is not None:
+                self._mark_down(now, ConnectionError(why))
+        if self._spool is not None:
+            self._attempt = _Attempt(self._open_producer, self._stopping)
+            self._attempt.start()
+            return False
         try:
-            self._producer = self._producer_factory(
-                opts["bootstrap"], compression=opts["compression"],
-                bootstrap_timeout_ms=int(self._connect_timeout * 1000), on_error=self._on_client_error,
-                **self._producer_options())
-            if self._stopping.is_set():  # closed while we were connecting
-                self._close_producer()
-                return False
+            return self._attempted(now, self._open_producer(), None)
+        except Exception as e:
+            return self._attempted(now, None, e)
+
+    def _open_producer(self) -> Any:
+        """A producer that reached a broker, the topics there; raises what failed."""
+        opts = self.m.options
+        producer = self._producer_factory(
+            opts["bootstrap"], compression=opts["compression"],
+            bootstrap_timeout_ms=int(self._connect_timeout * 1000), on_error=self._on_client_error,
+            **self._producer_options())
+        try:
             from profstream.kafka.topics import ensure_topics
 
             ensure_topics(opts["bootstrap"], self.m.topics, timeout=self._connect_timeout)
-        except Exception as e:
-            if self._producer is not None:
-                self._producer.close(timeout=0)
-                self._producer = None
-            self._mark_down(now, e)
+        except Exception:
+            producer.close(timeout=0)
+            raise
+        return producer
+
+    def _attempted(self, now: float, producer: Any, error: BaseException | None) -> bool:
+        if error is not None:
+            self._mark_down(now, error)
             self._next_connect = now + self._connect_backoff
             self._connect_backoff = min(self._connect_backoff * 2, 30.0)
             return False
+        if self._stopping.is_set():  # closed while we were connecting
+            producer.close(timeout=0)
+            return False
+        self._producer = producer
         self._connect_backoff = 0.5
         self._mark_up()
         self._connected()
@@ -413,11 +491,12 @@ class Sender(threading.Thread):
             self._down_since = now
         if not self._warned_down and not self._stopping.is_set():
             self._warned_down = True
-            log.warning(
-                "profstream: Kafka at %s is not reachable (%s); training continues, events are "
-                "buffered up to %d MiB and then dropped and counted. Check --bootstrap or start a "
-                "broker with `profstream stack up`.",
-                self.m.options["bootstrap"], type(error).__name__, self.m.options["buffer_bytes"] >> 20)
+            where = (f"written to the spool at {self._spool.dir} (up to {self._spool.max_bytes >> 20} MiB) and "
+                     "sent when it is back" if self._spool is not None else
+                     f"buffered up to {self.m.options['buffer_bytes'] >> 20} MiB and then dropped and counted")
+            log.warning("profstream: Kafka at %s is not reachable (%s); training continues, events are %s. Check "
+                        "--bootstrap or start a broker with `profstream stack up`.",
+                        self.m.options["bootstrap"], type(error).__name__, where)
 
     def _mark_up(self) -> None:
         if self._warned_down:
@@ -598,8 +677,9 @@ class Sender(threading.Thread):
         while self._pending:
             value, n_ops, n_samples = self._pending[0]
             size = len(value)
+            # with a spool, a batch a close purges goes there: its bytes are kept until then
             done = partial(self._on_delivery, size=size, n_ops=n_ops, n_samples=n_samples,
-                           sent_at=time.monotonic_ns())
+                           sent_at=time.monotonic_ns(), value=value if self._spool is not None else None)
             try:
                 producer.send(topic, value, self.m.key, done)
             except BufferError:  # librdkafka's queue is full (a long outage): keep it, retry later
@@ -620,7 +700,11 @@ class Sender(threading.Thread):
             self.batches_sent += 1
             self.bytes_sent += size
 
-    def _on_delivery(self, error: Exception | None, size: int, n_ops: int, n_samples: int, sent_at: int) -> None:
+    def _on_delivery(self, error: Exception | None, size: int, n_ops: int, n_samples: int, sent_at: int,
+                     value: bytes | None = None, spooled: bool = False) -> None:
+        """A delivery report. ``spooled``: a record read back from the spool, which stays
+        there unless acknowledged or refused for good; ``value``: a batch's bytes, kept for
+        the spool should a close purge it."""
         with self._lock:
             self._inflight_bytes -= size
             if error is None:
@@ -629,10 +713,56 @@ class Sender(threading.Thread):
             else:
                 self._failed_batches += 1
         if error is None:
+            self._spool_acks += spooled
             if self._down_since is not None:
                 self._mark_up()
+        elif _purged(error) and (spooled or (value is not None and self._spool is not None)):
+            if not spooled:  # in front of the spool (spool_sending.py); a spooled one is still there
+                self._rescued.append((value, n_ops, n_samples))
         else:  # purged at close, or refused by the broker (a topic's own smaller limit, say)
+            self._spool_acks += spooled
             self._undelivered(n_ops, n_samples, str(error))
+
+    # -- the spool's hooks (spool_sending.py) -----------------------------------------
+
+    def _spool_poll(self) -> None:
+        if self._producer is not None:
+            self._producer.poll()
+
+    def _build_batch(self) -> bool:
+        return self._build()
+
+    def _take_built(self) -> list[tuple[bytes, int, int]]:
+        built = list(self._pending)
+        self._pending.clear()
+        return built
+
+    def _hand_spooled(self, value: bytes, ops: int, samples: int) -> bool:
+        size = len(value)
+        done = partial(self._on_delivery, size=size, n_ops=ops, n_samples=samples, sent_at=time.monotonic_ns(),
+                       spooled=True)
+        try:
+            self._producer.send(self.m.topics.raw, value, self.m.key, done)
+        except BufferError:  # librdkafka's queue is full: the rest waits
+            return False
+        except Exception as e:  # the record stays first in the spool; the outage is reported once
+            self._mark_down(time.monotonic(), e)
+            return False
+        with self._lock:
+            self._inflight_bytes += size
+        self.batches_sent += 1
+        self.bytes_sent += size
+        return True
+
+    def _spool_settled_count(self) -> int:
+        return self._spool_acks
+
+    def _take_rescued(self) -> list[tuple[bytes, int, int]]:
+        rescued, self._rescued = self._rescued, []
+        return rescued
+
+    def _count_lost_batch(self, ops: int, samples: int, why: str) -> None:
+        self._undelivered(ops, samples, why)
 
     def _on_client_error(self, error: Exception) -> None:
         """librdkafka's client-wide errors: every broker down is an outage (reported once);
@@ -673,10 +803,15 @@ class Sender(threading.Thread):
         """Flush within ``timeout``, then end the thread; the thread closes its producer
         itself (what is left then is counted as undelivered), so a stuck connect never
         holds the caller for long."""
+        deadline = time.monotonic() + timeout
         ok = self.flush(timeout)
         self._stopping.set()
         self._poke()
-        self.join(timeout=5.0)
+        self.join(timeout=max(1.0, deadline - time.monotonic()))  # about ``timeout`` in all
+        if self.is_alive() and not self._acked() and not self._warned_down:  # still in its first connect
+            log.warning("profstream: Kafka at %s was not reached before the Monitor closed: %s rank %d's events "
+                        "were not sent%s", self.m.options["bootstrap"], self.m.run_id, self.m.rank,
+                        _CHECK_BOOTSTRAP)
         return ok and not self._has_pending()
 
     def _poke(self) -> None:
@@ -693,4 +828,4 @@ class Sender(threading.Thread):
                     "undelivered_ops": self.undelivered_ops, "undelivered_samples": self.undelivered_samples,
                     "inflight_bytes": self._inflight_bytes, "send_latency_ns": self._last_latency_ns,
                     "pending_batches": len(self._pending), "connected": self._producer is not None,
-                    "seq": self._seq}
+                    "seq": self._seq, **self.spool_stats()}

@@ -23,6 +23,9 @@ KIND_CODES = {name: code for code, name in enumerate(KIND_NAMES)}
 KIND_CODES.update({"comm": COMMUNICATION})
 
 NO_VALUE = -1  # absent value in an optional i64 column
+# A step mark whose step is END_MARK is no step: the producer's end mark, sent once when it
+# ends normally (the Monitor's close), after every other step mark; end_ns is when.
+END_MARK = -1
 
 I32, I64, U8, F64 = np.dtype("<i4"), np.dtype("<i8"), np.dtype("u1"), np.dtype("<f8")
 

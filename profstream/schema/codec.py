@@ -127,12 +127,24 @@ NO_COLLECTIVE_CALLS = {"names": [], "count": 0, "name_idx": b"", "group_idx": b"
                        "bytes": b"", "start_ns": b"", "end_ns": b""}
 
 
-def _step_metrics_v4_to_v5(record: dict) -> dict:
-    return {**record, "collectives": NO_COLLECTIVE_CALLS}
+# StepMetrics v6: the op figures of a step without op events are null (not measured)
+OP_FIGURES = ("compute_ns", "comm_ns", "overlap_ns", "pure_comm_ns", "idle_ns", "utilization", "overlap_ratio")
 
 
-def _step_metrics_v3_to_v5(record: dict) -> dict:
-    return _step_metrics_v4_to_v5(_step_metrics_v3_to_v4(record))
+def _step_metrics_v5_to_v6(record: dict) -> dict:
+    """A step without op events had its op figures written as 0 before v6: they were not
+    measured, and read as such (null)."""
+    if record["op_count"]:
+        return record
+    return {**record, **dict.fromkeys(OP_FIGURES)}
+
+
+def _step_metrics_v4_to_v6(record: dict) -> dict:
+    return _step_metrics_v5_to_v6({**record, "collectives": NO_COLLECTIVE_CALLS})
+
+
+def _step_metrics_v3_to_v6(record: dict) -> dict:
+    return _step_metrics_v4_to_v6(_step_metrics_v3_to_v4(record))
 
 
 def _run_step_metrics_v1_to_v2(record: dict) -> dict:
@@ -160,25 +172,27 @@ def _rank_checkpoint_v1_to_v2(record: dict) -> dict:
 
 _VERSIONS: list[SchemaVersion] = [
     _version(_load("event_batch.avsc"), 1, _then(_event_batch_v1_to_v4, _event_batch_v4_to_v6)),
-    _version(_load("step_metrics.avsc"), 1, _then(_step_metrics_v1_to_v3, _step_metrics_v3_to_v5)),
+    _version(_load("step_metrics.avsc"), 1, _then(_step_metrics_v1_to_v3, _step_metrics_v3_to_v6)),
     _version(_load("run_step_metrics.avsc"), 1, _run_step_metrics_v1_to_v2),
     _version(_load("alert.avsc"), 1),
     _version(_load("rank_checkpoint.avsc"), 1, _rank_checkpoint_v1_to_v2),
     _version(_load("run_checkpoint.avsc"), 1),
     _version(_load("event_batch.v2.avsc"), 2, _then(_event_batch_v2_to_v4, _event_batch_v4_to_v6)),  # + world_size
-    _version(_load("step_metrics.v2.avsc"), 2, _then(_step_metrics_v2_to_v3, _step_metrics_v3_to_v5)),  # + world_size
+    _version(_load("step_metrics.v2.avsc"), 2, _then(_step_metrics_v2_to_v3, _step_metrics_v3_to_v6)),  # + world_size
     _version(_load("event_batch.v3.avsc"), 3, _then(_event_batch_v3_to_v4, _event_batch_v4_to_v6)),  # op_names blob
     _version(_load("event_batch.v4.avsc"), 4, _event_batch_v4_to_v6),  # + ops.launch_ns
-    _version(_load("step_metrics.v3.avsc"), 3, _step_metrics_v3_to_v5),  # + the device window, kernels, device kinds
+    _version(_load("step_metrics.v3.avsc"), 3, _step_metrics_v3_to_v6),  # + the device window, kernels, device kinds
     _version(_load("rank_checkpoint.v2.avsc"), 2),  # + carry, device end
     # EventBatch v4 messages read with device_samples empty (decode_batch: a newer section)
     _version(_load("event_batch.v5.avsc"), 5, _event_batch_v4_to_v6),  # + device_samples
-    _version(_load("step_metrics.v4.avsc"), 4, _step_metrics_v4_to_v5),  # + devices
+    _version(_load("step_metrics.v4.avsc"), 4, _step_metrics_v4_to_v6),  # + devices
     _version(_load("event_batch.v6.avsc"), 6),  # + collectives, collective_names
-    _version(_load("step_metrics.v5.avsc"), 5),  # + collectives
+    _version(_load("step_metrics.v5.avsc"), 5, _step_metrics_v5_to_v6),  # + collectives
     _version(_load("run_step_metrics.v2.avsc"), 2),  # + collectives matched across ranks
     _version(_load("capture_request.avsc"), 1),  # the control topic (docs/capture.md)
     _version(_load("capture_status.avsc"), 1),
+    _version(_load("rank_end.avsc"), 1),  # on the steps topic: a rank that ended normally
+    _version(_load("step_metrics.v6.avsc"), 6),  # op figures null when not measured
 ]
 
 SCHEMAS: dict[int, SchemaVersion] = {v.fingerprint: v for v in _VERSIONS}
@@ -211,16 +225,20 @@ def encode(name: str, record: dict, version: int | None = None) -> bytes:
 # read whole (the exporter, sinks and tools of an older release keep working).
 STEP_METRICS_WITHOUT_DEVICES_VERSION = 3
 # Likewise steps without collective calls as v4 (v3 without device figures too), and
-# cross-rank steps without collectives as RunStepMetrics v1.
+# cross-rank steps without collectives as RunStepMetrics v1; steps whose op figures were
+# measured as v5 or older (v6 only for the steps that were not).
 STEP_METRICS_WITHOUT_COLLECTIVES_VERSION = 4
+STEP_METRICS_MEASURED_VERSION = 5
 RUN_STEP_METRICS_WITHOUT_COLLECTIVES_VERSION = 1
 
 
 def encode_step_metrics(record: dict) -> bytes:
-    """A StepMetrics record as its message: v5 with collective calls, v4 with device
-    figures, else v3."""
-    if record.get("collectives", NO_COLLECTIVE_CALLS)["count"]:
+    """A StepMetrics record as its message: v6 when its op figures were not measured,
+    else v5 with collective calls, v4 with device figures, else v3."""
+    if record["utilization"] is None:
         return encode("StepMetrics", record)
+    if record.get("collectives", NO_COLLECTIVE_CALLS)["count"]:
+        return encode("StepMetrics", record, STEP_METRICS_MEASURED_VERSION)
     return encode("StepMetrics", record, STEP_METRICS_WITHOUT_COLLECTIVES_VERSION if record.get("devices")
                   else STEP_METRICS_WITHOUT_DEVICES_VERSION)
 
@@ -260,6 +278,13 @@ def decode_any(data: bytes) -> tuple[str, dict]:
         return sv.name, sv.upgrade(record)
     except Exception as e:
         raise DecodeError("malformed", f"cannot upgrade {sv.name} v{sv.version}: {e}") from None
+
+
+def record_name(data: bytes | None) -> str | None:
+    """The record type of a profstream message, from its header alone (None: not one a
+    profstream schema wrote), e.g. to tell a RankEnd from the StepMetrics on the steps topic."""
+    sv = SCHEMAS.get(int.from_bytes(data[2:HEADER_LEN], "little")) if data and data[:2] == MAGIC else None
+    return None if sv is None else sv.name
 
 
 def decode(name: str, data: bytes) -> dict:

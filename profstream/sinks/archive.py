@@ -10,6 +10,10 @@ A message's run is the part of its key before the last "/"; a key that is missin
 not a valid name (``config.check_name``) goes under ``_unknown``, so no key can reach
 outside ``<out>``. Each record is ``ARCHIVE_SCHEMA``: the message as it was on the wire.
 
+A run's files are finished (renamed, indexed) by size, by age, when the sink stops, and as
+soon as the run ends: every rank of it the sink has seen on a topic sent its end mark (raw
+topic) or its RankEnd (steps topic), so that a report can be made of it seconds later.
+
 Crash safety: a file is written as ``<first_offset>.avro.tmp``, fsynced, renamed and its
 directory fsynced; only then does ``durable_offsets`` let the consumer commit past its
 messages. A crash before the rename leaves a ``.tmp`` file (removed at start-up; its
@@ -32,7 +36,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from fastavro import parse_schema, schemaless_reader
@@ -40,7 +44,14 @@ from fastavro.schema import to_parsing_canonical_form
 from fastavro.write import Writer
 
 from profstream.config import ConfigError, check_name
-from profstream.offline.archive import ArchiveError, ArchiveFile, finished_files, iter_file
+from profstream.offline.archive import (
+    OPEN_SUFFIX,
+    ArchiveError,
+    ArchiveFile,
+    finished_files,
+    iter_file,
+)
+from profstream.schema.batch import END_MARK
 from profstream.schema.codec import HEADER_LEN, MAGIC, SCHEMAS, DecodeError, decode_any
 from profstream.sinks.runner import SinkLoop
 
@@ -66,7 +77,7 @@ _PARSED = parse_schema(ARCHIVE_SCHEMA)
 UNKNOWN_RUN = "_unknown"  # starts with "_": never a valid run id, so never a real run's directory
 INDEX_FILE = "index.jsonl"
 LOCK_FILE = ".lock"
-TMP_SUFFIX = ".avro.tmp"
+TMP_SUFFIX = OPEN_SUFFIX
 CODECS = ("zstandard", "deflate", "null")
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 DEFAULT_MAX_AGE_S = 300.0
@@ -116,9 +127,20 @@ _BATCH_READERS = {sv.header: (sv.parsed, _batch_projection(sv)) for sv in SCHEMA
 _I64 = np.dtype("<i8")
 
 
-def message_steps(value: bytes | None) -> tuple[str, int | None, int | None, int | None] | None:
-    """(run_id, rank, lowest step, highest step) of a profstream message, or None when it
-    cannot be decoded. Steps are None for a batch without step-bearing events."""
+class MessageSteps(NamedTuple):
+    """What the index (and the run-end check) reads of one message."""
+
+    run_id: str
+    rank: int | None
+    lo: int | None  # lowest and highest step of its step-bearing events (None: none)
+    hi: int | None
+    ended: bool  # the rank ended: a batch with its end mark, or a RankEnd
+
+
+def message_steps(value: bytes | None) -> MessageSteps | None:
+    """Run, rank, lowest and highest step of a profstream message, and whether it ends its
+    rank; None when it cannot be decoded. Steps are None for a batch without step-bearing
+    events (an end mark is no step)."""
     if not value:
         return None
     readers = _BATCH_READERS.get(value[:HEADER_LEN])
@@ -128,23 +150,29 @@ def message_steps(value: bytes | None) -> tuple[str, int | None, int | None, int
             body.seek(HEADER_LEN)
             rec = schemaless_reader(body, readers[0], readers[1])
             lo = hi = None
-            for section in rec.values():
+            ended = False
+            for name, section in rec.items():
                 if isinstance(section, dict) and section["count"]:
                     steps = np.frombuffer(section["step"], _I64)
+                    if name == "steps" and END_MARK in steps:
+                        ended = True
+                        steps = steps[steps != END_MARK]
+                        if not len(steps):
+                            continue
                     a, b = int(steps.min()), int(steps.max())
                     lo = a if lo is None else min(lo, a)
                     hi = b if hi is None else max(hi, b)
-            return rec["run_id"], rec["rank"], lo, hi
+            return MessageSteps(rec["run_id"], rec["rank"], lo, hi, ended)
         except Exception:  # garbage after a valid header: fastavro raises many types; counted
             return None
     if value[:2] != MAGIC:
         return None
     try:
-        _name, record = decode_any(value)
+        name, record = decode_any(value)
     except DecodeError:
         return None
-    step = record.get("step")
-    return record.get("run_id", ""), record.get("rank"), step, step
+    step = record.get("last_step") if name == "RankEnd" else record.get("step")
+    return MessageSteps(record.get("run_id", ""), record.get("rank"), step, step, name == "RankEnd")
 
 
 class FileSummary:
@@ -159,7 +187,8 @@ class FileSummary:
         self.ranks: set[int] = set()
         self.lo = self.hi = None
 
-    def add(self, timestamp: int, value: bytes | None) -> None:
+    def add(self, timestamp: int, value: bytes | None) -> MessageSteps | None:
+        """Count one message in; what it holds (None: undecodable)."""
         self.messages += 1
         self.value_bytes += len(value) if value else 0
         if self.first_ts is None:
@@ -168,14 +197,15 @@ class FileSummary:
         found = message_steps(value)
         if found is None:
             self.undecodable += 1
-            return
-        run, rank, lo, hi = found
+            return None
+        run, rank, lo, hi, _ended = found
         self.runs.add(run)
         if rank is not None:
             self.ranks.add(rank)
         if lo is not None:
             self.lo = lo if self.lo is None else min(self.lo, lo)
             self.hi = hi if self.hi is None else max(self.hi, hi)
+        return found
 
     def entry(self, f: ArchiveFile, root: Path, codec: str) -> dict:
         return {"file": f.relative_to(root), "topic": f.topic, "run_id": f.run_id, "partition": f.partition,
@@ -268,12 +298,12 @@ class _OpenFile:
         """Bytes on disk plus the pending (uncompressed) block: an upper bound of the final size."""
         return self.fo.tell() + self.writer.io.tell()
 
-    def append(self, rec: Any) -> None:
+    def append(self, rec: Any) -> MessageSteps | None:
         headers = [{"key": k, "value": v} for k, v in rec.headers] if rec.headers else []
         self.writer.write({"topic": rec.topic, "partition": rec.partition, "offset": rec.offset,
                            "timestamp": rec.timestamp, "key": rec.key, "value": rec.value, "headers": headers})
         self.last_offset = rec.offset
-        self.summary.add(rec.timestamp, rec.value)
+        return self.summary.add(rec.timestamp, rec.value)
 
     def finish(self) -> Path:
         self.writer.flush()
@@ -300,6 +330,7 @@ class ArchiveStats:
     skipped: int = 0  # already in a finished file (re-delivered after a crash)
     orphans_removed: int = 0  # *.tmp files of a crashed sink, at start-up
     reindexed: int = 0  # finished files missing from the index, at start-up
+    runs_ended: int = 0  # times a run's files were finished because all its ranks ended
 
 
 class ArchiveSink:
@@ -324,6 +355,8 @@ class ArchiveSink:
         self._open: dict[tuple[str, str, int], _OpenFile] = {}
         self._next: dict[tuple[str, int], int] = {}  # (topic, partition) -> next offset handled
         self.archived: dict[tuple[str, str, int], int] = {}  # (topic, run, partition) -> last archived offset
+        # (topic, run) -> (ranks seen, ranks that ended) while the run has files open on the topic
+        self._ranks: dict[tuple[str, str], tuple[set[int], set[int]]] = {}
         self._recover()
 
     def _recover(self) -> None:
@@ -368,9 +401,24 @@ class ArchiveSink:
             _make_dirs(self.root, directory)
             f = self._open[k] = _OpenFile(directory, rec.topic, run, rec.partition, rec.offset,
                                           self.codec, self.level, self.clock())
-        f.append(rec)
+        found = f.append(rec)
         self.stats.messages += 1
         self.stats.value_bytes += len(rec.value) if rec.value else 0
+        if found is not None and found.rank is not None:
+            seen, ended = self._ranks.setdefault((rec.topic, run), (set(), set()))
+            seen.add(found.rank)
+            if found.ended:
+                ended.add(found.rank)
+                if seen <= ended:
+                    self._run_ended(run)
+
+    def _run_ended(self, run: str) -> None:
+        """Every rank of ``run`` seen on a topic ended: finish the run's open files, of every
+        topic (its last StepMetrics and RankEnds that come later start a file of their own,
+        finished when they are all there)."""
+        for k in [k for k in self._open if k[1] == run]:
+            self._finish(k)
+        self.stats.runs_ended += 1
 
     def durable_offsets(self) -> dict[tuple[str, int], int]:
         """Per (topic, partition), the first offset not yet in a finished file."""
@@ -411,6 +459,8 @@ class ArchiveSink:
 
     def _finish(self, k: tuple[str, str, int]) -> None:
         f = self._open.pop(k)
+        if not any(o[:2] == k[:2] for o in self._open):  # the (topic, run) has no file open any more
+            self._ranks.pop(k[:2], None)
         path = f.finish()
         done = ArchiveFile(f.topic, f.run_id, f.partition, f.first_offset, f.last_offset, path)
         self.archived[k] = f.last_offset
@@ -450,14 +500,15 @@ class ArchiveProgress:
 def run_archive(bootstrap: str, topics: Iterable[str], out_dir: Path | str, stop: threading.Event,
                 group_id: str = "profstream-archive", instance_id: str = "0",
                 progress: Callable[[ArchiveProgress], None] | None = None,
-                ready: Callable[[ArchiveSink], None] | None = None, **sink_options: Any) -> ArchiveStats:
+                ready: Callable[[ArchiveSink], None] | None = None, wait_topics_s: float = 0.0,
+                **sink_options: Any) -> ArchiveStats:
     """Archive ``topics`` into ``out_dir`` until ``stop`` is set; then finish the open files and
     commit. Static group membership (``<group>-<instance>``) lets a restarted sink take its
     partitions back at once."""
     sink = ArchiveSink(out_dir, **sink_options)
     try:
-        loop = SinkLoop(bootstrap, list(topics), group_id, sink,
-                            group_instance_id=f"{group_id}-{instance_id}")
+        loop = SinkLoop(bootstrap, list(topics), group_id, sink, wait_topics_s=wait_topics_s,
+                        group_instance_id=f"{group_id}-{instance_id}")
     except BaseException:
         sink.abandon()
         raise

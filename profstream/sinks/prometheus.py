@@ -31,7 +31,7 @@ from profstream.kafka.topics import Topics
 from profstream.metrics_server import serve_metrics
 from profstream.processors.health import FRESHNESS_BUCKETS
 from profstream.processors.stalls import stall_state
-from profstream.schema.codec import DecodeError, decode
+from profstream.schema.codec import DecodeError, decode, decode_any
 from profstream.sinks.collective_metrics import RunCollectives, collective_lines, run_collectives
 from profstream.sinks.device_metrics import MAX_DEVICES, device_lines, fold_devices
 from profstream.sinks.rank_summary import (
@@ -100,9 +100,10 @@ class _Rank:
     end_s: float = 0.0
     step_s: float = 0.0
     phases: tuple[float, float, float] = (0.0, 0.0, 0.0)  # data_wait, fp_bp, tail
-    utilization: float = 0.0
-    overlap_ratio: float = 0.0
-    idle_ratio: float = 0.0
+    # of the latest step whose ops were captured (None before one was: not measured, no series)
+    utilization: float | None = None
+    overlap_ratio: float | None = None
+    idle_ratio: float | None = None
     memory: tuple[tuple[str, int], ...] = ()  # (kind, bytes) of the latest step with samples
     queues: dict[str, tuple[int, float]] = field(default_factory=dict)  # name -> (last size, empty ratio)
     buckets: list[int] = field(default_factory=lambda: [0] * (len(STEP_BUCKETS) + 1))
@@ -114,6 +115,7 @@ class _Rank:
     kernel_ns: dict[str, int] = field(default_factory=dict)  # admitted kernel type or "other" -> ns
     devices: dict[str, dict] = field(default_factory=dict)  # device -> DeviceFigures of its latest step
     recent: deque = field(default_factory=lambda: deque(maxlen=SLOW_WINDOW_STEPS))  # newest steps' step_s
+    ended: bool = False  # its producer ended normally after its latest step (RankEnd)
 
 
 @dataclass(eq=False)
@@ -170,7 +172,13 @@ class ExporterState:
                     continue
                 try:
                     if kind == "steps":
-                        self._fold_step(decode("StepMetrics", rec.value), ts, now)
+                        name, value = decode_any(rec.value)
+                        if name == "StepMetrics":
+                            self._fold_step(value, ts, now)
+                        elif name == "RankEnd":
+                            self._fold_rank_end(value, ts)
+                        else:
+                            raise DecodeError("wrong_type", f"expected StepMetrics or RankEnd, got {name}")
                     elif kind == "run":
                         self._fold_run_step(decode("RunStepMetrics", rec.value), ts)
                     else:
@@ -219,6 +227,7 @@ class ExporterState:
         fresh = max(0.0, now - end_s)
         self._fresh[bisect.bisect_left(FRESHNESS_BUCKETS, fresh)] += 1
         self._fresh_sum += fresh
+        r.ended = False  # a step after an end: the rank runs again (a new Monitor)
         if m["step"] < r.last_step:
             return  # an older step: counted above, the gauges keep the newest
         if m["step"] > r.last_step:
@@ -228,9 +237,10 @@ class ExporterState:
         r.step_s = step_s
         r.host_step_s = m["host_step_time_ns"] / 1e9
         r.phases = (m["data_wait_ns"] / 1e9, m["fp_bp_ns"] / 1e9, m["tail_ns"] / 1e9)
-        r.utilization = m["utilization"]
-        r.overlap_ratio = m["overlap_ratio"]
-        r.idle_ratio = m["idle_ns"] / step_ns if step_ns else 0.0
+        if m["utilization"] is not None:  # a step without captured ops keeps the last measured values
+            r.utilization = m["utilization"]
+            r.overlap_ratio = m["overlap_ratio"]
+            r.idle_ratio = m["idle_ns"] / step_ns if step_ns else 0.0
         mem = m["memory"]
         if mem is not None:  # a step without samples keeps the last known values
             r.memory = tuple((k, mem[k]) for k in ("allocated", "reserved", "peak") if mem[k] >= 0)
@@ -259,6 +269,14 @@ class ExporterState:
             run.straggler = m["straggler_rank"]
             run.ranks_reported = m["ranks_reported"]
             run.collectives = run_collectives(m) or run.collectives
+
+    def _fold_rank_end(self, end: dict, ts: float) -> None:
+        run = self._runs.get(end["run_id"])
+        r = run.ranks.get(end["rank"]) if run is not None else None
+        if r is not None:  # after the rank's last StepMetrics (same partition, in order)
+            r.ended = True
+            r.seen_s = max(r.seen_s, ts)
+            run.seen_s = max(run.seen_s, ts)
 
     def _fold_alert(self, a: dict, ts: float) -> None:
         stall = stall_state(a)
@@ -308,10 +326,10 @@ class ExporterState:
             out.append(f"# HELP {name} {doc}\n# TYPE {name} {kind}\n")
             out.extend(lines)
 
-        def per_rank(name: str, doc: str, value: Callable[[_Run, int, _Rank], float], kind: str = "gauge",
-                     extra: Sequence = ()) -> None:
-            family(name, kind, doc, (f"{name}{{{r.labels}}} {_num(value(run, rank, r))}\n"
-                                     for run, rank, r in itertools.chain(ranks, extra)))
+        def per_rank(name: str, doc: str, value: Callable[[_Run, int, _Rank], float | None], kind: str = "gauge",
+                     extra: Sequence = ()) -> None:  # a value None (not measured) has no sample
+            family(name, kind, doc, (f"{name}{{{r.labels}}} {_num(v)}\n" for run, rank, r in itertools.chain(ranks, extra)
+                                     if (v := value(run, rank, r)) is not None))
 
         def per_run(name: str, doc: str, value: Callable[[_Run], float]) -> None:
             family(name, "gauge", doc, (f'{name}{{run="{_esc(run_id)}"}} {_num(value(run))}\n' for run_id, run in runs))
@@ -336,12 +354,12 @@ class ExporterState:
         per_rank(p + "last_step", "number of the rank's latest step", lambda run, rank, r: r.last_step)
         per_rank(p + "last_step_timestamp_seconds", "end of the rank's latest step, Unix time (producer clock)",
                  lambda run, rank, r: r.end_s)
-        per_rank(p + "device_utilization_ratio", "compute time / step time of the latest step",
-                 lambda run, rank, r: r.utilization)
+        per_rank(p + "device_utilization_ratio", "compute time / step time of the latest step with captured ops "
+                 "(no sample before one)", lambda run, rank, r: r.utilization)
         per_rank(p + "comm_overlap_ratio", "communication overlapped by compute / communication time of the "
-                 "latest step (0 without communication)", lambda run, rank, r: r.overlap_ratio)
-        per_rank(p + "idle_ratio", "time with neither compute nor communication / step time of the latest step",
-                 lambda run, rank, r: r.idle_ratio)
+                 "latest step with captured ops (0 without communication)", lambda run, rank, r: r.overlap_ratio)
+        per_rank(p + "idle_ratio", "time with neither compute nor communication / step time of the latest step "
+                 "with captured ops", lambda run, rank, r: r.idle_ratio)
         split(p + "memory_bytes", "gauge", "device memory at the end of the latest step with samples (peak: "
               "highest in that step)", "kind", lambda r: r.memory)
         split(p + "queue_size", "gauge", "size of the data queue at the end of the latest step", "queue",
@@ -360,6 +378,10 @@ class ExporterState:
               lambda r: ((t, ns / 1e9) for t, ns in r.kernel_ns.items()))
         split(p + "device_kind_seconds_total", "counter", "summed device op durations by kind: compute, "
               "communication, memcpy, memset", "kind", lambda r: ((k, ns / 1e9) for k, ns in r.kind_ns.items()))
+        family(p + "run_ended", "gauge", "1 when every rank of the run the exporter holds ended normally (its "
+               "Monitor closed after its last step), else 0: RunSilent fires only for runs at 0",
+               (f'{p}run_ended{{run="{_esc(run_id)}"}} {int(all(r.ended for r in run.ranks.values()))}\n'
+                for run_id, run in self._runs.items() if run.ranks))
         per_run(p + "rank_skew_ratio", "(max - min) / median step time across the ranks of the run's latest "
                 "complete step", lambda run: run.skew)
         per_run(p + "straggler_rank", "rank with the largest step time in the run's latest complete step",
@@ -446,8 +468,10 @@ class PrometheusExporter:
 
     def __init__(self, bootstrap: str, topics: Topics, port: int = DEFAULT_PORT, addr: str = "0.0.0.0",
                  group_id: str = DEFAULT_GROUP, ttl_s: float = DEFAULT_TTL_S,
-                 top_k: int = DEFAULT_TOP_K, top_ranks: int | None = DEFAULT_TOP_RANKS) -> None:
+                 top_k: int = DEFAULT_TOP_K, top_ranks: int | None = DEFAULT_TOP_RANKS,
+                 wait_topics_s: float = 0.0) -> None:
         self.bootstrap = bootstrap
+        self.wait_topics_s = wait_topics_s
         self.topics = topics
         self.port = port
         self.addr = addr
@@ -469,7 +493,7 @@ class PrometheusExporter:
         try:
             self.state.seed_stalls(read_alerts(self.bootstrap, self.topics.alerts))
             self._loop = SinkLoop(self.bootstrap, [self.topics.steps, self.topics.run, self.topics.alerts],
-                                  self.group_id, self.state)
+                                  self.group_id, self.state, wait_topics_s=self.wait_topics_s)
             self.state.source = self._loop
         except RuntimeError as e:  # a missing topic: SinkLoop says which
             self.close()

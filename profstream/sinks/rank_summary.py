@@ -26,6 +26,11 @@ SLOW_WINDOW_STEPS = 5  # newest steps of a rank whose mean step time ranks it
 STATS = ((0.0, "min"), (0.5, "p50"), (0.95, "p95"), (1.0, "max"))  # (quantile, label value)
 PHASES = ("data_wait", "fp_bp", "tail")
 
+def _measured(value: float | None) -> tuple[tuple[str, float], ...]:
+    """A figure of a rank if it was measured: a rank without one counts in no quantile."""
+    return () if value is None else (("", value),)
+
+
 # (metric without prefix and "ranks_", help, extra label, (label value, figure) of a rank)
 _FIGURES: tuple[tuple[str, str, str, Callable[[Any], Iterable[tuple[str, float]]]], ...] = (
     ("step_duration_seconds", "duration of the latest step", "",
@@ -34,12 +39,12 @@ _FIGURES: tuple[tuple[str, str, str, Callable[[Any], Iterable[tuple[str, float]]
      lambda r: (("", r.host_step_s),)),
     ("step_phase_seconds", "phases of the latest step (data_wait, fp_bp, tail)", "phase",
      lambda r: zip(PHASES, r.phases)),
-    ("device_utilization_ratio", "compute time / step time of the latest step", "",
-     lambda r: (("", r.utilization),)),
-    ("comm_overlap_ratio", "communication overlapped by compute / communication time of the latest step", "",
-     lambda r: (("", r.overlap_ratio),)),
-    ("idle_ratio", "time with neither compute nor communication / step time of the latest step", "",
-     lambda r: (("", r.idle_ratio),)),
+    ("device_utilization_ratio", "compute time / step time of the latest step with captured ops (ranks with "
+     "one)", "", lambda r: _measured(r.utilization)),
+    ("comm_overlap_ratio", "communication overlapped by compute / communication time of the latest step with "
+     "captured ops (ranks with one)", "", lambda r: _measured(r.overlap_ratio)),
+    ("idle_ratio", "time with neither compute nor communication / step time of the latest step with captured "
+     "ops (ranks with one)", "", lambda r: _measured(r.idle_ratio)),
     ("memory_bytes", "device memory of the latest step with samples, by kind (ranks that report the kind)",
      "kind", lambda r: r.memory),
     ("last_step", "number of the latest step", "",

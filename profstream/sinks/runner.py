@@ -47,6 +47,24 @@ FINAL_COMMIT_S = 10.0
 KAFKA_WAIT_MS = 3000  # the longest a commit or the lag's positions wait for Kafka in one poll
 
 
+def wait_for_topics(consumer: Any, topics: Sequence[str], wait_s: float) -> None:
+    """Return once every topic exists; wait up to ``wait_s`` for the missing ones (a sink
+    started beside the processor that creates them), saying so in one line; then raise
+    RuntimeError naming the first missing topic and what to do."""
+    missing = [t for t in topics if not consumer.partitions_for_topic(t)]
+    if missing and wait_s > 0:
+        log.warning("topic %s does not exist yet: waiting up to %g s for it (`profstream process` and the Monitors "
+                    "create the topics)", ", ".join(missing), wait_s)
+        deadline = time.monotonic() + wait_s
+        while missing and time.monotonic() < deadline:
+            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+            missing = [t for t in missing if not consumer.partitions_for_topic(t)]
+    if missing:
+        waited = f" after waiting {wait_s:g} s" if wait_s > 0 else ""
+        raise RuntimeError(f"topic {missing[0]} does not exist{waited}: start a processor (`profstream process` "
+                           "creates the topics), check --topic-prefix, or wait longer with --wait-topics-s")
+
+
 class Sink(Protocol):
     def handle(self, records: Sequence[Any]) -> None: ...
 
@@ -55,16 +73,18 @@ class SinkLoop:
     """Consume ``topics`` in consumer group ``group_id`` and feed ``sink``."""
 
     def __init__(self, bootstrap: str, topics: Sequence[str], group_id: str, sink: Sink,
-                 poll_ms: int = 100, from_beginning: bool = True, **consumer_options: Any) -> None:
+                 poll_ms: int = 100, from_beginning: bool = True, wait_topics_s: float = 0.0,
+                 **consumer_options: Any) -> None:
         self.sink = sink
         self.poll_ms = poll_ms
         self._consumer = make_consumer(bootstrap, group_id=group_id,
                                        auto_offset_reset="earliest" if from_beginning else "latest",
                                        **consumer_options)
-        for topic in topics:  # know the partitions before joining (see processors/checkpoint.py)
-            if not self._consumer.partitions_for_topic(topic):
-                self._consumer.close()
-                raise RuntimeError(f"topic {topic} does not exist: start a processor or create it first")
+        try:  # know the partitions before joining (see processors/checkpoint.py)
+            wait_for_topics(self._consumer, topics, wait_topics_s)
+        except RuntimeError:
+            self._consumer.close()
+            raise
         self._consumer.subscribe(list(topics))
         self._handled: dict[TopicPartition, int] = {}
         self._said_at = -1e18  # when a commit that timed out was last logged
@@ -154,12 +174,12 @@ class SinkLoop:
 
 
 def run_sink(bootstrap: str, topics: Sequence[str], group_id: str, sink: Sink, stop: threading.Event,
-             ready: Callable[[], None] | None = None, **consumer_options: Any) -> None:
+             ready: Callable[[], None] | None = None, wait_topics_s: float = 0.0, **consumer_options: Any) -> None:
     """Feed ``sink`` from ``topics`` until ``stop`` is set, calling ``ready()`` once the
-    consumer is subscribed. A missing topic raises RuntimeError (one line) after closing
-    the sink."""
+    consumer is subscribed. A topic still missing after ``wait_topics_s`` raises
+    RuntimeError (one line) after closing the sink."""
     try:
-        loop = SinkLoop(bootstrap, topics, group_id, sink, **consumer_options)
+        loop = SinkLoop(bootstrap, topics, group_id, sink, wait_topics_s=wait_topics_s, **consumer_options)
     except RuntimeError:
         close = getattr(sink, "close", None)
         if close is not None:

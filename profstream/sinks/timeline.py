@@ -43,6 +43,7 @@ from profstream.processors.close_schedule import CloseSchedule
 from profstream.processors.intervals import union
 from profstream.processors.model import StepEvents
 from profstream.processors.steptrace import step_trace
+from profstream.processors.utilization import ops_measured
 from profstream.processors.window import Window as StepWindow
 from profstream.processors.window import intervals, step_window
 from profstream.schema.batch import COMMUNICATION, COMPUTE, KIND_NAMES, decode_batch
@@ -141,7 +142,10 @@ def overlap_tracks(ev: StepEvents, window: StepWindow | None = None) -> list[tup
     device's): the intervals behind utilization's figures.
 
     One sweep over the boundaries of both unions and of the window: between two boundaries
-    the time is covered by compute, by communication alone, or by neither (free)."""
+    the time is covered by compute, by communication alone, or by neither (free). A step
+    whose ops were not captured has no track: its time is not known to be free."""
+    if not ops_measured(ev):
+        return [_NO_INTERVALS] * 4
     w = window or step_window(ev)
     S, E = w.start_ns, w.end_ns
     compute = union(*intervals(ev, COMPUTE, w))
@@ -161,6 +165,7 @@ def overlap_tracks(ev: StepEvents, window: StepWindow | None = None) -> list[tup
     return [compute, comm, (start[pure], end[pure]), (start[free], end[free])]
 
 
+_NO_INTERVALS = (np.empty(0, np.int64), np.empty(0, np.int64))
 _COMPUTE_DELTA = np.array([1, -1, 0, 0, 0], np.int64)  # per boundary kind: compute start, end,
 _COMM_DELTA = np.array([0, 0, 1, -1, 0], np.int64)  # communication start, end, S or E
 

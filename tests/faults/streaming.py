@@ -13,7 +13,7 @@ from collections import Counter
 from kafka import KafkaConsumer, TopicPartition
 
 from profstream.kafka.topics import Topics
-from profstream.schema.codec import decode
+from profstream.schema.codec import decode, record_name
 from profstream.simulate import SimConfig, SimResult, run_simulation
 from tests.faults.conftest import ProcessorProcess
 from tests.test_processor import _uninterrupted
@@ -38,7 +38,8 @@ class Tail(threading.Thread):
         while not self.halt.is_set():
             for batch in consumer.poll(timeout_ms=100).values():
                 now = time.monotonic()
-                self.seen.extend((now, decode(self.record, r.value)) for r in batch)
+                self.seen.extend((now, decode(self.record, r.value)) for r in batch
+                                 if record_name(r.value) == self.record)  # a RankEnd beside the StepMetrics
         consumer.close()
 
 

@@ -19,7 +19,7 @@ from profstream import Monitor
 from profstream.offline.archive import archive_files, iter_file
 from profstream.offline.replay import replay_offline
 from profstream.processors.stream import StreamOptions
-from profstream.schema.batch import decode_batch
+from profstream.schema.batch import END_MARK, decode_batch
 from profstream.simulate import SimConfig
 from tests.faults.conftest import ArchiveProcess, Broker, ProcessorProcess
 from tests.faults.streaming import StreamingRun, Tail, by_step
@@ -207,13 +207,13 @@ def test_a_monitor_whose_buffer_overflows_while_the_cluster_is_down_counts_exact
         cluster.start()
     assert mon.flush(timeout=90), mon.stats()
     stats = mon.stats()
-    mon.close()
-    delivered = raw_batches(cluster.bootstrap, topics.raw, "overflow", stats["seq"])
-    assert [b.seq for b in sorted(delivered, key=lambda b: b.seq)] == list(range(stats["seq"]))
+    mon.close()  # its end mark goes in one more batch
+    delivered = raw_batches(cluster.bootstrap, topics.raw, "overflow", stats["seq"] + 1)
+    assert [b.seq for b in sorted(delivered, key=lambda b: b.seq)] == list(range(stats["seq"] + 1))
     delivered_ops = sum(b.n("ops") for b in delivered)
     assert stats["dropped_ops"] > 0 and stats["dropped_samples"] == 0
     assert delivered_ops + stats["dropped_ops"] == recorded_ops
-    assert sorted(int(s) for b in delivered for s in b.steps["step"]) == list(range(31))
+    assert sorted(int(s) for b in delivered for s in b.steps["step"]) == [END_MARK, *range(31)]
 
 
 def _status(cluster: Broker) -> subprocess.CompletedProcess:

@@ -22,9 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
+from profstream.integrations.ingest.ascend import is_ascend, refine
 from profstream.integrations.ingest.chunks import columns_in_chunks
 from profstream.integrations.ingest.model import (
     I64,
+    IngestError,
     Profile,
     kernel_type,
     kind_from_name,
@@ -61,7 +63,7 @@ _CATEGORIES: dict[str, int | None] = {
 
 # track (process or thread name) -> kind, first match wins
 _TRACKS: tuple[tuple[re.Pattern, int], ...] = (
-    (re.compile(r"overlap analysis|merged|pure communication|free time|^steps?$|step trace|iteration",
+    (re.compile(r"overlap analysis|merged|pure communication|free time|^steps?$|step trace|iteration|scope layer",
                 re.I), _SKIP),
     (re.compile(r"hccl|nccl|communication|hcom|lccl", re.I), -3),  # by name: comm unless memcpy/memset
     (re.compile(r"cann|ascendcl|acl|runtime|\bge\b|python|host|framework|pta|cpu usage|memory", re.I), HOST),
@@ -69,12 +71,6 @@ _TRACKS: tuple[tuple[re.Pattern, int], ...] = (
                 r"npu|device", re.I), COMPUTE),
 )
 _COMM_TRACK = -3
-
-
-def _us_to_ns(ts_us: np.ndarray) -> np.ndarray:
-    """Microseconds (float) to integer ns, whole microseconds kept exact."""
-    whole = np.floor(ts_us)
-    return whole.astype(I64) * 1000 + np.rint((ts_us - whole) * 1000).astype(I64)
 
 
 def parse_chrome(path: Path, base_ns: int | None = None, workers: int | None = None) -> Profile:
@@ -93,8 +89,31 @@ def parse_chrome(path: Path, base_ns: int | None = None, workers: int | None = N
         return _profile(path, *parsed, base_ns)
 
 
+def parse_chrome_files(paths: list[Path], path: Path, base_ns: int | None = None) -> Profile:
+    """The trace files of one rank (msprof's one file per iteration) read as one trace,
+    named ``path``. A file that cannot be read is one note naming it; the rest are read.
+    IngestError when none can be."""
+    events: list = []
+    meta: dict = {}
+    problems = []
+    with gc_paused():
+        for file in paths:
+            try:
+                more, header = decode_trace(file, read_bytes(file))
+            except IngestError as e:
+                problems.append(f"{e} (the rank's other files are read)")
+                continue
+            events += more
+            meta = meta or header
+        if not events and problems:
+            raise IngestError(problems[0])
+        profile = _profile(path, scan_events(path, events), meta, base_ns)
+    profile.notes[:0] = problems
+    return profile
+
+
 def _profile(path: Path, cols: EventColumns, meta: dict, base_ns: int | None) -> Profile:
-    keys, key_code, ts_us, dur_us = cols.keys, cols.key_code, cols.ts_us, cols.dur_us
+    keys, key_code, dur_us = cols.keys, cols.key_code, cols.dur_us
     key_name, name_ix = dictionary_codes([k[1] for k in keys])
     key_cat, cat_ix = dictionary_codes([k[2] or "" for k in keys])
     key_track, track_ix = dictionary_codes([(k[3], k[4]) for k in keys])  # (pid, tid)
@@ -108,7 +127,8 @@ def _profile(path: Path, cols: EventColumns, meta: dict, base_ns: int | None) ->
 
     # kind per category, per track and per name (each decided once per distinct value)
     device_cat = np.array([c.lower() in DEVICE_CATEGORIES for c in cat_ix] or [False], bool)
-    has_device = bool(device_cat.any())
+    ascend = cols.ascend is not None and is_ascend(process_names)
+    has_device = bool(device_cat.any()) or ascend  # Ascend's hardware tasks have no category
     cat_kind = np.array([_category_kind(c, has_device) for c in cat_ix] or [0], np.int8)
     track_kind = np.array([_track_kind(process_names.get(p, ""), thread_names.get((p, t), ""))
                            for p, t in track_ix] or [0], np.int8)
@@ -135,7 +155,7 @@ def _profile(path: Path, cols: EventColumns, meta: dict, base_ns: int | None) ->
     unknown_key = kept_key & (kind == _UNKNOWN)
     kind = np.where(kind == _UNKNOWN, HOST, kind).astype(np.uint8)
 
-    starts_ns = _us_to_ns(ts_us)
+    starts_ns = cols.ts_ns
     durs_ns = np.rint(dur_us * 1000).astype(I64)
     base, clock = _clock(path, meta, starts_ns, durs_ns, base_ns)
 
@@ -180,8 +200,8 @@ def _profile(path: Path, cols: EventColumns, meta: dict, base_ns: int | None) ->
 
     if cols.begin_end:
         profile.notes.append(f"{cols.begin_end} begin/end (B/E) events not read: complete (X) events become ops")
-    if len(cols.mem_ts_us):
-        mts = _us_to_ns(cols.mem_ts_us) + base
+    if len(cols.mem_ts_ns):
+        mts = cols.mem_ts_ns + base
         order = np.argsort(mts, kind="stable")
         profile.mem_ts_ns = mts[order]
         profile.mem_allocated = cols.mem_allocated[order]
@@ -192,6 +212,9 @@ def _profile(path: Path, cols: EventColumns, meta: dict, base_ns: int | None) ->
         profile.rank = dist["rank"]
     profile.collectives, profile.collective_launch_ns = _collective_calls(
         cols.collectives, device_key[key_code], starts_ns + base, durs_ns, launch_ns)
+    if ascend:
+        profile.device = "npu"
+        refine(profile, cols, sel, list(track_ix), process_names, thread_names, starts_ns, base, seen)
     profile.assign_steps()
     return profile
 
@@ -253,6 +276,8 @@ def _category_kind(cat: str, has_device: bool) -> int:
 
 
 def _track_kind(process: str, thread: str) -> int:
+    if process and _TRACKS[0][0].search(process):  # a derived process: every thread of it (Overlap Analysis)
+        return _SKIP
     for label in (thread, process):
         if not label:
             continue
@@ -276,9 +301,12 @@ def _clock(path: Path, meta: dict, starts_ns: np.ndarray, durs_ns: np.ndarray,
 
 def _flavour(meta: dict, cats: dict, processes: dict) -> str:
     labels = " ".join(processes.values()).lower()
+    ascend = "ascend hardware" in labels or "cann" in labels or "overlap analysis" in labels
+    if ascend and "cpu_op" in cats:
+        return "torch_npu trace"
     if meta.get("baseTimeNanoseconds") is not None or "cpu_op" in cats or "kernel" in cats:
         return "pytorch trace"
-    if "ascend hardware" in labels or "cann" in labels or "overlap analysis" in labels:
+    if ascend:
         return "msprof timeline"
     if "ascend op" in labels or "gpu op" in labels or "cpu op" in labels or "step trace" in labels:
         return "mindspore timeline"

@@ -2,11 +2,12 @@
 
 - ``step_trace_raw_<rank>_detail_time.csv``: one row per step with start_point, end_point,
   fp_point, bp_point (and iteration_interval = fp - start, fp_and_bp = bp - fp,
-  tail = end - bp); the last row (step_num ``-``) holds averages and is skipped. Step
+  tail = end - bp); the last row (step_num ``-``, or ``0`` with zero points in older
+  versions) holds averages and is skipped. Step
   marks with F and B come from it.
-- operator statistics (``aicore_intermediate_<rank>_type.csv``, ``gpu_op_type_info_<rank>.csv``,
-  ``cpu_op_type_info_<rank>.csv``, msprof ``op_statistic_*.csv``): totals per op type, no
-  timing; each step gets one op per type lasting total / steps, laid end to end from F.
+  Points are in the profiler's clock units (``step_clock``).
+- operator statistics (``mindspore_ops``): per kernel or per type totals and counts, no
+  timing, spread over the steps and laid end to end from F.
 - ``device_queue_profiling_<rank>.txt`` / ``dataset_iterator_profiling_<rank>.txt``: lines
   ``type extra batch value timestamp``; type 1 is a queue size (extra: capacity) taken
   when the device got batch ``batch``, recorded at the start of that step.
@@ -23,28 +24,21 @@ from pathlib import Path
 import numpy as np
 
 from profstream.integrations.ingest.hccl import find_communication_file, read_communication
+from profstream.integrations.ingest.mindspore_ops import glob_one, read_op_statistics
 from profstream.integrations.ingest.model import (
     I64,
     IngestError,
     Profile,
-    kind_from_name,
     relative_base_ns,
     set_steps,
 )
-from profstream.schema.batch import COMMUNICATION, COMPUTE
+from profstream.integrations.ingest.step_clock import is_ascend_dir, step_trace_unit
 
 EXPECTED = ("a MindSpore profiler output directory holding step_trace_raw_<rank>_detail_time.csv "
             "(columns step_num,start_point,end_point,fp_point,bp_point,...)")
 STEP_COLUMNS = ("step_num", "start_point", "end_point", "fp_point", "bp_point")
 _STEP_FILE = re.compile(r"^step_trace_raw_(\d+)_detail_time\.csv$")
 
-# statistics file patterns ({rank}) and their columns: type, count, total and the total's unit in ns
-_STAT_FILES = ("aicore_intermediate_{rank}_type.csv", "gpu_op_type_info_{rank}.csv",
-               "cpu_op_type_info_{rank}.csv", "op_statistic_{rank}*.csv")
-_TYPE_COLS = ("op_type", "OP Type")
-_COUNT_COLS = ("execution_frequency", "type_occurrences", "op_occurrences", "Count")
-_TOTAL_COLS = (("execution_time", 1_000_000), ("total_time", 1000), ("op_total_time", 1000),
-               ("total_compute_time", 1000), ("Total Time(us)", 1000))
 _QUEUE_FILES = (("device_queue_profiling_{rank}.txt", "device_queue"),
                 ("dataset_iterator_profiling_{rank}.txt", "dataset_iterator"))
 
@@ -64,12 +58,12 @@ def rank_of(step_trace_file: Path) -> int:
     return int(_STEP_FILE.match(step_trace_file.name).group(1))
 
 
-def parse_mindspore_dir(path: Path, rank: int | None = None, unit_ns: float = 1.0,
+def parse_mindspore_dir(path: Path, rank: int | None = None, unit_ns: float | None = None,
                         base_ns: int | None = None) -> Profile:
     """Read the step trace, operator statistics and data-queue files of one rank.
 
-    ``unit_ns``: nanoseconds per unit of the step trace (1 for GPU/CPU output in ns; 10 for
-    an Ascend system counter at 100 MHz)."""
+    ``unit_ns``: nanoseconds per unit of the step trace; None: from the profiler's own files
+    (``step_clock``: 10 for Ascend's 100 MHz system counter, 1 for GPU/CPU output in ns)."""
     folder, files = find_profiler_dir(path)
     ranks = {int(_STEP_FILE.match(p.name).group(1)): p for p in files}
     if rank is None:
@@ -78,9 +72,10 @@ def parse_mindspore_dir(path: Path, rank: int | None = None, unit_ns: float = 1.
         rank = next(iter(ranks))
     if rank not in ranks:
         raise IngestError(f"{folder}: no step_trace_raw_{rank}_detail_time.csv (ranks here: {sorted(ranks)})")
-    profile = Profile(source="mindspore profiler dir", path=folder, rank=rank)
-    _read_step_trace(profile, ranks[rank], unit_ns, base_ns)
-    _read_op_statistics(profile, folder, rank)
+    profile = Profile(source="mindspore profiler dir", path=folder, rank=rank,
+                      device="npu" if is_ascend_dir(folder) else "")
+    _read_step_trace(profile, ranks[rank], folder, unit_ns, base_ns)
+    read_op_statistics(profile, folder, rank, read_csv)
     _read_queues(profile, folder, rank)
     communication = find_communication_file(folder, rank, len(ranks))
     if communication is not None:
@@ -110,20 +105,26 @@ def _number(text: str) -> int | float:
         return float(text)
 
 
-def _read_step_trace(profile: Profile, path: Path, unit_ns: float, base_ns: int | None) -> None:
+def _read_step_trace(profile: Profile, path: Path, folder: Path, unit_ns: float | None, base_ns: int | None) -> None:
     rows = read_csv(path, STEP_COLUMNS, "a MindSpore step trace CSV")
     steps, points = [], []
     for row in rows:
-        if not row["step_num"].isdigit():  # the averages row
+        if not row["step_num"].isdigit() or int(row["step_num"]) < 1:  # the averages row ("-", or 0 in older files)
             continue
         try:
-            points.append([_number(row[c]) for c in STEP_COLUMNS[1:]])
+            point = [_number(row[c]) for c in STEP_COLUMNS[1:]]
         except ValueError:
             raise IngestError(f"{path}: step {row['step_num']}: a point is not a number: expected "
                               "numbers in start_point,end_point,fp_point,bp_point") from None
+        if not any(point):
+            continue
+        points.append(point)
         steps.append(int(row["step_num"]))
     if not steps:
         raise IngestError(f"{path}: no step rows: expected {EXPECTED}")
+    if unit_ns is None:
+        unit_ns, how = step_trace_unit(folder, profile.rank, max(max(p) for p in points))
+        profile.notes.append(f"step trace unit: {unit_ns:g} ns ({how})")
     if float(unit_ns).is_integer():  # exact: ns since the epoch do not fit a float64
         ns = np.array([[int(v * int(unit_ns)) if isinstance(v, int) else round(v * unit_ns) for v in p]
                        for p in points], I64)
@@ -140,53 +141,10 @@ def _read_step_trace(profile: Profile, path: Path, unit_ns: float, base_ns: int 
     set_steps(profile, steps, ns[:, 0], ns[:, 1], ns[:, 2], ns[:, 3])
 
 
-def _glob_one(folder: Path, patterns, rank: int):
-    for pattern in patterns:
-        found = sorted(folder.glob(pattern.format(rank=rank)))
-        if found:
-            return found[0]
-    return None
-
-
-def _read_op_statistics(profile: Profile, folder: Path, rank: int) -> None:
-    path = _glob_one(folder, _STAT_FILES, rank)
-    if path is None:
-        profile.notes.append("no operator statistics file: steps without ops")
-        return
-    rows = read_csv(path, (), "a MindSpore operator statistics CSV")
-    header = set(rows[0]) if rows else set()
-    type_col = next((c for c in _TYPE_COLS if c in header), None)
-    total = next(((c, unit) for c, unit in _TOTAL_COLS if c in header), None)
-    if type_col is None or total is None:
-        raise IngestError(f"{path}: not an operator statistics CSV: expected a column op_type and one of "
-                          f"{', '.join(c for c, _ in _TOTAL_COLS)}")
-    types, totals = [], []
-    for row in rows:
-        try:
-            totals.append(float(row[total[0]]) * total[1])
-        except ValueError:
-            continue  # a summary row
-        types.append(row[type_col])
-    n_steps = profile.steps
-    per_step = np.rint(np.array(totals, np.float64) / max(n_steps, 1)).astype(I64)
-    kinds = np.array([COMMUNICATION if kind_from_name(t) == COMMUNICATION else COMPUTE for t in types], np.uint8)
-    # one op per type per step, end to end from F (S when the step has no F)
-    anchor = np.where(profile.step_fp_ns >= 0, profile.step_fp_ns, profile.step_start_ns)
-    offsets = np.concatenate(([0], np.cumsum(per_step)[:-1])) if len(per_step) else per_step
-    k = len(types)
-    profile.name_table = profile.type_table = np.array(types, dtype=object)
-    profile.op_name = profile.op_type = np.tile(np.arange(k, dtype=np.int32), n_steps)
-    profile.op_kind = np.tile(kinds, n_steps)
-    profile.op_stream = np.zeros(k * n_steps, np.int32)
-    profile.op_start_ns = (anchor[:, None] + offsets[None, :]).ravel()
-    profile.op_dur_ns = np.tile(per_step, n_steps)
-    profile.notes.append(f"ops from {path.name}: per-type totals / {n_steps} steps, laid end to end from F")
-
-
 def _read_queues(profile: Profile, folder: Path, rank: int) -> None:
     start_of = dict(zip(profile.step.tolist(), profile.step_start_ns.tolist()))
     for pattern, queue in _QUEUE_FILES:
-        path = _glob_one(folder, (pattern,), rank)
+        path = glob_one(folder, (pattern,), rank)
         if path is None:
             continue
         outside = 0

@@ -66,6 +66,7 @@ class Profile:
     # what the reader saw
     rank: int | None = None
     host: str | None = None
+    device: str = ""  # the device the profile ran on where the file says (npu, npu:3); else the caller's
     clock: str = ""  # how the file's timestamps became ns since the epoch
     unknown_categories: Counter = field(default_factory=Counter)  # category -> ops recorded as host
     notes: list[str] = field(default_factory=list)
@@ -165,7 +166,7 @@ _COMM = re.compile(r"nccl|hccl|hcom|gloo|c10d::|all_?reduce|all_?gather|reduce_?
                    r"broadcast|collective|send_?recv|\blccl", re.I)
 _MEMCPY = re.compile(r"memcpy|memcopy|\bh2d\b|\bd2h\b|\bd2d\b|host_?to_?device|device_?to_?host", re.I)
 _MEMSET = re.compile(r"memset", re.I)
-_OP_SUFFIX = re.compile(r"-op\d+$")
+_OP_SUFFIX = re.compile(r"-op\d+(?:_\d+)*$")
 # A device op may start this long before the call that launched it (clock granularity):
 # earlier, the device's clock is not the host's.
 LAUNCH_TOLERANCE_NS = 1_000_000

@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from profstream.integrations.ingest.ascend_scan import AscendColumns, merge_ascend, scan_ascend
 from profstream.integrations.ingest.model import I64, IngestError
 
 # Categories of events that ran on a device (GPU, NPU): their ops may carry a launch correlation.
@@ -49,6 +50,12 @@ class EventArgs(msgspec.Struct, gc=False):
     in_nelems: Any = msgspec.field(default=None, name="In msg nelems")
     out_nelems: Any = msgspec.field(default=None, name="Out msg nelems")
     dtype: Any = None
+    # Ascend (msprof, torch_npu): a hardware task's type and the id of the flow that links
+    # it to its launch; an msprof Iteration's forward start and backward end
+    task_type: Any = msgspec.field(default=None, name="Task Type")
+    connection_id: Any = None
+    fp_start: Any = msgspec.field(default=None, name="FP Start")
+    bp_end: Any = msgspec.field(default=None, name="BP End")
 
 
 class TraceEvent(msgspec.Struct, gc=False):
@@ -62,6 +69,7 @@ class TraceEvent(msgspec.Struct, gc=False):
     ts: float | str = 0.0
     dur: float | str = 0.0
     args: EventArgs | None = None
+    id: Any = None  # a flow event's id (s / f)
 
 
 class TraceFile(msgspec.Struct, gc=False):
@@ -137,7 +145,7 @@ def _tolerant(path: Path, raw: bytes) -> tuple[list[TraceEvent], dict[str, Any]]
         events.append(TraceEvent(str(e.get("ph", "")), str(e.get("name", "")), str(e.get("cat") or ""),
                                  pid if isinstance(pid, (int, str)) else str(pid),
                                  tid if isinstance(tid, (int, str)) else str(tid),
-                                 e.get("ts", 0), e.get("dur", 0), _tolerant_args(e.get("args"))))
+                                 e.get("ts", 0), e.get("dur", 0), _tolerant_args(e.get("args")), e.get("id")))
     return events, meta
 
 
@@ -145,7 +153,8 @@ def _tolerant_args(args) -> EventArgs | None:
     if not isinstance(args, dict):
         return None
     return EventArgs(args.get("name"), args.get("Total Allocated"), args.get("Total Reserved"),
-                     args.get("correlation"), *(args.get(k) for k in COLLECTIVE_ARGS))
+                     args.get("correlation"), *(args.get(k) for k in COLLECTIVE_ARGS),
+                     *(args.get(k) for k in ("Task Type", "connection_id", "FP Start", "BP End")))
 
 
 
@@ -165,6 +174,39 @@ def _floats(values: list) -> np.ndarray:
         return np.array(values, np.float64)
 
 
+def us_to_ns(ts_us: np.ndarray) -> np.ndarray:
+    """Microseconds (float) to integer ns, whole microseconds kept exact."""
+    whole = np.floor(ts_us)
+    return whole.astype(I64) * 1000 + np.rint((ts_us - whole) * 1000).astype(I64)
+
+
+def _exact_ns(value) -> int:
+    """ns of one timestamp in µs; a decimal string exactly (``"1736405443881410.320"``: a
+    float64 would round it to 0.25 µs), a number as a float."""
+    if isinstance(value, str):
+        text = value.strip()
+        sign = -1 if text.startswith("-") else 1
+        whole, _, frac = text.lstrip("+-").partition(".")
+        if whole.isdigit() and (not frac or frac.isdigit()):
+            ns = int(whole) * 1000 + int((frac + "000")[:3])
+            if len(frac) > 3 and frac[3] >= "5":  # half up on the fourth decimal
+                ns += 1
+            return sign * ns
+    return int(us_to_ns(np.array([float(value)], np.float64))[0])
+
+
+def timestamps_ns(values: list) -> np.ndarray:
+    """Per value in µs: integer ns since the same origin. Numbers go through float64 (their
+    own precision); strings, as msprof and torch_npu write them, are read exactly (a file
+    writes all its timestamps one way: its first and last say which)."""
+    if values and (type(values[0]) is str or type(values[-1]) is str):
+        return np.array([_exact_ns(v) for v in values], I64)
+    try:
+        return us_to_ns(np.fromiter(values, np.float64, len(values)))
+    except (TypeError, ValueError):
+        return np.array([_exact_ns(v) for v in values], I64)
+
+
 @dataclass
 class EventColumns:
     """What ingest keeps of a run of trace events, in file order: columns and small tables,
@@ -172,17 +214,18 @@ class EventColumns:
 
     keys: list[tuple]  # distinct (ph, name, cat, pid, tid), in order of first appearance
     key_code: np.ndarray  # per complete (X) event: its key (int32)
-    ts_us: np.ndarray  # per complete event (float64)
-    dur_us: np.ndarray
+    ts_ns: np.ndarray  # per complete event (int64 ns on the trace's clock: its µs x 1000)
+    dur_us: np.ndarray  # per complete event (float64)
     metadata: list[tuple[str, Any, Any, str]]  # (process_name | thread_name, pid, tid, name)
     correlation: np.ndarray  # per complete event: its args.correlation (int64), -1 without one
-    mem_ts_us: np.ndarray  # [memory] samples (float64, int64, int64; reserved -1 when absent)
+    mem_ts_ns: np.ndarray  # [memory] samples (int64 as ts_ns, int64, int64; reserved -1 when absent)
     mem_allocated: np.ndarray
     mem_reserved: np.ndarray
     begin_end: int  # B/E events (not read)
     # per complete event with collective args: (its index among the complete events,
     # collective, group, seq, group size, in nelems, out nelems, dtype)
     collectives: list[tuple]
+    ascend: AscendColumns | None = None  # task types, flows, step marks of msprof and torch_npu traces
 
 
 def scan_events(path: Path, events: list[TraceEvent]) -> EventColumns:
@@ -199,7 +242,7 @@ def scan_events(path: Path, events: list[TraceEvent]) -> EventColumns:
     is_complete = np.array([k[0] == "X" for k in keys] or [False], bool)[all_code]
     complete = np.flatnonzero(is_complete)
     try:
-        ts_us = _floats([e.ts for e in events])[complete]
+        ts_ns = timestamps_ns([e.ts for e in events])[complete]
         dur_us = _floats([e.dur for e in events])[complete]
     except (TypeError, ValueError):
         raise IngestError(f"{path}: an event's ts or dur is not a number: expected {EXPECTED}") from None
@@ -209,6 +252,7 @@ def scan_events(path: Path, events: list[TraceEvent]) -> EventColumns:
         correlation = np.full(len(complete), -1, I64)
 
     collectives = _collectives(events, keys, all_code[complete], complete)
+    ascend = scan_ascend(events, keys, all_code, complete)
     metadata = []
     mem_ts, mem_alloc, mem_resv = [], [], []
     begin_end = 0
@@ -226,8 +270,8 @@ def scan_events(path: Path, events: list[TraceEvent]) -> EventColumns:
             mem_ts.append(e.ts)
             mem_alloc.append(args.allocated)
             mem_resv.append(args.reserved if isinstance(args.reserved, int) else -1)
-    return EventColumns(keys, all_code[complete], ts_us, dur_us, metadata, correlation, np.array(mem_ts, np.float64),
-                        np.array(mem_alloc, I64), np.array(mem_resv, I64), begin_end, collectives)
+    return EventColumns(keys, all_code[complete], ts_ns, dur_us, metadata, correlation, timestamps_ns(mem_ts),
+                        np.array(mem_alloc, I64), np.array(mem_resv, I64), begin_end, collectives, ascend)
 
 
 def _collectives(events: list[TraceEvent], keys: list[tuple], key_code: np.ndarray,
@@ -268,8 +312,9 @@ def merge_columns(parts: list[EventColumns]) -> EventColumns:
     def joined(name: str) -> np.ndarray:
         return np.concatenate([getattr(part, name) for part in parts])
 
-    offsets = np.cumsum([0] + [len(part.ts_us) for part in parts]).tolist()
-    return EventColumns(list(key_ix), np.concatenate(codes), joined("ts_us"), joined("dur_us"),
-                        [m for part in parts for m in part.metadata], joined("correlation"), joined("mem_ts_us"),
+    offsets = np.cumsum([0] + [len(part.ts_ns) for part in parts]).tolist()
+    return EventColumns(list(key_ix), np.concatenate(codes), joined("ts_ns"), joined("dur_us"),
+                        [m for part in parts for m in part.metadata], joined("correlation"), joined("mem_ts_ns"),
                         joined("mem_allocated"), joined("mem_reserved"), sum(part.begin_end for part in parts),
-                        [(j + off, *rest) for part, off in zip(parts, offsets) for j, *rest in part.collectives])
+                        [(j + off, *rest) for part, off in zip(parts, offsets) for j, *rest in part.collectives],
+                        merge_ascend([part.ascend for part in parts], offsets))

@@ -7,6 +7,10 @@
 // given when a batch is built and kept when librdkafka cannot take it yet; a batch over
 // the message limit sends half its ops and gives the rest back; the watermark read before
 // the rows, and held back while ops of the batch's steps are still buffered.
+// While the Monitor spools (producers/spool_sending.py: Kafka away, or records wait on
+// disk), Python builds, writes and reads back the batches; the Batcher then only sends
+// what Python hands it from the spool and hears the broker, and keeps the bytes of its
+// own batches that a close purges ("rescued"), for Python to put in front of the spool.
 #include <algorithm>
 #include <chrono>
 #include <cinttypes>
@@ -49,7 +53,16 @@ struct Pending {
   size_t size;
   int64_t ops;
   int64_t samples;
+  bool spooled;
 };
+
+struct Rescued {
+  std::string data;
+  int64_t ops;
+  int64_t samples;
+};
+
+bool purged(int err) { return err == ERR_PURGE_QUEUE || err == ERR_PURGE_INFLIGHT; }
 
 }  // namespace
 
@@ -84,6 +97,11 @@ class Core : public DeliverySink {
   std::atomic<int64_t> pending_count{0}, inflight{0}, acked{0}, failed{0}, latency{-1}, batches_sent{0},
       bytes_sent{0}, undelivered_ops{0}, undelivered_samples{0}, cycles{0}, returns{0};
   std::atomic<bool> down{false};
+  std::atomic<bool> spooling{false};      // Python builds and spools; cycles only send what it hands over
+  std::atomic<bool> rescue{false};        // a spool is there: keep purged batches' bytes for it
+  std::atomic<int64_t> spool_settled{0};  // spooled messages acknowledged or refused for good, in order
+  std::mutex rescued_mu;
+  std::vector<Rescued> rescued;
   std::mutex events_mu;
   std::vector<Event> events;
   std::atomic<bool> has_events{false};
@@ -100,18 +118,26 @@ class Core : public DeliverySink {
 
   // -- DeliverySink: on this thread, in poll/flush ------------------------------------
 
-  void delivered(int err, const char* reason, MsgInfo* info) override {
+  void delivered(int err, const char* reason, MsgInfo* info, const void* payload, size_t len) override {
     inflight.fetch_sub(info->size);
     if (err == 0) {
       acked.fetch_add(1);
+      if (info->spooled) spool_settled.fetch_add(1);
       latency.store(monotonic_ns() - info->sent_at_ns);
       if (down.exchange(false)) event("up");
-    } else {
-      failed.fetch_add(1);
-      undelivered_ops.fetch_add(info->ops);
-      undelivered_samples.fetch_add(info->samples);
-      event("undelivered", info->ops, info->samples, reason);
+      return;
     }
+    failed.fetch_add(1);
+    if (purged(err) && info->spooled) return;  // still in the spool: sent by the next Monitor or a publish
+    if (purged(err) && rescue.load()) {        // for the spool, in front of what it holds
+      std::lock_guard<std::mutex> g(rescued_mu);
+      rescued.push_back(Rescued{std::string(static_cast<const char*>(payload), len), info->ops, info->samples});
+      return;
+    }
+    if (info->spooled) spool_settled.fetch_add(1);  // refused for good: off the spool, counted
+    undelivered_ops.fetch_add(info->ops);
+    undelivered_samples.fetch_add(info->samples);
+    event("undelivered", info->ops, info->samples, reason);
   }
 
   void client_error(int err, const char* reason) override {
@@ -213,7 +239,7 @@ class Core : public DeliverySink {
     ++seq;
     size_t size;
     char* data = out.release(&size);
-    pending.push_back(Pending{data, size, takes[r->ops].count, samples});
+    pending.push_back(Pending{data, size, takes[r->ops].count, samples, false});
     pending_count.fetch_add(1);
     return true;
   }
@@ -221,7 +247,7 @@ class Core : public DeliverySink {
   void send_pending() {
     while (!pending.empty()) {
       Pending& p = pending.front();
-      auto* info = new MsgInfo{static_cast<int64_t>(p.size), p.ops, p.samples, monotonic_ns()};
+      auto* info = new MsgInfo{static_cast<int64_t>(p.size), p.ops, p.samples, monotonic_ns(), p.spooled};
       int err = produce(producer, p.data, p.size, info);
       if (err != 0) {
         delete info;
@@ -234,6 +260,7 @@ class Core : public DeliverySink {
         std::snprintf(why, sizeof why, "a batch of %zu bytes is over the message limit", p.size);
         undelivered_ops.fetch_add(p.ops);
         undelivered_samples.fetch_add(p.samples);
+        if (p.spooled) spool_settled.fetch_add(1);
         event("undelivered", p.ops, p.samples, why);
         std::free(p.data);
       } else {  // librdkafka owns the bytes now
@@ -299,7 +326,8 @@ class Core : public DeliverySink {
     if (producer != nullptr) {
       rdk.poll(producer->rk, 0);
       send_pending();
-      while (pending.empty() && inflight.load() < inflight_limit && build()) send_pending();
+      if (!spooling.load())
+        while (pending.empty() && inflight.load() < inflight_limit && build()) send_pending();
     }
     cycles.fetch_add(1);
   }
@@ -320,6 +348,8 @@ class Core : public DeliverySink {
     Wakeup& w = *rec->wake;
     for (;;) {
       if (w.interrupt.load() || has_events.load() || rec->foreign_waiting()) return;
+      // with a spool, librdkafka holding the whole in-flight share is Python's to handle: it spools
+      if (rescue.load() && !spooling.load() && inflight.load() >= inflight_limit) return;
       if (w.sleep_until(last_cycle + interval)) return;  // only a flush or stop cuts it short
       if (!w.is_set() && nothing_complete()) {
         Clock::time_point until = std::min(deadline, last_cycle + idle_interval);
@@ -327,6 +357,7 @@ class Core : public DeliverySink {
         w.wait_until(until, true);
         if (w.interrupt.load()) return;
       }
+      if (spooling.load()) return;  // a cycle is due: Python's, which spools
       cycle();
       if (Clock::now() >= deadline || rec->foreign_waiting()) return;
     }
@@ -441,11 +472,13 @@ static PyObject* Batcher_build(BatcherObject* self, PyObject*) {
   Py_END_ALLOW_THREADS return PyBool_FromLong(built);
 }
 
+// The oldest message built here or enqueued unspooled (not one handed over from the spool).
 static PyObject* Batcher_take_message(BatcherObject* self, PyObject*) {
   Core* c = self->core;
-  if (c->pending.empty()) Py_RETURN_NONE;
-  Pending p = c->pending.front();
-  c->pending.pop_front();
+  auto it = std::find_if(c->pending.begin(), c->pending.end(), [](const Pending& p) { return !p.spooled; });
+  if (it == c->pending.end()) Py_RETURN_NONE;
+  Pending p = *it;
+  c->pending.erase(it);
   c->pending_count.fetch_sub(1);
   PyObject* out = Py_BuildValue("(y#LL)", p.data, static_cast<Py_ssize_t>(p.size), p.ops, p.samples);
   std::free(p.data);
@@ -457,25 +490,76 @@ static PyObject* Batcher_take_message(BatcherObject* self, PyObject*) {
 static PyObject* Batcher_enqueue(BatcherObject* self, PyObject* args) {
   Py_buffer data;
   long long ops, samples;
-  if (!PyArg_ParseTuple(args, "y*LL", &data, &ops, &samples)) return nullptr;
+  int spooled = 0;
+  if (!PyArg_ParseTuple(args, "y*LL|p", &data, &ops, &samples, &spooled)) return nullptr;
   char* copy = static_cast<char*>(std::malloc(data.len > 0 ? static_cast<size_t>(data.len) : 1));
   if (copy == nullptr) {
     PyBuffer_Release(&data);
     return PyErr_NoMemory();
   }
   std::memcpy(copy, data.buf, static_cast<size_t>(data.len));
-  self->core->pending.push_back(Pending{copy, static_cast<size_t>(data.len), ops, samples});
+  self->core->pending.push_back(Pending{copy, static_cast<size_t>(data.len), ops, samples, spooled != 0});
   self->core->pending_count.fetch_add(1);
   PyBuffer_Release(&data);
   Py_RETURN_NONE;
+}
+
+// send(): hand what waits to librdkafka now (when attached); True when nothing is left waiting.
+static PyObject* Batcher_send(BatcherObject* self, PyObject*) {
+  Core* c = self->core;
+  if (c->producer != nullptr) {
+    Py_BEGIN_ALLOW_THREADS c->send_pending();
+    Py_END_ALLOW_THREADS
+  }
+  return PyBool_FromLong(c->pending.empty());
+}
+
+static PyObject* Batcher_set_spooling(BatcherObject* self, PyObject* value) {
+  self->core->spooling.store(PyObject_IsTrue(value) == 1);
+  Py_RETURN_NONE;
+}
+
+static PyObject* Batcher_set_rescue(BatcherObject* self, PyObject* value) {
+  self->core->rescue.store(PyObject_IsTrue(value) == 1);
+  Py_RETURN_NONE;
+}
+
+// A Python list of `build(item)` for each item (new references); nullptr on an error.
+template <typename T, typename F>
+PyObject* list_of(const std::vector<T>& items, F build) {
+  PyObject* out = PyList_New(0);
+  for (const T& x : items) {
+    PyObject* item = build(x);
+    if (item == nullptr || PyList_Append(out, item) < 0) {
+      Py_XDECREF(item);
+      Py_DECREF(out);
+      return nullptr;
+    }
+    Py_DECREF(item);
+  }
+  return out;
+}
+
+// take_rescued(): [(bytes, ops, samples)] of the batches a close purged, in their order.
+static PyObject* Batcher_take_rescued(BatcherObject* self, PyObject*) {
+  std::vector<Rescued> got;
+  {
+    std::lock_guard<std::mutex> g(self->core->rescued_mu);
+    got.swap(self->core->rescued);
+  }
+  return list_of(got, [](const Rescued& r) {
+    return Py_BuildValue("(y#LL)", r.data.data(), static_cast<Py_ssize_t>(r.data.size()), r.ops, r.samples);
+  });
 }
 
 static PyObject* Batcher_drop_pending(BatcherObject* self, PyObject*) {
   Core* c = self->core;
   int64_t ops = 0, samples = 0;
   for (Pending& p : c->pending) {
-    ops += p.ops;
-    samples += p.samples;
+    if (!p.spooled) {  // those handed over from the spool stay there
+      ops += p.ops;
+      samples += p.samples;
+    }
     std::free(p.data);
   }
   c->pending_count.fetch_sub(static_cast<int64_t>(c->pending.size()));
@@ -483,13 +567,16 @@ static PyObject* Batcher_drop_pending(BatcherObject* self, PyObject*) {
   return Py_BuildValue("(LL)", ops, samples);
 }
 
+// (messages, ops, samples) built and unsent, not counting those handed over from the spool.
 static PyObject* Batcher_pending(BatcherObject* self, PyObject*) {
-  int64_t ops = 0, samples = 0;
+  int64_t n = 0, ops = 0, samples = 0;
   for (const Pending& p : self->core->pending) {
+    if (p.spooled) continue;
+    ++n;
     ops += p.ops;
     samples += p.samples;
   }
-  return Py_BuildValue("(nLL)", static_cast<Py_ssize_t>(self->core->pending.size()), ops, samples);
+  return Py_BuildValue("(LLL)", n, ops, samples);
 }
 
 static PyObject* Batcher_take_events(BatcherObject* self, PyObject*) {
@@ -499,17 +586,7 @@ static PyObject* Batcher_take_events(BatcherObject* self, PyObject*) {
     got.swap(self->core->events);
     self->core->has_events.store(false);
   }
-  PyObject* out = PyList_New(0);
-  for (const Event& e : got) {
-    PyObject* item = Py_BuildValue("(sLLs)", e.kind.c_str(), e.a, e.b, e.text.c_str());
-    if (item == nullptr || PyList_Append(out, item) < 0) {
-      Py_XDECREF(item);
-      Py_DECREF(out);
-      return nullptr;
-    }
-    Py_DECREF(item);
-  }
-  return out;
+  return list_of(got, [](const Event& e) { return Py_BuildValue("(sLLs)", e.kind.c_str(), e.a, e.b, e.text.c_str()); });
 }
 
 static PyObject* Batcher_interrupt(BatcherObject* self, PyObject*) {
@@ -538,11 +615,12 @@ static PyObject* Batcher_set_down(BatcherObject* self, PyObject* value) {
 static PyObject* Batcher_stats(BatcherObject* self, PyObject*) {
   Core* c = self->core;
   return Py_BuildValue(
-      "{sLsLsLsLsLsLsLsLsLsLsLsL}", "batches_sent", c->batches_sent.load(), "bytes_sent", c->bytes_sent.load(),
+      "{sLsLsLsLsLsLsLsLsLsLsLsLsL}", "batches_sent", c->batches_sent.load(), "bytes_sent", c->bytes_sent.load(),
       "batches_acked", c->acked.load(), "batches_failed", c->failed.load(), "undelivered_ops",
       c->undelivered_ops.load(), "undelivered_samples", c->undelivered_samples.load(), "inflight_bytes",
       c->inflight.load(), "send_latency_ns", c->latency.load(), "pending_batches", c->pending_count.load(), "seq",
-      static_cast<long long>(c->seq), "cycles", c->cycles.load(), "python_returns", c->returns.load());
+      static_cast<long long>(c->seq), "cycles", c->cycles.load(), "python_returns", c->returns.load(), "spool_settled",
+      c->spool_settled.load());
 }
 
 static PyObject* Batcher_get_inflight(BatcherObject* self, void*) {
@@ -560,7 +638,15 @@ static PyMethodDef Batcher_methods[] = {
     {"take_message", reinterpret_cast<PyCFunction>(Batcher_take_message), METH_NOARGS,
      "The oldest built message, unsent: (bytes, ops, samples), or None."},
     {"enqueue", reinterpret_cast<PyCFunction>(Batcher_enqueue), METH_VARARGS,
-     "Send this message (bytes, ops, samples) after those built before it."},
+     "Send this message (bytes, ops, samples[, spooled]) after those built before it."},
+    {"send", reinterpret_cast<PyCFunction>(Batcher_send), METH_NOARGS,
+     "Hand what waits to librdkafka now; True when nothing is left waiting."},
+    {"set_spooling", reinterpret_cast<PyCFunction>(Batcher_set_spooling), METH_O,
+     "True: cycles send only what is handed over, and run() returns when a cycle is due."},
+    {"set_rescue", reinterpret_cast<PyCFunction>(Batcher_set_rescue), METH_O,
+     "True: keep the bytes of batches a close purges (take_rescued)."},
+    {"take_rescued", reinterpret_cast<PyCFunction>(Batcher_take_rescued), METH_NOARGS,
+     "[(bytes, ops, samples)] of the batches a close purged."},
     {"drop_pending", reinterpret_cast<PyCFunction>(Batcher_drop_pending), METH_NOARGS,
      "Forget the built, unsent messages; returns their (ops, samples)."},
     {"pending", reinterpret_cast<PyCFunction>(Batcher_pending), METH_NOARGS, "(messages, ops, samples) built, unsent."},

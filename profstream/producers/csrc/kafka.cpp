@@ -30,7 +30,8 @@ void on_delivery(rd_kafka_t*, const rd_kafka_message_t* msg, void* opaque) {
   auto* self = static_cast<ProducerObject*>(opaque);
   auto* info = static_cast<MsgInfo*>(msg->_private);
   if (info == nullptr) return;
-  if (self->sink != nullptr) self->sink->delivered(msg->err, msg->err ? rdk.err2str(msg->err) : "", info);
+  if (self->sink != nullptr)
+    self->sink->delivered(msg->err, msg->err ? rdk.err2str(msg->err) : "", info, msg->payload, msg->len);
   delete info;
 }
 

@@ -45,6 +45,8 @@ constexpr int RDK_PURGE_INFLIGHT = 0x2;
 constexpr int ERR_QUEUE_FULL = -184;
 constexpr int ERR_ALL_BROKERS_DOWN = -187;
 constexpr int ERR_MSG_SIZE_TOO_LARGE = 10;
+constexpr int ERR_PURGE_QUEUE = -152;     // purged before it was sent (close)
+constexpr int ERR_PURGE_INFLIGHT = -151;  // purged while in flight (close)
 
 struct RdKafka {
   bool loaded = false;
@@ -84,6 +86,7 @@ struct MsgInfo {
   int64_t ops;
   int64_t samples;
   int64_t sent_at_ns;  // monotonic
+  bool spooled;        // read back from the disk spool: it stays there until acknowledged
 };
 
 // Who hears of deliveries and client errors: the Batcher. Called on the thread that
@@ -91,7 +94,8 @@ struct MsgInfo {
 class DeliverySink {
  public:
   virtual ~DeliverySink() = default;
-  virtual void delivered(int err, const char* reason, MsgInfo* info) = 0;
+  // `payload`, `len`: the message's bytes, valid during the call only
+  virtual void delivered(int err, const char* reason, MsgInfo* info, const void* payload, size_t len) = 0;
   virtual void client_error(int err, const char* reason) = 0;
 };
 
