@@ -10,16 +10,33 @@ from profstream.schema.batch import EventBatch, decode_batch
 from profstream.schema.codec import decode, record_name
 
 
-def raw_batches(bootstrap: str, topic: str, run_id: str, count: int, timeout: float = 30.0) -> list[EventBatch]:
-    """``count`` batches of ``run_id`` from the raw topic, in each partition's order."""
-    return read_topic(bootstrap, topic, lambda b: b.run_id == run_id, count, timeout, decode=decode_batch)
+def read_full(bootstrap: str, topic: str, want, count: int, timeout: float, decode=None,
+              what: str = "records") -> list:
+    """``read_topic`` for a test that needs all ``count`` values: when fewer came within
+    ``timeout`` the test fails here, as a short read, not later as a wrong figure."""
+    got = read_topic(bootstrap, topic, want, count, timeout, decode=decode)
+    assert len(got) >= count, f"short read: {len(got)} of the {count} {what} asked for came from {topic} " \
+                              f"within {timeout:g} s"
+    return got
+
+
+def raw_batches(bootstrap: str, topic: str, run_id: str, count: int, timeout: float = 30.0,
+                full: bool = True) -> list[EventBatch]:
+    """``count`` batches of ``run_id`` from the raw topic, in each partition's order (fewer
+    fail the test as a short read; ``full=False``: those that came within ``timeout``)."""
+    read = read_full if full else read_topic
+    kw = {"what": f"batches of {run_id}"} if full else {}
+    return read(bootstrap, topic, lambda b: b.run_id == run_id, count, timeout, decode=decode_batch, **kw)
 
 
 def step_records(bootstrap: str, topic: str, run_id: str, count: int, timeout: float = 60.0,
-                 name: str = "StepMetrics") -> list[dict]:
-    """``count`` records of ``run_id`` on the steps topic: its StepMetrics (or its RankEnds)."""
-    return read_topic(bootstrap, topic, lambda r: r is not None and r["run_id"] == run_id, count, timeout,
-                      decode=lambda v: decode(name, v) if record_name(v) == name else None)
+                 name: str = "StepMetrics", full: bool = True) -> list[dict]:
+    """``count`` records of ``run_id`` on the steps topic: its StepMetrics (or its RankEnds),
+    as ``raw_batches``."""
+    read = read_full if full else read_topic
+    kw = {"what": f"{name}s of {run_id}"} if full else {}
+    return read(bootstrap, topic, lambda r: r is not None and r["run_id"] == run_id, count, timeout,
+                decode=lambda v: decode(name, v) if record_name(v) == name else None, **kw)
 
 
 def topic_size(bootstrap: str, topic: str) -> int:
