@@ -108,6 +108,7 @@ class NativeSender(Sender):
             else:  # the steady state: no GIL until something needs Python
                 core.run(STEADY_S)
                 cycle = self._stopping.is_set() or self._flush_waits()
+                self._spool_settle()  # spooled records handed over before: off the disk once acknowledged
 
     def _flush_waits(self) -> bool:
         with self._flush_cv:
