@@ -333,7 +333,18 @@ class SimResult:
     wall_s: float
     flushed: bool
     dropped_ops: int
-    stats: list[dict]
+    stats: list[dict]  # each Monitor's, after its close
+
+    def dropped(self, what: str) -> int:
+        """A drop count of every Monitor's stats(): dropped_samples, dropped_marks, partial_steps..."""
+        return sum(s.get(what, 0) for s in self.stats)
+
+    def summary(self, bootstrap: str) -> str:
+        """The line `profstream simulate` prints: what was sent, and every family dropped."""
+        return (f"{self.steps_recorded} steps, {self.ops_recorded} ops sent to {bootstrap} in {self.wall_s:.1f} s; "
+                f"dropped ops: {self.dropped_ops}, samples: {self.dropped('dropped_samples')} (step marks: "
+                f"{self.dropped('dropped_marks')}, those steps lost whole); steps that lost events: "
+                f"{self.dropped('partial_steps')}; {'all delivered' if self.flushed else 'NOT all delivered'}")
 
 
 def run_simulation(cfg: SimConfig, monitor_options: dict | None = None, progress=None,

@@ -60,7 +60,8 @@ def simulate(
     procs: Annotated[int, typer.Option(help="producer processes that share the ranks out, each with the "
                                             "Monitors of its ranks (1 to --ranks)")] = 1,
 ) -> None:
-    """Simulate a training run through the real Monitor (deterministic for a seed)."""
+    """Simulate a training run through the real Monitor (deterministic for a seed); prints what
+    was sent and every family dropped."""
     from profstream.simulate import run_simulation
     from profstream.simulate_procs import run_in_processes, shares
 
@@ -81,9 +82,7 @@ def simulate(
                 result = run_in_processes(cfg, procs, monitor_options, progress=lambda n: advance(None, n))
             except RuntimeError as e:
                 fail(str(e))
-    out.print(f"run {cfg.run_id}: {result.steps_recorded} steps, {result.ops_recorded} ops sent to {boot} "
-              f"in {result.wall_s:.1f} s; dropped ops: {result.dropped_ops}; "
-              f"{'all delivered' if result.flushed else 'NOT all delivered'}", highlight=False)
+    out.print(f"run {cfg.run_id}: {result.summary(boot)}", highlight=False, soft_wrap=True)
     if not result.flushed:
         raise typer.Exit(1)
 

@@ -28,7 +28,7 @@ import numpy as np
 from profstream.processors.collectives import CALL_COLUMNS, Calls
 from profstream.processors.model import StepEvents
 from profstream.processors.window import carry_past_end, step_window
-from profstream.schema.batch import END_MARK, NO_VALUE, SECTIONS, EventBatch, launch_column
+from profstream.schema.batch import END_MARK, NO_VALUE, SECTIONS, EventBatch, column, launch_column
 
 _OP_COLS = ("kind", "type", "stream", "start_ns", "dur_ns", "launch_ns")
 _MEM_COLS = ("ts_ns", "allocated", "reserved", "peak")
@@ -41,6 +41,7 @@ _DEVICE_COLS = tuple(col for col, _ in SECTIONS["device_samples"])
 @dataclass
 class _OpenStep:
     mark: tuple[int, int, int, int] | None = None  # S, E, F, B
+    lost: tuple[int, int] = (0, 0)  # (ops, samples) of the step its producer dropped: its mark says
     mark_seen_at: float = 0.0
     ops: list[dict] = field(default_factory=list)
     memory: list[dict] = field(default_factory=list)
@@ -200,6 +201,8 @@ class RankAssembler:
             for step, part in _by_step(dev["step"], dev):
                 self._bucket(step, "devices", part, len(part["ts_ns"]))
         st = batch.steps
+        if len(st["step"]):
+            lost_ops, lost_samples = (column(batch, "steps", c) for c in ("dropped_ops", "dropped_samples"))
         for i in range(len(st["step"])):
             step = int(st["step"][i])
             if step == END_MARK:  # no step: the rank ended (``finished`` once its steps are closed)
@@ -213,6 +216,7 @@ class RankAssembler:
                 continue
             entry.mark = (int(st["start_ns"][i]), int(st["end_ns"][i]),
                           int(st["fp_start_ns"][i]), int(st["bp_end_ns"][i]))
+            entry.lost = (int(lost_ops[i]), int(lost_samples[i]))
             entry.mark_seen_at = now
             self.events += fresh
         if None in self._fed.values():
@@ -321,7 +325,7 @@ class RankAssembler:
             queue_names=self.queue_names, carried_compute=self.carry[0], carried_comm=self.carry[1],
             prev_device_end_ns=before[1] if before is not None and before[0] == step - 1 else NO_VALUE,
             collectives=Calls(self.collective_names, _concat(entry.collectives, _CALL_COLS, _CALL_DTYPES)),
-            device_samples=dev,
+            device_samples=dev, dropped_ops=entry.lost[0], dropped_samples=entry.lost[1],
         )
         self.carry = carry_past_end(ev)
         window = step_window(ev)

@@ -116,6 +116,11 @@ class _Rank:
     devices: dict[str, dict] = field(default_factory=dict)  # device -> DeviceFigures of its latest step
     recent: deque = field(default_factory=lambda: deque(maxlen=SLOW_WINDOW_STEPS))  # newest steps' step_s
     ended: bool = False  # its producer ended normally after its latest step (RankEnd)
+    # what its producer lost, as its StepMetrics say: events of partial steps (their marks
+    # say how many), those steps, and steps missing from its sequence (lost whole)
+    dropped: tuple[int, int] = (0, 0)  # ops, samples
+    partial_steps: int = 0
+    lost_steps: int = 0
 
 
 @dataclass(eq=False)
@@ -219,6 +224,11 @@ class ExporterState:
         r.buckets[bisect.bisect_left(STEP_BUCKETS, step_s)] += 1
         r.sum_s += step_s
         r.starved += m["starved"]
+        lost_ops, lost_samples = m["dropped_ops"], m["dropped_samples"]
+        r.partial_steps += bool(lost_ops or lost_samples)
+        r.dropped = (r.dropped[0] + lost_ops, r.dropped[1] + lost_samples)
+        if r.last_step >= 0 and m["step"] > r.last_step + 1:  # steps between: their marks never came
+            r.lost_steps += m["step"] - r.last_step - 1
         self._add_types(m["op_types"], run.op_types, r.op_ns)
         self._add_types(m["kernel_types"], run.kernels, r.kernel_ns)
         for cost in m["device_kinds"]:
@@ -237,14 +247,16 @@ class ExporterState:
         r.step_s = step_s
         r.host_step_s = m["host_step_time_ns"] / 1e9
         r.phases = (m["data_wait_ns"] / 1e9, m["fp_bp_ns"] / 1e9, m["tail_ns"] / 1e9)
-        if m["utilization"] is not None:  # a step without captured ops keeps the last measured values
+        # a step without captured ops keeps the last measured values; so does one that lost ops
+        if m["utilization"] is not None and not lost_ops:
             r.utilization = m["utilization"]
             r.overlap_ratio = m["overlap_ratio"]
             r.idle_ratio = m["idle_ns"] / step_ns if step_ns else 0.0
-        mem = m["memory"]
-        if mem is not None:  # a step without samples keeps the last known values
+        # a step without samples keeps the last known values; so does one that lost samples
+        mem = None if lost_samples else m["memory"]
+        if mem is not None:
             r.memory = tuple((k, mem[k]) for k in ("allocated", "reserved", "peak") if mem[k] >= 0)
-        for q in m["queues"]:
+        for q in () if lost_samples else m["queues"]:
             if q["queue"] in r.queues or len(r.queues) < MAX_QUEUES:
                 r.queues[q["queue"]] = (q["last"], q["empty_ratio"])
             else:
@@ -370,6 +382,14 @@ class ExporterState:
                  lambda run, rank, r: run.stalls.get(rank, 0), extra=stalled)
         per_rank(p + "starved_steps_total", "steps starved of input data", lambda run, rank, r: r.starved,
                  "counter")
+        split(p + "step_dropped_events_total", "counter", "events of the rank's partial steps its producer dropped "
+              "(their marks say how many), by family: ops, samples", "family",
+              lambda r: (("ops", r.dropped[0]), ("samples", r.dropped[1])))
+        per_rank(p + "partial_steps_total", "steps of the rank that lost events (their producer dropped some): "
+                 "their figures cover what arrived, and the utilization, memory and queue gauges keep the last "
+                 "whole step's", lambda run, rank, r: r.partial_steps, "counter")
+        per_rank(p + "lost_steps_total", "steps of the rank missing from its sequence: their marks were dropped "
+                 "or lost with a batch, so they were lost whole", lambda run, rank, r: r.lost_steps, "counter")
         split(p + "op_type_seconds_total", "counter", "summed op durations by op type (top K per run, the rest "
               "as other; host ops only where steps have device windows)", "op_type",
               lambda r: ((t, ns / 1e9) for t, ns in r.op_ns.items()))
@@ -415,8 +435,9 @@ class ExporterState:
                                 f"{MAX_QUEUES} queues", value=self.queues_over_limit),
             CounterMetricFamily(p + "devices_over_limit", f"device figures not exported: rank already had "
                                 f"{MAX_DEVICES} devices", value=self.devices_over_limit),
-            GaugeMetricFamily(p + "consumer_lag_messages", "records on the input topics not yet consumed",
-                              value=self.source.lag if self.source is not None else 0),
+            *([GaugeMetricFamily(p + "consumer_lag_messages", "records on the input topics not yet consumed "
+                                 "(absent while Kafka does not answer)", value=self.source.lag)]
+              if self.source is not None and self.source.lag_known else []),
             GaugeMetricFamily(p + "runs", "runs with series", value=len(self._runs)),
             GaugeMetricFamily(p + "ranks", "ranks held (per-rank series: each run's slowest --top-ranks)",
                               value=sum(len(r.ranks) for r in self._runs.values())),
