@@ -132,12 +132,14 @@ class IdleSender:
         return {"undelivered_ops": 0, "undelivered_samples": 0}
 
 
-def simulated_messages(cfg, close: bool = True, partitions: int = 4, send_every: int = 1, **monitor_options):
+def simulated_messages(cfg, close: bool = True, partitions: int = 4, send_every: int = 1, end_signal: int = 0,
+                       **monitor_options):
     """The raw messages the Monitors of a simulated run (``SimConfig``) send, built with no
     broker and no thread, step by step (each rank's batches after each of its steps; after
     every ``send_every``-th, as a sender that falls behind), as
     ``processors.stream.RawMessage`` (the clock: the step's end). ``close``: then each
-    Monitor closes normally, and what its close sends (the end mark) follows."""
+    Monitor closes normally, and what its close sends (the end mark) follows; ``end_signal``:
+    as one told to end by that signal (SIGTERM) does."""
     from profstream.processors.stream import RawMessage
     from profstream.producers.monitor import Monitor
     from profstream.producers.sender import Sender
@@ -169,6 +171,8 @@ def simulated_messages(cfg, close: bool = True, partitions: int = 4, send_every:
             build(plan.rank)
     for rank, m in monitors.items():
         build(rank)
+        if end_signal:
+            m.ending_on(end_signal)
         if close:
             m.close()
             build(rank)

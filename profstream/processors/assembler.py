@@ -121,6 +121,7 @@ class RankAssembler:
         self.carry: tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]] = (_NO_CARRY, _NO_CARRY)
         self.device_end: tuple[int, int] | None = None  # (step, end of its last device op)
         self.ended_ns: int | None = None  # the producer's end mark: it ended normally, at this time
+        self.end_signal = 0  # the signal that ended it, as its end mark says (0: it closed)
         # health counters (totals)
         self.late_events = 0
         self.orphan_events = 0
@@ -202,11 +203,13 @@ class RankAssembler:
                 self._bucket(step, "devices", part, len(part["ts_ns"]))
         st = batch.steps
         if len(st["step"]):
-            lost_ops, lost_samples = (column(batch, "steps", c) for c in ("dropped_ops", "dropped_samples"))
+            lost_ops, lost_samples, end_signal = (column(batch, "steps", c)
+                                                  for c in ("dropped_ops", "dropped_samples", "end_signal"))
         for i in range(len(st["step"])):
             step = int(st["step"][i])
             if step == END_MARK:  # no step: the rank ended (``finished`` once its steps are closed)
                 self.ended_ns = int(st["end_ns"][i])
+                self.end_signal = int(end_signal[i])
                 continue
             if self._closed(step):
                 self.late_events += fresh

@@ -176,7 +176,7 @@ class ProcessorHealth(_Counters):
             ("partial_steps_closed", "StepMetrics of steps that lost events (their producer dropped some: its mark "
              "says so); left out of the rolling figures", self.partial_steps),
             ("run_steps", "RunStepMetrics produced", self.run_steps),
-            ("ranks_ended", "ranks whose producer ended normally (end mark), every step closed: RankEnd "
+            ("ranks_ended", "ranks whose producer ended (end mark: a close or a SIGTERM), every step closed: RankEnd "
              "records produced", self.ranks_ended),
             ("alerts", "alert transitions produced", self.alerts),
             ("uncorrelated_device_ops", "device ops without a launch time in steps whose other device ops "

@@ -39,6 +39,7 @@ from profstream.schema.codec import (
     decode,
     decode_any,
     encode,
+    encode_rank_end,
     encode_run_step_metrics,
     encode_step_metrics,
 )
@@ -228,9 +229,9 @@ class StepStage:
 
     def _rank_end(self, asm: RankAssembler) -> Output:
         record = {"run_id": asm.run_id, "rank": asm.rank, "world_size": asm.world_size, "host": asm.host,
-                  "last_step": asm.last_step, "ended_ns": asm.ended_ns}
+                  "last_step": asm.last_step, "ended_ns": asm.ended_ns, "end_signal": asm.end_signal}
         self.counts.ranks_ended += 1
-        return Output(self.topics.steps, f"{asm.run_id}/{asm.rank}".encode(), encode("RankEnd", record),
+        return Output(self.topics.steps, f"{asm.run_id}/{asm.rank}".encode(), encode_rank_end(record),
                       run_partition(asm.run_id, self.steps_partitions))
 
     def _due(self, now: float) -> list[tuple[str, int]]:

@@ -65,6 +65,11 @@ def exiting_on_error() -> bool:
     return getattr(sys, "last_value", None) is not None
 
 
+def live_monitors() -> list[Monitor]:
+    """The Monitors of this process not closed yet."""
+    return list(_live_monitors)
+
+
 @atexit.register
 def _close_all_at_exit() -> None:
     ended = not exiting_on_error()
@@ -196,6 +201,9 @@ class Monitor:
             self._sender = (sender_factory or sender_type)(self)
             self._sender.start()
             _live_monitors.add(self)
+            from profstream.producers import shutdown
+
+            shutdown.watch(live_monitors)  # SIGTERM: flush, and the end mark says so (producers/shutdown.py)
             from profstream.devices.sampler import start_sampler
 
             # on a thread of its own; None (one information line) where no counters can be read
@@ -492,6 +500,11 @@ class Monitor:
                         "marks (those steps are lost whole); %d steps lost some events (sent marked partial). "
                         "A larger buffer_bytes or a spool_dir keeps more", self.run_id, self.rank, ops, samples,
                         marks, self.partial_steps)
+
+    def ending_on(self, signum: int) -> None:
+        """The process got signal ``signum`` and ends on it: the end mark will say so (the
+        processors' RankEnd then gives it as the reason). ``producers/shutdown.py`` calls it."""
+        self._end_signal = signum
 
     def __enter__(self) -> Monitor:
         return self

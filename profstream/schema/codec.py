@@ -201,11 +201,12 @@ _VERSIONS: list[SchemaVersion] = [
     _version(_load("run_step_metrics.v2.avsc"), 2),  # + collectives matched across ranks
     _version(_load("capture_request.avsc"), 1),  # the control topic (docs/capture.md)
     _version(_load("capture_status.avsc"), 1),
-    _version(_load("rank_end.avsc"), 1),  # on the steps topic: a rank that ended normally
+    _version(_load("rank_end.avsc"), 1, lambda record: {**record, "end_signal": 0}),  # on the steps topic: a rank that ended
     _version(_load("step_metrics.v6.avsc"), 6, _step_metrics_v6_to_v7),  # op figures null when not measured
     # EventBatch v6 and older read with the v7 step columns at their fill (decode_batch: COLUMN_FILL)
     _version(_load("event_batch.v7.avsc"), 7),  # + steps.dropped_ops, dropped_samples, end_signal
     _version(_load("step_metrics.v7.avsc"), 7),  # + what a partial step lost
+    _version(_load("rank_end.v2.avsc"), 2),  # + end_signal (v1 reads as 0: default)
 ]
 
 SCHEMAS: dict[int, SchemaVersion] = {v.fingerprint: v for v in _VERSIONS}
@@ -258,6 +259,15 @@ def encode_step_metrics(record: dict) -> bytes:
         return encode("StepMetrics", record, STEP_METRICS_MEASURED_VERSION)
     return encode("StepMetrics", record, STEP_METRICS_WITHOUT_COLLECTIVES_VERSION if record.get("devices")
                   else STEP_METRICS_WITHOUT_DEVICES_VERSION)
+
+
+RANK_END_CLOSED_VERSION = 1  # a RankEnd of a producer that closed normally: v2 only says a signal
+
+
+def encode_rank_end(record: dict) -> bytes:
+    """A RankEnd record as its message: v2 when a signal ended the producer, else v1 (read
+    whole by consumers older than v2)."""
+    return encode("RankEnd", record, None if record.get("end_signal") else RANK_END_CLOSED_VERSION)
 
 
 def encode_run_step_metrics(record: dict) -> bytes:

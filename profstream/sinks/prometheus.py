@@ -116,6 +116,7 @@ class _Rank:
     devices: dict[str, dict] = field(default_factory=dict)  # device -> DeviceFigures of its latest step
     recent: deque = field(default_factory=lambda: deque(maxlen=SLOW_WINDOW_STEPS))  # newest steps' step_s
     ended: bool = False  # its producer ended normally after its latest step (RankEnd)
+    end_signal: int = 0  # the signal that ended it (RankEnd v2), 0: it closed
     # what its producer lost, as its StepMetrics say: events of partial steps (their marks
     # say how many), those steps, and steps missing from its sequence (lost whole)
     dropped: tuple[int, int] = (0, 0)  # ops, samples
@@ -287,6 +288,7 @@ class ExporterState:
         r = run.ranks.get(end["rank"]) if run is not None else None
         if r is not None:  # after the rank's last StepMetrics (same partition, in order)
             r.ended = True
+            r.end_signal = end["end_signal"]
             r.seen_s = max(r.seen_s, ts)
             run.seen_s = max(run.seen_s, ts)
 
@@ -398,8 +400,13 @@ class ExporterState:
               lambda r: ((t, ns / 1e9) for t, ns in r.kernel_ns.items()))
         split(p + "device_kind_seconds_total", "counter", "summed device op durations by kind: compute, "
               "communication, memcpy, memset", "kind", lambda r: ((k, ns / 1e9) for k, ns in r.kind_ns.items()))
-        family(p + "run_ended", "gauge", "1 when every rank of the run the exporter holds ended normally (its "
-               "Monitor closed after its last step), else 0: RunSilent fires only for runs at 0",
+        per_rank(p + "rank_ended", "1 when the rank's producer ended (its Monitor closed, normally or on a signal it "
+                 "was sent) after its latest step, else 0", lambda run, rank, r: int(r.ended))
+        per_rank(p + "rank_end_signal", "the signal that ended the rank's producer (15: SIGTERM), for a rank that "
+                 "ended on one", lambda run, rank, r: r.end_signal if r.ended and r.end_signal else None)
+        family(p + "run_ended", "gauge", "1 when every rank of the run the exporter holds ended (its Monitor "
+               "closed after its last step, normally or on a signal it was sent), else 0: RunSilent fires only for "
+               "runs at 0",
                (f'{p}run_ended{{run="{_esc(run_id)}"}} {int(all(r.ended for r in run.ranks.values()))}\n'
                 for run_id, run in self._runs.items() if run.ranks))
         per_run(p + "rank_skew_ratio", "(max - min) / median step time across the ranks of the run's latest "
