@@ -49,6 +49,10 @@ DEFAULT_GROUP = "profstream-prometheus"
 DEFAULT_TTL_S = 900.0
 DEFAULT_TOP_K = 10
 MAX_QUEUES = 16
+# A rank outside a large run's slowest --top-ranks keeps its step time and end series (and
+# profstream_rank_ended) once its newest record is this much older than its run's: RankSilent
+# reads them
+SILENT_KEEP_S = 10.0
 OTHER = "other"
 # Step times from 1 ms to 10 min: 1, 1.5, 2, 3, 5, 7.5 per decade up to 30 s (neighbours at
 # most 1.67x apart), then minutes.
@@ -333,6 +337,9 @@ class ExporterState:
         stalled = [(run, rank, run.ranks[rank]) for run_id, run in self._runs.items()
                    for rank, firing in run.stalls.items()
                    if firing and rank in run.ranks and rank not in kept[run_id]]
+        # so does a rank that stopped while its run goes on, for RankSilent (and whether it ended)
+        silent = [(run, rank, r) for run_id, run in self._runs.items() for rank, r in run.ranks.items()
+                  if rank not in kept[run_id] and run.seen_s - r.seen_s > SILENT_KEEP_S]
         runs = [(run_id, run) for run_id, run in self._runs.items() if run.step >= 0]
         out: list[str] = []
 
@@ -354,7 +361,7 @@ class ExporterState:
 
         p = _P
         per_rank(p + "step_duration_seconds", "duration of the rank's latest step (end - start; on a device "
-                 "window, the device's)", lambda run, rank, r: r.step_s)
+                 "window, the device's)", lambda run, rank, r: r.step_s, extra=silent)
         per_rank(p + "host_step_duration_seconds", "host duration of the rank's latest step (end - start mark)",
                  lambda run, rank, r: r.host_step_s)
         hist = p + "step_duration_seconds_hist"
@@ -367,7 +374,7 @@ class ExporterState:
               "fp_bp (forward and backward), tail", "phase", lambda r: zip(PHASES, r.phases))
         per_rank(p + "last_step", "number of the rank's latest step", lambda run, rank, r: r.last_step)
         per_rank(p + "last_step_timestamp_seconds", "end of the rank's latest step, Unix time (producer clock)",
-                 lambda run, rank, r: r.end_s)
+                 lambda run, rank, r: r.end_s, extra=silent)
         per_rank(p + "device_utilization_ratio", "compute time / step time of the latest step with captured ops "
                  "(no sample before one)", lambda run, rank, r: r.utilization)
         per_rank(p + "comm_overlap_ratio", "communication overlapped by compute / communication time of the "
@@ -401,7 +408,8 @@ class ExporterState:
         split(p + "device_kind_seconds_total", "counter", "summed device op durations by kind: compute, "
               "communication, memcpy, memset", "kind", lambda r: ((k, ns / 1e9) for k, ns in r.kind_ns.items()))
         per_rank(p + "rank_ended", "1 when the rank's producer ended (its Monitor closed, normally or on a signal it "
-                 "was sent) after its latest step, else 0", lambda run, rank, r: int(r.ended))
+                 "was sent) after its latest step, else 0: RankSilent fires only for ranks at 0",
+                 lambda run, rank, r: int(r.ended), extra=silent)
         per_rank(p + "rank_end_signal", "the signal that ended the rank's producer (15: SIGTERM), for a rank that "
                  "ended on one", lambda run, rank, r: r.end_signal if r.ended and r.end_signal else None)
         family(p + "run_ended", "gauge", "1 when every rank of the run the exporter holds ended (its Monitor "
