@@ -37,6 +37,7 @@ WATCHED = (signal.SIGTERM,)
 _previous: dict[int, Any] = {}  # signal -> the handler ours stands in front of
 _exit_hooks: list[Callable[[float], None]] = []
 _live: Callable[[], list] = list  # the Monitors not closed yet (monitor.live_monitors)
+_pid = 0  # the process whose Monitors these are (a forked child, a DataLoader worker, has copies)
 _busy = False
 
 
@@ -44,8 +45,8 @@ def watch(live: Callable[[], list]) -> None:
     """Put the handler in front of the program's for each watched signal, where it is not
     there already, for the Monitors ``live()`` returns; nothing off the main thread (Python
     runs handlers there only) or for a signal the program ignores."""
-    global _live
-    _live = live
+    global _live, _pid
+    _live, _pid = live, os.getpid()
     if threading.current_thread() is not threading.main_thread():
         return
     for signum in WATCHED:
@@ -66,7 +67,7 @@ def _on_signal(signum: int, frame: Any) -> None:
     global _busy
     previous = _previous.get(signum, signal.SIG_DFL)
     dying = not callable(previous)
-    if not _busy:
+    if not _busy and os.getpid() == _pid:  # in a forked child the copies send nothing: just chain
         _busy = True
         try:
             _wind_down(signum, dying)
