@@ -14,13 +14,15 @@ from tests.helpers import wait_until
 
 def test_an_outage_the_buffer_cannot_hold_loses_no_step_and_marks_the_partial_ones(broker, fault_topics, tmp_path):
     topics = fault_topics
-    # 2 ranks x 20 steps/s x 100 ops; a 1 MiB buffer holds ~26 steps' ops and 786 marks, and
-    # the broker is away for 15 s: ~300 steps of each rank, most of their ops dropped
-    cfg = SimConfig(run_id="overflow", ranks=2, steps=500, ops_per_step=100, step_time_ms=50, seed=13,
+    # 2 ranks x 10 steps/s x 100 ops for 70 s; a 2 MiB buffer holds ~52 steps' ops and 1,572
+    # marks, and the broker is away for 15 s and its restart (the run goes on until it is
+    # back, so that what the buffer kept is delivered): ~150 steps of each rank, most of their
+    # ops dropped
+    cfg = SimConfig(run_id="overflow", ranks=2, steps=700, ops_per_step=100, step_time_ms=100, seed=13,
                     rate="realtime")
     processor = ProcessorProcess(broker.bootstrap, topics, tmp_path / "processor.log").start()
     try:
-        with StreamingRun(broker.bootstrap, topics, cfg, buffer_bytes="1MiB") as run:
+        with StreamingRun(broker.bootstrap, topics, cfg, buffer_bytes="2MiB") as run:
             wait_until(lambda: len(run.steps.seen) >= 40, 60, "40 steps committed before the outage")
             broker.stop()
             away_until = time.monotonic() + 15.0
@@ -38,10 +40,10 @@ def test_an_outage_the_buffer_cannot_hold_loses_no_step_and_marks_the_partial_on
     finally:
         processor.stop()
     dropped_ops, dropped_samples = result.dropped_ops, result.dropped("dropped_samples")
-    assert dropped_ops > 10_000 and result.dropped("dropped_marks") == 0, result.stats
+    assert result.flushed and dropped_ops > 10_000 and result.dropped("dropped_marks") == 0, result.stats
     committed = run.check_once_and_clean()  # every step once: none lost with the ops
     partial = {k: m for k, m in committed.items() if m["dropped_ops"] or m["dropped_samples"]}
-    assert len(partial) == result.dropped("partial_steps") > 300
+    assert len(partial) == result.dropped("partial_steps") > 100
     for m in committed.values():  # what arrived and what the mark says was lost make up the step
         assert m["op_count"] + m["dropped_ops"] == cfg.ops_per_step, m
     assert sum(m["dropped_ops"] for m in committed.values()) == dropped_ops
