@@ -103,6 +103,17 @@ def health_of_a_processor(step_stage=None):
     return health
 
 
+def connected_exporter(topics, **options):
+    """An ExporterState whose consumer (a stand-in) reaches Kafka: it writes its lag."""
+    from types import SimpleNamespace
+
+    from profstream.sinks.prometheus import ExporterState
+
+    state = ExporterState(topics, **options)
+    state.source = SimpleNamespace(lag=0, lag_known=True)
+    return state
+
+
 def scrape(port: int) -> dict[str, float]:
     """The /metrics of a profstream endpoint on this host, as {name{labels}: value}."""
     import urllib.request
@@ -138,11 +149,14 @@ class IdleSender:
         return {"undelivered_ops": 0, "undelivered_samples": 0}
 
 
-def simulated_messages(cfg, close: bool = True, partitions: int = 4, **monitor_options):
+def simulated_messages(cfg, close: bool = True, partitions: int = 4, send_every: int = 1, end_signal: int = 0,
+                       **monitor_options):
     """The raw messages the Monitors of a simulated run (``SimConfig``) send, built with no
-    broker and no thread, step by step (each rank's batch after each of its steps), as
+    broker and no thread, step by step (each rank's batches after each of its steps; after
+    every ``send_every``-th, as a sender that falls behind), as
     ``processors.stream.RawMessage`` (the clock: the step's end). ``close``: then each
-    Monitor closes normally, and what its close sends (the end mark) follows."""
+    Monitor closes normally, and what its close sends (the end mark) follows; ``end_signal``:
+    as one told to end by that signal (SIGTERM) does."""
     from profstream.processors.stream import RawMessage
     from profstream.producers.monitor import Monitor
     from profstream.producers.sender import Sender
@@ -170,8 +184,12 @@ def simulated_messages(cfg, close: bool = True, partitions: int = 4, **monitor_o
     for plan in plan_run(cfg):
         record_step(monitors[plan.rank], plan)
         clock = max(clock, plan.end_ns / 1e9)
-        build(plan.rank)
+        if (plan.step + 1) % send_every == 0:
+            build(plan.rank)
     for rank, m in monitors.items():
+        build(rank)
+        if end_signal:
+            m.ending_on(end_signal)
         if close:
             m.close()
             build(rank)

@@ -12,7 +12,7 @@ import pytest
 
 from profstream import COMMUNICATION, COMPUTE, ConfigError, Monitor
 from profstream.schema.batch import END_MARK
-from tests.helpers import raw_batches, read_full, topic_size, wait_until
+from tests.helpers import IdleSender, raw_batches, read_full, topic_size, wait_until
 
 UNREACHABLE = "127.0.0.1:1"
 
@@ -274,6 +274,31 @@ def test_the_first_batch_arrives_first_and_whole_when_the_broker_would_take_a_la
                         if st == s) for s in range(5)}
     assert starts[0] == (np.arange(50) * 10).tolist()
     assert all(starts[s] == (np.arange(250) * 10 + s * 10**6).tolist() for s in range(1, 5))
+
+
+def test_an_outage_the_buffer_cannot_ride_out_drops_ops_and_samples_before_any_step_mark():
+    """Issue 37: a 180 s outage of a realtime rank (15 steps/s, 100 ops, a memory and a queue
+    sample a step) in a 4 MiB buffer lost 1,816 step marks with its ops, and those steps
+    whole. Now ops drop first, then samples, and every step keeps its mark; only once the
+    marks' own reserve is full do marks go, counted."""
+    mon = Monitor(run_id="outage", bootstrap=UNREACHABLE, buffer_bytes="4MiB", host_sample_interval_s=0,
+                  sender_factory=IdleSender)  # nothing leaves: the broker is away
+    steps = 180 * 15
+    _train(mon, steps, ops_per_step=100)
+    stats = mon.stats()
+    assert stats["dropped_ops"] > 0 and stats["dropped_samples"] > 0  # memory and queue samples went
+    assert stats["dropped_marks"] == 0 and mon.buffer.buffered_samples >= steps  # every step's mark is kept
+    partial = stats["partial_steps"]
+    assert 0 < partial < steps and partial == stats["dropped_ops"] // 100 + 1  # the steps that lost ops say so
+    # the marks' reserve, then full, drops marks last, and counts them
+    first_dropped = None
+    for s in range(steps, steps + mon.buffer.max_marks):
+        _train(mon, 1, ops_per_step=100, first_step=s)
+        if first_dropped is None and mon.stats()["dropped_marks"]:
+            first_dropped = s
+    assert first_dropped == mon.buffer.max_marks
+    assert mon.stats()["dropped_marks"] == steps + mon.buffer.max_marks - first_dropped
+    mon.close(timeout=0.5)
 
 
 def test_per_call_and_bulk_ops_share_one_buffer_bound():

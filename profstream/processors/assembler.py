@@ -41,7 +41,7 @@ from profstream.processors.window import (
     is_ascend_device,
     step_window,
 )
-from profstream.schema.batch import END_MARK, NO_VALUE, SECTIONS, EventBatch, launch_column
+from profstream.schema.batch import END_MARK, NO_VALUE, SECTIONS, EventBatch, column, launch_column
 
 _OP_COLS = ("kind", "type", "stream", "start_ns", "dur_ns", "launch_ns")
 _MEM_COLS = ("ts_ns", "allocated", "reserved", "peak")
@@ -54,6 +54,7 @@ _DEVICE_COLS = tuple(col for col, _ in SECTIONS["device_samples"])
 @dataclass
 class _OpenStep:
     mark: tuple[int, int, int, int] | None = None  # S, E, F, B
+    lost: tuple[int, int] = (0, 0)  # (ops, samples) of the step its producer dropped: its mark says
     mark_seen_at: float = 0.0
     ops: list[dict] = field(default_factory=list)
     memory: list[dict] = field(default_factory=list)
@@ -154,6 +155,7 @@ class RankAssembler:
         self.held_step: int | None = None  # a device step ready but for later steps (close_ready)
         self._grace_wait: float | None = None  # mark time of the later step it waits for (no watermark)
         self.ended_ns: int | None = None  # the producer's end mark: it ended normally, at this time
+        self.end_signal = 0  # the signal that ended it, as its end mark says (0: it closed)
         # health counters (totals)
         self.late_events = 0
         self.orphan_events = 0
@@ -234,10 +236,14 @@ class RankAssembler:
             for step, part in _by_step(dev["step"], dev):
                 self._bucket(step, "devices", part, len(part["ts_ns"]))
         st = batch.steps
+        if len(st["step"]):
+            lost_ops, lost_samples, end_signal = (column(batch, "steps", c)
+                                                  for c in ("dropped_ops", "dropped_samples", "end_signal"))
         for i in range(len(st["step"])):
             step = int(st["step"][i])
             if step == END_MARK:  # no step: the rank ended (``finished`` once its steps are closed)
                 self.ended_ns = int(st["end_ns"][i])
+                self.end_signal = int(end_signal[i])
                 continue
             if self._closed(step):
                 self.late_events += fresh
@@ -247,6 +253,7 @@ class RankAssembler:
                 continue
             entry.mark = (int(st["start_ns"][i]), int(st["end_ns"][i]),
                           int(st["fp_start_ns"][i]), int(st["bp_end_ns"][i]))
+            entry.lost = (int(lost_ops[i]), int(lost_samples[i]))
             entry.mark_seen_at = now
             self.events += fresh
         if None in self._fed.values():
@@ -413,7 +420,7 @@ class RankAssembler:
             queue_names=self.queue_names, carried_compute=self.carry[0], carried_comm=self.carry[1],
             prev_device_end_ns=prev, ahead_kind=ahead[0], ahead_start_ns=ahead[1], ahead_end_ns=ahead[2],
             collectives=Calls(self.collective_names, _concat(entry.collectives, _CALL_COLS, _CALL_DTYPES)),
-            device_samples=dev,
+            device_samples=dev, dropped_ops=entry.lost[0], dropped_samples=entry.lost[1],
         )
         self.carry = carry_past_end(ev)
         window = step_window(ev)

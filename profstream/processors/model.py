@@ -65,6 +65,14 @@ class StepEvents:
     collectives: Any = None
     # device counter samples: the columns of schema.batch.DEVICE_COLUMNS
     device_samples: dict[str, np.ndarray] = field(default_factory=lambda: empty_section("device_samples"))
+    # events of the step its producer dropped (its buffer was full), as its mark says: a
+    # partial step, whose op and sample figures cover only what arrived
+    dropped_ops: int = 0
+    dropped_samples: int = 0
+
+    @property
+    def partial(self) -> bool:
+        return bool(self.dropped_ops or self.dropped_samples)
 
     @property
     def step_time_ns(self) -> int:

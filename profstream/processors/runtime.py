@@ -39,6 +39,7 @@ from profstream.schema.codec import (
     decode,
     decode_any,
     encode,
+    encode_rank_end,
     encode_run_step_metrics,
     encode_step_metrics,
 )
@@ -184,7 +185,7 @@ class StepStage:
             rank = self._add_rank(ident, _Rank(RankAssembler(batch.run_id, batch.rank, self.grace_s, rec.partition),
                                                RankFigures(self.figure_options)))
         asm = rank.assembler
-        before = (asm.late_events, asm.lost_batches, asm.dropped_ops, asm.duplicate_batches)
+        before = (asm.late_events, asm.lost_batches, asm.dropped_ops, asm.duplicate_batches, asm.dropped_samples)
         watermark = asm.watermark
         fresh = asm.add(batch, now, rec.offset)
         # only marks and the watermark let a step close
@@ -201,6 +202,7 @@ class StepStage:
             h.late_events += asm.late_events - before[0]
             h.lost_batches += asm.lost_batches - before[1]
             h.producer_dropped += asm.dropped_ops - before[2]
+            h.producer_dropped_samples += asm.dropped_samples - before[4]
             rank.buffer_fill_ratio = batch.buffer_fill_ratio
             if batch.send_latency_ns >= 0:
                 rank.send_latency_s = batch.send_latency_ns / 1e9
@@ -232,9 +234,9 @@ class StepStage:
 
     def _rank_end(self, asm: RankAssembler) -> Output:
         record = {"run_id": asm.run_id, "rank": asm.rank, "world_size": asm.world_size, "host": asm.host,
-                  "last_step": asm.last_step, "ended_ns": asm.ended_ns}
+                  "last_step": asm.last_step, "ended_ns": asm.ended_ns, "end_signal": asm.end_signal}
         self.counts.ranks_ended += 1
-        return Output(self.topics.steps, f"{asm.run_id}/{asm.rank}".encode(), encode("RankEnd", record),
+        return Output(self.topics.steps, f"{asm.run_id}/{asm.rank}".encode(), encode_rank_end(record),
                       run_partition(asm.run_id, self.steps_partitions))
 
     def _due(self, now: float) -> list[tuple[str, int]]:
@@ -465,9 +467,10 @@ class Processor:
     def stop(self) -> None:
         self._stop.set()
 
-    def lag(self) -> int:
+    def lag(self) -> int | None:
         """Raw messages the step stage has not consumed yet, from the broker's end offsets
-        (asked at most once a second); 0 without a step stage."""
+        (asked at most once a second); 0 without a step stage; None (unknown) while the
+        broker does not answer."""
         if self._lag is None:
             return 0
         loop = self.loops[0]
