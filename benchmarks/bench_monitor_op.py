@@ -15,6 +15,8 @@ same loop drives every figure, so the figures differ only in what ``op`` is:
 - ``ops_bulk_real_broker``: ``Monitor.ops()`` with 1,000 prebuilt ops per call, per op.
 - ``op_no_sender`` and ``loop_and_empty_call``: context. The same loop with no sender
   thread at all, and with a Python function that does nothing.
+- ``step_no_sender``: ns per step boundary, ``begin_step()`` + ``end_step()`` of a step with
+  no op (the step mark and what the step lost), with no sender thread.
 
 Prints one JSON object on stdout; progress goes to stderr.
 """
@@ -104,6 +106,20 @@ def time_op_chunks(op: Callable, calls: list[tuple[str, int, int]], chunks: int,
         out.append(took / chunk)
         if period_ns > took:
             time.sleep((period_ns - took) / 1e9)
+    return out
+
+
+def time_step_chunks(monitor: Monitor, steps: int, chunks: int) -> list[float]:
+    """ns per begin_step() + end_step() of an empty step, one value per chunk of ``steps``."""
+    begin, end = monitor.begin_step, monitor.end_step
+    pc = time.perf_counter_ns
+    out = []
+    for _ in range(chunks):
+        t0 = pc()
+        for _ in range(steps):
+            begin()
+            end()
+        out.append((pc() - t0) / steps)
     return out
 
 
@@ -198,6 +214,12 @@ def measure(args: argparse.Namespace) -> int:
         dropped += bare.dropped_ops
         bare.close()
     figures["op_no_sender"] = figure(per_repeat, dropped_ops=dropped)
+    per_repeat = []
+    for _ in range(args.repeats):  # 1,000-step chunks: the marks' reserve of the buffer holds them all
+        bare = Monitor(run_id="bench-op", sender_factory=_NoSender, buffer_bytes=args.buffer_mib << 20)
+        per_repeat.append(time_step_chunks(bare, 1000, args.chunks))
+        bare.close()
+    figures["step_no_sender"] = figure(per_repeat, steps_per_chunk=1000)
 
     # The target: op() with the sender thread talking to a real broker.
     monitor = Monitor(run_id="bench-op", connection=bootstrap, topic_prefix=prefix,

@@ -126,8 +126,11 @@ def main() -> None:
                            spool_dir=str(spool_dir), spool_max_bytes=args.spool_max_bytes,
                            buffer_bytes=args.buffer_bytes, host_sample_interval_s=0, device_interval_ms=0,
                            connect_timeout_s=2.0) for r in range(cfg.ranks)}
-    for m in monitors.values():
-        assert m.flush(60), "the Monitors did not reach the benchmark's broker"
+    deadline = time.monotonic() + 60  # (with a spool a flush is done once all is on disk)
+    while not all(m.stats()["connected"] for m in monitors.values()):
+        if time.monotonic() > deadline:
+            raise SystemExit("the Monitors did not reach the benchmark's broker within 60 s")
+        time.sleep(0.1)
     recorder = Recorder(cfg, monitors)
     recorder.start()
     try:

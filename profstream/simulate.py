@@ -9,12 +9,17 @@ processors' code. ``run_simulation`` sends the plans through real ``Monitor`` ob
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from profstream.devices.backend import DeviceSample
+from profstream.kafka.connection import Connection
 from profstream.schema.batch import COMMUNICATION, COMPUTE
 from profstream.schema.codec import OP_FIGURES
 
@@ -326,6 +331,42 @@ def record_step(monitor, plan: StepPlan) -> None:
         record_phase(monitor, plan, phase)
 
 
+# What a run told to end (SIGTERM) gives its Monitors to flush and close, beyond the Monitors'
+# own SIGNAL_FLUSH_S: launchers wait 30 s before SIGKILL.
+TERMINATED_CLOSE_S = 10.0
+
+
+class Terminated(Exception):
+    """A signal told the simulation to end (SIGTERM): raised in the main thread."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def sigterm_ends_the_run() -> Iterator[None]:
+    """SIGTERM raises ``Terminated`` in the main thread (once) for the block, so that the run
+    ends as a run does: Monitors flushed and closed (their end marks say the signal), the
+    summary printed. Nothing off the main thread, or where SIGTERM is ignored."""
+    if threading.current_thread() is not threading.main_thread() or (
+            signal.getsignal(signal.SIGTERM) is signal.SIG_IGN):
+        yield
+        return
+    told: list[int] = []
+
+    def end(signum: int, frame: object) -> None:
+        if not told:  # a second one while the first unwinds: the first is being acted on
+            told.append(signum)
+            raise Terminated(signum)
+
+    previous = signal.signal(signal.SIGTERM, end)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 @dataclass
 class SimResult:
     steps_recorded: int
@@ -333,7 +374,22 @@ class SimResult:
     wall_s: float
     flushed: bool
     dropped_ops: int
-    stats: list[dict]
+    stats: list[dict]  # each Monitor's, after its close
+    ended_by: int = 0  # the signal that ended the run before its last step (SIGTERM), 0: none
+
+    def dropped(self, what: str) -> int:
+        """A drop count of every Monitor's stats(): dropped_samples, dropped_marks, partial_steps..."""
+        return sum(s.get(what, 0) for s in self.stats)
+
+    def summary(self, conn: Connection | str) -> str:
+        """The line `profstream simulate` prints: what was sent (to ``conn``'s bootstrap; never
+        a property of it), and every family dropped."""
+        ended = f"; ended by {signal.Signals(self.ended_by).name}" if self.ended_by else ""
+        return (f"{self.steps_recorded} steps, {self.ops_recorded} ops sent to {Connection.of(conn)} "
+                f"in {self.wall_s:.1f} s; "
+                f"dropped ops: {self.dropped_ops}, samples: {self.dropped('dropped_samples')} (step marks: "
+                f"{self.dropped('dropped_marks')}, those steps lost whole); steps that lost events: "
+                f"{self.dropped('partial_steps')}; {'all delivered' if self.flushed else 'NOT all delivered'}{ended}")
 
 
 def run_simulation(cfg: SimConfig, monitor_options: dict | None = None, progress=None,
@@ -355,9 +411,16 @@ def run_simulation(cfg: SimConfig, monitor_options: dict | None = None, progress
     opts.setdefault("device_interval_ms", 0)  # simulated counters only, never the machine's
     if cfg.capture_every_n_steps is not None:
         opts["every_n_steps"] = cfg.capture_every_n_steps
-    monitors = {r: Monitor(rank=r, **{**opts, "device": opts.get("device", f"cuda:{r}" if cfg.device_counters
-                                                                  else "cpu")}) for r in ranks}
+    with sigterm_ends_the_run():  # before the Monitors: their SIGTERM handler chains to it
+        return _run(cfg, opts, progress, ranks, start, ended, Monitor)
+
+
+def _run(cfg: SimConfig, opts: dict, progress, ranks: range, start, ended: bool, monitor_type) -> SimResult:
+    monitors = {r: monitor_type(rank=r, **{**opts, "device": opts.get("device", f"cuda:{r}" if cfg.device_counters
+                                                                       else "cpu")}) for r in ranks}
     steps = ops = 0
+    ended_by = 0
+    wall0 = time.monotonic()
     try:
         if start is None:
             wall0 = time.monotonic()
@@ -390,10 +453,13 @@ def run_simulation(cfg: SimConfig, monitor_options: dict | None = None, progress
                     if progress is not None:
                         progress(p)
                 plans = []
+    except Terminated as t:  # the Monitors flushed on it already (producers/shutdown.py): close them, within bounds
+        ended_by = t.signum
     finally:
-        flushed = all([m.flush(timeout=30) for m in monitors.values()])
+        deadline = time.monotonic() + (TERMINATED_CLOSE_S if ended_by else 1e9)
+        flushed = all([m.flush(timeout=min(30, max(0.0, deadline - time.monotonic()))) for m in monitors.values()])
         for m in monitors.values():
-            m.close(timeout=5, ended=ended)
+            m.close(timeout=min(5, max(0.1, deadline - time.monotonic())), ended=ended)
         stats = [m.stats() for m in monitors.values()]  # after close: what it could not deliver is counted
     return SimResult(steps, ops, time.monotonic() - wall0, flushed,
-                     sum(s["dropped_ops"] for s in stats), stats)
+                     sum(s["dropped_ops"] for s in stats), stats, ended_by)

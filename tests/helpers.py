@@ -10,16 +10,33 @@ from profstream.schema.batch import EventBatch, decode_batch
 from profstream.schema.codec import decode, record_name
 
 
-def raw_batches(bootstrap: str, topic: str, run_id: str, count: int, timeout: float = 30.0) -> list[EventBatch]:
-    """``count`` batches of ``run_id`` from the raw topic, in each partition's order."""
-    return read_topic(bootstrap, topic, lambda b: b.run_id == run_id, count, timeout, decode=decode_batch)
+def read_full(bootstrap: str, topic: str, want, count: int, timeout: float, decode=None,
+              what: str = "records") -> list:
+    """``read_topic`` for a test that needs all ``count`` values: when fewer came within
+    ``timeout`` the test fails here, as a short read, not later as a wrong figure."""
+    got = read_topic(bootstrap, topic, want, count, timeout, decode=decode)
+    assert len(got) >= count, f"short read: {len(got)} of the {count} {what} asked for came from {topic} " \
+                              f"within {timeout:g} s"
+    return got
+
+
+def raw_batches(bootstrap: str, topic: str, run_id: str, count: int, timeout: float = 30.0,
+                full: bool = True) -> list[EventBatch]:
+    """``count`` batches of ``run_id`` from the raw topic, in each partition's order (fewer
+    fail the test as a short read; ``full=False``: those that came within ``timeout``)."""
+    read = read_full if full else read_topic
+    kw = {"what": f"batches of {run_id}"} if full else {}
+    return read(bootstrap, topic, lambda b: b.run_id == run_id, count, timeout, decode=decode_batch, **kw)
 
 
 def step_records(bootstrap: str, topic: str, run_id: str, count: int, timeout: float = 60.0,
-                 name: str = "StepMetrics") -> list[dict]:
-    """``count`` records of ``run_id`` on the steps topic: its StepMetrics (or its RankEnds)."""
-    return read_topic(bootstrap, topic, lambda r: r is not None and r["run_id"] == run_id, count, timeout,
-                      decode=lambda v: decode(name, v) if record_name(v) == name else None)
+                 name: str = "StepMetrics", full: bool = True) -> list[dict]:
+    """``count`` records of ``run_id`` on the steps topic: its StepMetrics (or its RankEnds),
+    as ``raw_batches``."""
+    read = read_full if full else read_topic
+    kw = {"what": f"{name}s of {run_id}"} if full else {}
+    return read(bootstrap, topic, lambda r: r is not None and r["run_id"] == run_id, count, timeout,
+                decode=lambda v: decode(name, v) if record_name(v) == name else None, **kw)
 
 
 def topic_size(bootstrap: str, topic: str) -> int:
@@ -86,6 +103,17 @@ def health_of_a_processor(step_stage=None):
     return health
 
 
+def connected_exporter(topics, **options):
+    """An ExporterState whose consumer (a stand-in) reaches Kafka: it writes its lag."""
+    from types import SimpleNamespace
+
+    from profstream.sinks.prometheus import ExporterState
+
+    state = ExporterState(topics, **options)
+    state.source = SimpleNamespace(lag=0, lag_known=True)
+    return state
+
+
 def scrape(port: int) -> dict[str, float]:
     """The /metrics of a profstream endpoint on this host, as {name{labels}: value}."""
     import urllib.request
@@ -121,11 +149,14 @@ class IdleSender:
         return {"undelivered_ops": 0, "undelivered_samples": 0}
 
 
-def simulated_messages(cfg, close: bool = True, partitions: int = 4, **monitor_options):
+def simulated_messages(cfg, close: bool = True, partitions: int = 4, send_every: int = 1, end_signal: int = 0,
+                       **monitor_options):
     """The raw messages the Monitors of a simulated run (``SimConfig``) send, built with no
-    broker and no thread, step by step (each rank's batch after each of its steps), as
+    broker and no thread, step by step (each rank's batches after each of its steps; after
+    every ``send_every``-th, as a sender that falls behind), as
     ``processors.stream.RawMessage`` (the clock: the step's end). ``close``: then each
-    Monitor closes normally, and what its close sends (the end mark) follows."""
+    Monitor closes normally, and what its close sends (the end mark) follows; ``end_signal``:
+    as one told to end by that signal (SIGTERM) does."""
     from profstream.processors.stream import RawMessage
     from profstream.producers.monitor import Monitor
     from profstream.producers.sender import Sender
@@ -153,8 +184,12 @@ def simulated_messages(cfg, close: bool = True, partitions: int = 4, **monitor_o
     for plan in plan_run(cfg):
         record_step(monitors[plan.rank], plan)
         clock = max(clock, plan.end_ns / 1e9)
-        build(plan.rank)
+        if (plan.step + 1) % send_every == 0:
+            build(plan.rank)
     for rank, m in monitors.items():
+        build(rank)
+        if end_signal:
+            m.ending_on(end_signal)
         if close:
             m.close()
             build(rank)

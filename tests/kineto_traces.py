@@ -16,6 +16,15 @@ device, relative to its first device op at d_k = S_k + lag × STEP_US (µs):
 so each step's device work: compute ∪ = [60,400) ∪ [420,700) ∪ [910,960) = 670 µs,
 communication 480 µs, overlap 200 + 50 = 250 µs, busy (every device op) 950 µs; the step
 ends on the device at d_k + 980, and the next one starts 20 µs later.
+
+With ``early``, each step also launches two ops early in its host step (a prefetch) that
+run while the previous step's work still runs on the device (``EARLY``, relative to d_k):
+
+    memcpy  stream 10        [-300, -150)     the next input's copy, launched at S_k + 60
+    kernel  stream 11        [-250, -40)      launched at S_k + 70, beside the previous
+                                              step's all-reduce and optimizer kernels
+
+so that consecutive steps' device work interleaves, as in traces of jobs that prefetch.
 """
 
 from __future__ import annotations
@@ -35,6 +44,10 @@ KERNELS = (  # (name, category, stream, start, end) relative to the step's first
     ("void gemm_c_kernel<float, 128>(float const*, float*)", "kernel", 7, 420.0, 700.0),
     ("ncclKernel_AllReduce_RING_LL_Sum_float(ncclDevComm*, unsigned long, ncclWork*)", "kernel", 20, 500.0, 980.0),
     ("void adam_kernel<float>(float*, float const*)", "kernel", 7, 910.0, 960.0),
+)
+EARLY = (  # (name, category, stream, start, end, launch) relative to d_k (launch: to S_k), µs
+    ("Memcpy HtoD (Pinned -> Device)", "gpu_memcpy", 10, -300.0, -150.0, 60.0),
+    ("void prefetch_kernel<float>(float const*, float*)", "kernel", 11, -250.0, -40.0, 70.0),
 )
 PER_STEP = {"compute": 670.0, "comm": 480.0, "overlap": 250.0, "busy": 950.0, "device_span": 980.0,
             "first_compute": 60.0, "last_compute_end": 960.0,
@@ -90,12 +103,13 @@ class Trace:
 
 def lagging_device_trace(steps: int = 6, lag: float = 0.8, rank: int = 0, first_step: int = 1,
                          t0_us: float = 10_000.0, uncorrelated: tuple[int, ...] = (),
-                         device_offset_us: float = 0.0, seed: int | None = None) -> Trace:
+                         device_offset_us: float = 0.0, seed: int | None = None, early: bool = False) -> Trace:
     """See the module docstring. ``uncorrelated``: steps whose gemm C has no correlation
     (a device op the time rule must place); ``device_offset_us``: added to every device
     timestamp (a device clock that is not the host's); ``seed``: each step's device
     layout scaled by a random 0.7-1.0 and started up to 15 us late, timestamps with ns
-    digits (the figures of PER_STEP then no longer hold; steps still do not interleave)."""
+    digits (the figures of PER_STEP then no longer hold; steps still do not interleave);
+    ``early``: each step's ``EARLY`` ops too (steps interleave; a lag of at least 0.4)."""
     import random
 
     rng = random.Random(seed)
@@ -114,5 +128,9 @@ def lagging_device_trace(steps: int = 6, lag: float = 0.8, rank: int = 0, first_
             launch = S + 100.0 + 50.0 * j
             t.launch(launch, name, cat, stream, d + round(a * scale, 3), d + round(b * scale, 3),
                      correlated=not (k in uncorrelated and j == 3))
+        if early:
+            assert lag >= 0.4, "an early op must start after its launch"
+            for name, cat, stream, a, b, at in EARLY:
+                t.launch(S + at, name, cat, stream, d + a, d + b)
         t.host("Optimizer.step#Adam.step", "user_annotation", S + 700.0, 100.0)
     return t

@@ -72,11 +72,10 @@ def test_alert_rule_unit_tests_pass_and_cover_every_alert():
 def _exported_series() -> set[str]:
     """Every series name the exporter and the processor can expose."""
     from profstream.kafka.topics import Topics
-    from profstream.sinks.prometheus import ExporterState
-    from tests.helpers import health_of_a_processor
+    from tests.helpers import connected_exporter, health_of_a_processor
 
     health = health_of_a_processor()  # a bound processor adds its lag and loop health
-    families = list(text_string_to_metric_families(ExporterState(Topics("t")).exposition().decode()))
+    families = list(text_string_to_metric_families(connected_exporter(Topics("t")).exposition().decode()))
     names = set()
     for collector in (SimpleNamespace(collect=lambda: families), health):
         for family in collector.collect():

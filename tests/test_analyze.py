@@ -118,3 +118,21 @@ def test_analyze_matches_the_nccl_calls_of_kineto_traces_across_ranks(tmp_path):
         assert ar["bytes"] == 2 * 4 << 20 and ar["algbw_bytes_per_s"] == pytest.approx(ar["bytes"] / 360e-6)
     steps = {(s["rank"], s["step"]): s for s in result.steps}
     assert all(steps[(0, run["step"])]["collectives"]["count"] == 1 for run in result.run_steps)
+
+
+def test_the_reports_device_step_time_is_the_devices_period_when_steps_interleave(tmp_path):
+    """A device 0.8 of a step behind, each step launching a copy and a kernel early, while
+    the previous step still runs (tests/kineto_traces.py, ``early``): the report's mean
+    device step is the device's span over its steps (1 ms a step, plus the first step's
+    early copy, 300 us before its first kernel), not the 1.28 ms each step's work spans."""
+    import re
+
+    from profstream.offline.analyze import analyze_to
+
+    path = lagging_device_trace(steps=6, lag=0.8, early=True).write(tmp_path / "rank0.json")
+    analyze_to([path], report=tmp_path / "report.html")
+    page = (tmp_path / "report.html").read_text()
+    cell = dict(re.findall(r'data-metric="(host_step_ms|device_step_ms|device_steps)" data-value="([^"]+)"', page))
+    assert float(cell["host_step_ms"]) == pytest.approx(1.0)
+    assert int(cell["device_steps"]) == 6
+    assert float(cell["device_step_ms"]) == pytest.approx((5 * 1000 + 1280) / 6 / 1000)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import io
 import json
 import os
 import random
@@ -13,14 +15,16 @@ from collections import Counter, namedtuple
 from pathlib import Path
 
 import numpy as np
+import pytest
 from kafka import KafkaConsumer, TopicPartition
 from typer.testing import CliRunner
 
 from profstream.cli import app
 from profstream.kafka.clients import make_consumer, make_producer
-from profstream.offline.archive import finished_files, iter_file, records
+from profstream.offline.archive import ArchiveError, finished_files, iter_file, records
 from profstream.schema.batch import COMPUTE, EventBatch, encode_batch
 from profstream.simulate import SimConfig, run_simulation
+from profstream.sinks import archive
 from profstream.sinks.archive import UNKNOWN_RUN, ArchiveSink, run_archive
 from tests.helpers import wait_until
 
@@ -220,6 +224,52 @@ def test_kill_9_mid_file_and_restart_archives_every_message_exactly_once(kafka_b
     assert max(counts.values()) == 1, [k for k, n in counts.items() if n > 1][:10]
     assert all(r["value"] == expected[(r["partition"], r["offset"])].value for r in got)
     assert not list(out.rglob("*.avro.tmp"))
+
+
+class FillingDisk:
+    """Files (``open`` of the archive module) on a disk that holds ``room`` more bytes: a
+    write past it fails as a full disk does (ENOSPC)."""
+
+    def __init__(self, room: int) -> None:
+        self.room = room
+
+    def open(self, path, mode="r", *args, **kwargs):
+        if "w" not in mode:
+            return open(path, mode, *args, **kwargs)
+        disk = self
+
+        class File(io.FileIO):
+            def write(self, data) -> int:
+                if len(data) > disk.room:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                disk.room -= len(data)
+                return super().write(data)
+
+        return io.BufferedWriter(File(path, "wb"))
+
+
+def test_a_full_disk_stops_the_sink_with_one_line_and_a_restart_archives_every_message_once(tmp_path, monkeypatch):
+    recs = sorted(_records(40, 8_000, run="a") + _records(40, 8_000, run="b", seed=1), key=lambda r: r.offset)
+    recs = [r._replace(offset=i) for i, r in enumerate(recs)]  # two runs' files open at once, one partition
+    monkeypatch.setattr(archive, "open", FillingDisk(300_000).open, raising=False)
+    sink = ArchiveSink(tmp_path, max_bytes=50_000)
+    committed = 0
+    with pytest.raises(ArchiveError) as failed:
+        for i in range(0, len(recs), 5):  # as the sink loop does: a poll handled, then its commit
+            sink.handle(recs[i:i + 5])
+            committed = sink.durable_offsets()[("t.raw", 0)]
+    message = str(failed.value)
+    # one line that says what happened and what to do; not an OSError traceback chained twice
+    assert "No space left on device" in message and "start the sink again" in message and "\n" not in message
+    assert failed.value.__suppress_context__
+    assert 0 < committed < len(recs) and sink.durable_offsets()[("t.raw", 0)] <= committed + 5
+    sink.abandon()  # what run_archive does on the way out: no second error, no temporary file left
+    assert not list(tmp_path.rglob("*.tmp"))
+    monkeypatch.undo()  # space freed; the broker re-delivers from the committed offset
+    again = ArchiveSink(tmp_path, max_bytes=50_000)
+    again.handle(recs[committed:])
+    again.close()
+    assert sorted(r["offset"] for r in archived(tmp_path)) == list(range(len(recs)))
 
 
 def test_a_damaged_file_is_reported_by_name_and_offsets_and_the_rest_is_read(tmp_path):

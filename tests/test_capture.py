@@ -33,7 +33,7 @@ from profstream.producers.monitor import Monitor
 from profstream.schema.codec import DecodeError
 from profstream.sinks.runner import SinkLoop
 from profstream.sinks.timeline import TimelineSink
-from tests.helpers import raw_batches, wait_until
+from tests.helpers import raw_batches, read_full, wait_until
 from tests.test_processor import RunningProcessor
 
 OPS_PER_STEP = 10
@@ -80,7 +80,7 @@ class TrainingLoop:
             m.close(timeout=10)
 
 
-def control_records(bootstrap, topics, want, count, timeout=30.0):
+def control_records(bootstrap, topics, want, count, timeout=30.0, full=True):
     """Decodable (name, record) pairs of the control topic satisfying ``want``."""
     def decoded(value):
         try:
@@ -88,6 +88,8 @@ def control_records(bootstrap, topics, want, count, timeout=30.0):
         except DecodeError:
             return ("undecodable", {})
 
+    if full:
+        return read_full(bootstrap, topics.control, want, count, timeout, decode=decoded, what="control records")
     return read_topic(bootstrap, topics.control, want, count, timeout, decode=decoded)
 
 
@@ -143,7 +145,7 @@ def test_a_capture_mid_run_gives_ops_for_exactly_the_requested_steps_and_ranks(k
     (item,) = listed
     finished = item.progress.finished()
     assert sorted(finished) == [0, 2] and item.progress.ranks.keys() == {0, 2}  # rank 1 was not asked: no status
-    sent = steps_with_ops(raw_batches(kafka_bootstrap, topics.raw, "cap", 10**6, timeout=5))
+    sent = steps_with_ops(raw_batches(kafka_bootstrap, topics.raw, "cap", 10**6, timeout=5, full=False))
     for rank, status in finished.items():
         first, last = status["first_step"], status["last_step"]
         assert last - first == 4
@@ -190,7 +192,7 @@ def test_refusals_and_garbage_leave_the_training_loop_untouched(kafka_bootstrap,
             assert refusals(stale, 2) == {(0, "expired"), (1, "expired")}
             assert refusals(second, 1) == {(0, "busy")}
             assert refusals(ghost, 1) == {(None, "unknown_run")}
-            dead = read_topic(kafka_bootstrap, topics.dlq, lambda v: True, 1, 30, decode=lambda v: v)
+            dead = read_full(kafka_bootstrap, topics.dlq, lambda v: True, 1, 30, what="dead letters")
             assert dead == [b"definitely not avro"]
             wait_until(lambda: all(m.stats()["control_undecodable"] == 1 for m in loop.monitors), 30,
                        "each rank's reader to skip the garbage")
@@ -202,7 +204,7 @@ def test_refusals_and_garbage_leave_the_training_loop_untouched(kafka_bootstrap,
         stats = [m.stats() for m in loop.monitors]
         assert [s["captures_started"] for s in stats] == [0, 0]
         assert [s["captures_refused"] for s in stats] == [4, 2]
-        sent = steps_with_ops(raw_batches(kafka_bootstrap, topics.raw, "busy-run", 10**6, timeout=5))
+        sent = steps_with_ops(raw_batches(kafka_bootstrap, topics.raw, "busy-run", 10**6, timeout=5, full=False))
         assert sent == {}  # nothing was captured
     finally:
         stop.set()
@@ -302,7 +304,7 @@ def test_the_report_sets_a_captured_window_s_op_types_beside_the_baseline(kafka_
     request = new_request("reported", start_step=40, steps=5, reason="a test")
 
     def ask():
-        wait_until(lambda: raw_batches(kafka_bootstrap, topics.raw, "reported", 1, timeout=1), 60, "the run")
+        wait_until(lambda: raw_batches(kafka_bootstrap, topics.raw, "reported", 1, timeout=1, full=False), 60, "the run")
         send_request(kafka_bootstrap, topics, request)
 
     asker = threading.Thread(target=ask)

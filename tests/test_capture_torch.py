@@ -56,7 +56,7 @@ def test_a_request_for_one_rank_gives_its_torch_ops_for_exactly_the_asked_steps(
     procs = [_rank(tmp_path, steps, r, options) for r in (0, 1)]
     try:
         # both Monitors exist once both ranks have sent a batch: a request from now on reaches them
-        wait_until(lambda: {b.rank for b in raw_batches(kafka_bootstrap, topics.raw, "torch-asked", 2, timeout=1)}
+        wait_until(lambda: {b.rank for b in raw_batches(kafka_bootstrap, topics.raw, "torch-asked", 2, timeout=1, full=False)}
                    == {0, 1}, 120, "a batch of each rank")
         request = new_request("torch-asked", ranks=parse_ranks("1"), start_step=first, steps=count)
         send_request(kafka_bootstrap, topics, request)
@@ -74,7 +74,7 @@ def test_a_request_for_one_rank_gives_its_torch_ops_for_exactly_the_asked_steps(
     assert progress.done() and list(progress.ranks) == [1]
     status = progress.ranks[1]
     assert (status["state"], status["first_step"], status["last_step"]) == ("finished", first, first + count - 1)
-    sent = steps_with_ops(raw_batches(kafka_bootstrap, topics.raw, "torch-asked", 10**6, timeout=5))
+    sent = steps_with_ops(raw_batches(kafka_bootstrap, topics.raw, "torch-asked", 10**6, timeout=5, full=False))
     assert list(sent) == [1] and sorted(sent[1]) == list(range(first, first + count))
     assert status["ops"] == sum(sent[1].values()) > 0
 
@@ -126,7 +126,7 @@ def test_a_request_beside_the_schedule_adds_its_steps_with_its_own_profiler_sett
     assert handle.error is None
     status = result["progress"].ranks[0]
     assert (status["state"], status["first_step"], status["last_step"]) == ("finished", 12, 14)
-    sent = steps_with_ops(raw_batches(kafka_bootstrap, topics.raw, "torch-both", 10**6, timeout=5))
+    sent = steps_with_ops(raw_batches(kafka_bootstrap, topics.raw, "torch-both", 10**6, timeout=5, full=False))
     assert sorted(sent[0]) == [0, 10, 12, 13, 14, 20, 30]  # the schedule's steps and the request's, once each
     assert status["ops"] == sum(sent[0][s] for s in (12, 13, 14))
     # the request's steps had a profiler of their own (record_shapes), the schedule went on after

@@ -23,6 +23,7 @@ from profstream.schema import (
     encode,
     encode_batch,
 )
+from profstream.schema.batch import STEP_MARK_V1_COLUMNS
 from profstream.schema.codec import VERSIONS, encode_step_metrics
 
 DATA = Path(__file__).parent / "data"
@@ -33,10 +34,11 @@ GOLDEN_V4 = DATA / "eventbatch-v4.bin"  # the same with launch times, written by
 
 
 def random_batch(seed: int, n_ops: int = 500, launches: bool = True, devices: bool = True,
-                 collectives: bool = True) -> EventBatch:
+                 collectives: bool = True, losses: bool = True) -> EventBatch:
     """A batch of random columns; ``launches``: with ops.launch_ns (v4), ``devices``: with
-    device samples (v5), ``collectives``: with collective rows (v6), each drawn apart so that the other columns are those the older
-    golden messages were written from."""
+    device samples (v5), ``collectives``: with collective rows (v6), ``losses``: with step
+    marks that lost events and an end signal (v7), each drawn apart so that the other columns
+    are those the older golden messages were written from."""
     rng = np.random.default_rng(seed)
     names = [f"op{i}" for i in range(17)]
     types = ["MatMul", "AllReduce", "Copy", "Softmax"]
@@ -56,7 +58,10 @@ def random_batch(seed: int, n_ops: int = 500, launches: bool = True, devices: bo
     b.memory = {c: rng.integers(-1, 2**40, 5) for c, _ in SECTIONS["memory"]}
     b.queues = {"name_idx": rng.integers(0, 2, 7), **{c: rng.integers(-1, 2**40, 7)
                                                         for c, _ in SECTIONS["queues"][1:]}}
-    b.steps = {c: rng.integers(-1, 2**62, 3) for c, _ in SECTIONS["steps"]}
+    b.steps = {c: rng.integers(-1, 2**62, 3) for c, _ in SECTIONS["steps"][:STEP_MARK_V1_COLUMNS]}
+    if losses:
+        lrng = np.random.default_rng([seed, 7])
+        b.steps.update({c: lrng.integers(0, 2**20, 3) for c, _ in SECTIONS["steps"][STEP_MARK_V1_COLUMNS:]})
     b.host_samples = {c: (rng.random(4) if d.kind == "f" else rng.integers(0, 2**40, 4))
                       for c, d in SECTIONS["host_samples"]}
     if devices:
@@ -151,6 +156,7 @@ def test_processed_records_round_trip():
         "collectives": {"names": ["all_reduce", "0"], "count": 1, "name_idx": b"\0" * 4, "group_idx": b"\1\0\0\0",
                         "group_size": b"\2\0\0\0", "seq": b"\4" + b"\0" * 7, "bytes": b"\xa0\x0f" + b"\0" * 6,
                         "start_ns": b"\2" + b"\0" * 7, "end_ns": b"\5" + b"\0" * 7},
+        "dropped_ops": 3, "dropped_samples": 1,
     }
     assert decode("StepMetrics", encode("StepMetrics", step)) == step
     run = {"run_id": "r", "step": 7, "ranks_reported": 2, "min_step_time_ns": 10, "median_step_time_ns": 12.0,
@@ -191,7 +197,7 @@ def test_shipped_v1_message_still_decodes():
     raw = GOLDEN.read_bytes()
     assert raw[2:10] != CURRENT["EventBatch"].header[2:10]  # it really is an older version
     batch = decode_batch(raw)
-    assert_same_batch(random_batch(1234, 20, launches=False, devices=False, collectives=False), batch)
+    assert_same_batch(random_batch(1234, 20, launches=False, devices=False, collectives=False, losses=False), batch)
     assert batch.world_size is None
     assert (batch.ops["launch_ns"] == -1).all()
 
@@ -201,7 +207,7 @@ def test_shipped_v2_message_still_decodes():
     raw = GOLDEN_V2.read_bytes()
     assert raw[2:10] not in (CURRENT["EventBatch"].header[2:10], GOLDEN.read_bytes()[2:10])
     batch = decode_batch(raw)
-    assert_same_batch(random_batch(1234, 20, launches=False, devices=False, collectives=False), batch)
+    assert_same_batch(random_batch(1234, 20, launches=False, devices=False, collectives=False, losses=False), batch)
     assert batch.world_size == 8
     assert_same_batch(batch, decode_batch(encode_batch(batch)))  # re-encoded as the current version, unchanged
 
@@ -212,29 +218,45 @@ def test_shipped_v3_message_still_decodes_with_no_launch_times():
     raw = GOLDEN_V3.read_bytes()
     assert len({raw[2:10], GOLDEN_V2.read_bytes()[2:10], CURRENT["EventBatch"].header[2:10]}) == 3
     batch = decode_batch(raw)
-    assert_same_batch(random_batch(1234, 20, launches=False, devices=False, collectives=False), batch)
+    assert_same_batch(random_batch(1234, 20, launches=False, devices=False, collectives=False, losses=False), batch)
     assert batch.ops["launch_ns"].tolist() == [-1] * 20
-    assert_same_batch(batch, decode_batch(encode_batch(random_batch(1234, 20, launches=False, devices=False, collectives=False))))
+    assert_same_batch(batch, decode_batch(encode_batch(random_batch(1234, 20, launches=False, devices=False, collectives=False, losses=False))))
 
 
 def test_shipped_v4_message_still_decodes_with_no_device_samples():
     raw = GOLDEN_V4.read_bytes()
     assert len({raw[2:10], GOLDEN_V3.read_bytes()[2:10], CURRENT["EventBatch"].header[2:10]}) == 3
     batch = decode_batch(raw)
-    assert_same_batch(random_batch(1234, 20, devices=False, collectives=False), batch)
+    assert_same_batch(random_batch(1234, 20, devices=False, collectives=False, losses=False), batch)
     assert batch.n("device_samples") == 0 and batch.world_size == 8 and (batch.ops["launch_ns"] > 0).any()
 
 
 def test_a_batch_without_device_samples_is_written_as_v4_so_older_processors_read_it():
-    batch = random_batch(1234, 20, devices=False, collectives=False)
+    batch = random_batch(1234, 20, devices=False, collectives=False, losses=False)
     batch.world_size = 8
     assert encode_batch(batch) == GOLDEN_V4.read_bytes()  # byte for byte what v4 wrote
-    with_devices = random_batch(1234, 20, collectives=False)
+    with_devices = random_batch(1234, 20, collectives=False, losses=False)
     data = encode_batch(with_devices)
     assert data[:10] == VERSIONS[("EventBatch", 5)].header  # v5 readers read it whole
     back = decode_batch(data)
     assert_same_batch(with_devices, back)
     assert np.isnan(back.device_samples["gpu_util"][2]) and back.n("device_samples") == 6
+
+
+def test_only_batches_whose_marks_lost_events_or_name_a_signal_are_written_as_v7():
+    """v7's step columns (dropped_ops, dropped_samples, end_signal) go on the wire only when
+    a mark holds something there; a batch whose marks lost nothing keeps its older version,
+    which processors before v7 read whole; an older message reads with them at 0."""
+    for collectives, older in ((False, 5), (True, 6)):
+        clean = random_batch(4, 20, collectives=collectives, losses=False)
+        assert encode_batch(clean)[:10] == VERSIONS[("EventBatch", older)].header
+        lossy = random_batch(4, 20, collectives=collectives)
+        data = encode_batch(lossy)
+        assert data[:10] == VERSIONS[("EventBatch", 7)].header
+        assert_same_batch(lossy, decode_batch(data))
+    old = decode_batch(GOLDEN_V4.read_bytes())
+    for col in ("dropped_ops", "dropped_samples", "end_signal"):
+        assert (old.steps[col] == 0).all() and len(old.steps[col]) == old.n("steps")
 
 
 def test_step_metrics_v3_still_decode_and_steps_without_device_figures_are_written_as_v3():

@@ -53,7 +53,7 @@ def test_shipped_v4_message_decodes_with_no_collectives():
     raw = (DATA / "eventbatch-v4.bin").read_bytes()
     assert raw[2:10] != CURRENT["EventBatch"].header[2:10]
     batch = decode_batch(raw)
-    assert_same_batch(random_batch(1234, 20, devices=False, collectives=False), batch)
+    assert_same_batch(random_batch(1234, 20, devices=False, collectives=False, losses=False), batch)
     assert batch.n("collectives") == 0 and batch.collective_names == []
     assert_same_batch(batch, decode_batch(encode_batch(batch)))
 
@@ -65,10 +65,10 @@ def test_only_records_with_collectives_are_written_as_the_new_versions():
     from profstream.schema.codec import VERSIONS, encode_run_step_metrics, encode_step_metrics
 
     assert (CURRENT["EventBatch"].version, CURRENT["StepMetrics"].version, CURRENT["RunStepMetrics"].version) == (
-        6, 6, 2)
-    data = encode_batch(random_batch(3, 10))
-    assert data[:10] == CURRENT["EventBatch"].header and decode_batch(data).n("collectives") == 5
-    assert encode_batch(random_batch(3, 10, collectives=False))[:10] == VERSIONS[("EventBatch", 5)].header
+        7, 7, 2)
+    data = encode_batch(random_batch(3, 10, losses=False))
+    assert data[:10] == VERSIONS[("EventBatch", 6)].header and decode_batch(data).n("collectives") == 5
+    assert encode_batch(random_batch(3, 10, collectives=False, losses=False))[:10] == VERSIONS[("EventBatch", 5)].header
     step = decode("StepMetrics", (DATA / "stepmetrics-v3.bin").read_bytes())
     assert encode_step_metrics(step)[:10] == VERSIONS[("StepMetrics", 3)].header
     with_calls = {**step, "collectives": pack_calls(calls_of([CollectiveCall("all_reduce", "0", 2, 4, 4000, 2, 5)]))}

@@ -20,8 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from profstream.kafka.topics import Topics
 from profstream.schema.codec import encode
-from profstream.sinks.prometheus import ExporterState
-from tests.helpers import health_of_a_processor
+from tests.helpers import connected_exporter, health_of_a_processor
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARDS = ROOT / "dashboards"
@@ -87,7 +86,7 @@ def _exported() -> dict[str, set[str]]:
                                       "missing": [1], "expected": 2}]}
     alert = {"name": "DataQueueStall", "state": "firing", "run_id": "r", "rank": 0, "step": 1, "ts_ns": now_ns,
              "summary": "s", "evidence": {}}
-    exporter = ExporterState(topics)
+    exporter = connected_exporter(topics)
     exporter.handle([Rec(topics.steps, 0, 0, now_ns // 10**6, encode("StepMetrics", step)),
                      Rec(topics.run, 0, 0, now_ns // 10**6, encode("RunStepMetrics", run)),
                      Rec(topics.alerts, 0, 0, now_ns // 10**6, encode("Alert", alert))])

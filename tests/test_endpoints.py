@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import base64
 import json
+import socket
 import ssl
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -72,6 +74,29 @@ def test_metrics_over_tls_with_basic_auth(tmp_path, pki):
         with pytest.raises(OSError):  # plain HTTP to a TLS port gets no answer
             urllib.request.urlopen(f"http://127.0.0.1:{server.server_port}/metrics", timeout=5).read()
     finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_clients_stuck_in_or_after_the_tls_handshake_do_not_delay_a_scrape(tmp_path, pki):
+    # the handshake runs on the server's one I/O thread, without blocking (metrics_server.py):
+    # clients that connect and say nothing, or send half a TLS hello, hold only their sockets
+    server = serve_metrics("127.0.0.1", 0, lambda: b"profstream_up 1\n", "test", web=WebConfig(_web(tmp_path, pki)))
+    held = []
+    try:
+        for i in range(32):
+            s = socket.create_connection(("127.0.0.1", server.server_port), timeout=5)
+            if i % 2:
+                s.sendall(b"\x16\x03\x01\x02\x00\x01")  # the start of a ClientHello, and nothing more
+            held.append(s)
+        url = f"https://127.0.0.1:{server.server_port}/metrics"
+        for _ in range(3):
+            started = time.monotonic()
+            assert _get(url, pki, "prometheus", PASSWORD) == (200, "profstream_up 1\n")
+            assert time.monotonic() - started < 2.0
+    finally:
+        for s in held:
+            s.close()
         server.shutdown()
         server.server_close()
 

@@ -2,7 +2,8 @@
 
 The traces are written here in Kineto's JSON format (tests/kineto_traces.py): devices
 lagging their hosts, kernels spanning host step boundaries, overlapping streams, a copy
-stream, ns digits in the timestamps. HTA (installed by ``make test`` from the package
+stream, ns digits in the timestamps, and steps that launch copies and kernels early, so
+that each step's device work interleaves with the previous one's. HTA (installed by ``make test`` from the package
 index) computes its temporal breakdown and its computation/communication overlap per rank
 with its ns rounding and its launch filter (kernels not launched in a complete profiler
 step left out) switched off; profstream's per-step figures, summed over the steps, must
@@ -42,9 +43,9 @@ def hta(monkeypatch):
     return TraceAnalysis
 
 
-@pytest.mark.parametrize("lags", [(0.8, 0.5), (0.0, 1.3)])
-def test_temporal_breakdown_and_overlap_agree_with_hta(hta, tmp_path, lags):
-    paths = [lagging_device_trace(steps=8, lag=lag, rank=rank, seed=17 * rank + int(10 * lag)).write(
+@pytest.mark.parametrize("lags, early", [((0.8, 0.5), False), ((0.0, 1.3), False), ((0.8, 0.5), True)])
+def test_temporal_breakdown_and_overlap_agree_with_hta(hta, tmp_path, lags, early):
+    paths = [lagging_device_trace(steps=8, lag=lag, rank=rank, seed=17 * rank + int(10 * lag), early=early).write(
         tmp_path / f"rank{rank}.json") for rank, lag in enumerate(lags)]
     ta = hta(trace_dir=str(tmp_path))
     breakdown = ta.get_temporal_breakdown(visualize=False).set_index("rank")

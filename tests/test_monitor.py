@@ -12,7 +12,7 @@ import pytest
 
 from profstream import COMMUNICATION, COMPUTE, ConfigError, Monitor
 from profstream.schema.batch import END_MARK
-from tests.helpers import raw_batches, topic_size, wait_until
+from tests.helpers import IdleSender, raw_batches, read_full, topic_size, wait_until
 
 UNREACHABLE = "127.0.0.1:1"
 
@@ -235,6 +235,72 @@ def test_bulk_ops_are_copied_split_across_batches_and_covered_by_the_watermark(k
         assert sorted(got[s]) == (np.arange(n) * 100 + s * 10**6).tolist()
 
 
+def _handed_to_kafka(mon: Monitor) -> bool:
+    """Everything recorded is built into batches that the Kafka client holds or delivered."""
+    st = mon.stats()
+    return st["buffered_ops"] == 0 and st["buffered_samples"] == 0 and st["batches_sent"] == st["seq"] > 0
+
+
+def test_the_first_batch_arrives_first_and_whole_when_the_broker_would_take_a_later_one_first(
+        kafka_bootstrap, topics):
+    """The broker must never see a second produce request of a new Monitor before its
+    first: it would write the second as the producer's first, and the first could then
+    never be written, or only after the others (issue 28: the first step's batches were
+    lost, and close() said all was delivered). A proxy (tests/kafka_proxy.py) holds the
+    first request back and sends any second one first; the Monitor sends no second one
+    while the first waits, so every batch arrives once, in order."""
+    from tests.kafka_proxy import ReorderingProxy
+
+    with ReorderingProxy(kafka_bootstrap) as proxy:
+        mon = Monitor(run_id="first", bootstrap=proxy.bootstrap, topic_prefix=topics.prefix, batch_max_ops=100,
+                      host_sample_interval_s=0, control=False)
+        with mon.step(0):
+            mon.ops(["load"] * 50, np.arange(50, dtype=np.int64) * 10, np.full(50, 5, dtype=np.int64))
+        wait_until(proxy.holding.is_set, 30, "the Monitor's first produce request")
+        for s in range(1, 5):  # more batches while the first waits
+            with mon.step(s):
+                mon.ops(["gemm"] * 250, np.arange(250, dtype=np.int64) * 10 + s * 10**6,
+                        np.full(250, 5, dtype=np.int64))
+        wait_until(lambda: _handed_to_kafka(mon), 30, "every batch handed to the Kafka client")
+        # the client had every batch and 2 s to send a second request while the first waited
+        assert not proxy.swapped.wait(2.0), "a second produce request went out while the first was unanswered"
+        assert proxy.release()
+        assert mon.close(timeout=30)
+    stats = mon.stats()
+    assert stats["dropped_ops"] == 0 and stats["undelivered_ops"] == 0
+    batches = raw_batches(kafka_bootstrap, topics.raw, "first", stats["seq"])
+    assert [b.seq for b in batches] == list(range(stats["seq"]))  # each once, in the order they were built
+    starts = {s: sorted(t for b in batches for t, st in zip(b.ops["start_ns"].tolist(), b.ops["step"].tolist())
+                        if st == s) for s in range(5)}
+    assert starts[0] == (np.arange(50) * 10).tolist()
+    assert all(starts[s] == (np.arange(250) * 10 + s * 10**6).tolist() for s in range(1, 5))
+
+
+def test_an_outage_the_buffer_cannot_ride_out_drops_ops_and_samples_before_any_step_mark():
+    """Issue 37: a 180 s outage of a realtime rank (15 steps/s, 100 ops, a memory and a queue
+    sample a step) in a 4 MiB buffer lost 1,816 step marks with its ops, and those steps
+    whole. Now ops drop first, then samples, and every step keeps its mark; only once the
+    marks' own reserve is full do marks go, counted."""
+    mon = Monitor(run_id="outage", bootstrap=UNREACHABLE, buffer_bytes="4MiB", host_sample_interval_s=0,
+                  sender_factory=IdleSender)  # nothing leaves: the broker is away
+    steps = 180 * 15
+    _train(mon, steps, ops_per_step=100)
+    stats = mon.stats()
+    assert stats["dropped_ops"] > 0 and stats["dropped_samples"] > 0  # memory and queue samples went
+    assert stats["dropped_marks"] == 0 and mon.buffer.buffered_samples >= steps  # every step's mark is kept
+    partial = stats["partial_steps"]
+    assert 0 < partial < steps and partial == stats["dropped_ops"] // 100 + 1  # the steps that lost ops say so
+    # the marks' reserve, then full, drops marks last, and counts them
+    first_dropped = None
+    for s in range(steps, steps + mon.buffer.max_marks):
+        _train(mon, 1, ops_per_step=100, first_step=s)
+        if first_dropped is None and mon.stats()["dropped_marks"]:
+            first_dropped = s
+    assert first_dropped == mon.buffer.max_marks
+    assert mon.stats()["dropped_marks"] == steps + mon.buffer.max_marks - first_dropped
+    mon.close(timeout=0.5)
+
+
 def test_per_call_and_bulk_ops_share_one_buffer_bound():
     mon = Monitor(run_id="bound", bootstrap=UNREACHABLE, buffer_bytes="1MiB", host_sample_interval_s=0)
     limit = mon.buffer.max_ops
@@ -252,7 +318,6 @@ def test_a_batch_over_the_message_limit_is_split_and_nothing_is_lost(kafka_boots
     """Long, distinct op names make a batch of 8192 ops encode to megabytes: the Sender
     splits it under Kafka's message limit instead of losing it (or, as it once did,
     retrying it forever while the buffer filled up)."""
-    from profstream.kafka.clients import read_topic
     from profstream.kafka.limits import MAX_MESSAGE_BYTES
     from profstream.schema.batch import decode_batch
 
@@ -266,7 +331,8 @@ def test_a_batch_over_the_message_limit_is_split_and_nothing_is_lost(kafka_boots
     stats = mon.stats()
     mon.close()
     assert stats["dropped_ops"] == 0 and stats["dropped_samples"] == 0
-    values = read_topic(kafka_bootstrap, topics.raw, lambda v: True, stats["seq"] + 1, 30)  # + the end mark's
+    values = read_full(kafka_bootstrap, topics.raw, lambda v: True, stats["seq"] + 1, 30,  # + the end mark's
+                       what="batches of long-names")
     assert len(values) == stats["seq"] + 1 >= 4
     assert max(len(v) for v in values) <= MAX_MESSAGE_BYTES
     batches = [decode_batch(v) for v in values]

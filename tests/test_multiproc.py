@@ -25,11 +25,11 @@ import textwrap
 
 import pytest
 
-from profstream.kafka.clients import read_topic
 from profstream.producers import native
 from profstream.producers.sender import COLLECTIVE_PRODUCER_SUFFIX
 from profstream.schema.batch import decode_batch
 from profstream.schema.codec import decode
+from tests.helpers import read_full
 from tests.test_processor import RunningProcessor
 
 pytestmark = pytest.mark.multiproc
@@ -110,7 +110,8 @@ def _run_ranks(kafka_bootstrap, topics, tmp_path, run_id: str) -> None:
                 ranks.add(b.rank)
             return new
 
-        calls = read_topic(kafka_bootstrap, topics.raw, first_of_rank, WORLD, 60, decode=decode_batch)
+        calls = read_full(kafka_bootstrap, topics.raw, first_of_rank, WORLD, 60, decode=decode_batch,
+                          what="ranks' collective batches")
         assert {b.rank for b in calls} == set(range(WORLD)), [(b.rank, b.producer_id) for b in calls]
 
 
@@ -118,8 +119,8 @@ def test_a_late_rank_is_named_and_the_others_wait_for_it(kafka_bootstrap, topics
     run_id = "ddp-late"
     _run_ranks(kafka_bootstrap, topics, tmp_path, run_id)
     with RunningProcessor(kafka_bootstrap, topics, run_grace_s=20.0):
-        steps = read_topic(kafka_bootstrap, topics.run, lambda r: r["run_id"] == run_id, STEPS, 120,
-                           decode=lambda v: decode("RunStepMetrics", v))
+        steps = read_full(kafka_bootstrap, topics.run, lambda r: r["run_id"] == run_id, STEPS, 120,
+                          decode=lambda v: decode("RunStepMetrics", v), what="RunStepMetrics")
     assert sorted(s["step"] for s in steps) == list(range(STEPS))
     delay_ns = DELAY_S * 1e9
     for s in steps:

@@ -183,6 +183,35 @@ def test_native_batches_are_the_python_bytes_at_training_scale(monkeypatch):
     assert got_py == got_nat
 
 
+def test_steps_that_lost_events_are_marked_the_same_in_the_same_bytes(monkeypatch):
+    """A buffer that fills while the sender is behind: both Monitors drop the same ops and
+    samples, each step's mark says what that step lost, and the batches that carry such
+    marks are EventBatch v7, byte for byte the same; batches whose marks lost nothing stay v4."""
+    py, py_sender, nat, nat_sender = _pair(buffer_bytes=1 << 20)
+    limit, reserve = py.buffer.max_ops, py.buffer.max_samples
+    mem = reserve * 2 // 5  # memory samples a step: their reserve fills in step 2
+    steps = [{"ops": [(f"op{i % 7}", 1000 * s + i, 5, 0, None, 0, None) for i in range(limit // 2)], "bulk": None,
+              "memory": [(1, 2, 3)] * mem, "queues": [("q", 1, 8)]} for s in range(6)]
+    _record(py, steps)
+    _record(nat, steps)
+    got_py, got_nat = _messages(py_sender, nat_sender, monkeypatch)
+    assert got_py == got_nat
+    batches = [decode_batch(m) for m in got_nat]
+    marks = {int(s): (int(o), int(m)) for b in batches
+             for s, o, m in zip(b.steps["step"], b.steps["dropped_ops"], b.steps["dropped_samples"])}
+    # two steps' ops fit (and the odd op of step 2), then every op is dropped; the memory
+    # reserve fills in step 2
+    half, odd = limit // 2, limit % 2
+    assert marks == {0: (0, 0), 1: (0, 0), 2: (half - odd, 3 * mem - reserve), 3: (half, mem), 4: (half, mem),
+                     5: (half, mem)}
+    assert {m[:10] for m in got_nat} == {VERSIONS[("EventBatch", 7)].header}
+    assert sum(b.dropped_ops for b in batches) == nat.stats()["dropped_ops"] == 4 * half - odd
+    _record(py, steps[:1], first_step=6)  # room again: a whole step, in a v4 batch
+    _record(nat, steps[:1], first_step=6)
+    got_py, got_nat = _messages(py_sender, nat_sender, monkeypatch)
+    assert got_py == got_nat and {m[:10] for m in got_nat} == {VERSIONS[("EventBatch", 4)].header}
+
+
 def test_a_batch_over_the_message_limit_splits_into_the_same_messages(monkeypatch, caplog):
     """Bulk ops with long names, a 40 kB message limit: both senders halve the batch until
     it fits, send the head and give the rest back, with the same bytes and warnings."""

@@ -18,7 +18,7 @@ from profstream.processors.health import StageCounts
 from profstream.processors.runtime import Processor, RunStage, StepStage
 from profstream.schema.codec import decode, record_name
 from profstream.simulate import SimConfig, expected, run_simulation
-from tests.helpers import scrape, step_records, wait_until
+from tests.helpers import read_full, scrape, step_records, wait_until
 from tests.test_grafana_client import Feed, step_metrics
 
 
@@ -51,14 +51,14 @@ class RunningProcessor:
             raise AssertionError(f"the processor failed: {self.error!r}") from self.error
 
 
-def _alerts(bootstrap, topics, run_id, count, timeout=60):
-    return read_topic(bootstrap, topics.alerts, lambda a: a["run_id"] == run_id, count, timeout,
-                      decode=lambda v: decode("Alert", v))
+def _alerts(bootstrap, topics, run_id, count, timeout=60, full=True):
+    return (read_full if full else read_topic)(bootstrap, topics.alerts, lambda a: a["run_id"] == run_id, count,
+                                               timeout, decode=lambda v: decode("Alert", v))
 
 
-def _run_steps(bootstrap, topics, run_id, count, timeout=60):
-    return read_topic(bootstrap, topics.run, lambda r: r["run_id"] == run_id, count, timeout,
-                      decode=lambda v: decode("RunStepMetrics", v))
+def _run_steps(bootstrap, topics, run_id, count, timeout=60, full=True):
+    return (read_full if full else read_topic)(bootstrap, topics.run, lambda r: r["run_id"] == run_id, count,
+                                               timeout, decode=lambda v: decode("RunStepMetrics", v))
 
 
 def test_data_stall_fires_at_the_fifth_starved_step_and_resolves_after_five_healthy(kafka_bootstrap, topics):
@@ -76,7 +76,7 @@ def test_data_stall_fires_at_the_fifth_starved_step_and_resolves_after_five_heal
     assert got == [(0, 24, "firing"), (0, 39, "resolved"), (1, 24, "firing"), (1, 39, "resolved")]
     firing = next(a for a in alerts if a["state"] == "firing")
     assert firing["name"] == "DataQueueStall" and "since step 20" in firing["summary"]
-    assert _alerts(kafka_bootstrap, topics, "clean", 1, timeout=2) == []  # nothing fires on a clean run
+    assert _alerts(kafka_bootstrap, topics, "clean", 1, timeout=2, full=False) == []  # nothing fires on a clean run
 
 
 def test_straggler_is_named_on_every_step_with_the_defined_skew(kafka_bootstrap, topics):
@@ -84,13 +84,14 @@ def test_straggler_is_named_on_every_step_with_the_defined_skew(kafka_bootstrap,
                     straggler_factor=1.6, seed=9)
     with RunningProcessor(kafka_bootstrap, topics) as processor:
         run_simulation(cfg, {"bootstrap": kafka_bootstrap, "topic_prefix": topics.prefix})
-        runs = _run_steps(kafka_bootstrap, topics, "straggle", cfg.steps)
+        runs = _run_steps(kafka_bootstrap, topics, "straggle", cfg.steps, full=False)
         stage = processor.run_stage
         seen = (f"run stage emitted {processor.health.run_steps}, holds "
                 f"{ {k: (sorted(r.ranks), r.floor, len(r.pending)) for k, r in stage.runs.items()} }, "
                 f"steps closed {processor.health.steps_closed}, assignment "
                 f"{processor.loops[1].assignment()}")
     truth = expected(cfg)
+    assert len(runs) >= cfg.steps, f"short read: {len(runs)} of {cfg.steps} RunStepMetrics; {seen}"
     assert sorted(r["step"] for r in runs) == list(range(cfg.steps)), seen
     for r in runs:
         times = sorted(truth[(rank, r["step"])]["step_time_ns"] for rank in range(4))
@@ -148,8 +149,7 @@ _Rec = namedtuple("_Rec", "topic partition offset key value")
 def _uninterrupted(bootstrap, topics, run_id, n_batches) -> dict:
     """StepMetrics of the run computed by one StepStage that never stops, per (rank, step)."""
     records: list = []
-    read_topic(bootstrap, topics.raw, lambda r: records.append(r) or True, n_batches, 30,
-               decode=lambda v: v)
+    read_full(bootstrap, topics.raw, lambda r: records.append(r) or True, n_batches, 30, what="raw batches")
     consumer = KafkaConsumer(bootstrap_servers=bootstrap, auto_offset_reset="earliest",
                              isolation_level="read_committed", consumer_timeout_ms=3000)
     consumer.subscribe([topics.raw])
@@ -185,17 +185,17 @@ def test_kill_9_and_restart_gives_every_step_exactly_once_with_identical_values(
     producer.start()
     try:
         # kill -9 once it has committed some steps, mid-run
-        wait_until(lambda: len(step_records(kafka_bootstrap, topics.steps, "crash", 100, timeout=0.5)) >= 100,
+        wait_until(lambda: len(step_records(kafka_bootstrap, topics.steps, "crash", 100, timeout=0.5, full=False)) >= 100,
                    60, "100 committed steps before the crash")
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
-        before = len(step_records(kafka_bootstrap, topics.steps, "crash", total, timeout=1))
+        before = len(step_records(kafka_bootstrap, topics.steps, "crash", total, timeout=1, full=False))
         assert before < total, "the run was over before the crash: the test did not test a crash"
         proc = start()
         producer.join(120)
         steps = step_records(kafka_bootstrap, topics.steps, "crash", total, timeout=90)
         # give a duplicate the chance to show up
-        steps = step_records(kafka_bootstrap, topics.steps, "crash", total + 1, timeout=3)
+        steps = step_records(kafka_bootstrap, topics.steps, "crash", total + 1, timeout=3, full=False)
     finally:
         proc.terminate()
         proc.wait(20)

@@ -163,6 +163,33 @@ def test_a_fast_ranks_firing_stall_keeps_its_stall_series_and_collectives_keep_t
     assert ranks_in_series(s, "c")["profstream_data_stall"] == slow
 
 
+def test_a_fast_rank_that_stopped_keeps_the_series_rank_silent_reads():
+    """Outside the K slowest, a rank that stopped while its run goes on (killed) still has its
+    step time, its last step's end and whether it ended: RankSilent can name it. It has them
+    while it is silent, not before."""
+    Rec = namedtuple("Rec", "topic partition offset timestamp value")
+    topics, now_ms = Topics("silent"), time.time_ns() // 10**6
+    state = ExporterState(topics, top_ranks=K)
+
+    def fold(at_ms: int, *values: dict) -> Scrape:
+        state.handle([Rec(topics.steps, 0, 0, at_ms, encode("StepMetrics", v)) for v in values])
+        return Scrape(state.exposition().decode())
+
+    fold(now_ms - 30_000, *(step_record("k", rank, 0, 100_000_000 + 1_000_000 * rank) for rank in range(RANKS)))
+    slow = set(range(RANKS - K, RANKS))
+    for name in ("profstream_last_step_timestamp_seconds", "profstream_rank_ended"):
+        assert ranks_in_series(Scrape(state.exposition().decode()), "k")[name] == slow
+    # 20 s on, every rank but the fast rank 3 finished another step: 3 was killed
+    s = fold(now_ms - 10_000, *(step_record("k", rank, 1, 100_000_000 + 1_000_000 * rank)
+                               for rank in range(RANKS) if rank != 3))
+    series = ranks_in_series(s, "k")
+    for name in ("profstream_last_step_timestamp_seconds", "profstream_step_duration_seconds",
+                 "profstream_rank_ended"):
+        assert series[name] == slow | {3}, name
+    assert s("profstream_rank_ended", run="k", rank="3") == 0
+    assert series["profstream_device_utilization_ratio"] == slow  # nothing else of it
+
+
 @pytest.mark.parametrize("value", ["0", "-3", "lots"])
 def test_a_bad_top_ranks_is_a_one_line_error_saying_what_to_give(kafka_bootstrap, value):
     res = subprocess.run([sys.executable, "-m", "profstream.cli", "sink", "prometheus", "--bootstrap",

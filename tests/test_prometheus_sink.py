@@ -25,7 +25,7 @@ from profstream.processors.figures import FigureOptions
 from profstream.schema.codec import encode
 from profstream.simulate import SimConfig, expected, plan_run, run_simulation
 from profstream.sinks.prometheus import STEP_BUCKETS, ExporterState, start_exporter
-from tests.helpers import health_of_a_processor, wait_until
+from tests.helpers import connected_exporter, health_of_a_processor, wait_until
 from tests.test_alert_rules import prometheus_tool
 from tests.test_processor import RunningProcessor
 
@@ -237,10 +237,26 @@ def test_every_metric_of_the_exporter_and_the_processor_is_documented():
     doc = (ROOT / "docs" / "metrics.md").read_text()
     documented = set(re.findall(r"^\| `(profstream_\w+)`", doc, re.M))
     health = health_of_a_processor(SimpleNamespace(open_runs=0, open_events=0, ranks={}))
-    families = [*text_string_to_metric_families(ExporterState(Topics("docs")).exposition().decode()),
+    families = [*text_string_to_metric_families(connected_exporter(Topics("docs")).exposition().decode()),
                 *health.collect()]
     exported = {family.name + ("_total" if family.type == "counter" else "") for family in families}
     assert exported == documented, exported ^ documented
+
+
+def test_while_kafka_does_not_answer_neither_lag_reads_0():
+    """Issue 37: with profstream_kafka_reachable at 0 both lag gauges read 0 (all caught up).
+    Unknown is absent: no sample, until Kafka answers again."""
+    health = health_of_a_processor(SimpleNamespace(open_runs=0, open_events=0, ranks={}))
+    health._processor.lag, health._processor.kafka_reachable = (lambda: None), False
+    exporter = ExporterState(Topics("away"))
+    exporter.source = SimpleNamespace(lag=0, lag_known=False)
+    samples = {s.name: s.value for family in [*health.collect(),
+                                              *text_string_to_metric_families(exporter.exposition().decode())]
+               for s in family.samples}
+    assert samples["profstream_kafka_reachable"] == 0
+    assert "profstream_consumer_lag_messages" not in samples and "profstream_sink_consumer_lag_messages" not in samples
+    exporter.source.lag_known, exporter.source.lag = True, 7  # back
+    assert "profstream_sink_consumer_lag_messages 7.0" in exporter.exposition().decode()
 
 
 def test_device_windows_give_host_and_device_step_times_kernels_and_device_time_by_kind(tmp_path):

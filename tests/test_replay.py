@@ -15,7 +15,6 @@ from typer.testing import CliRunner
 
 import tests.test_processor as live
 from profstream.cli import app
-from profstream.kafka.clients import read_topic
 from profstream.kafka.topics import Topics, delete_topics, ensure_topics
 from profstream.offline.archive import archive_files, finished_files, iter_file
 from profstream.offline.export import export_parquet
@@ -24,7 +23,7 @@ from profstream.processors.collectives import readable_calls
 from profstream.schema.batch import EventBatch, decode_batch
 from profstream.simulate import SimConfig, plan_run, run_simulation
 from profstream.sinks.archive import run_archive
-from tests.helpers import step_records, topic_size, wait_until
+from tests.helpers import read_full, step_records, topic_size, wait_until
 
 CFG = SimConfig(run_id="recorded", ranks=3, steps=30, ops_per_step=60, seed=11, straggler_rank=1)
 
@@ -128,7 +127,8 @@ def test_replay_to_a_fresh_prefix_gives_the_same_figures_byte_identical_batches_
         assert _by_step(again) == recorded.steps and len(again) == total
         assert {k: {**v, "run_id": CFG.run_id} for k, v in _by_step(moved).items()} == recorded.steps
         archived = sorted(r["value"] for f in files for r, _ in iter_file(f) if r)
-        sent = read_topic(boot, fresh.raw, lambda v: decode_batch(v).run_id == CFG.run_id, len(archived), 30)
+        sent = read_full(boot, fresh.raw, lambda v: decode_batch(v).run_id == CFG.run_id, len(archived), 30,
+                         what="replayed batches")
         assert sorted(sent) == archived  # byte for byte
     finally:
         delete_topics(boot, fresh, timeout=5.0)

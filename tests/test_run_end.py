@@ -89,3 +89,30 @@ def test_the_exporter_says_a_run_ended_once_every_rank_did_and_again_not_when_a_
     assert feed(*ends[:2])("profstream_run_ended", run=CFG.run_id) == 0  # one rank has not said it ended
     assert feed(ends[2])("profstream_run_ended", run=CFG.run_id) == 1
     assert feed({**steps[-1], "step": CFG.steps})("profstream_run_ended", run=CFG.run_id) == 0  # it runs again
+
+
+def test_a_rank_ended_by_sigterm_says_so_in_its_rank_end_and_on_the_exporter():
+    """The end mark of a Monitor told to end by SIGTERM carries the signal: the RankEnd says
+    it (v2; a rank that closed normally keeps v1, which older consumers read), and the
+    exporter shows the rank ended (RankSilent stays quiet) and on which signal."""
+    import signal
+
+    from profstream.schema.codec import VERSIONS
+
+    ends = [f.value for f in figures(simulated_messages(CFG, end_signal=signal.SIGTERM)) if f.kind == ENDS]
+    assert [decode("RankEnd", v)["end_signal"] for v in ends] == [signal.SIGTERM] * CFG.ranks
+    assert {v[:10] for v in ends} == {VERSIONS[("RankEnd", 2)].header}
+    closed = [f.value for f in figures(simulated_messages(CFG)) if f.kind == ENDS]
+    assert {v[:10] for v in closed} == {VERSIONS[("RankEnd", 1)].header}
+    assert [decode("RankEnd", v)["end_signal"] for v in closed] == [0] * CFG.ranks
+    topics = Topics("ends")
+    state = ExporterState(topics)
+    now_ms = time.time_ns() // 10**6
+    state.handle([Rec(topics.steps, 0, i, now_ms, f.value)
+                  for i, f in enumerate(figures(simulated_messages(CFG, end_signal=signal.SIGTERM)))
+                  if f.kind in (STEPS, ENDS)])
+    scrape = Scrape(state.exposition().decode())
+    for rank in range(CFG.ranks):
+        assert scrape("profstream_rank_ended", run=CFG.run_id, rank=str(rank)) == 1
+        assert scrape("profstream_rank_end_signal", run=CFG.run_id, rank=str(rank)) == signal.SIGTERM
+    assert scrape("profstream_run_ended", run=CFG.run_id) == 1

@@ -762,20 +762,26 @@ def test_end_to_end_from_the_raw_topic_to_files(kafka_bootstrap, topics, tmp_pat
 
 
 def test_a_device_window_gets_a_device_steps_track_beside_the_host_steps(tmp_path):
-    """A lagging device (tests/kineto_traces.py): the host Steps track keeps [S, E], the
-    Device steps track shows the step and its phases on the device's window, and the
-    overlap tracks cover that window; the file writer renders the same events."""
+    """A lagging device whose steps launch copies and kernels early, while the previous
+    step's work still runs (tests/kineto_traces.py): the host Steps track keeps [S, E], the
+    Device steps track shows the step and its phases on the device's window, one window
+    after the other with neither gap nor overlap, and the overlap tracks cover that window;
+    the file writer renders the same events."""
     from profstream.integrations.ingest import load_profile
     from profstream.integrations.ingest.batches import profile_batches
     from profstream.offline.analyze import analyze
     from profstream.sinks.timeline import TID_DEVICE_STEPS
     from tests.kineto_traces import lagging_device_trace
 
-    path = lagging_device_trace(steps=4, lag=0.8, seed=3).write(tmp_path / "trace.json")
+    path = lagging_device_trace(steps=4, lag=0.8, seed=3, early=True).write(tmp_path / "trace.json")
     metrics = {s["step"]: s for s in analyze([path], "dev").steps}
-    sink = TimelineSink(tmp_path / "out", window_steps=100)
-    feed(sink, [Rec(TOPIC, 0, i, b"dev/0", encode_batch(b))
-                for i, b in enumerate(profile_batches(load_profile(path), "dev", 0))])
+    now = [0.0]
+    sink = TimelineSink(tmp_path / "out", window_steps=100, idle_timeout_s=60.0, clock=lambda: now[0])
+    records = [Rec(TOPIC, 0, i, b"dev/0", encode_batch(b))
+               for i, b in enumerate(profile_batches(load_profile(path), "dev", 0))]
+    feed(sink, records)
+    now[0] = 61.0  # the rank falls idle: step 4 closes with what it has
+    assert sink.durable_offsets() == {(TOPIC, 0): records[-1].offset + 1}
     sink.close()
     (path_out,) = files(tmp_path / "out")
     doc = read_trace(path_out)
@@ -789,10 +795,14 @@ def test_a_device_window_gets_a_device_steps_track_beside_the_host_steps(tmp_pat
         if e["ph"] == "X" and e["tid"] < 100:
             tracks[(e["tid"], e["args"]["step"])].setdefault(e["name"].split()[0], []).append(
                 (base + ns(e["ts"]), ns(e["dur"])))
+    assert sorted(metrics) == [1, 2, 3, 4]
     for step, m in metrics.items():
         host, device = tracks[(TID_STEPS, step)], tracks[(TID_DEVICE_STEPS, step)]
         assert host == {"step": [(m["start_ns"], m["end_ns"] - m["start_ns"])]}  # no phases on the host's
         assert device["step"] == [(m["device_start_ns"], m["step_time_ns"])]
+        if step > 1:  # each device step starts where the one before ended
+            before = tracks[(TID_DEVICE_STEPS, step - 1)]["step"][0]
+            assert device["step"][0][0] == before[0] + before[1]
         assert [device[p][0][1] for p in ("data_wait", "fp_bp", "tail")] == [
             m["data_wait_ns"], m["fp_bp_ns"], m["tail_ns"]]
         assert sum(d for _, d in tracks[(TID_COMPUTE, step)]["compute"]) == m["compute_ns"]

@@ -99,17 +99,28 @@ def run(
     record_only: Annotated[bool | None, typer.Option(
         "--record-only", help="no broker: every batch goes to --spool-dir, for `profstream spool publish`")] = None,
 ) -> None:
-    """Profile a PyTorch training script without changing it: profstream run -- python train.py ARGS (docs/torch.md)."""
+    """Profile a PyTorch training script without changing it: profstream run -- python train.py ARGS (docs/torch.md).
+
+    Every signal it gets (TERM, INT, HUP, QUIT, USR1, USR2) is passed on to the script, and
+    it exits with the script's status; killed, it takes the script with it."""
     from profstream.integrations.launch import run_profiled
 
     options = {**monitor_kafka_options(resolve_connection(bootstrap)), "run_id": run_id, "topic_prefix": topic_prefix,
                "start_step": start_step, "stop_step": stop_step, "every_n_steps": every_n_steps,
                "collective_bytes": collective_bytes, "spool_dir": spool_dir, "record_only": record_only}
+    passed: list[str] = []
+
+    def say(what: str) -> None:
+        passed.append(what)
+        err.print(f"profstream run: {what}", highlight=False, soft_wrap=True)
+
     try:
-        code = run_profiled(command, options, {"capture_ops": capture_ops})
+        code = run_profiled(command, options, {"capture_ops": capture_ops}, say)
     except FileNotFoundError:
         fail(f"command not found: {command[0]!r} (give the full command after --, e.g. profstream run -- "
               "python train.py)")
     except ValueError as e:  # ConfigError is a ValueError
         fail(str(e))
+    if passed:  # told to end: say how it did (its Monitors said what they sent and dropped)
+        err.print(f"profstream run: {command[0]} exited with status {code}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)

@@ -65,7 +65,10 @@ def simulate(
     procs: Annotated[int, typer.Option(help="producer processes that share the ranks out, each with the "
                                             "Monitors of its ranks (1 to --ranks)")] = 1,
 ) -> None:
-    """Simulate a training run through the real Monitor (deterministic for a seed)."""
+    """Simulate a training run through the real Monitor (deterministic for a seed).
+
+    Prints what was sent and every family dropped; SIGTERM ends the run as a run ends (the
+    Monitors closed, their end marks saying SIGTERM), prints that and exits 143."""
     from profstream.simulate import run_simulation
     from profstream.simulate_procs import run_in_processes, shares
 
@@ -86,9 +89,9 @@ def simulate(
                 result = run_in_processes(cfg, procs, monitor_options, progress=lambda n: advance(None, n))
             except RuntimeError as e:
                 fail(str(e))
-    out.print(f"run {cfg.run_id}: {result.steps_recorded} steps, {result.ops_recorded} ops sent to {boot} "
-              f"in {result.wall_s:.1f} s; dropped ops: {result.dropped_ops}; "
-              f"{'all delivered' if result.flushed else 'NOT all delivered'}", highlight=False)
+    out.print(f"run {cfg.run_id}: {result.summary(boot)}", highlight=False, soft_wrap=True)
+    if result.ended_by:  # told to end (SIGTERM): the status a process it ended has
+        raise typer.Exit(128 + result.ended_by)
     if not result.flushed:
         raise typer.Exit(1)
 

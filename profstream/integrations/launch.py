@@ -17,10 +17,11 @@ import importlib.abc
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,23 +61,86 @@ def child_environment(options: Mapping[str, Any], torch_options: Mapping[str, An
     return env
 
 
+# Every signal a launcher may send to end or poke a job (torchrun, Slurm, Kubernetes: TERM,
+# then KILL; USR1/USR2 for a checkpoint or a requeue): the wrapper passes each on to the
+# training process, which is what the sender meant to reach.
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+_SI_KERNEL = 0x80  # si_code of a signal the kernel sent: a terminal's Ctrl-C, Ctrl-\\, hang-up
+_PR_SET_PDEATHSIG = 1
+
+
 def run_profiled(command: Sequence[str], options: Mapping[str, Any] | None = None,
-                 torch_options: Mapping[str, Any] | None = None) -> int:
+                 torch_options: Mapping[str, Any] | None = None,
+                 say: Callable[[str], None] | None = None) -> int:
     """Run ``command`` with profiling switched on; returns its exit code (128 + n when
-    a signal n ended it). Raises FileNotFoundError when the command does not exist."""
+    a signal n ended it). Raises FileNotFoundError when the command does not exist.
+
+    Every catchable signal the wrapper gets (``FORWARDED``) is passed on to the command,
+    ``say`` telling each; and the command dies with the wrapper (Linux: SIGKILL when the
+    wrapper is killed), so no training process is ever left behind."""
     if not command:
         raise ValueError("no command given: write it after --, e.g. profstream run -- python train.py")
     with tempfile.TemporaryDirectory(prefix="profstream-run-") as hook_dir:
         Path(hook_dir, "sitecustomize.py").write_text(SITECUSTOMIZE)
         env = child_environment(options or {}, torch_options or {}, hook_dir)
-        child = subprocess.Popen(list(command), env=env)
-        while True:
-            try:
-                code = child.wait()
-                break
-            except KeyboardInterrupt:  # the child got the same Ctrl-C: let it finish
-                continue
+        code = run_child(list(command), env, say)
     return 128 - code if code < 0 else code
+
+
+def run_child(command: list[str], env: Mapping[str, str], say: Callable[[str], None] | None = None) -> int:
+    """Run ``command`` and wait for it, passing on the signals of ``FORWARDED``: they are
+    blocked here and taken one by one (``sigtimedwait``), so none is lost and none runs a
+    handler in the middle of anything. A signal the terminal sent to its foreground group
+    (Ctrl-C) reached the command too when it shares our group: that one is not sent twice.
+    Returns Popen's returncode (-n: signal n ended it)."""
+    if not hasattr(signal, "sigtimedwait"):  # not POSIX: the child gets the terminal's signals itself
+        return _wait_plain(subprocess.Popen(command, env=env))
+    watched = {*FORWARDED, signal.SIGCHLD}
+    unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, watched)
+    try:
+        child = subprocess.Popen(command, env=env, preexec_fn=_child_setup(unblocked, os.getpid()))
+        same_group = os.getpgid(child.pid) == os.getpgrp() if child.poll() is None else False
+        while (code := child.poll()) is None:
+            info = signal.sigtimedwait(watched, 1.0)  # SIGCHLD wakes it; a second's timeout covers a missed one
+            if info is None or info.si_signo == signal.SIGCHLD:
+                continue
+            if info.si_code == _SI_KERNEL and same_group:  # the terminal sent it to the child as well
+                continue
+            try:
+                os.kill(child.pid, info.si_signo)
+            except ProcessLookupError:  # it just ended
+                continue
+            if say is not None:
+                say(f"passed {signal.Signals(info.si_signo).name} on to {command[0]} (pid {child.pid})")
+        return code
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
+
+
+def _child_setup(unblocked: Any, parent: int) -> Callable[[], None]:
+    """What the child runs between fork and exec: the signal mask it would have had, and
+    death with its parent (Linux's PR_SET_PDEATHSIG: a wrapper killed with SIGKILL takes
+    the training process with it, and the DataLoader workers follow it)."""
+    import ctypes
+
+    prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)
+
+    def setup() -> None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+            if os.getppid() != parent:  # the wrapper died before that: follow it now
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    return setup
+
+
+def _wait_plain(child: subprocess.Popen) -> int:
+    while True:
+        try:
+            return child.wait()
+        except KeyboardInterrupt:  # the child got the same Ctrl-C: let it finish
+            continue
 
 
 # -- in the profiled process ---------------------------------------------------------

@@ -93,14 +93,18 @@ def close_at_exit(inst: TorchInstrumentation) -> None:
     producer closes itself in one, and the last step's events must be sent before that."""
     import weakref
 
+    from profstream.producers import shutdown
+
     ref = weakref.ref(inst)
 
-    def close() -> None:
+    def close(timeout: float = 5.0) -> None:
         from profstream.producers.monitor import exiting_on_error
 
         live = ref()
         if live is not None:
-            live.close(timeout=5.0, ended=not exiting_on_error())  # a traceback: the run did not end normally
+            live.close(timeout=timeout, ended=not exiting_on_error())  # a traceback: the run did not end normally
+
+    shutdown.at_signal(close)  # SIGTERM ending the process: its last step first, then the Monitors
 
     register = getattr(threading, "_register_atexit", None)  # runs before atexit (CPython >= 3.9)
     try:

@@ -129,8 +129,16 @@ def _native_producer_config(conn: Connection | str, compression: str | None) -> 
 # NativeProducer), whichever client sends; no linger, as the Monitor batches itself (one
 # message per batch interval at most) and a linger timer only woke librdkafka's broker
 # thread once more per message (3 wake-ups a message instead of 2; each one on a box with
-# no idle core is taken from the training loop).
-_MONITOR_PRODUCER: dict[str, Any] = {"message.timeout.ms": 0, "linger.ms": 0}
+# no idle core is taken from the training loop). One produce request in flight: with two,
+# a first one refused for a moment (a partition the broker has not applied yet, just
+# after the topic was created, or while it moves) lets the second be written first, and
+# a broker with no state for a new producer id takes any first sequence (KIP-360, until
+# Kafka 4.5's KAFKA-15591); the first batch can then never be written, or is written
+# after later ones: the Monitor's first batches were lost that way (issue 28). A request
+# carries every message queued for the partition, so one at a time still sends a
+# backlog in 1 MiB requests.
+_MONITOR_PRODUCER: dict[str, Any] = {"message.timeout.ms": 0, "linger.ms": 0,
+                                     "max.in.flight.requests.per.connection": 1}
 
 
 def monitor_producer_settings(conn: Connection | str, compression: str | None = "lz4") -> dict[str, str]:

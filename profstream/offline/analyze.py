@@ -2,9 +2,10 @@
 
 Each rank's profile (one file per rank, a directory of them, or profiler folders as their
 profilers wrote them: ``ingest.layout``) is read by ingest (``read_found``) and turned into
-the raw batches a live producer would have sent (``profile_batches``); the processors'
-own entry point (``processors.stream.figures``) computes StepMetrics, RunStepMetrics and
-alerts from them, exactly as the live processors would. The ranks' batches are fed
+the raw batches a live producer would have sent (``profile_batches``, with the end mark
+that ``ingest``'s Monitor sends when it closes); the processors' own entry point
+(``processors.stream.figures``) computes StepMetrics, RunStepMetrics and alerts from
+them, exactly as the live processors would. The ranks' batches are fed
 interleaved by their step ends, so that the cross-rank stage sees them as it would live.
 """
 
@@ -124,7 +125,8 @@ def rank_messages(ranks: list[RankProfile], run_id: str, device: str = "",
         host = r.profile.host if r.profile.host and is_valid_name(r.profile.host) else ""
         key = f"{run_id}/{r.rank}".encode()
         dev = device or r.profile.device
-        for offset, batch in enumerate(profile_batches(r.profile, run_id, r.rank, host, dev, len(ranks))):
+        for offset, batch in enumerate(profile_batches(r.profile, run_id, r.rank, host, dev, len(ranks),
+                                                       ended=True)):
             if on_batch is not None:
                 on_batch(batch)
             clock = batch.sent_ns / 1e9

@@ -282,8 +282,8 @@ def _device(data: ReportData) -> str:
         recs = data.of_rank(rank)
         dev = [s for s in recs if s["device_end_ns"] is not None]
         shares = kind_shares(recs)
-        host_ms = np.mean([s["host_step_time_ns"] for s in recs]) / 1e6
-        dev_ms = np.mean([s["step_time_ns"] for s in dev]) / 1e6 if dev else float("nan")
+        host_ms = float(np.mean([s["host_step_time_ns"] for s in recs])) / 1e6  # a float's repr in data-value
+        dev_ms = float(np.mean([s["step_time_ns"] for s in dev])) / 1e6 if dev else float("nan")
         cells = [f'<td data-metric="host_step_ms" data-value="{host_ms!r}">{host_ms:.2f}</td>',
                  f'<td data-metric="device_step_ms" data-value="{dev_ms!r}">'
                  f'{"—" if np.isnan(dev_ms) else f"{dev_ms:.2f}"}</td>',

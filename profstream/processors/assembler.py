@@ -2,9 +2,15 @@
 
 A step closes as soon as its end mark has arrived and the producer's watermark
 (``complete_through_step``) has reached it; a producer that never sends a watermark gets
-a grace period after the mark instead. Steps close in order. Events that arrive for a
-step already closed are counted as late and never folded in; events of a step that never
-got its mark are discarded (and counted) when a later step closes.
+a grace period after the mark instead. A step measured on the device's window
+(``window.py``) also waits until no later step can still add device ops to that window:
+until it, or a later step ready to close, ended on the host after the window's end
+(``window.CLOCK_SKEW_NS`` later), or the producer's end mark came (no later step); it
+then takes the device ops of the steps in between that ran inside its window
+(``StepEvents.ahead_*``). Steps close in order. Events that arrive for a step already
+closed are counted as late and never folded in; events of a step that never got its mark
+are discarded (and counted) when a later step closes. The producer's end mark (step
+``END_MARK``) is no step: the rank is ``finished`` once every step it marked closed.
 
 Restarts: ``snapshot()`` is what the processor checkpoints (no open-step events: the
 committed input offset stays at ``min_open_offset`` so they are read again). A batch
@@ -27,8 +33,15 @@ import numpy as np
 
 from profstream.processors.collectives import CALL_COLUMNS, Calls
 from profstream.processors.model import StepEvents
-from profstream.processors.window import carry_past_end, step_window
-from profstream.schema.batch import END_MARK, NO_VALUE, SECTIONS, EventBatch, launch_column
+from profstream.processors.window import (
+    CLOCK_SKEW_NS,
+    ahead_ops,
+    carry_past_end,
+    device_window_end,
+    is_ascend_device,
+    step_window,
+)
+from profstream.schema.batch import END_MARK, NO_VALUE, SECTIONS, EventBatch, column, launch_column
 
 _OP_COLS = ("kind", "type", "stream", "start_ns", "dur_ns", "launch_ns")
 _MEM_COLS = ("ts_ns", "allocated", "reserved", "peak")
@@ -41,6 +54,7 @@ _DEVICE_COLS = tuple(col for col, _ in SECTIONS["device_samples"])
 @dataclass
 class _OpenStep:
     mark: tuple[int, int, int, int] | None = None  # S, E, F, B
+    lost: tuple[int, int] = (0, 0)  # (ops, samples) of the step its producer dropped: its mark says
     mark_seen_at: float = 0.0
     ops: list[dict] = field(default_factory=list)
     memory: list[dict] = field(default_factory=list)
@@ -50,9 +64,28 @@ class _OpenStep:
     events: int = 0
     first_offset: int = -1  # input offset of the first batch that fed this step
     batches: set[tuple[str, int]] = field(default_factory=set)  # (producer id, seq) of each batch that fed it
+    # (events and ascend then; the end of its own device ops that bound it, or None: a host step)
+    device_end: tuple[int, bool, int | None] = (-1, False, None)
+
+    def op_columns(self) -> dict[str, np.ndarray]:
+        """The step's op columns, concatenated once (later parts are concatenated again)."""
+        if len(self.ops) != 1:
+            self.ops[:] = [_concat(self.ops, _OP_COLS, _DTYPES)]
+        return self.ops[0]
+
+    def own_device_end(self, ascend: bool) -> int | None:
+        """End of the step's own device ops that bound its window (on an Ascend device, its
+        compute and communication ones where it has any: ``window.device_window_end``) if any
+        op carries a launch time, else None."""
+        if self.device_end[:2] != (self.events, ascend):
+            ops = self.op_columns()
+            self.device_end = (self.events, ascend, device_window_end(ops["kind"], ops["start_ns"], ops["dur_ns"],
+                                                                      ops["launch_ns"], NO_VALUE, ascend))
+        return self.device_end[2]
 
 
 _NO_CARRY = (np.empty(0, np.int64), np.empty(0, np.int64))
+_NO_AHEAD = (np.empty(0, np.uint8), np.empty(0, np.int64), np.empty(0, np.int64))
 
 
 def _i64_bytes(values: np.ndarray) -> bytes:
@@ -118,8 +151,11 @@ class RankAssembler:
         self._collective_remaps: dict[tuple[str, ...], np.ndarray] = {}  # a batch's names -> their codes
         # what the next step to close needs of the last closed one (window.py)
         self.carry: tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]] = (_NO_CARRY, _NO_CARRY)
-        self.device_end: tuple[int, int] | None = None  # (step, end of its last device op)
+        self.device_end: tuple[int, int] | None = None  # (step, end of its device window)
+        self.held_step: int | None = None  # a device step ready but for later steps (close_ready)
+        self._grace_wait: float | None = None  # mark time of the later step it waits for (no watermark)
         self.ended_ns: int | None = None  # the producer's end mark: it ended normally, at this time
+        self.end_signal = 0  # the signal that ended it, as its end mark says (0: it closed)
         # health counters (totals)
         self.late_events = 0
         self.orphan_events = 0
@@ -200,10 +236,14 @@ class RankAssembler:
             for step, part in _by_step(dev["step"], dev):
                 self._bucket(step, "devices", part, len(part["ts_ns"]))
         st = batch.steps
+        if len(st["step"]):
+            lost_ops, lost_samples, end_signal = (column(batch, "steps", c)
+                                                  for c in ("dropped_ops", "dropped_samples", "end_signal"))
         for i in range(len(st["step"])):
             step = int(st["step"][i])
             if step == END_MARK:  # no step: the rank ended (``finished`` once its steps are closed)
                 self.ended_ns = int(st["end_ns"][i])
+                self.end_signal = int(end_signal[i])
                 continue
             if self._closed(step):
                 self.late_events += fresh
@@ -213,6 +253,7 @@ class RankAssembler:
                 continue
             entry.mark = (int(st["start_ns"][i]), int(st["end_ns"][i]),
                           int(st["fp_start_ns"][i]), int(st["bp_end_ns"][i]))
+            entry.lost = (int(lost_ops[i]), int(lost_samples[i]))
             entry.mark_seen_at = now
             self.events += fresh
         if None in self._fed.values():
@@ -268,18 +309,58 @@ class RankAssembler:
     def close_ready(self, now: float) -> list[tuple[StepEvents, str]]:
         """Steps that may close now, in order, with the reason ("watermark" or "grace")."""
         out = []
-        for step in sorted(s for s, e in self.open.items() if e.mark is not None):
-            entry = self.open[step]
-            if self.watermark is not None:
-                if self.watermark < step:
-                    break
-                reason = "watermark"
-            elif now - entry.mark_seen_at >= self.grace_s:
-                reason = "grace"
-            else:
+        self.held_step = None
+        marked = sorted(s for s, e in self.open.items() if e.mark is not None)
+        for i, step in enumerate(marked):
+            reason = self._ready(step, now)
+            if reason is None:
                 break
-            out.append((self._close(step), reason))
+            through = self._window_complete_through(marked, i, now)
+            if through is None:
+                self.held_step = step
+                break
+            out.append((self._close(step, through), reason))
         return out
+
+    def _ready(self, step: int, now: float) -> str | None:
+        """Why marked ``step`` may close now ("watermark" or "grace"), or None."""
+        if self.watermark is not None:
+            return "watermark" if self.watermark >= step else None
+        return "grace" if now - self.open[step].mark_seen_at >= self.grace_s else None
+
+    def _prev_device_end(self, step: int) -> int:
+        before = self.device_end
+        return before[1] if before is not None and before[0] == step - 1 else NO_VALUE
+
+    def _window_complete_through(self, marked: list[int], i: int, now: float) -> int | None:
+        """The last step whose device ops the window of ``marked[i]`` takes (``marked``:
+        the marked steps in order), or None while a later step may still add to it. A host
+        step's is itself; once the producer sent its end mark no later step comes, and the
+        last marked step's is the last."""
+        step = marked[i]
+        own = self.open[step].own_device_end(is_ascend_device(self.device))
+        if own is None:
+            return step
+        prev = self._prev_device_end(step)
+        end = own if prev == NO_VALUE else max(own, prev)
+        self._grace_wait = None
+        for k in marked[i:]:
+            if k != step and self._ready(k, now) is None:
+                self._grace_wait = self.open[k].mark_seen_at
+                return None
+            if self.open[k].mark[1] >= end + CLOCK_SKEW_NS:  # step k + 1 launches after the window
+                return k
+        if self.ended_ns is not None:  # the rank ended: no step after the last marked one
+            return marked[-1]
+        return None
+
+    def grace_mark(self) -> float | None:
+        """The mark time whose grace period the next close waits for (no watermark): the
+        first marked step's, or the later step's a device step waits for (``held_step``)."""
+        if self.held_step is not None:
+            return self._grace_wait
+        marked = [s for s, e in self.open.items() if e.mark is not None]
+        return self.open[min(marked)].mark_seen_at if marked else None
 
     @property
     def finished(self) -> bool:
@@ -294,22 +375,40 @@ class RankAssembler:
     def close_all(self) -> list[StepEvents]:
         """Close every step that has its mark (idle run); discard the rest."""
         steps = sorted(s for s, e in self.open.items() if e.mark is not None)
-        closed = [self._close(s) for s in steps]
+        closed = [self._close(s, steps[-1]) for s in steps]
         self.orphan_events += sum(e.events for e in self.open.values())
         self.open.clear()
+        self.held_step = None
         return closed
 
-    def _close(self, step: int) -> StepEvents:
+    def _ahead(self, step: int, through: int, end: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Device ops of the marked steps after ``step`` up to ``through`` that start before
+        ``end``: (kind, start, end)."""
+        parts = []
+        for k in range(step + 1, through + 1):
+            entry = self.open.get(k)
+            if entry is not None and entry.mark is not None and entry.ops:
+                ops = entry.op_columns()
+                part = ahead_ops(ops["kind"], ops["start_ns"], ops["dur_ns"], ops["launch_ns"], end)
+                if len(part[0]):
+                    parts.append(part)
+        if not parts:
+            return _NO_AHEAD
+        return tuple(np.concatenate([p[i] for p in parts]) for i in range(3))
+
+    def _close(self, step: int, through: int) -> StepEvents:
         entry = self.open.pop(step)
         for s in [s for s in self.open if s < step]:  # events of steps that never got a mark
             self.orphan_events += self.open.pop(s).events
         self.floor = step + 1
         S, E, F, B = entry.mark
-        ops = _concat(entry.ops, _OP_COLS, _DTYPES)
+        ops = entry.op_columns()
         mem = _concat(entry.memory, _MEM_COLS, _DTYPES)
         q = _concat(entry.queues, _QUEUE_COLS, _DTYPES)
         dev = _concat(entry.devices, _DEVICE_COLS, _DEVICE_DTYPES)
-        before = self.device_end
+        prev = self._prev_device_end(step)
+        own = entry.own_device_end(is_ascend_device(self.device))
+        ahead = _NO_AHEAD if own is None else self._ahead(step, through, own if prev == NO_VALUE else max(own, prev))
         ev = StepEvents(
             run_id=self.run_id, rank=self.rank, step=step, start_ns=S, end_ns=E,
             fp_start_ns=F, bp_end_ns=B, host=self.host, device=self.device,
@@ -319,9 +418,9 @@ class RankAssembler:
             mem_ts_ns=mem["ts_ns"], mem_allocated=mem["allocated"], mem_reserved=mem["reserved"],
             mem_peak=mem["peak"], queue=q["queue"], queue_ts_ns=q["ts_ns"], queue_size=q["size"],
             queue_names=self.queue_names, carried_compute=self.carry[0], carried_comm=self.carry[1],
-            prev_device_end_ns=before[1] if before is not None and before[0] == step - 1 else NO_VALUE,
+            prev_device_end_ns=prev, ahead_kind=ahead[0], ahead_start_ns=ahead[1], ahead_end_ns=ahead[2],
             collectives=Calls(self.collective_names, _concat(entry.collectives, _CALL_COLS, _CALL_DTYPES)),
-            device_samples=dev,
+            device_samples=dev, dropped_ops=entry.lost[0], dropped_samples=entry.lost[1],
         )
         self.carry = carry_past_end(ev)
         window = step_window(ev)

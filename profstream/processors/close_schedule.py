@@ -6,8 +6,9 @@ more than the steps themselves. ``CloseSchedule`` names only the ranks that may 
 something to close now:
 
 - the ranks whose step marks or watermark moved since their last visit (``touched``);
-- the ranks whose first marked step waits out the grace period with no watermark (a heap
-  of mark times);
+- the ranks whose first marked step (or the later step that a device step waits for:
+  ``RankAssembler.grace_mark``) waits out the grace period with no watermark (a heap of
+  mark times);
 - the ranks whose idle timeout came (a heap of last-seen times).
 
 The heaps are compared with the same expressions as the assembler's grace test and the
@@ -63,11 +64,7 @@ class CloseSchedule:
     def visited(self, ident: Hashable, asm: RankAssembler) -> None:
         """Put a rank that was just visited (or is new) in the heaps where it belongs now."""
         self.seen(ident, asm.last_seen)
-        first_mark = None
-        if asm.watermark is None:
-            marked = [s for s, e in asm.open.items() if e.mark is not None]
-            if marked:
-                first_mark = asm.open[min(marked)].mark_seen_at
+        first_mark = asm.grace_mark() if asm.watermark is None else None
         if first_mark is None:
             self._grace_at.pop(ident, None)
         elif self._grace_at.get(ident) != first_mark:

@@ -66,7 +66,8 @@ class RankFigures:
         starved = is_starved(trace, queues, opts.stall_ratio)
         self.starved_steps += starved
         transition = self.stall.update(ev.step, starved)
-        self.rolling.add(trace["step_time_ns"], trace["data_wait_ns"], util["utilization"])
+        if not ev.partial:  # a step that lost events would pass for a whole one in the rolling figures
+            self.rolling.add(trace["step_time_ns"], trace["data_wait_ns"], util["utilization"])
         record = {
             "run_id": ev.run_id, "rank": ev.rank, "world_size": ev.world_size, "host": ev.host,
             "device": ev.device,
@@ -89,5 +90,6 @@ class RankFigures:
             "closed_ns": time.time_ns(),
             "collectives": pack_calls(ev.collectives) if ev.collectives is not None else NO_CALLS,
             "devices": device_figures(ev),
+            "dropped_ops": ev.dropped_ops, "dropped_samples": ev.dropped_samples,
         }
         return record, transition

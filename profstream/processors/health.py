@@ -33,7 +33,7 @@ class Watched(Protocol):
     loops: list  # checkpoint.TransactionalLoop: stage.name, last_commit_s, last_poll_s, recoveries
     kafka_reachable: bool
 
-    def lag(self) -> int: ...
+    def lag(self) -> int | None: ...
 
 
 def _producer_health(stage):
@@ -83,7 +83,9 @@ class _Counters:
         self.lost_batches = 0
         self.duplicate_batches = 0
         self.producer_dropped = 0
+        self.producer_dropped_samples = 0
         self.steps_closed = 0
+        self.partial_steps = 0
         self.run_steps = 0
         self.runs_closed = 0
         self.ranks_ended = 0
@@ -91,8 +93,8 @@ class _Counters:
         self.uncorrelated_ops = 0
 
 
-_TOTALS = ("batches", "late_events", "lost_batches", "duplicate_batches", "producer_dropped", "steps_closed",
-           "run_steps", "runs_closed", "ranks_ended", "alerts", "uncorrelated_ops")
+_TOTALS = ("batches", "late_events", "lost_batches", "duplicate_batches", "producer_dropped", "producer_dropped_samples",
+           "steps_closed", "partial_steps", "run_steps", "runs_closed", "ranks_ended", "alerts", "uncorrelated_ops")
 
 
 class StageCounts(_Counters):
@@ -110,6 +112,7 @@ class StageCounts(_Counters):
 
     def step_closed(self, record: dict) -> None:
         self.steps_closed += 1
+        self.partial_steps += bool(record["dropped_ops"] or record["dropped_samples"])
         self.uncorrelated_ops += record["uncorrelated_ops"]
         if self._keep_step_ends:
             self.step_ends_ns.append(record["end_ns"])
@@ -167,9 +170,14 @@ class ProcessorHealth(_Counters):
             ("duplicate_batches", "producer batches read again while their steps were open (a copy in the raw "
              "topic), folded in once", self.duplicate_batches),
             ("producer_dropped", "op events producers dropped (buffer full, send failure)", self.producer_dropped),
+            ("producer_dropped_samples", "samples producers dropped (buffer full, send failure): memory, queue, "
+             "collective and device samples and step marks (a step whose mark was dropped is lost whole)",
+             self.producer_dropped_samples),
             ("steps_closed", "StepMetrics produced", self.steps_closed),
+            ("partial_steps_closed", "StepMetrics of steps that lost events (their producer dropped some: its mark "
+             "says so); left out of the rolling figures", self.partial_steps),
             ("run_steps", "RunStepMetrics produced", self.run_steps),
-            ("ranks_ended", "ranks whose producer ended normally (end mark), every step closed: RankEnd "
+            ("ranks_ended", "ranks whose producer ended (end mark: a close or a SIGTERM), every step closed: RankEnd "
              "records produced", self.ranks_ended),
             ("alerts", "alert transitions produced", self.alerts),
             ("uncorrelated_device_ops", "device ops without a launch time in steps whose other device ops "
@@ -180,8 +188,10 @@ class ProcessorHealth(_Counters):
             yield CounterMetricFamily(p + name, doc, value=value)
         proc = self._processor
         if proc is not None:
-            yield GaugeMetricFamily(p + "consumer_lag_messages", "raw messages not yet consumed, from the "
-                                    "broker's end offsets of now", value=proc.lag())
+            lag = proc.lag()
+            if lag is not None:  # unknown while the broker does not answer: no sample, never 0
+                yield GaugeMetricFamily(p + "consumer_lag_messages", "raw messages not yet consumed, from the "
+                                        "broker's end offsets of now (absent while Kafka does not answer)", value=lag)
             yield GaugeMetricFamily(p + "kafka_reachable", "1 when the broker answered the last lag probe",
                                     value=int(proc.kafka_reachable))
             yield from _loop_health(proc.loops)

@@ -29,12 +29,12 @@ class LagProbe:
         self._lock = threading.Lock()
         self._client: confluent_kafka.Consumer | None = None
         self._at = -1e18
-        self.lag = 0
+        self.lag: int | None = 0
         self.reachable = True  # the broker answered the last probe
 
-    def measure(self, partitions: list[int], positions: dict[int, int]) -> int:
-        """Messages in ``partitions`` beyond ``positions`` (a loop's next offsets); the last
-        value when the broker does not answer (``reachable`` then says so)."""
+    def measure(self, partitions: list[int], positions: dict[int, int]) -> int | None:
+        """Messages in ``partitions`` beyond ``positions`` (a loop's next offsets); None
+        (unknown, not 0) when the broker does not answer (``reachable`` then says so)."""
         with self._lock:
             if time.monotonic() - self._at < self._every_s:
                 return self.lag
@@ -43,6 +43,7 @@ class LagProbe:
                 self.lag = self._measure(partitions, positions)
                 self.reachable = True
             except (confluent_kafka.KafkaException, RuntimeError):
+                self.lag = None
                 self.reachable = False
                 self._drop_client()  # the next probe looks the coordinator up afresh
             return self.lag

@@ -44,7 +44,12 @@ class StepEvents:
     # unions starting at or after the previous step's E (window.carry_past_end)
     carried_compute: tuple[np.ndarray, np.ndarray] = field(default_factory=lambda: (_empty(), _empty()))
     carried_comm: tuple[np.ndarray, np.ndarray] = field(default_factory=lambda: (_empty(), _empty()))
-    prev_device_end_ns: int = NO_VALUE  # device end of step - 1, when it had a device window
+    prev_device_end_ns: int = NO_VALUE  # device window end of step - 1, when it had a device window
+    # device ops of later steps that ran before this step's device window ended (window.py):
+    # kind, start and end of each, whole
+    ahead_kind: np.ndarray = field(default_factory=lambda: _empty(np.uint8))
+    ahead_start_ns: np.ndarray = field(default_factory=_empty)
+    ahead_end_ns: np.ndarray = field(default_factory=_empty)
     # memory samples
     mem_ts_ns: np.ndarray = field(default_factory=_empty)
     mem_allocated: np.ndarray = field(default_factory=_empty)
@@ -60,6 +65,14 @@ class StepEvents:
     collectives: Any = None
     # device counter samples: the columns of schema.batch.DEVICE_COLUMNS
     device_samples: dict[str, np.ndarray] = field(default_factory=lambda: empty_section("device_samples"))
+    # events of the step its producer dropped (its buffer was full), as its mark says: a
+    # partial step, whose op and sample figures cover only what arrived
+    dropped_ops: int = 0
+    dropped_samples: int = 0
+
+    @property
+    def partial(self) -> bool:
+        return bool(self.dropped_ops or self.dropped_samples)
 
     @property
     def step_time_ns(self) -> int:

@@ -40,6 +40,7 @@ from profstream.schema.codec import (
     decode,
     decode_any,
     encode,
+    encode_rank_end,
     encode_run_step_metrics,
     encode_step_metrics,
 )
@@ -104,9 +105,12 @@ class StepStage:
         self.idle_timeout_s = idle_timeout_s
         self.figure_options = figure_options or FigureOptions()
         self.ranks: dict[tuple[str, int], _Rank] = {}
-        # ranks that ended or went idle: each producer's next seq, so that a copy of one of
-        # their batches read later (a spool published twice, a resend) is no new step
-        self._retired: OrderedDict[tuple[str, int], dict[str, int]] = OrderedDict()
+        # ranks that ended or went idle: their input partition and each producer's next seq,
+        # so that a copy of one of their batches read later (a spool published twice, a
+        # resend) is no new step. Not checkpointed: a rebuild of a partition (an aborted
+        # transaction, a restart, a rebalance) forgets its ranks here, as their input is
+        # read again from the last commit anyway (docs/exactly-once.md).
+        self._retired: OrderedDict[tuple[str, int], tuple[int, dict[str, int]]] = OrderedDict()
         self._changed: set[tuple[str, int]] = set()
         self._orders = itertools.count()
         self.schedule = CloseSchedule(grace_s, idle_timeout_s)
@@ -142,6 +146,8 @@ class StepStage:
         parts = set(partitions)
         for ident in [i for i, r in self.ranks.items() if r.assembler.partition in parts]:
             self._forget(ident)
+        for ident in [i for i, (part, _) in self._retired.items() if part in parts]:
+            del self._retired[ident]
 
     def _add_rank(self, ident: tuple[str, int], rank: _Rank) -> _Rank:
         """Put a new or restored rank in (a restored one in its old place) and schedule it."""
@@ -153,7 +159,7 @@ class StepStage:
 
     def _retire(self, ident: tuple[str, int], asm: RankAssembler) -> None:
         """Remember where a finished rank's producers were (the last RETIRED_RANKS ranks)."""
-        self._retired[ident] = {**self._retired.get(ident, {}), **asm.next_seq}
+        self._retired[ident] = (asm.partition, {**self._retired.get(ident, (0, {}))[1], **asm.next_seq})
         self._retired.move_to_end(ident)
         while len(self._retired) > RETIRED_RANKS:
             self._retired.popitem(last=False)
@@ -172,7 +178,7 @@ class StepStage:
             self.counts.decode_errors[e.reason] += 1
             return [dead_letter(self.topics.dlq, rec, e)]
         ident = (batch.run_id, batch.rank)
-        if self._retired and batch.seq < self._retired.get(ident, {}).get(batch.producer_id, -1):
+        if self._retired and batch.seq < self._retired.get(ident, (0, {}))[1].get(batch.producer_id, -1):
             self.counts.duplicate_batches += 1  # of a rank that ended: its steps are closed and sent
             return []
         rank = self.ranks.get(ident)
@@ -180,7 +186,7 @@ class StepStage:
             rank = self._add_rank(ident, _Rank(RankAssembler(batch.run_id, batch.rank, self.grace_s, rec.partition),
                                                RankFigures(self.figure_options)))
         asm = rank.assembler
-        before = (asm.late_events, asm.lost_batches, asm.dropped_ops, asm.duplicate_batches)
+        before = (asm.late_events, asm.lost_batches, asm.dropped_ops, asm.duplicate_batches, asm.dropped_samples)
         watermark = asm.watermark
         fresh = asm.add(batch, now, rec.offset)
         # only marks and the watermark let a step close
@@ -197,6 +203,7 @@ class StepStage:
             h.late_events += asm.late_events - before[0]
             h.lost_batches += asm.lost_batches - before[1]
             h.producer_dropped += asm.dropped_ops - before[2]
+            h.producer_dropped_samples += asm.dropped_samples - before[4]
             rank.buffer_fill_ratio = batch.buffer_fill_ratio
             if batch.send_latency_ns >= 0:
                 rank.send_latency_s = batch.send_latency_ns / 1e9
@@ -228,9 +235,9 @@ class StepStage:
 
     def _rank_end(self, asm: RankAssembler) -> Output:
         record = {"run_id": asm.run_id, "rank": asm.rank, "world_size": asm.world_size, "host": asm.host,
-                  "last_step": asm.last_step, "ended_ns": asm.ended_ns}
+                  "last_step": asm.last_step, "ended_ns": asm.ended_ns, "end_signal": asm.end_signal}
         self.counts.ranks_ended += 1
-        return Output(self.topics.steps, f"{asm.run_id}/{asm.rank}".encode(), encode("RankEnd", record),
+        return Output(self.topics.steps, f"{asm.run_id}/{asm.rank}".encode(), encode_rank_end(record),
                       run_partition(asm.run_id, self.steps_partitions))
 
     def _due(self, now: float) -> list[tuple[str, int]]:
@@ -466,9 +473,10 @@ class Processor:
     def stop(self) -> None:
         self._stop.set()
 
-    def lag(self) -> int:
+    def lag(self) -> int | None:
         """Raw messages the step stage has not consumed yet, from the broker's end offsets
-        (asked at most once a second); 0 without a step stage."""
+        (asked at most once a second); 0 without a step stage; None (unknown) while the
+        broker does not answer."""
         if self._lag is None:
             return 0
         loop = self.loops[0]

@@ -6,15 +6,19 @@ the producer's marks when it has them, else F is the start of the first compute 
 
     step_time = E - S    data_wait = F - S    fp_bp = B - F    tail = E - B
 
-On a device window [W, D] the phases follow MindSpore's device-side step trace: F is the
-start of the step's first compute op (W if none), B the end of its last (D if none);
-W is the previous step's end on the device, so data_wait is the device's iteration
-interval (from the previous step's last device op to this step's forward).
+On a device window [W, D] the phases follow MindSpore's device-side step trace, on the
+step's compute ops as far as they ran inside the window (a compute op the step launched
+early that ran in the previous step's window counted there): F is the start of the first
+(W if none), B the end of the last (D if none). W is the previous step's window end, so
+data_wait is the device's iteration interval (from the previous step's last device op to
+this step's forward).
 
     step_time = D - W    data_wait = F - W    fp_bp = B - F    tail = D - B
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 from profstream.processors.model import StepEvents
 from profstream.processors.window import Window, step_window
@@ -26,10 +30,13 @@ def step_trace(ev: StepEvents, window: Window | None = None) -> dict[str, int]:
     w = window or step_window(ev)
     if w.device:
         sel = ev.op_kind == COMPUTE
-        start = ev.op_start_ns[sel]
         W, D = w.start_ns, w.end_ns
-        F = int(start.min()) if len(start) else W
-        B = int((start + ev.op_dur_ns[sel]).max()) if len(start) else D
+        start = ev.op_start_ns[sel]
+        end = np.minimum(start + ev.op_dur_ns[sel], D)
+        start = np.maximum(start, W)
+        inside = end > start
+        F = int(start[inside].min()) if inside.any() else W
+        B = int(end[inside].max()) if inside.any() else D
         return {"step_time_ns": D - W, "data_wait_ns": F - W, "fp_bp_ns": B - F, "tail_ns": D - B}
     S, E = ev.start_ns, ev.end_ns
     start, end = ev.clipped_ops(COMPUTE)

@@ -29,10 +29,10 @@ from profstream.kafka.topics import Topics
 from profstream.processors.figures import FigureOptions
 from profstream.processors.health import StageCounts
 from profstream.processors.runtime import RunStage, StepStage
-from profstream.schema.codec import CURRENT
+from profstream.schema.codec import SCHEMAS
 
 STEPS, ALERTS, DEAD_LETTERS, RUN, ENDS = "steps", "alerts", "dead_letters", "run", "ends"
-_RANK_END = CURRENT["RankEnd"].header
+_RANK_ENDS = {sv.header for sv in SCHEMAS.values() if sv.name == "RankEnd"}  # v1 and v2 are written
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ class StepFigures:
 
     def _figures(self, clock: float, partition: int, outputs) -> list[Figure]:
         kinds = self._kinds
-        return [Figure(clock, partition, next(self._seq), ENDS if o.value[:10] == _RANK_END else kinds[o.topic],
+        return [Figure(clock, partition, next(self._seq), ENDS if o.value[:10] in _RANK_ENDS else kinds[o.topic],
                        o.value) for o in outputs if o.topic in kinds]
 
 

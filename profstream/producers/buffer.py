@@ -3,8 +3,11 @@
 One writer, one reader and no lock: the training thread appends (``deque.append`` is
 atomic), the Sender's thread drains (``popleft``). Bounded: ``buffer_bytes`` is turned
 into counts of events; when op events would pass theirs they are dropped and counted,
-and step marks, memory and queue samples have a reserve of their own. ``Monitor.op``
-appends to ``ops`` itself (the hot path); everything else goes through the methods here.
+and memory and queue samples have a reserve of their own. Step marks have the largest
+reserve: a step without its mark is lost whole, and a mark is small, so a full buffer
+drops them last (ops go first, then samples, whose reserves fill a step at a time too).
+``Monitor.op`` appends to ``ops`` itself (the hot path); everything else goes through the
+methods here.
 Device counter samples come from a second writer, the device sampler's thread: they have
 a deque and a drop counter of their own.
 
@@ -27,8 +30,13 @@ OP_BYTES = 224
 SAMPLE_BYTES = 200
 # Share of buffer_bytes kept for encoded batches that wait for the broker's acknowledgement.
 INFLIGHT_SHARE = 0.25
-# Share of the remaining buffer reserved for step marks, memory, queue and host samples.
+# Share of the remaining buffer reserved for each kind of sample: memory, queue, host.
 SAMPLE_SHARE = 0.05
+# Share of the remaining buffer reserved for step marks: with one mark a step, 4 times the
+# steps any other sample's reserve holds (a 4 MiB buffer keeps 3,145 steps' marks, 3.5 min
+# at 15 steps/s, when everything else is dropped; the default 64 MiB, 56 min).
+MARK_SHARE = 0.2
+MARK_BYTES = 200  # a step mark tuple of eight ints
 
 
 class OpChunk(NamedTuple):
@@ -61,12 +69,20 @@ class Drained(NamedTuple):
     collectives: list[tuple]  # (name, group, dtype, step, seq, start_ns, dur_ns, in, out, group_size)
 
 
-def buffer_bounds(buffer_bytes: int) -> tuple[int, int, int]:
-    """``buffer_bytes`` as (bytes of encoded batches waiting for their acknowledgement, op
-    events, samples of each kind): the bounds of every Monitor buffer, Python or native."""
+class Bounds(NamedTuple):
+    """``buffer_bytes`` as counts: the bounds of every Monitor buffer, Python or native."""
+
+    inflight_bytes: int  # encoded batches waiting for their acknowledgement
+    ops: int
+    samples: int  # of each kind (memory, queues, host, collectives, device samples)
+    marks: int
+
+
+def buffer_bounds(buffer_bytes: int) -> Bounds:
+    """``buffer_bytes`` as its bounds (``Bounds``)."""
     budget = buffer_bytes * (1 - INFLIGHT_SHARE)
-    return (int(buffer_bytes * INFLIGHT_SHARE), max(1, int(budget * (1 - SAMPLE_SHARE) / OP_BYTES)),
-            max(64, int(budget * SAMPLE_SHARE / SAMPLE_BYTES)))
+    return Bounds(int(buffer_bytes * INFLIGHT_SHARE), max(1, int(budget * (1 - SAMPLE_SHARE - MARK_SHARE) / OP_BYTES)),
+                  max(64, int(budget * SAMPLE_SHARE / SAMPLE_BYTES)), max(256, int(budget * MARK_SHARE / MARK_BYTES)))
 
 
 def rows_chunk(rows: list[tuple]) -> OpChunk:
@@ -79,7 +95,7 @@ class EventBuffer:
     """Events recorded on the training thread and not yet taken by the Sender."""
 
     def __init__(self, buffer_bytes: int, batch_max_ops: int) -> None:
-        self.inflight_limit_bytes, self.max_ops, self.max_samples = buffer_bounds(buffer_bytes)
+        self.inflight_limit_bytes, self.max_ops, self.max_samples, self.max_marks = buffer_bounds(buffer_bytes)
         self.batch_max_ops = batch_max_ops
 
         self.ops: deque = deque()  # one tuple per op() call
@@ -94,7 +110,8 @@ class EventBuffer:
         self.collectives: deque = deque()
         # Monotonic counters, written by the recording thread only.
         self.dropped_ops = 0
-        self.dropped_samples = 0
+        self.dropped_samples = 0  # step marks included
+        self.dropped_marks = 0
         self.dropped_device_samples = 0  # written by the device sampler's thread only
         self.watermark: int | None = None  # every event of steps <= watermark is buffered or sent
         self.wake = threading.Event()  # set when a batch is worth sending now
@@ -120,12 +137,26 @@ class EventBuffer:
             self.wake.set()
 
     def add_sample(self, samples: deque, row: tuple) -> None:
-        """One step mark, memory, queue or collective sample into ``samples`` (``marks``,
-        ``memory``, ``queues`` or ``collectives``), or dropped and counted when their reserve is full."""
+        """One memory, queue or collective sample into ``samples`` (``memory``, ``queues``
+        or ``collectives``), or dropped and counted when their reserve is full."""
         if len(samples) < self.max_samples:
             samples.append(row)
         else:
             self.dropped_samples += 1
+
+    def add_mark(self, row: tuple) -> None:
+        """One step mark (``SECTIONS["steps"]``' columns), or dropped and counted (as a
+        sample and as a mark) when the marks' reserve is full."""
+        if len(self.marks) < self.max_marks:
+            self.marks.append(row)
+        else:
+            self.dropped_samples += 1
+            self.dropped_marks += 1
+
+    def drop_counts(self) -> tuple[int, int]:
+        """(ops, samples) the recording thread has dropped so far: what a step lost is the
+        difference between its start and its end."""
+        return self.dropped_ops, self.dropped_samples
 
     def add_collective(self, row: tuple) -> None:
         """One collective call (``Drained.collectives``' columns), or dropped and counted

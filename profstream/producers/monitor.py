@@ -67,6 +67,11 @@ def exiting_on_error() -> bool:
     return getattr(sys, "last_value", None) is not None
 
 
+def live_monitors() -> list[Monitor]:
+    """The Monitors of this process not closed yet."""
+    return list(_live_monitors)
+
+
 @atexit.register
 def _close_all_at_exit() -> None:
     ended = not exiting_on_error()
@@ -170,6 +175,9 @@ class Monitor:
         self._step_start: int | None = None
         self._fp_start = NO_VALUE
         self._bp_end = NO_VALUE
+        self._drops_at_start = (0, 0)  # the buffer's drop counts when the open step began
+        self._end_signal = 0  # the signal that ends this process, once one arrived (its end mark says so)
+        self.partial_steps = 0  # steps whose mark says they lost events
         self._auto_watermark: bool = opts["auto_watermark"]
         self._start_step = opts["start_step"]
         self._stop_step = opts["stop_step"]
@@ -199,6 +207,9 @@ class Monitor:
             self._sender = (sender_factory or sender_type)(self)
             self._sender.start()
             _live_monitors.add(self)
+            from profstream.producers import shutdown
+
+            shutdown.watch(live_monitors)  # SIGTERM: flush, and the end mark says so (producers/shutdown.py)
             from profstream.devices.sampler import start_sampler
 
             # on a thread of its own; None (one information line) where no counters can be read
@@ -231,8 +242,15 @@ class Monitor:
         profiler's launch correlation resolved), -1 where there is none; the processors then
         count a device op in the step that launched it (``step``), whenever it ran."""
         if self._capturing:
-            self.buffer.add_ops(names, start_ns, dur_ns, kinds, op_types, streams, self._step if step is None else step,
-                                launch_ns=launch_ns)
+            buf = self.buffer
+            other_step = step is not None and (step != self._step or self._step_start is None)
+            if other_step:  # ops of a step already ended (a deferring integration)
+                before = buf.drop_counts()
+            buf.add_ops(names, start_ns, dur_ns, kinds, op_types, streams, self._step if step is None else step,
+                        launch_ns=launch_ns)
+            if other_step:  # what the buffer dropped of them is not the open step's loss (the totals count it)
+                ops, samples = self._drops_at_start
+                self._drops_at_start = (ops + buf.drop_counts()[0] - before[0], samples)
             if self._counting is not None and not self._native:  # the native count is the recorder's
                 self._counting.n += len(names)
 
@@ -251,6 +269,7 @@ class Monitor:
         self._next_step = step + 1
         self._step_start = _time_ns() if ts_ns is None else ts_ns
         self._fp_start = self._bp_end = NO_VALUE
+        self._drops_at_start = self.buffer.drop_counts()
         self._capturing = self._in_window(step)
         if self._plan_gate is not None and self._plan_gate.claim(step) is not None:
             self._capture_requested()
@@ -264,7 +283,13 @@ class Monitor:
             return
         buf = self.buffer
         end_ns = _time_ns() if ts_ns is None else ts_ns
-        buf.add_sample(buf.marks, (self._step, self._step_start, end_ns, self._fp_start, self._bp_end))
+        # what the step lost on this thread (the buffer was full) travels with its mark: the
+        # processors then say it is partial, and leave it out of the rolling figures
+        ops, samples = buf.drop_counts()
+        lost_ops, lost_samples = ops - self._drops_at_start[0], samples - self._drops_at_start[1]
+        if lost_ops or lost_samples:
+            self.partial_steps += 1
+        buf.add_mark((self._step, self._step_start, end_ns, self._fp_start, self._bp_end, lost_ops, lost_samples, 0))
         self._step_start = None
         if self._counting is not None:
             self._requested_step_ended(end_ns)
@@ -418,7 +443,7 @@ class Monitor:
 
     @property
     def dropped_samples(self) -> int:
-        return self.buffer.dropped_samples + self.buffer.dropped_device_samples
+        return self.buffer.drop_counts()[1] + self.buffer.dropped_device_samples
 
     @property
     def buffered_ops(self) -> int:
@@ -454,7 +479,7 @@ class Monitor:
             self.end_step()
         if ended and self._enabled:
             now = _time_ns()
-            self.buffer.add_sample(self.buffer.marks, (END_MARK, now, now, NO_VALUE, NO_VALUE))
+            self.buffer.add_mark((END_MARK, now, now, NO_VALUE, NO_VALUE, 0, 0, self._end_signal))
             self._wake.set()
         self._closed = True
         self._capturing = False
@@ -467,7 +492,25 @@ class Monitor:
             self._control.stop(left())
         if self._sender is None:
             return True
-        return self._sender.stop(left())
+        stopped = self._sender.stop(left())
+        self._say_dropped()
+        return stopped
+
+    def _say_dropped(self) -> None:
+        """At close, one warning of what the full buffer dropped (what never reached Kafka
+        the sender says itself)."""
+        buf = self.buffer
+        ops, samples, marks = buf.dropped_ops, self.dropped_samples, buf.dropped_marks
+        if ops or samples:
+            log.warning("profstream: %s rank %d: the full buffer dropped %d ops and %d samples, %d of them step "
+                        "marks (those steps are lost whole); %d steps lost some events (sent marked partial). "
+                        "A larger buffer_bytes or a spool_dir keeps more", self.run_id, self.rank, ops, samples,
+                        marks, self.partial_steps)
+
+    def ending_on(self, signum: int) -> None:
+        """The process got signal ``signum`` and ends on it: the end mark will say so (the
+        processors' RankEnd then gives it as the reason). ``producers/shutdown.py`` calls it."""
+        self._end_signal = signum
 
     def __enter__(self) -> Monitor:
         return self
@@ -478,6 +521,7 @@ class Monitor:
     def stats(self) -> dict[str, Any]:
         """Producer health: drops, buffer fill, batches sent, send latency."""
         out = {"recording": self.recording, "dropped_ops": self.dropped_ops, "dropped_samples": self.dropped_samples,
+               "dropped_marks": self.buffer.dropped_marks, "partial_steps": self.partial_steps,
                "buffered_ops": self.buffered_ops, "buffer_fill_ratio": self.buffer_fill_ratio,
                "buffered_samples": self.buffer.buffered_samples}
         if self._device_sampler is not None:

@@ -35,6 +35,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from fastavro import parse_schema, schemaless_writer
 
 from profstream.producers.buffer import Drained, EventBuffer, buffer_bounds
@@ -60,6 +61,9 @@ DYNAMIC_FIELDS = {"seq": "long", "sent_ns": "long", "dropped_ops": "long", "drop
                   "complete_through_step": ["null", "long"], "buffer_fill_ratio": "double",
                   "send_latency_ns": "long"}
 _DTYPES = {"<i4": "i4", "<i8": "i8", "|u1": "u1", "<f8": "f8"}
+# Header dictionaries of the sections recorded in Python (the collectives' one dictionary of
+# three columns, which schema.batch.DICTIONARIES does not list)
+FOREIGN_DICTIONARIES = ("collective_names",)
 
 # The parts of EventBuffer.drain() the native sender handles: ops and samples are recorded
 # natively, device samples and collective calls sent by the Python encoder
@@ -100,10 +104,10 @@ def _load() -> tuple[Any, str]:
     if unknown:
         return None, f"the native sender does not send the buffer's {', '.join(unknown)} (they would be lost)"
     try:  # this schema and layout, checked once: a field the encoder cannot write falls back here
-        plan = batch_plan({"run_id": "r", "host": "", "rank": 0, "world_size": None, "device": "cpu",
-                           "producer_id": ""})
+        constants = {"run_id": "r", "host": "", "rank": 0, "world_size": None, "device": "cpu", "producer_id": ""}
         recorder = _native.Recorder(layout(1, 64), "ops", 1)
-        _native.Batcher(recorder, plan, 1 << 20, 1 << 20, 1.0, 1.0, 0.0, -1)
+        _native.Batcher(recorder, batch_plan(constants), 1 << 20, 1 << 20, 1.0, 1.0, 0.0, -1,
+                        batch_plan(constants, marked=True))
     except (UnsupportedSchema, ValueError, TypeError) as e:
         return None, f"the native encoder cannot write this EventBatch schema: {e}"
     return _native, ""
@@ -139,7 +143,20 @@ def describe() -> str:
 def plain_version() -> SchemaVersion:
     """The EventBatch version the Python encoder writes for a batch of ops and samples alone
     (none of the sections only some batches carry): the one the native encoder writes."""
-    message = encode_batch(EventBatch(run_id="", rank=0))
+    return _written(EventBatch(run_id="", rank=0))
+
+
+def marked_version() -> SchemaVersion:
+    """The version the Python encoder writes for a batch whose step marks say more than a
+    v1 mark (a step that lost events, an end mark on a signal): the native encoder's
+    second plan, for those batches alone."""
+    batch = EventBatch(run_id="", rank=0)
+    batch.steps = {c: np.ones(1, dtype) for c, dtype in SECTIONS["steps"]}
+    return _written(batch)
+
+
+def _written(batch: EventBatch) -> SchemaVersion:
+    message = encode_batch(batch)
     return SCHEMAS[int.from_bytes(message[2:10], "little")]
 
 
@@ -156,8 +173,9 @@ def foreign_sections() -> list[str]:
     return [s for s in SECTIONS if s not in native]
 
 
-def layout(max_ops: int, max_samples: int) -> list[tuple]:
-    """The native sections of an EventBatch as the native Recorder takes them."""
+def layout(max_ops: int, max_samples: int, max_marks: int | None = None) -> list[tuple]:
+    """The native sections of an EventBatch as the native Recorder takes them (the bounds:
+    ``buffer.Bounds``; step marks have their own, by default the samples')."""
     fill = getattr(batch_schema, "COLUMN_FILL", {})  # columns added by later versions, if any
     out = []
     for section in native_sections():
@@ -175,21 +193,21 @@ def layout(max_ops: int, max_samples: int) -> list[tuple]:
             kinds = KIND_CODES if (section, name) == ("ops", "kind") else None
             cols.append((name, code, at, given, kinds, HOST))
         rows = BLOCK_ROWS.get(section, SAMPLE_BLOCK_ROWS)
-        out.append((section, rows, max_ops if section == "ops" else max_samples, cols,
-                    [(f, c, b) for f, c, b in dicts]))
+        bound = max_ops if section == "ops" else max_marks or max_samples if section == "steps" else max_samples
+        out.append((section, rows, bound, cols, [(f, c, b) for f, c, b in dicts]))
     return out
 
 
-def _field(name: str) -> dict:
-    for f in plain_version().parsed["fields"]:
+def _field(name: str, sv: SchemaVersion | None = None) -> dict:
+    for f in (sv or plain_version()).parsed["fields"]:
         if f["name"] == name:
             return f
     raise UnsupportedSchema(f"the EventBatch schema has no field {name!r}")
 
 
-def _wire(dictionary: str) -> str:
+def _wire(dictionary: str, sv: SchemaVersion | None = None) -> str:
     """How a dictionary field goes on the wire: "names_blob" (v3's op_names) or "names_array"."""
-    kind = _field(dictionary)["type"]
+    kind = _field(dictionary, sv)["type"]
     if kind == "bytes":
         return "names_blob"
     if isinstance(kind, dict) and kind.get("type") == "array" and kind.get("items") == "string":
@@ -203,10 +221,14 @@ def _avro(kind: Any, value: Any) -> bytes:
     return out.getvalue()
 
 
-def batch_plan(constants: dict[str, Any]) -> list[tuple]:
-    """The native encoder's steps for the EventBatch version it writes (``plain_version``):
-    ``constants`` are the header fields that never change for one Monitor (run_id, rank...)."""
-    sv = plain_version()
+def batch_plan(constants: dict[str, Any], marked: bool = False) -> list[tuple]:
+    """The native encoder's steps for the EventBatch version it writes (``plain_version``;
+    ``marked``: ``marked_version``, for batches whose marks say more): ``constants`` are the
+    header fields that never change for one Monitor (run_id, rank...). A section of that
+    version with fewer columns than SECTIONS writes its first ones (the rest, added later,
+    hold their fill there: the Batcher writes such a batch with the marked plan); a section
+    the native Recorder does not record (device samples, collectives) is written empty."""
+    sv = marked_version() if marked else plain_version()
     index = {section: i for i, section in enumerate(native_sections())}
     steps: list[tuple] = [("raw", sv.header)]
     for field in sv.parsed["fields"]:
@@ -223,13 +245,17 @@ def batch_plan(constants: dict[str, Any]) -> list[tuple]:
         elif name in DICTIONARIES:
             section, column = DICTIONARIES[name]
             dicts = [f for f, (s, _c) in DICTIONARIES.items() if s == section]
-            steps.append((_wire(name), index[section], dicts.index(name)))
+            steps.append((_wire(name, sv), index[section], dicts.index(name)))
         elif name in index:
             got = [(f["name"], f["type"]) for f in kind["fields"]]
             want = [("count", "int")] + [(c, "bytes") for c, _ in SECTIONS[name]]
-            if got != want:
+            later = [c for c, _t in want[len(got):]]
+            if got != want[:len(got)] or any((name, c) not in batch_schema.COLUMN_FILL for c in later):
                 raise UnsupportedSchema(f"section {name} has fields {got}, SECTIONS says {want}")
-            steps.append(("section", index[name]))
+            steps.append(("section", index[name], len(got) - 1))
+        elif name in SECTIONS or name in FOREIGN_DICTIONARIES:  # recorded in Python, sent in batches of their own
+            empty = {"count": 0, **{c: b"" for c, _ in SECTIONS[name]}} if name in SECTIONS else []
+            steps.append(("raw", _avro(kind, empty)))
         else:
             raise UnsupportedSchema(f"the native encoder does not know EventBatch field {name!r}")
     merged: list[tuple] = []
@@ -260,8 +286,10 @@ class _NativeBufferMethods:
     what the Monitor and the Sender use of a buffer."""
 
     def __init__(self, buffer_bytes: int, batch_max_ops: int) -> None:
-        self.inflight_limit_bytes, self.max_ops, self.max_samples = buffer_bounds(buffer_bytes)
-        super().__init__(layout(self.max_ops, self.max_samples), "ops", batch_max_ops)  # type: ignore[call-arg]
+        self.inflight_limit_bytes, self.max_ops, self.max_samples, self.max_marks = buffer_bounds(buffer_bytes)
+        super().__init__(layout(self.max_ops, self.max_samples, self.max_marks), "ops",  # type: ignore[call-arg]
+                         batch_max_ops)
+        self.marks_offered = 0  # add_mark calls: those the recorder did not take were dropped
         # the sections the native encoder does not write, recorded here and sent by the
         # Python encoder: Monitor methods of theirs (add_device_sample, add_collective) reach it through
         # __getattr__
@@ -279,6 +307,19 @@ class _NativeBufferMethods:
         given.update((k, v) for k, v in columns.items() if v is not None)
         self.add_rows(self.ops_section, len(names), given,  # type: ignore[attr-defined]
                       None if op_types is None or isinstance(op_types, str) else _TYPE_FALLBACK)
+
+    def add_mark(self, row: tuple) -> None:
+        """One step mark, or dropped and counted when the marks' reserve is full."""
+        self.marks_offered += 1
+        self.add_sample(self.marks, row)  # type: ignore[attr-defined]
+
+    @property
+    def dropped_marks(self) -> int:
+        return self.marks_offered - self.recorded_rows(self.marks)  # type: ignore[attr-defined]
+
+    def drop_counts(self) -> tuple[int, int]:
+        """(ops, samples) the recording thread has dropped so far (``EventBuffer``'s)."""
+        return self.dropped_ops, self.dropped_samples + self.foreign.dropped_samples  # type: ignore[attr-defined]
 
     @property
     def buffered_ops(self) -> int:

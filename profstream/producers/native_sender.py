@@ -72,10 +72,11 @@ class NativeSender(Sender):
             raise RuntimeError(why)
         m, buf = monitor, monitor.buffer
         opts = m.options
-        plan = native.batch_plan({"run_id": m.run_id, "rank": m.rank, "world_size": opts["world_size"],
-                                  "host": opts["host"], "device": opts["device"], "producer_id": m.producer_id})
-        self._core = module.Batcher(buf, plan, MAX_MESSAGE_BYTES, m.inflight_limit_bytes, self._interval,
-                                    self.idle_send_s, self._host_interval or 0.0, buf.host)
+        constants = {"run_id": m.run_id, "rank": m.rank, "world_size": opts["world_size"], "host": opts["host"],
+                     "device": opts["device"], "producer_id": m.producer_id}
+        self._core = module.Batcher(buf, native.batch_plan(constants), MAX_MESSAGE_BYTES, m.inflight_limit_bytes,
+                                    self._interval, self.idle_send_s, self._host_interval or 0.0, buf.host,
+                                    native.batch_plan(constants, marked=True))
         self._foreign_taken = 0  # foreign rows recorded and taken (buffer.foreign_recorded_count)
         self._spool_rescue(self._spool is not None)
 
@@ -113,6 +114,7 @@ class NativeSender(Sender):
             else:  # the steady state: no GIL until something needs Python
                 core.run(STEADY_S)
                 cycle = self._stopping.is_set() or self._flush_waits()
+                self._spool_settle()  # spooled records handed over before: off the disk once acknowledged
 
     def _flush_waits(self) -> bool:
         with self._flush_cv:

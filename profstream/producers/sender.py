@@ -61,6 +61,9 @@ COLLECTIVE_ROWS_PER_BATCH = 1024  # their names travel with them: a smaller batc
 IDLE_SEND_S = 1.0
 # The topics a Monitor writes: on a broker with ACLs it may create (and see) no other.
 MONITOR_TOPICS = ("raw", "control")
+# A connection attempt off the sender thread (with a spool) that has not ended after this
+# long (or three connect timeouts) is given up on and another one started.
+ATTEMPT_LIMIT_S = 30.0
 _CHECK_BOOTSTRAP = "; check --bootstrap (PROFSTREAM_BOOTSTRAP) or start a broker with `profstream stack up`"
 
 
@@ -200,12 +203,19 @@ def _purged(error: BaseException) -> bool:
 
 class _Attempt(threading.Thread):
     """One connection attempt off the sender thread: ``outcome`` is (producer, None) or
-    (None, the error). A producer opened after the Monitor began to stop is closed here."""
+    (None, the error). A producer opened after the Monitor began to stop, or after the
+    sender gave up on this attempt (``abandon``: it ran past ``ATTEMPT_LIMIT_S``), is
+    closed here."""
 
     def __init__(self, open_producer: Callable[[], Any], stopping: threading.Event) -> None:
         super().__init__(name="profstream-connect", daemon=True)
         self._open, self._stopping = open_producer, stopping
+        self._abandoned = threading.Event()
+        self.started_at = time.monotonic()
         self.outcome: tuple[Any, BaseException | None] = (None, None)
+
+    def abandon(self) -> None:
+        self._abandoned.set()
 
     def run(self) -> None:
         try:
@@ -213,7 +223,7 @@ class _Attempt(threading.Thread):
         except Exception as e:
             self.outcome = (None, e)
             return
-        if self._stopping.is_set():
+        if self._stopping.is_set() or self._abandoned.is_set():
             producer.close(timeout=0)
             self.outcome = (None, ConnectionAbortedError("the Monitor stopped"))
             return
@@ -439,9 +449,14 @@ class Sender(SpoolSending, threading.Thread):
         attempt = self._attempt
         if attempt is not None:
             if attempt.is_alive():
-                return False
-            self._attempt = None
-            return self._attempted(now, *attempt.outcome)
+                if now - attempt.started_at < max(ATTEMPT_LIMIT_S, 3 * self._connect_timeout):
+                    return False
+                attempt.abandon()  # stuck (a broker that came back in the middle of it): another one
+                self._attempt = attempt = None
+                self._next_connect = now
+            else:
+                self._attempt = None
+                return self._attempted(now, *attempt.outcome)
         if now < self._next_connect:
             return False
         if self._down_since is None and not self._acked():  # the first attempt: a wrong address is said at once

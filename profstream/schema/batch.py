@@ -34,7 +34,13 @@ OP_COLUMNS = (("name_idx", I32), ("type_idx", I32), ("kind", U8), ("stream", I32
               ("step", I64), ("start_ns", I64), ("dur_ns", I64), ("launch_ns", I64))
 MEMORY_COLUMNS = (("ts_ns", I64), ("step", I64), ("allocated", I64), ("reserved", I64), ("peak", I64))
 QUEUE_COLUMNS = (("name_idx", I32), ("ts_ns", I64), ("step", I64), ("size", I64), ("capacity", I64))
-STEP_COLUMNS = (("step", I64), ("start_ns", I64), ("end_ns", I64), ("fp_start_ns", I64), ("bp_end_ns", I64))
+# v7: a mark says what its step lost (dropped_ops, dropped_samples: a partial step) and
+# the end mark why the producer ended (end_signal: the signal number, 0 for a close)
+STEP_COLUMNS = (("step", I64), ("start_ns", I64), ("end_ns", I64), ("fp_start_ns", I64), ("bp_end_ns", I64),
+                ("dropped_ops", I64), ("dropped_samples", I64), ("end_signal", I64))
+# The columns a step mark has had since v1; a batch whose marks' later columns hold their
+# fill (nothing lost, no signal) is written as an older version (encode_batch)
+STEP_MARK_V1_COLUMNS = 5
 # v6: one row per rank's part in a collective call; name, group and dtype index collective_names
 COLLECTIVE_COLUMNS = (("name_idx", I32), ("group_idx", I32), ("dtype_idx", I32), ("step", I64), ("seq", I64),
                       ("start_ns", I64), ("dur_ns", I64), ("in_bytes", I64), ("out_bytes", I64),
@@ -62,6 +68,8 @@ SECTIONS = {
 WITHOUT_DEVICE_SAMPLES_VERSION = 4
 # Likewise a batch without collectives is written as v5 (or v4, without device samples too).
 WITHOUT_COLLECTIVES_VERSION = 5
+# And a batch whose step marks lost nothing (and whose end mark is a close) as v6 or older.
+WITHOUT_STEP_LOSSES_VERSION = 6
 
 # Dictionary-coded columns: the header field that holds the dictionary -> the (section,
 # column) whose values index it. Codes are given in order of first appearance per batch.
@@ -76,6 +84,9 @@ DICTIONARIES = {
 # version adds its columns here; a section added later is simply empty in older messages.
 COLUMN_FILL = {
     ("ops", "launch_ns"): NO_VALUE,  # v4
+    ("steps", "dropped_ops"): 0,  # v7
+    ("steps", "dropped_samples"): 0,
+    ("steps", "end_signal"): 0,
 }
 
 
@@ -83,6 +94,16 @@ def launch_column(ops: dict[str, np.ndarray]) -> np.ndarray:
     """``ops["launch_ns"]``, or all -1 for ops built without it (code written for v3)."""
     launch = ops.get("launch_ns")
     return launch if launch is not None else np.full(len(ops["step"]), NO_VALUE, I64)
+
+
+def column(batch: EventBatch, section: str, col: str) -> np.ndarray:
+    """A column of a batch's section, or its fill (``COLUMN_FILL``) for each row of a batch
+    built in memory without it (code written for an older version)."""
+    cols = getattr(batch, section)
+    got = cols.get(col)
+    if got is not None:
+        return got
+    return np.full(len(cols[SECTIONS[section][0][0]]), COLUMN_FILL[section, col], dict(SECTIONS[section])[col])
 
 
 def dictionary_codes(values: Sequence) -> tuple[np.ndarray, dict]:
@@ -238,11 +259,19 @@ def encode_batch(batch: EventBatch) -> bytes:
     record["op_names"] = names_blob(batch.op_names)
     for section in SECTIONS:
         record[section] = _pack(section, getattr(batch, section))
-    if record["collectives"]["count"]:
+    if _marks_say_more(record["steps"]):
         version = None
+    elif record["collectives"]["count"]:
+        version = WITHOUT_STEP_LOSSES_VERSION
     else:
         version = WITHOUT_COLLECTIVES_VERSION if record["device_samples"]["count"] else WITHOUT_DEVICE_SAMPLES_VERSION
     return encode("EventBatch", record, version)
+
+
+def _marks_say_more(packed: dict) -> bool:
+    """Whether a packed steps section holds anything but the fill in the columns added
+    after v1 (a step that lost events, an end mark on a signal): v7 must carry it."""
+    return bool(packed["count"]) and any(any(packed[col]) for col, _ in STEP_COLUMNS[STEP_MARK_V1_COLUMNS:])
 
 
 def decode_batch(data: bytes) -> EventBatch:

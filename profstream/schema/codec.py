@@ -147,6 +147,14 @@ def _step_metrics_v3_to_v6(record: dict) -> dict:
     return _step_metrics_v4_to_v6(_step_metrics_v3_to_v4(record))
 
 
+# StepMetrics v7: what the step lost, 0 in older records (they said nothing of it)
+STEP_LOSSES = ("dropped_ops", "dropped_samples")
+
+
+def _step_metrics_v6_to_v7(record: dict) -> dict:
+    return {**record, **dict.fromkeys(STEP_LOSSES, 0)}
+
+
 def _run_step_metrics_v1_to_v2(record: dict) -> dict:
     return {**record, "collectives_matched": 0, "collective_ranks": [], "by_collective": [], "late_rank": None,
             "late_rank_held_ns": 0, "unmatched_collectives": []}
@@ -177,27 +185,33 @@ def _rank_checkpoint_v1_to_v2(record: dict) -> dict:
 
 _VERSIONS: list[SchemaVersion] = [
     _version(_load("event_batch.avsc"), 1, _then(_event_batch_v1_to_v4, _event_batch_v4_to_v6)),
-    _version(_load("step_metrics.avsc"), 1, _then(_step_metrics_v1_to_v3, _step_metrics_v3_to_v6)),
+    _version(_load("step_metrics.avsc"), 1, _then(_then(_step_metrics_v1_to_v3, _step_metrics_v3_to_v6),
+                                                   _step_metrics_v6_to_v7)),
     _version(_load("run_step_metrics.avsc"), 1, _run_step_metrics_v1_to_v2),
     _version(_load("alert.avsc"), 1),
     _version(_load("rank_checkpoint.avsc"), 1, _rank_checkpoint_v1_to_v2),
     _version(_load("run_checkpoint.avsc"), 1),
     _version(_load("event_batch.v2.avsc"), 2, _then(_event_batch_v2_to_v4, _event_batch_v4_to_v6)),  # + world_size
-    _version(_load("step_metrics.v2.avsc"), 2, _then(_step_metrics_v2_to_v3, _step_metrics_v3_to_v6)),  # + world_size
+    _version(_load("step_metrics.v2.avsc"), 2, _then(_then(_step_metrics_v2_to_v3, _step_metrics_v3_to_v6),
+                                                     _step_metrics_v6_to_v7)),  # + world_size
     _version(_load("event_batch.v3.avsc"), 3, _then(_event_batch_v3_to_v4, _event_batch_v4_to_v6)),  # op_names blob
     _version(_load("event_batch.v4.avsc"), 4, _event_batch_v4_to_v6),  # + ops.launch_ns
-    _version(_load("step_metrics.v3.avsc"), 3, _step_metrics_v3_to_v6),  # + the device window, kernels, device kinds
+    _version(_load("step_metrics.v3.avsc"), 3, _then(_step_metrics_v3_to_v6, _step_metrics_v6_to_v7)),  # + the device window, kernels, device kinds
     _version(_load("rank_checkpoint.v2.avsc"), 2),  # + carry, device end
     # EventBatch v4 messages read with device_samples empty (decode_batch: a newer section)
     _version(_load("event_batch.v5.avsc"), 5, _event_batch_v4_to_v6),  # + device_samples
-    _version(_load("step_metrics.v4.avsc"), 4, _step_metrics_v4_to_v6),  # + devices
+    _version(_load("step_metrics.v4.avsc"), 4, _then(_step_metrics_v4_to_v6, _step_metrics_v6_to_v7)),  # + devices
     _version(_load("event_batch.v6.avsc"), 6),  # + collectives, collective_names
-    _version(_load("step_metrics.v5.avsc"), 5, _step_metrics_v5_to_v6),  # + collectives
+    _version(_load("step_metrics.v5.avsc"), 5, _then(_step_metrics_v5_to_v6, _step_metrics_v6_to_v7)),  # + collectives
     _version(_load("run_step_metrics.v2.avsc"), 2),  # + collectives matched across ranks
     _version(_load("capture_request.avsc"), 1),  # the control topic (docs/capture.md)
     _version(_load("capture_status.avsc"), 1, _capture_status_v1_to_v2),
-    _version(_load("rank_end.avsc"), 1),  # on the steps topic: a rank that ended normally
-    _version(_load("step_metrics.v6.avsc"), 6),  # op figures null when not measured
+    _version(_load("rank_end.avsc"), 1, lambda record: {**record, "end_signal": 0}),  # on the steps topic: a rank that ended
+    _version(_load("step_metrics.v6.avsc"), 6, _step_metrics_v6_to_v7),  # op figures null when not measured
+    # EventBatch v6 and older read with the v7 step columns at their fill (decode_batch: COLUMN_FILL)
+    _version(_load("event_batch.v7.avsc"), 7),  # + steps.dropped_ops, dropped_samples, end_signal
+    _version(_load("step_metrics.v7.avsc"), 7),  # + what a partial step lost
+    _version(_load("rank_end.v2.avsc"), 2),  # + end_signal (v1 reads as 0: default)
     _version(_load("capture_status.v2.avsc"), 2),  # + requester (authenticated), request_reason
 ]
 
@@ -235,18 +249,31 @@ STEP_METRICS_WITHOUT_DEVICES_VERSION = 3
 # measured as v5 or older (v6 only for the steps that were not).
 STEP_METRICS_WITHOUT_COLLECTIVES_VERSION = 4
 STEP_METRICS_MEASURED_VERSION = 5
+STEP_METRICS_NOTHING_LOST_VERSION = 6  # v6 for a step that lost nothing: v7 says what a step lost
 RUN_STEP_METRICS_WITHOUT_COLLECTIVES_VERSION = 1
 
 
 def encode_step_metrics(record: dict) -> bytes:
-    """A StepMetrics record as its message: v6 when its op figures were not measured,
-    else v5 with collective calls, v4 with device figures, else v3."""
-    if record["utilization"] is None:
+    """A StepMetrics record as its message: v7 when the step lost events (a partial step),
+    v6 when its op figures were not measured, else v5 with collective calls, v4 with device
+    figures, else v3."""
+    if any(record.get(f) for f in STEP_LOSSES):
         return encode("StepMetrics", record)
+    if record["utilization"] is None:
+        return encode("StepMetrics", record, STEP_METRICS_NOTHING_LOST_VERSION)
     if record.get("collectives", NO_COLLECTIVE_CALLS)["count"]:
         return encode("StepMetrics", record, STEP_METRICS_MEASURED_VERSION)
     return encode("StepMetrics", record, STEP_METRICS_WITHOUT_COLLECTIVES_VERSION if record.get("devices")
                   else STEP_METRICS_WITHOUT_DEVICES_VERSION)
+
+
+RANK_END_CLOSED_VERSION = 1  # a RankEnd of a producer that closed normally: v2 only says a signal
+
+
+def encode_rank_end(record: dict) -> bytes:
+    """A RankEnd record as its message: v2 when a signal ended the producer, else v1 (read
+    whole by consumers older than v2)."""
+    return encode("RankEnd", record, None if record.get("end_signal") else RANK_END_CLOSED_VERSION)
 
 
 def encode_run_step_metrics(record: dict) -> bytes:

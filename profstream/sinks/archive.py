@@ -25,6 +25,7 @@ those messages.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import io
 import json
@@ -33,7 +34,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -289,9 +290,13 @@ class _OpenFile:
         self.opened_at = opened_at
         self.tmp = directory / f"{first_offset}{TMP_SUFFIX}"
         self.fo = open(self.tmp, "wb")
-        self.writer = Writer(self.fo, _PARSED, codec=codec, sync_interval=BLOCK_BYTES, compression_level=level,
-                             metadata={"profstream.topic": topic, "profstream.run_id": run_id,
-                                       "profstream.partition": str(partition)})
+        try:
+            self.writer = Writer(self.fo, _PARSED, codec=codec, sync_interval=BLOCK_BYTES, compression_level=level,
+                                 metadata={"profstream.topic": topic, "profstream.run_id": run_id,
+                                           "profstream.partition": str(partition)})
+        except OSError:  # the disk refused the header: no file is left behind
+            self.abandon()
+            raise
         self.summary = FileSummary()
 
     @property
@@ -317,7 +322,11 @@ class _OpenFile:
         return final
 
     def abandon(self) -> None:
-        self.fo.close()
+        """Drop the file: closed and removed, whatever the disk says."""
+        try:
+            self.fo.close()
+        except OSError:  # a full disk refuses what its buffer held: closed all the same
+            pass
         self.tmp.unlink(missing_ok=True)
 
 
@@ -355,6 +364,7 @@ class ArchiveSink:
         self.index = ArchiveIndex(self.root)
         self._open: dict[tuple[str, str, int], _OpenFile] = {}
         self._next: dict[tuple[str, int], int] = {}  # (topic, partition) -> next offset handled
+        self._unwritten: dict[tuple[str, int], int] = {}  # (topic, partition) -> first offset of a file the disk refused
         self.archived: dict[tuple[str, str, int], int] = {}  # (topic, run, partition) -> last archived offset
         # (topic, run) -> (ranks seen, ranks that ended) while the run has files open on the topic
         self._ranks: dict[tuple[str, str], tuple[set[int], set[int]]] = {}
@@ -383,15 +393,28 @@ class ArchiveSink:
     # -- the SinkLoop interface --
 
     def handle(self, records: Sequence[Any]) -> None:
-        for rec in records:
-            self._append(rec)
+        with self._writing():
+            for rec in records:
+                self._append(rec)
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """File writes whose failure (a full disk, a lost mount, permissions) is the user's
+        to fix: one ArchiveError that says what to do. Nothing is lost: what is not in a
+        finished file was never committed, and a restarted sink reads it again."""
+        try:
+            yield
+        except OSError as e:
+            raise ArchiveError(f"cannot write the archive in {self.root} ({e.strerror or e}): free space there or "
+                               "choose another directory, then start the sink again; nothing is lost, it goes on "
+                               "from its last finished file") from None
 
     def _append(self, rec: Any) -> None:
-        self._next[(rec.topic, rec.partition)] = rec.offset + 1
         run = run_of_key(rec.key)
         k = (rec.topic, run, rec.partition)
         if rec.offset <= self.archived.get(k, -1):
             self.stats.skipped += 1
+            self._next[(rec.topic, rec.partition)] = rec.offset + 1
             return
         f = self._open.get(k)
         if f is not None and f.size + len(rec.value or b"") + len(rec.key or b"") > self.max_bytes:
@@ -403,6 +426,7 @@ class ArchiveSink:
             f = self._open[k] = _OpenFile(directory, rec.topic, run, rec.partition, rec.offset,
                                           self.codec, self.level, self.clock())
         found = f.append(rec)
+        self._next[(rec.topic, rec.partition)] = rec.offset + 1  # once it is in a file: never commit past a failed write
         self.stats.messages += 1
         self.stats.value_bytes += len(rec.value) if rec.value else 0
         if found is not None and found.rank is not None:
@@ -426,11 +450,14 @@ class ArchiveSink:
         out = dict(self._next)
         for (topic, _run, part), f in self._open.items():
             out[(topic, part)] = min(out[(topic, part)], f.first_offset)
+        for part, first in self._unwritten.items():
+            out[part] = min(out[part], first)
         return out
 
     def tick(self) -> None:
         """Before each poll (SinkLoop): finish files by age even when no message comes."""
-        self.rotate_due()
+        with self._writing():
+            self.rotate_due()
 
     def rotate_due(self) -> int:
         """Finish the files open for max_age_s or longer; returns how many."""
@@ -442,14 +469,15 @@ class ArchiveSink:
 
     def close(self) -> None:
         """Finish every open file and release the directory."""
-        for k in list(self._open):
-            self._finish(k)
+        with self._writing():
+            for k in list(self._open):
+                self._finish(k)
         self._unlock()
 
     def abandon(self) -> None:
         """Drop the open files without finishing them (their messages were not committed)."""
         for f in self._open.values():
-            f.abandon()
+            f.abandon()  # never raises: every one is removed
         self._open.clear()
         self._unlock()
 
@@ -459,10 +487,18 @@ class ArchiveSink:
             self._lock_fd = None
 
     def _finish(self, k: tuple[str, str, int]) -> None:
-        f = self._open.pop(k)
+        f = self._open[k]
+        try:
+            path = f.finish()
+        except OSError:  # its messages were not committed: they come again, into a new file
+            f.abandon()
+            part = (f.topic, f.partition)
+            self._unwritten[part] = min(self._unwritten.get(part, f.first_offset), f.first_offset)
+            raise
+        finally:
+            del self._open[k]
         if not any(o[:2] == k[:2] for o in self._open):  # the (topic, run) has no file open any more
             self._ranks.pop(k[:2], None)
-        path = f.finish()
         done = ArchiveFile(f.topic, f.run_id, f.partition, f.first_offset, f.last_offset, path)
         self.archived[k] = f.last_offset
         self.index.append(f.summary.entry(done, self.root, self.codec))

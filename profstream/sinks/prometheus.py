@@ -50,6 +50,10 @@ DEFAULT_GROUP = "profstream-prometheus"
 DEFAULT_TTL_S = 900.0
 DEFAULT_TOP_K = 10
 MAX_QUEUES = 16
+# A rank outside a large run's slowest --top-ranks keeps its step time and end series (and
+# profstream_rank_ended) once its newest record is this much older than its run's: RankSilent
+# reads them
+SILENT_KEEP_S = 10.0
 OTHER = "other"
 # Step times from 1 ms to 10 min: 1, 1.5, 2, 3, 5, 7.5 per decade up to 30 s (neighbours at
 # most 1.67x apart), then minutes.
@@ -117,6 +121,12 @@ class _Rank:
     devices: dict[str, dict] = field(default_factory=dict)  # device -> DeviceFigures of its latest step
     recent: deque = field(default_factory=lambda: deque(maxlen=SLOW_WINDOW_STEPS))  # newest steps' step_s
     ended: bool = False  # its producer ended normally after its latest step (RankEnd)
+    end_signal: int = 0  # the signal that ended it (RankEnd v2), 0: it closed
+    # what its producer lost, as its StepMetrics say: events of partial steps (their marks
+    # say how many), those steps, and steps missing from its sequence (lost whole)
+    dropped: tuple[int, int] = (0, 0)  # ops, samples
+    partial_steps: int = 0
+    lost_steps: int = 0
 
 
 @dataclass(eq=False)
@@ -220,6 +230,11 @@ class ExporterState:
         r.buckets[bisect.bisect_left(STEP_BUCKETS, step_s)] += 1
         r.sum_s += step_s
         r.starved += m["starved"]
+        lost_ops, lost_samples = m["dropped_ops"], m["dropped_samples"]
+        r.partial_steps += bool(lost_ops or lost_samples)
+        r.dropped = (r.dropped[0] + lost_ops, r.dropped[1] + lost_samples)
+        if r.last_step >= 0 and m["step"] > r.last_step + 1:  # steps between: their marks never came
+            r.lost_steps += m["step"] - r.last_step - 1
         self._add_types(m["op_types"], run.op_types, r.op_ns)
         self._add_types(m["kernel_types"], run.kernels, r.kernel_ns)
         for cost in m["device_kinds"]:
@@ -238,14 +253,16 @@ class ExporterState:
         r.step_s = step_s
         r.host_step_s = m["host_step_time_ns"] / 1e9
         r.phases = (m["data_wait_ns"] / 1e9, m["fp_bp_ns"] / 1e9, m["tail_ns"] / 1e9)
-        if m["utilization"] is not None:  # a step without captured ops keeps the last measured values
+        # a step without captured ops keeps the last measured values; so does one that lost ops
+        if m["utilization"] is not None and not lost_ops:
             r.utilization = m["utilization"]
             r.overlap_ratio = m["overlap_ratio"]
             r.idle_ratio = m["idle_ns"] / step_ns if step_ns else 0.0
-        mem = m["memory"]
-        if mem is not None:  # a step without samples keeps the last known values
+        # a step without samples keeps the last known values; so does one that lost samples
+        mem = None if lost_samples else m["memory"]
+        if mem is not None:
             r.memory = tuple((k, mem[k]) for k in ("allocated", "reserved", "peak") if mem[k] >= 0)
-        for q in m["queues"]:
+        for q in () if lost_samples else m["queues"]:
             if q["queue"] in r.queues or len(r.queues) < MAX_QUEUES:
                 r.queues[q["queue"]] = (q["last"], q["empty_ratio"])
             else:
@@ -276,6 +293,7 @@ class ExporterState:
         r = run.ranks.get(end["rank"]) if run is not None else None
         if r is not None:  # after the rank's last StepMetrics (same partition, in order)
             r.ended = True
+            r.end_signal = end["end_signal"]
             r.seen_s = max(r.seen_s, ts)
             run.seen_s = max(run.seen_s, ts)
 
@@ -320,6 +338,9 @@ class ExporterState:
         stalled = [(run, rank, run.ranks[rank]) for run_id, run in self._runs.items()
                    for rank, firing in run.stalls.items()
                    if firing and rank in run.ranks and rank not in kept[run_id]]
+        # so does a rank that stopped while its run goes on, for RankSilent (and whether it ended)
+        silent = [(run, rank, r) for run_id, run in self._runs.items() for rank, r in run.ranks.items()
+                  if rank not in kept[run_id] and run.seen_s - r.seen_s > SILENT_KEEP_S]
         runs = [(run_id, run) for run_id, run in self._runs.items() if run.step >= 0]
         out: list[str] = []
 
@@ -341,7 +362,7 @@ class ExporterState:
 
         p = _P
         per_rank(p + "step_duration_seconds", "duration of the rank's latest step (end - start; on a device "
-                 "window, the device's)", lambda run, rank, r: r.step_s)
+                 "window, the device's)", lambda run, rank, r: r.step_s, extra=silent)
         per_rank(p + "host_step_duration_seconds", "host duration of the rank's latest step (end - start mark)",
                  lambda run, rank, r: r.host_step_s)
         hist = p + "step_duration_seconds_hist"
@@ -354,7 +375,7 @@ class ExporterState:
               "fp_bp (forward and backward), tail", "phase", lambda r: zip(PHASES, r.phases))
         per_rank(p + "last_step", "number of the rank's latest step", lambda run, rank, r: r.last_step)
         per_rank(p + "last_step_timestamp_seconds", "end of the rank's latest step, Unix time (producer clock)",
-                 lambda run, rank, r: r.end_s)
+                 lambda run, rank, r: r.end_s, extra=silent)
         per_rank(p + "device_utilization_ratio", "compute time / step time of the latest step with captured ops "
                  "(no sample before one)", lambda run, rank, r: r.utilization)
         per_rank(p + "comm_overlap_ratio", "communication overlapped by compute / communication time of the "
@@ -371,6 +392,14 @@ class ExporterState:
                  lambda run, rank, r: run.stalls.get(rank, 0), extra=stalled)
         per_rank(p + "starved_steps_total", "steps starved of input data", lambda run, rank, r: r.starved,
                  "counter")
+        split(p + "step_dropped_events_total", "counter", "events of the rank's partial steps its producer dropped "
+              "(their marks say how many), by family: ops, samples", "family",
+              lambda r: (("ops", r.dropped[0]), ("samples", r.dropped[1])))
+        per_rank(p + "partial_steps_total", "steps of the rank that lost events (their producer dropped some): "
+                 "their figures cover what arrived, and the utilization, memory and queue gauges keep the last "
+                 "whole step's", lambda run, rank, r: r.partial_steps, "counter")
+        per_rank(p + "lost_steps_total", "steps of the rank missing from its sequence: their marks were dropped "
+                 "or lost with a batch, so they were lost whole", lambda run, rank, r: r.lost_steps, "counter")
         split(p + "op_type_seconds_total", "counter", "summed op durations by op type (top K per run, the rest "
               "as other; host ops only where steps have device windows)", "op_type",
               lambda r: ((t, ns / 1e9) for t, ns in r.op_ns.items()))
@@ -379,8 +408,14 @@ class ExporterState:
               lambda r: ((t, ns / 1e9) for t, ns in r.kernel_ns.items()))
         split(p + "device_kind_seconds_total", "counter", "summed device op durations by kind: compute, "
               "communication, memcpy, memset", "kind", lambda r: ((k, ns / 1e9) for k, ns in r.kind_ns.items()))
-        family(p + "run_ended", "gauge", "1 when every rank of the run the exporter holds ended normally (its "
-               "Monitor closed after its last step), else 0: RunSilent fires only for runs at 0",
+        per_rank(p + "rank_ended", "1 when the rank's producer ended (its Monitor closed, normally or on a signal it "
+                 "was sent) after its latest step, else 0: RankSilent fires only for ranks at 0",
+                 lambda run, rank, r: int(r.ended), extra=silent)
+        per_rank(p + "rank_end_signal", "the signal that ended the rank's producer (15: SIGTERM), for a rank that "
+                 "ended on one", lambda run, rank, r: r.end_signal if r.ended and r.end_signal else None)
+        family(p + "run_ended", "gauge", "1 when every rank of the run the exporter holds ended (its Monitor "
+               "closed after its last step, normally or on a signal it was sent), else 0: RunSilent fires only for "
+               "runs at 0",
                (f'{p}run_ended{{run="{_esc(run_id)}"}} {int(all(r.ended for r in run.ranks.values()))}\n'
                 for run_id, run in self._runs.items() if run.ranks))
         per_run(p + "rank_skew_ratio", "(max - min) / median step time across the ranks of the run's latest "
@@ -416,8 +451,9 @@ class ExporterState:
                                 f"{MAX_QUEUES} queues", value=self.queues_over_limit),
             CounterMetricFamily(p + "devices_over_limit", f"device figures not exported: rank already had "
                                 f"{MAX_DEVICES} devices", value=self.devices_over_limit),
-            GaugeMetricFamily(p + "consumer_lag_messages", "records on the input topics not yet consumed",
-                              value=self.source.lag if self.source is not None else 0),
+            *([GaugeMetricFamily(p + "consumer_lag_messages", "records on the input topics not yet consumed "
+                                 "(absent while Kafka does not answer)", value=self.source.lag)]
+              if self.source is not None and self.source.lag_known else []),
             GaugeMetricFamily(p + "runs", "runs with series", value=len(self._runs)),
             GaugeMetricFamily(p + "ranks", "ranks held (per-rank series: each run's slowest --top-ranks)",
                               value=sum(len(r.ranks) for r in self._runs.values())),

@@ -115,6 +115,7 @@ class SinkLoop:
         self.records = 0
         self.last_poll = 0.0
         self.lag = 0  # messages not consumed yet; updated on the loop's thread (consumers are not thread-safe)
+        self.lag_known = True  # False while Kafka does not answer: ``lag`` is then the last one known
         self._lag_at = 0.0
 
     @property
@@ -133,9 +134,11 @@ class SinkLoop:
                 # positions may need a broker (validation after a leader change); not known in
                 # time (Kafka away): the last lag stays, and so does its time
                 lag = consumer_lag(self._consumer, KAFKA_WAIT_MS)
+                self.lag_known = lag is not None
                 if lag is not None:
                     self.lag, self._lag_at = lag, now
         except UNREACHABLE as e:  # nothing was handed to the sink: the next poll reads it
+            self.lag_known = False
             self._unreachable("a poll", e)
             time.sleep(self.poll_ms / 1000)
             return 0

@@ -47,13 +47,13 @@ class StreamingRun:
     """A simulated run of ``cfg`` on a thread, and Tails of the steps and run topics; a
     context manager that stops the readers on exit (the processor is the test's)."""
 
-    def __init__(self, bootstrap: str, topics: Topics, cfg: SimConfig) -> None:
+    def __init__(self, bootstrap: str, topics: Topics, cfg: SimConfig, **monitor_options) -> None:
         self.bootstrap, self.topics, self.cfg = bootstrap, topics, cfg
         self.steps = Tail(bootstrap, topics.steps, "StepMetrics")
         self.run_steps = Tail(bootstrap, topics.run, "RunStepMetrics")
         self._sim: dict = {}
         self._thread = threading.Thread(target=lambda: self._sim.update(result=run_simulation(
-            cfg, {"bootstrap": bootstrap, "topic_prefix": topics.prefix})), daemon=True)
+            cfg, {"bootstrap": bootstrap, "topic_prefix": topics.prefix, **monitor_options})), daemon=True)
 
     def __enter__(self) -> StreamingRun:
         self.steps.start()

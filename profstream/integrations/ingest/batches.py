@@ -5,7 +5,9 @@ Monitor: the input ``profstream analyze`` gives the processors' own entry point
 Per step, in order: its ops (in batches of at most ``MAX_BATCH_OPS``), then one batch
 with the step's mark, queue and memory samples and the watermark at the step, as the
 Monitor's automatic watermark sends them: the processors close each step at once. The
-op columns, names and types are those ``send_profile`` records into a Monitor.
+op columns, names and types are those ``send_profile`` records into a Monitor. With
+``ended``, a last batch carries the producer's end mark (step ``END_MARK``, at the last
+step's end), as ``ingest``'s Monitor sends it when it closes.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import numpy as np
 from profstream.integrations.ingest.model import Profile
 from profstream.integrations.ingest.replay import ProfileSteps, StepSlice
 from profstream.producers.sender import collective_columns
-from profstream.schema.batch import I32, I64, NO_VALUE, SECTIONS, EventBatch
+from profstream.schema.batch import END_MARK, I32, I64, NO_VALUE, SECTIONS, EventBatch
 
 MAX_BATCH_OPS = 32768
 
@@ -29,8 +31,9 @@ def _dictionary(codes: np.ndarray, table: np.ndarray) -> tuple[list[str], np.nda
 
 
 def profile_batches(profile: Profile, run_id: str, rank: int, host: str = "", device: str = "",
-                    world_size: int | None = None) -> Iterator[EventBatch]:
-    """The EventBatches of ``profile`` as rank ``rank`` of run ``run_id`` (seq from 0)."""
+                    world_size: int | None = None, ended: bool = False) -> Iterator[EventBatch]:
+    """The EventBatches of ``profile`` as rank ``rank`` of run ``run_id`` (seq from 0);
+    ``ended``: then the end mark of a producer that closed after the last step."""
     steps = ProfileSteps(profile)
     producer_id = uuid.uuid4().hex
     seq = 0
@@ -49,6 +52,11 @@ def profile_batches(profile: Profile, run_id: str, rank: int, host: str = "", de
             yield batch(**_ops(profile, steps, st.step, a, b), sent_ns=st.end_ns)
         watermark = st.step
         yield batch(sent_ns=st.end_ns, **_samples(profile, st))
+    if ended and watermark is not None:
+        end = st.end_ns
+        yield batch(sent_ns=end, steps={"step": np.array([END_MARK], I64), "start_ns": np.array([end], I64),
+                                        "end_ns": np.array([end], I64), "fp_start_ns": np.array([NO_VALUE], I64),
+                                        "bp_end_ns": np.array([NO_VALUE], I64)})
 
 
 def _ops(profile: Profile, steps: ProfileSteps, step: int, a: int, b: int) -> dict:

@@ -64,12 +64,32 @@ struct Rescued {
 
 bool purged(int err) { return err == ERR_PURGE_QUEUE || err == ERR_PURGE_INFLIGHT; }
 
+// Whether row `row` of a column holds the column's fill value.
+bool holds_fill(const ColumnSpec& col, const char* data, int64_t row) {
+  if (col.type == F64) return std::memcmp(data + row * 8, &col.fill_float, 8) == 0;
+  int64_t v = 0;
+  if (col.width == 1) {
+    v = static_cast<uint8_t>(data[row]);
+  } else if (col.width == 4) {
+    int32_t x;
+    std::memcpy(&x, data + row * 4, 4);
+    v = x;
+  } else {
+    std::memcpy(&v, data + row * 8, 8);
+  }
+  return v == col.fill_int;
+}
+
 }  // namespace
 
 class Core : public DeliverySink {
  public:
   Recording* rec = nullptr;
-  Encoder encoder;
+  Encoder encoder;  // the plain version (schema.batch's for a batch of ops and samples alone)
+  // the version a batch needs whose rows say more than the plain one's columns hold (a step
+  // mark that lost events, an end mark on a signal): EventBatch v7 (native.marked_version)
+  Encoder marked;
+  bool has_marked = false;
   int64_t max_message_bytes = 1000000;
   int64_t inflight_limit = 0;
   Clock::duration interval{};
@@ -165,6 +185,20 @@ class Core : public DeliverySink {
     t.count = n;
   }
 
+  // The encoder for `t`: the marked one when a row holds a value other than its column's
+  // fill in a column the plain version does not have (the Python encoder's choice, too).
+  Encoder& encoder_for(const std::vector<Take>& t) {
+    if (!has_marked) return encoder;
+    for (size_t s = 0; s < t.size(); ++s) {
+      const SectionSpec& spec = rec->specs[s];
+      for (size_t c = encoder.columns(static_cast<int>(s)); c < spec.cols.size(); ++c)
+        for (const Segment& seg : t[s].segments)
+          for (int64_t r = seg.from; r < seg.to; ++r)
+            if (!holds_fill(spec.cols[c], seg.block->cols[c], r)) return marked;
+    }
+    return encoder;
+  }
+
   // Build one batch into `pending`; false when there is nothing to send.
   bool build() {
     Recording* r = rec;
@@ -200,7 +234,7 @@ class Core : public DeliverySink {
     for (size_t s = 0; s < ns; ++s) consumed[s] = takes[s].count;
     int64_t samples = counted_samples(takes);
     out.clear();
-    encoder.encode(h, takes, out);
+    encoder_for(takes).encode(h, takes, out);
     while (static_cast<int64_t>(out.size()) > max_message_bytes) {
       int64_t n = takes[r->ops].count, size = static_cast<int64_t>(out.size());
       if (n > 1) {  // send the first half now, the rest stays buffered
@@ -227,7 +261,7 @@ class Core : public DeliverySink {
         samples = 0;
       }
       out.clear();
-      encoder.encode(h, takes, out);
+      encoder_for(takes).encode(h, takes, out);
     }
     for (size_t s = 0; s < ns; ++s)
       if (consumed[s]) r->stores[s]->consume(consumed[s]);
@@ -384,14 +418,14 @@ DeliverySink* batcher_sink(PyObject* obj) {
 }
 
 // Batcher(recorder, plan, max_message_bytes, inflight_limit_bytes, interval_s, idle_interval_s, host_interval_s,
-//         host_section)
+//         host_section[, marked_plan])
 static int Batcher_init(BatcherObject* self, PyObject* args, PyObject*) {
-  PyObject *recorder, *plan;
+  PyObject *recorder, *plan, *marked_plan = Py_None;
   long long max_message, inflight;
   double interval, idle_interval, host_interval;
   int host_section;
-  if (!PyArg_ParseTuple(args, "O!OLLdddi", &RecorderType, &recorder, &plan, &max_message, &inflight, &interval,
-                        &idle_interval, &host_interval, &host_section))
+  if (!PyArg_ParseTuple(args, "O!OLLdddi|O", &RecorderType, &recorder, &plan, &max_message, &inflight, &interval,
+                        &idle_interval, &host_interval, &host_section, &marked_plan))
     return -1;
   if (self->core != nullptr) {
     PyErr_SetString(PyExc_RuntimeError, "Batcher is already initialized");
@@ -399,10 +433,12 @@ static int Batcher_init(BatcherObject* self, PyObject* args, PyObject*) {
   }
   auto* core = new Core();
   core->rec = reinterpret_cast<RecorderObject*>(recorder)->rec;
-  if (!core->encoder.parse(plan, core->rec->specs)) {
+  if (!core->encoder.parse(plan, core->rec->specs) ||
+      (marked_plan != Py_None && !core->marked.parse(marked_plan, core->rec->specs))) {
     delete core;
     return -1;
   }
+  core->has_marked = marked_plan != Py_None;
   core->max_message_bytes = max_message;
   core->inflight_limit = inflight;
   core->interval = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(interval));

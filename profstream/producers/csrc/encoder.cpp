@@ -103,12 +103,16 @@ bool Encoder::parse(PyObject* plan, const std::vector<SectionSpec>& specs) {
         ok = false;
       }
     } else if (!std::strcmp(kind, "section")) {
-      int s;
-      ok = PyArg_ParseTuple(item, "si", &kind, &s);
+      int s, n = -1;
+      ok = PyArg_ParseTuple(item, "si|i", &kind, &s, &n);
       step.kind = SECTION;
       step.section = s;
+      step.columns = n;
       if (ok && (s < 0 || s >= static_cast<int>(specs.size()))) {
         PyErr_SetString(PyExc_ValueError, "a plan step names no section");
+        ok = false;
+      } else if (ok && (n == 0 || n > static_cast<int>(specs[s].cols.size()))) {
+        PyErr_SetString(PyExc_ValueError, "a plan step writes more columns than its section has");
         ok = false;
       }
     } else {
@@ -159,10 +163,16 @@ void Encoder::dictionaries(const std::vector<Take>& takes) {
   }
 }
 
-void Encoder::section(int s, const Take& take, Buffer& out) {
+size_t Encoder::columns(int s) const {
+  for (const Step& step : steps_)
+    if (step.kind == SECTION && step.section == s && step.columns > 0) return static_cast<size_t>(step.columns);
+  return (*specs_)[s].cols.size();
+}
+
+void Encoder::section(int s, size_t columns, const Take& take, Buffer& out) {
   const SectionSpec& spec = (*specs_)[s];
   out.put_long(take.count);
-  for (size_t c = 0; c < spec.cols.size(); ++c) {
+  for (size_t c = 0; c < columns; ++c) {
     const ColumnSpec& col = spec.cols[c];
     out.put_long(take.count * col.width);
     if (col.dict >= 0) {
@@ -223,7 +233,8 @@ void Encoder::encode(const Header& h, const std::vector<Take>& takes, Buffer& ou
         break;
       }
       case SECTION:
-        section(step.section, takes[step.section], out);
+        section(step.section, step.columns > 0 ? static_cast<size_t>(step.columns) : (*specs_)[step.section].cols.size(),
+                takes[step.section], out);
         break;
     }
   }

@@ -6,7 +6,8 @@
 // Monitor, encoded once in Python by fastavro), the header fields that change per batch
 // (by name), the dictionaries (op names as one NUL-terminated blob or an array of strings,
 // as the schema says) and the sections (count, then each column's packed little-endian
-// values as Avro bytes). A new column or section in SECTIONS needs no change here.
+// values as Avro bytes; the first n columns where the version written has only those). A
+// new column or section in SECTIONS needs no change here.
 #pragma once
 
 #include <string>
@@ -62,10 +63,13 @@ class Buffer {  // malloc'ed, so that librdkafka can free() what it is handed
 class Encoder {
  public:
   // plan: [("raw", bytes) | ("long", field) | ("optional_long", field, null_branch, value_branch)
-  //        | ("double", field) | ("names_blob" | "names_array", section, dictionary) | ("section", section)]
+  //        | ("double", field) | ("names_blob" | "names_array", section, dictionary)
+  //        | ("section", section[, columns])]
   bool parse(PyObject* plan, const std::vector<SectionSpec>& specs);  // a Python error set when false
   // One message of `takes` (one per section) and `h`, appended to `out`.
   void encode(const Header& h, const std::vector<Take>& takes, Buffer& out);
+  // The columns of section `s` a message holds (all of them, unless its step says fewer).
+  size_t columns(int s) const;
 
  private:
   enum Kind { RAW, LONG, OPTIONAL_LONG, DOUBLE, NAMES_BLOB, NAMES_ARRAY, SECTION };
@@ -75,6 +79,7 @@ class Encoder {
     int field = -1;
     int section = -1;
     int dict = -1;
+    int columns = -1;  // of a section: the first n columns (-1: all)
     int64_t null_branch = 0, value_branch = 1;
   };
   struct BatchDict {  // one dictionary of one batch: codes in order of first appearance
@@ -82,7 +87,7 @@ class Encoder {
     std::vector<StrRef> names;
   };
   void dictionaries(const std::vector<Take>& takes);
-  void section(int s, const Take& take, Buffer& out);
+  void section(int s, size_t columns, const Take& take, Buffer& out);
 
   const std::vector<SectionSpec>* specs_ = nullptr;
   std::vector<Step> steps_;
