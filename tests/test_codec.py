@@ -23,20 +23,23 @@ from profstream.schema import (
     encode,
     encode_batch,
 )
-from profstream.schema.codec import VERSIONS, encode_step_metrics
+from profstream.schema.batch import WORK_COLUMNS
+from profstream.schema.codec import VERSIONS, encode_run_step_metrics, encode_step_metrics
 
 DATA = Path(__file__).parent / "data"
 GOLDEN = DATA / "eventbatch-v1.bin"
 GOLDEN_V2 = Path(__file__).parent / "data" / "eventbatch-v2.bin"  # random_batch(1234, 20), world_size 8
 GOLDEN_V3 = Path(__file__).parent / "data" / "eventbatch-v3.bin"  # the same, written by v3
 GOLDEN_V4 = DATA / "eventbatch-v4.bin"  # the same with launch times, written by v4
+GOLDEN_V6 = DATA / "eventbatch-v6.bin"  # random_batch(1234, 20, work=False), world_size 8, written by v6
 
 
 def random_batch(seed: int, n_ops: int = 500, launches: bool = True, devices: bool = True,
-                 collectives: bool = True) -> EventBatch:
+                 collectives: bool = True, work: bool = True) -> EventBatch:
     """A batch of random columns; ``launches``: with ops.launch_ns (v4), ``devices``: with
-    device samples (v5), ``collectives``: with collective rows (v6), each drawn apart so that the other columns are those the older
-    golden messages were written from."""
+    device samples (v5), ``collectives``: with collective rows (v6), ``work``: with the step
+    marks' work and ops.flops (v7), each drawn apart so that the other columns are those the
+    older golden messages were written from."""
     rng = np.random.default_rng(seed)
     names = [f"op{i}" for i in range(17)]
     types = ["MatMul", "AllReduce", "Copy", "Softmax"]
@@ -56,7 +59,7 @@ def random_batch(seed: int, n_ops: int = 500, launches: bool = True, devices: bo
     b.memory = {c: rng.integers(-1, 2**40, 5) for c, _ in SECTIONS["memory"]}
     b.queues = {"name_idx": rng.integers(0, 2, 7), **{c: rng.integers(-1, 2**40, 7)
                                                         for c, _ in SECTIONS["queues"][1:]}}
-    b.steps = {c: rng.integers(-1, 2**62, 3) for c, _ in SECTIONS["steps"]}
+    b.steps = {c: rng.integers(-1, 2**62, 3) for c, _ in SECTIONS["steps"] if (c, "steps") not in WORK}
     b.host_samples = {c: (rng.random(4) if d.kind == "f" else rng.integers(0, 2**40, 4))
                       for c, d in SECTIONS["host_samples"]}
     if devices:
@@ -64,12 +67,20 @@ def random_batch(seed: int, n_ops: int = 500, launches: bool = True, devices: bo
         b.device_samples = {c: (drng.random(6) if d.kind == "f" else drng.integers(-1, 2**40, 6))
                             for c, d in SECTIONS["device_samples"]}
         b.device_samples["gpu_util"][2] = np.nan  # a value the device does not report
+    if work:
+        wrng = np.random.default_rng([seed, 7])
+        b.steps.update({c: wrng.random(3) * 1e15 if d.kind == "f" else wrng.integers(0, 3 if d.kind == "u" else 2**40, 3)
+                        for c, d in WORK_COLUMNS})
+        b.steps["flops"][1] = np.nan  # a step without FLOPs
     if collectives:
         crng = np.random.default_rng([seed, 6])
         b.collective_names = ["all_reduce", "0", "Float", "all_gather"]
         b.collectives = {c: crng.integers(0, len(b.collective_names), 5) if c.endswith("_idx")
                          else crng.integers(-1, 2**40, 5) for c, _ in SECTIONS["collectives"]}
     return b
+
+
+WORK = {(c, "steps") for c, _ in WORK_COLUMNS}
 
 
 def assert_same_batch(a: EventBatch, b: EventBatch) -> None:
@@ -83,7 +94,7 @@ def assert_same_batch(a: EventBatch, b: EventBatch) -> None:
             want = cols_a[col] if col in cols_a else np.full(len(cols_a[cols[0][0]]), COLUMN_FILL[section, col])
             got, want = getattr(b, section)[col], np.asarray(want).astype(dtype)
             assert got.dtype == dtype, (section, col)
-            np.testing.assert_array_equal(got, want, err_msg=f"{section}.{col}")
+            np.testing.assert_array_equal(got, want, err_msg=f"{section}.{col}")  # NaN equals NaN here
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -135,6 +146,11 @@ DEVICE_FIGURES = {"device": "cuda:0", "samples": 2, "gpu_util": 0.9, "mem_util":
                   "nvlink_rx": None, "nvlink_tx": None}
 
 
+WORK_FIGURES = {"tokens": 4096, "samples": 8, "flops": 1.2e14, "flops_source": "counted", "peak_flops": 9.89e14,
+                "tokens_per_s": 4.096e5, "samples_per_s": 800.0, "flops_per_s": 1.2e16, "mfu": 0.41,
+                "op_categories": [{"category": "matmul", "flops": 1.1e14, "time_ns": 8, "flops_per_s": 1.3e22}]}
+
+
 def test_processed_records_round_trip():
     step = {
         "run_id": "r", "rank": 1, "world_size": 8, "host": "h", "device": "cpu", "step": 7, "start_ns": 1, "end_ns": 11,
@@ -152,7 +168,15 @@ def test_processed_records_round_trip():
                         "group_size": b"\2\0\0\0", "seq": b"\4" + b"\0" * 7, "bytes": b"\xa0\x0f" + b"\0" * 6,
                         "start_ns": b"\2" + b"\0" * 7, "end_ns": b"\5" + b"\0" * 7},
     }
-    assert decode("StepMetrics", encode("StepMetrics", step)) == step
+    assert decode("StepMetrics", encode("StepMetrics", step)) == {**step, "work": None}
+    with_work = {**step, "work": WORK_FIGURES,
+                 "rolling": {"window": 2, "mean_step_time_ns": 10.0, "p50_step_time_ns": 10.0,
+                             "p95_step_time_ns": 10.0, "data_wait_share": 0.1, "mean_utilization": 0.8,
+                             "p50_tokens_per_s": 4e5, "p95_tokens_per_s": 4.1e5, "p50_samples_per_s": None,
+                             "p95_samples_per_s": None, "p50_mfu": 0.41, "p95_mfu": 0.43}}
+    data = encode_step_metrics(with_work)
+    assert data[:10] == VERSIONS[("StepMetrics", 7)].header
+    assert decode("StepMetrics", data) == with_work
     run = {"run_id": "r", "step": 7, "ranks_reported": 2, "min_step_time_ns": 10, "median_step_time_ns": 12.0,
            "max_step_time_ns": 14, "skew": 1 / 3, "straggler_rank": 1, "step_times_ns": {"0": 10, "1": 14},
            "collectives_matched": 1, "late_rank": 1, "late_rank_held_ns": 3,
@@ -162,7 +186,13 @@ def test_processed_records_round_trip():
                               "algbw_bytes_per_s": 4e12, "busbw_bytes_per_s": 4e12}],
            "unmatched_collectives": [{"collective": "broadcast", "group": "0", "seq": 5, "arrived": [0],
                                       "missing": [1], "expected": 2}]}
-    assert decode("RunStepMetrics", encode("RunStepMetrics", run)) == run
+    assert decode("RunStepMetrics", encode("RunStepMetrics", run)) == {**run, "work": None}
+    run_work = {**run, "work": {"ranks": 2, "tokens_per_s": 8e5, "samples_per_s": None, "flops_per_s": 3e14,
+                                "mean_mfu": 0.4, "min_mfu": 0.38, "min_mfu_rank": 1, "mfu_ranks": 2}}
+    data = encode_run_step_metrics(run_work)
+    assert data[:10] == VERSIONS[("RunStepMetrics", 3)].header
+    assert decode("RunStepMetrics", data) == run_work
+    assert encode_run_step_metrics(run)[:10] == VERSIONS[("RunStepMetrics", 2)].header  # v2 readers read it
     alert = {"name": "DataQueueStall", "state": "firing", "run_id": "r", "rank": 0, "step": 24, "ts_ns": 5,
              "summary": "starved", "evidence": {"data_wait_ns": 3.0}}
     assert decode("Alert", encode("Alert", alert)) == alert
@@ -191,7 +221,7 @@ def test_shipped_v1_message_still_decodes():
     raw = GOLDEN.read_bytes()
     assert raw[2:10] != CURRENT["EventBatch"].header[2:10]  # it really is an older version
     batch = decode_batch(raw)
-    assert_same_batch(random_batch(1234, 20, launches=False, devices=False, collectives=False), batch)
+    assert_same_batch(random_batch(1234, 20, launches=False, devices=False, collectives=False, work=False), batch)
     assert batch.world_size is None
     assert (batch.ops["launch_ns"] == -1).all()
 
@@ -201,7 +231,7 @@ def test_shipped_v2_message_still_decodes():
     raw = GOLDEN_V2.read_bytes()
     assert raw[2:10] not in (CURRENT["EventBatch"].header[2:10], GOLDEN.read_bytes()[2:10])
     batch = decode_batch(raw)
-    assert_same_batch(random_batch(1234, 20, launches=False, devices=False, collectives=False), batch)
+    assert_same_batch(random_batch(1234, 20, launches=False, devices=False, collectives=False, work=False), batch)
     assert batch.world_size == 8
     assert_same_batch(batch, decode_batch(encode_batch(batch)))  # re-encoded as the current version, unchanged
 
@@ -212,29 +242,47 @@ def test_shipped_v3_message_still_decodes_with_no_launch_times():
     raw = GOLDEN_V3.read_bytes()
     assert len({raw[2:10], GOLDEN_V2.read_bytes()[2:10], CURRENT["EventBatch"].header[2:10]}) == 3
     batch = decode_batch(raw)
-    assert_same_batch(random_batch(1234, 20, launches=False, devices=False, collectives=False), batch)
+    assert_same_batch(random_batch(1234, 20, launches=False, devices=False, collectives=False, work=False), batch)
     assert batch.ops["launch_ns"].tolist() == [-1] * 20
-    assert_same_batch(batch, decode_batch(encode_batch(random_batch(1234, 20, launches=False, devices=False, collectives=False))))
+    assert_same_batch(batch, decode_batch(encode_batch(random_batch(1234, 20, launches=False, devices=False, collectives=False, work=False))))
 
 
 def test_shipped_v4_message_still_decodes_with_no_device_samples():
     raw = GOLDEN_V4.read_bytes()
     assert len({raw[2:10], GOLDEN_V3.read_bytes()[2:10], CURRENT["EventBatch"].header[2:10]}) == 3
     batch = decode_batch(raw)
-    assert_same_batch(random_batch(1234, 20, devices=False, collectives=False), batch)
+    assert_same_batch(random_batch(1234, 20, devices=False, collectives=False, work=False), batch)
     assert batch.n("device_samples") == 0 and batch.world_size == 8 and (batch.ops["launch_ns"] > 0).any()
 
 
-def test_a_batch_without_device_samples_is_written_as_v4_so_older_processors_read_it():
-    batch = random_batch(1234, 20, devices=False, collectives=False)
-    batch.world_size = 8
-    assert encode_batch(batch) == GOLDEN_V4.read_bytes()  # byte for byte what v4 wrote
-    with_devices = random_batch(1234, 20, collectives=False)
-    data = encode_batch(with_devices)
-    assert data[:10] == VERSIONS[("EventBatch", 5)].header  # v5 readers read it whole
-    back = decode_batch(data)
-    assert_same_batch(with_devices, back)
+def test_shipped_v6_message_still_decodes_with_no_work_and_is_written_again_as_v6():
+    raw = GOLDEN_V6.read_bytes()
+    assert raw[:10] == VERSIONS[("EventBatch", 6)].header
+    batch = decode_batch(raw)
+    assert_same_batch(random_batch(1234, 20, work=False), batch)  # every v6 column as it was written
+    assert batch.steps["tokens"].tolist() == [-1] * 3 and batch.steps["flops_source"].tolist() == [0] * 3
+    assert np.isnan(batch.steps["flops"]).all() and np.isnan(batch.steps["peak_flops"]).all()
+    assert np.isnan(decode_batch(GOLDEN_V4.read_bytes()).steps["matmul_flops"]).all()
+    # its marks carry no work: written as v6 again, which a v6 processor reads whole
+    assert encode_batch(batch) == raw
+
+
+def test_batches_are_v7_or_v8_with_their_work_and_v4_to_v6_without_it():
+    """v7: a batch without device samples or collectives (every batch of the compiled
+    Monitor but its side batches): v4's sections and the steps' work. With device samples
+    or collectives, the version before the work columns unless a mark carries work (v8)."""
+    cases = [(random_batch(3, 20, devices=False, collectives=False), 7),
+             (random_batch(3, 20, devices=False, collectives=False, work=False), 7),
+             (EventBatch(run_id="r", rank=0), 7),
+             (random_batch(3, 20), 8), (random_batch(3, 20, collectives=False), 8),
+             (random_batch(3, 20, work=False), 6), (random_batch(3, 20, collectives=False, work=False), 5)]
+    for batch, version in cases:
+        data = encode_batch(batch)
+        assert data[:10] == VERSIONS[("EventBatch", version)].header, version
+        assert_same_batch(batch, decode_batch(data))
+    back = decode_batch(encode_batch(random_batch(3, 20)))
     assert np.isnan(back.device_samples["gpu_util"][2]) and back.n("device_samples") == 6
+    assert np.isnan(back.steps["flops"][1]) and back.steps["tokens"].min() >= 0
 
 
 def test_step_metrics_v3_still_decode_and_steps_without_device_figures_are_written_as_v3():
@@ -247,6 +295,36 @@ def test_step_metrics_v3_still_decode_and_steps_without_device_figures_are_writt
     data = encode_step_metrics(with_devices)
     assert data[:10] == VERSIONS[("StepMetrics", 4)].header  # v4 readers read it whole
     assert decode("StepMetrics", data) == with_devices
+
+
+def test_step_metrics_v6_still_decode_with_no_work_and_steps_without_work_are_written_as_before():
+    stored = (DATA / "stepmetrics-v6.bin").read_bytes()
+    m = decode("StepMetrics", stored)
+    assert m["work"] is None and m["utilization"] is None and m["op_count"] == 0
+    assert m["rolling"]["p50_mfu"] is None and m["rolling"]["p95_tokens_per_s"] is None
+    assert m["rolling"]["p95_step_time_ns"] == 11.0
+    assert encode_step_metrics(m) == stored  # byte for byte what v6 wrote: v6 readers read it whole
+    v3 = decode("StepMetrics", (DATA / "stepmetrics-v3.bin").read_bytes())
+    assert v3["work"] is None and encode_step_metrics(v3)[:10] == VERSIONS[("StepMetrics", 3)].header
+
+
+def test_a_rank_checkpoint_v2_restores_a_rolling_window_without_work_figures():
+    from profstream.processors.rolling import RollingWindow
+
+    window = RollingWindow(4)
+    window.add(10, 1, 0.5)
+    state = window.to_state()
+    v2 = {"run_id": "r", "rank": 0, "floor": 3, "watermark": 2, "host": "h", "device": "cpu", "producers": {"p": 1},
+          "counters": {}, "starved_steps": 0, "stall": {"firing": False, "streak": 0, "streak_start": None,
+                                                        "since_step": None},
+          "rolling": {k: state[k] for k in ("added", "step_time", "data_wait", "utilization")},
+          "carry": {"compute_start": b"", "compute_end": b"", "comm_start": b"", "comm_end": b""},
+          "device_end_step": None, "device_end_ns": None}
+    cp = decode("RankCheckpoint", encode("RankCheckpoint", v2, version=2))
+    assert cp["rolling"]["mfu"] == b"" and cp["rolling"]["tokens_per_s"] == b""
+    restored = RollingWindow.from_state(4, cp["rolling"])
+    figures = restored.figures()
+    assert figures["p50_step_time_ns"] == 10.0 and figures["p50_mfu"] is None and figures["p95_tokens_per_s"] is None
 
 
 def test_launch_times_round_trip():

@@ -18,7 +18,7 @@ from profstream.processors.collectives import CollectiveCall, calls_of, pack_cal
 from profstream.processors.health import StageCounts
 from profstream.processors.runtime import RunStage
 from profstream.processors.stream import STEPS, figures
-from profstream.schema.codec import CURRENT, OP_FIGURES, VERSIONS, decode, encode
+from profstream.schema.codec import OP_FIGURES, VERSIONS, decode, encode
 from profstream.simulate import SimConfig, expected
 from profstream.sinks.prometheus import ExporterState
 from tests.helpers import simulated_messages
@@ -44,7 +44,7 @@ def test_steps_between_op_captures_have_no_op_figures_where_they_read_0_before(s
         if step % 5:  # not captured: no op figure, and no op type
             assert {k: m[k] for k in OP_FIGURES} == dict.fromkeys(OP_FIGURES), (rank, step)
             assert m["op_count"] == 0 and m["op_types"] == []
-            assert message[:10] == CURRENT["StepMetrics"].header  # v6: older readers could only read a 0
+            assert message[:10] == VERSIONS[("StepMetrics", 6)].header  # v6: older readers could only read a 0
         else:
             assert {k: m[k] for k in OP_FIGURES} == pytest.approx({k: want[k] for k in OP_FIGURES}, rel=1e-12)
             assert message[:10] == VERSIONS[("StepMetrics", 3)].header  # measured: read whole by older readers

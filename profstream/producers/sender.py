@@ -28,6 +28,7 @@ from profstream.kafka.topics import Topics
 from profstream.producers.buffer import EventBuffer, OpChunk, rows_chunk
 from profstream.producers.spool_sending import SpoolSending
 from profstream.schema.batch import (
+    COLUMN_FILL,
     HOST,
     I32,
     I64,
@@ -155,6 +156,18 @@ def _valid_op(row: tuple) -> bool:
 def sample_columns(rows: list[tuple], columns: tuple[tuple[str, Any], ...]) -> dict[str, np.ndarray]:
     """Sample tuples (at least one) as the columns of a batch section (``SECTIONS``)."""
     return {c: np.array(v, dtype=d) for (c, d), v in zip(columns, zip(*rows))}
+
+
+_MARK_FILL = tuple(COLUMN_FILL.get(("steps", c), NO_VALUE) for c, _ in SECTIONS["steps"])
+
+
+def mark_columns(rows: list[tuple]) -> dict[str, np.ndarray]:
+    """Step mark tuples as the steps section: a mark without its work (or with part of it)
+    has the rest filled as absent (``COLUMN_FILL``), as the native recorder fills it."""
+    width = len(_MARK_FILL)
+    if any(len(row) != width for row in rows):
+        rows = [row + _MARK_FILL[len(row):] for row in rows]
+    return sample_columns(rows, SECTIONS["steps"])
 
 
 def host_sample(process: psutil.Process) -> tuple | None:
@@ -543,8 +556,7 @@ class Sender(SpoolSending, threading.Thread):
         # Sections of user code's values; a section with no samples keeps the batch's empty one.
         # A value its column cannot hold drops that section alone, counted (the step marks stay).
         if marks:
-            samples -= self._section(batch, marks, lambda: setattr(batch, "steps", sample_columns(
-                marks, SECTIONS["steps"])))
+            samples -= self._section(batch, marks, lambda: setattr(batch, "steps", mark_columns(marks)))
         if memory:
             samples -= self._section(batch, memory, lambda: setattr(batch, "memory", sample_columns(
                 memory, SECTIONS["memory"])))

@@ -34,7 +34,17 @@ OP_COLUMNS = (("name_idx", I32), ("type_idx", I32), ("kind", U8), ("stream", I32
               ("step", I64), ("start_ns", I64), ("dur_ns", I64), ("launch_ns", I64))
 MEMORY_COLUMNS = (("ts_ns", I64), ("step", I64), ("allocated", I64), ("reserved", I64), ("peak", I64))
 QUEUE_COLUMNS = (("name_idx", I32), ("ts_ns", I64), ("step", I64), ("size", I64), ("capacity", I64))
-STEP_COLUMNS = (("step", I64), ("start_ns", I64), ("end_ns", I64), ("fp_start_ns", I64), ("bp_end_ns", I64))
+# v7: the step's work after S, E, F, B (WORK_COLUMNS; a mark row without them is filled
+# from COLUMN_FILL: absent). A row whose start_ns is WORK_ROW is no mark: it carries work
+# for a step whose mark came earlier (the FLOPs of its captured ops, read after it ended).
+WORK_COLUMNS = (("tokens", I64), ("samples", I64), ("flops", F64), ("flops_source", U8), ("peak_flops", F64),
+                ("matmul_flops", F64), ("attention_flops", F64), ("conv_flops", F64))
+STEP_COLUMNS = (("step", I64), ("start_ns", I64), ("end_ns", I64), ("fp_start_ns", I64), ("bp_end_ns", I64),
+                *WORK_COLUMNS)
+# ``flops_source`` codes of a step mark: where its model FLOPs came from
+FLOPS_SOURCES = ("", "given", "counted", "ops")
+FLOPS_GIVEN, FLOPS_COUNTED, FLOPS_OPS = 1, 2, 3
+WORK_ROW = -1  # start_ns of a steps row that carries work alone
 # v6: one row per rank's part in a collective call; name, group and dtype index collective_names
 COLLECTIVE_COLUMNS = (("name_idx", I32), ("group_idx", I32), ("dtype_idx", I32), ("step", I64), ("seq", I64),
                       ("start_ns", I64), ("dur_ns", I64), ("in_bytes", I64), ("out_bytes", I64),
@@ -56,12 +66,13 @@ SECTIONS = {
     "device_samples": DEVICE_COLUMNS,
     "collectives": COLLECTIVE_COLUMNS,
 }
-# A batch without device samples is written as the version before them, which every
-# processor since v4 reads: producers with device counters off stay readable by older
-# processors (docs/events.md#versions).
-WITHOUT_DEVICE_SAMPLES_VERSION = 4
-# Likewise a batch without collectives is written as v5 (or v4, without device samples too).
-WITHOUT_COLLECTIVES_VERSION = 5
+# A batch without device samples or collectives is written as v7 (v4's sections, the steps
+# section with its work columns): every batch of the compiled Monitor but its side batches.
+# A batch with them is written as the version before the work columns when its step marks
+# carry no work (v5 with device samples, v6 with collectives; the side batches carry no
+# marks), else as v8 (v6's sections with the work columns).
+PLAIN_VERSION = 7
+WITHOUT_WORK_VERSIONS = {"device_samples": 5, "collectives": 6}
 
 # Dictionary-coded columns: the header field that holds the dictionary -> the (section,
 # column) whose values index it. Codes are given in order of first appearance per batch.
@@ -76,6 +87,8 @@ DICTIONARIES = {
 # version adds its columns here; a section added later is simply empty in older messages.
 COLUMN_FILL = {
     ("ops", "launch_ns"): NO_VALUE,  # v4
+    **{("steps", col): float("nan") if dtype == F64 else 0 if dtype == U8 else NO_VALUE
+       for col, dtype in WORK_COLUMNS},  # v7
 }
 
 
@@ -238,11 +251,21 @@ def encode_batch(batch: EventBatch) -> bytes:
     record["op_names"] = names_blob(batch.op_names)
     for section in SECTIONS:
         record[section] = _pack(section, getattr(batch, section))
-    if record["collectives"]["count"]:
-        version = None
-    else:
-        version = WITHOUT_COLLECTIVES_VERSION if record["device_samples"]["count"] else WITHOUT_DEVICE_SAMPLES_VERSION
-    return encode("EventBatch", record, version)
+    if not (record["collectives"]["count"] or record["device_samples"]["count"]):
+        return encode("EventBatch", record, PLAIN_VERSION)
+    if _carries_work(record["steps"]):
+        return encode("EventBatch", record)
+    return encode("EventBatch", record, WITHOUT_WORK_VERSIONS["collectives" if record["collectives"]["count"]
+                                                              else "device_samples"])
+
+
+_NO_WORK_BYTES = {col: np.full(1, COLUMN_FILL["steps", col], dtype).tobytes() for col, dtype in WORK_COLUMNS}
+
+
+def _carries_work(steps: dict) -> bool:
+    """Whether a packed steps section has a work value other than absent."""
+    n = steps["count"]
+    return bool(n) and any(steps[col] != fill * n for col, fill in _NO_WORK_BYTES.items())
 
 
 def decode_batch(data: bytes) -> EventBatch:
