@@ -26,7 +26,14 @@ from profstream.config import MONITOR_OPTIONS, check_monitor_options, resolve
 from profstream.devices.backend import DeviceSample
 from profstream.kafka.topics import Topics
 from profstream.producers.buffer import EventBuffer
-from profstream.schema.batch import END_MARK, NO_VALUE
+from profstream.schema.batch import (
+    END_MARK,
+    FLOPS_COUNTED,
+    FLOPS_GIVEN,
+    FLOPS_OPS,
+    NO_VALUE,
+    WORK_ROW,
+)
 
 log = logging.getLogger("profstream.monitor")
 
@@ -72,15 +79,42 @@ def _close_all_at_exit() -> None:
         monitor.close(timeout=5.0, ended=ended)
 
 
-class _StepContext:
-    __slots__ = ("_monitor", "_step")
+_NAN = float("nan")
 
-    def __init__(self, monitor: Monitor, step: int | None) -> None:
+
+def _count(value: Any) -> int | None:
+    """A token or sample count as the mark's i64, None when it is not one (never raises)."""
+    if type(value) is int:  # the usual case: one check
+        return value if value >= 0 else None
+    try:
+        n = int(value)  # numpy integers, a 0-d tensor
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return n if 0 <= n == value and n < 2**62 else None
+
+
+def _amount(value: Any) -> float | None:
+    """A FLOP count as the mark's f64, None when it is not a finite number >= 0."""
+    try:
+        x = float(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return x if 0 <= x < float("inf") else None
+
+
+class _StepContext:
+    __slots__ = ("_monitor", "_step", "_work")
+
+    def __init__(self, monitor: Monitor, step: int | None, work: tuple) -> None:
         self._monitor = monitor
         self._step = step
+        self._work = work
 
     def __enter__(self) -> int:
-        return self._monitor.begin_step(self._step)
+        step = self._monitor.begin_step(self._step)
+        if self._work != (None, None, None):
+            self._monitor.work(*self._work)
+        return step
 
     def __exit__(self, *exc: object) -> None:
         self._monitor.end_step()
@@ -164,6 +198,16 @@ class Monitor:
         self._step_start: int | None = None
         self._fp_start = NO_VALUE
         self._bp_end = NO_VALUE
+        # The open step's work (docs/figures.md, "Throughput and MFU"): what the user gave,
+        # what an integration counted, and the device's peak FLOP/s (NaN: unknown).
+        self._tokens: int | None = None
+        self._samples: int | None = None
+        self._flops: float | None = None  # given
+        self._counted: tuple[float, float, float, float] | None = None  # flops, matmul, attention, conv
+        self._flops_per_token: float | None = opts["flops_per_token"]
+        self.peak_flops: float = _NAN
+        self._peak_unknown: str | None = None  # the one line to say when a step has FLOPs and no peak
+        self._resolve_peak(opts)
         self._auto_watermark: bool = opts["auto_watermark"]
         self._start_step = opts["start_step"]
         self._stop_step = opts["stop_step"]
@@ -245,6 +289,7 @@ class Monitor:
         self._next_step = step + 1
         self._step_start = _time_ns() if ts_ns is None else ts_ns
         self._fp_start = self._bp_end = NO_VALUE
+        self._tokens = self._samples = self._flops = self._counted = None
         self._capturing = self._in_window(step)
         if self._plan_gate is not None and self._plan_gate.claim(step) is not None:
             self._capture_requested()
@@ -258,7 +303,11 @@ class Monitor:
             return
         buf = self.buffer
         end_ns = _time_ns() if ts_ns is None else ts_ns
-        buf.add_sample(buf.marks, (self._step, self._step_start, end_ns, self._fp_start, self._bp_end))
+        if self._tokens is None and self._samples is None and self._flops is None and self._counted is None:
+            buf.add_sample(buf.marks, (self._step, self._step_start, end_ns, self._fp_start, self._bp_end))
+        else:
+            buf.add_sample(buf.marks, (self._step, self._step_start, end_ns, self._fp_start, self._bp_end,
+                                       *self._work_columns()))
         self._step_start = None
         if self._counting is not None:
             self._requested_step_ended(end_ns)
@@ -278,9 +327,98 @@ class Monitor:
         self._step, self._next_step = self._step_before, self._step
         self._sync_recorder()
 
-    def step(self, step: int | None = None) -> _StepContext:
-        """``with monitor.step(): ...`` marks the start and end of one step."""
-        return _StepContext(self, step)
+    def step(self, step: int | None = None, *, tokens: int | None = None, samples: int | None = None,
+             flops: float | None = None) -> _StepContext:
+        """``with monitor.step(): ...`` marks the start and end of one step; ``tokens``,
+        ``samples``, ``flops``: its work, as ``work()`` takes it."""
+        return _StepContext(self, step, (tokens, samples, flops))
+
+    # -- work: throughput and MFU ------------------------------------------------------
+
+    def work(self, tokens: int | None = None, samples: int | None = None, flops: float | None = None) -> None:
+        """Add to the open step's work: tokens and samples trained on, model FLOPs (forward
+        and backward). Called once per micro-batch, it sums them. FLOPs given here win over
+        ``flops_per_token`` and over an integration's count. A value that is not a count
+        (negative, not a number) is left out; no step open: nothing."""
+        if self._step_start is None:
+            return
+        if tokens is not None and (n := _count(tokens)) is not None:
+            self._tokens = n if self._tokens is None else self._tokens + n
+        if samples is not None and (n := _count(samples)) is not None:
+            self._samples = n if self._samples is None else self._samples + n
+        if flops is not None and (x := _amount(flops)) is not None:
+            self._flops = x if self._flops is None else self._flops + x
+
+    def counted_flops(self, flops: float, matmul: float = _NAN, attention: float = _NAN, conv: float = _NAN) -> None:
+        """The open step's model FLOPs as an integration counted them (torch's
+        FlopCounterMode, once per input shape), and those of its matrix multiplications,
+        attention and convolutions: used unless the user gave FLOPs (``work``,
+        ``flops_per_token``)."""
+        if self._step_start is not None and (x := _amount(flops)) is not None:
+            split = (_amount(v) if v == v else None for v in (matmul, attention, conv))
+            self._counted = (x, *(_NAN if v is None else v for v in split))
+
+    def ops_flops(self, step: int, flops: float, matmul: float = _NAN, attention: float = _NAN,
+                  conv: float = _NAN) -> None:
+        """The FLOPs the profiler counted for the captured ops of ``step``, read after the
+        step ended (torch.profiler ``with_flops``): sent as a work row, used where the step
+        has no FLOPs given or counted. Call it before ``complete_through(step)``."""
+        if self._enabled and (x := _amount(flops)) is not None:
+            split = tuple(_amount(v) if v == v else _NAN for v in (matmul, attention, conv))
+            self.buffer.add_sample(self.buffer.marks, (step, WORK_ROW, WORK_ROW, NO_VALUE, NO_VALUE, NO_VALUE,
+                                                       NO_VALUE, x, FLOPS_OPS, self.peak_flops,
+                                                       *(_NAN if v is None else v for v in split)))
+
+    def set_device_peak(self, device_name: str, dtype: Any) -> float:
+        """The peak FLOP/s of ``device_name`` in ``dtype`` from profstream's table, for the
+        steps from now on, unless ``peak_tflops`` gave it; NaN (MFU absent, one line said
+        at the first step with FLOPs) where the table does not know them."""
+        if self.options["peak_tflops"] is None:
+            from profstream.devices.peaks import find_peak, how_to_set
+
+            _entry, peak = find_peak(device_name, dtype)
+            self.peak_flops = _NAN if peak is None else peak
+            self._peak_unknown = how_to_set(device_name, dtype) if peak is None else None
+        return self.peak_flops
+
+    def _resolve_peak(self, opts: dict[str, Any]) -> None:
+        """The peak from ``peak_tflops``, else from the table for the CUDA device and
+        ``compute_dtype`` when both are known here; else unknown until an integration
+        says (``set_device_peak``)."""
+        if opts["peak_tflops"] is not None:
+            self.peak_flops = opts["peak_tflops"] * 1e12
+            return
+        device, dtype = opts["device"], opts["compute_dtype"]
+        name = None
+        if dtype is not None and device.startswith("cuda") and self._enabled:
+            from profstream.devices.peaks import cuda_device_name
+
+            ordinal = device.partition(":")[2]
+            name = cuda_device_name(int(ordinal) if ordinal.isdigit() else 0)
+        if name is not None:
+            self.set_device_peak(name, dtype)
+        else:
+            from profstream.devices.peaks import how_to_set
+
+            self._peak_unknown = how_to_set(device, dtype)
+
+    def _work_columns(self) -> tuple:
+        """The step mark's v7 columns (schema.batch.WORK_COLUMNS) of the open step."""
+        tokens = NO_VALUE if self._tokens is None else self._tokens
+        samples = NO_VALUE if self._samples is None else self._samples
+        split = (_NAN, _NAN, _NAN)
+        if self._flops is not None:
+            flops, source = self._flops, FLOPS_GIVEN
+        elif self._flops_per_token is not None and self._tokens is not None:
+            flops, source = self._flops_per_token * self._tokens, FLOPS_GIVEN
+        elif self._counted is not None:
+            flops, source, split = self._counted[0], FLOPS_COUNTED, self._counted[1:]
+        else:
+            return (tokens, samples)
+        peak = self.peak_flops
+        if peak != peak and self._peak_unknown is not None:
+            _say_once("peak", logging.WARNING, "%s", self._peak_unknown)
+        return (tokens, samples, flops, source, peak, *split)
 
     def mark_fp_start(self, ts_ns: int | None = None) -> None:
         """Forward pass of the current step starts now (or at ``ts_ns``)."""
