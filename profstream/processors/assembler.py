@@ -28,7 +28,15 @@ import numpy as np
 from profstream.processors.collectives import CALL_COLUMNS, Calls
 from profstream.processors.model import StepEvents
 from profstream.processors.window import carry_past_end, step_window
-from profstream.schema.batch import END_MARK, NO_VALUE, SECTIONS, EventBatch, launch_column
+from profstream.schema.batch import (
+    END_MARK,
+    NO_VALUE,
+    SECTIONS,
+    WORK_COLUMNS,
+    WORK_ROW,
+    EventBatch,
+    launch_column,
+)
 
 _OP_COLS = ("kind", "type", "stream", "start_ns", "dur_ns", "launch_ns")
 _MEM_COLS = ("ts_ns", "allocated", "reserved", "peak")
@@ -36,11 +44,14 @@ _QUEUE_COLS = ("queue", "ts_ns", "size")
 _CALL_COLS = tuple(c for c, _ in CALL_COLUMNS)
 _CALL_DTYPES = dict(CALL_COLUMNS)
 _DEVICE_COLS = tuple(col for col, _ in SECTIONS["device_samples"])
+_WORK_COLS = tuple(col for col, _ in WORK_COLUMNS)
 
 
 @dataclass
 class _OpenStep:
     mark: tuple[int, int, int, int] | None = None  # S, E, F, B
+    work: tuple | None = None  # the mark's work columns (WORK_COLUMNS), None: it had none
+    late_work: tuple | None = None  # those of a work row (schema.batch.WORK_ROW) for the step
     mark_seen_at: float = 0.0
     ops: list[dict] = field(default_factory=list)
     memory: list[dict] = field(default_factory=list)
@@ -53,6 +64,17 @@ class _OpenStep:
 
 
 _NO_CARRY = (np.empty(0, np.int64), np.empty(0, np.int64))
+_FLOPS_AT = _WORK_COLS.index("flops_source")
+
+
+def _merged_work(mark: tuple | None, late: tuple | None) -> tuple | None:
+    """A step's work: its mark's, with the FLOPs of a work row where the mark has none
+    (FLOPs given or counted win over the captured ops')."""
+    if late is None or (mark is not None and mark[_FLOPS_AT] > 0):
+        return mark
+    if mark is None:
+        return late
+    return (*mark[:2], *late[2:])  # the mark's tokens and samples, the row's FLOPs, peak and split
 
 
 def _i64_bytes(values: np.ndarray) -> bytes:
@@ -200,6 +222,10 @@ class RankAssembler:
             for step, part in _by_step(dev["step"], dev):
                 self._bucket(step, "devices", part, len(part["ts_ns"]))
         st = batch.steps
+        # a mark's work: tokens or samples given (>= 0), or a FLOPs source (a batch built in
+        # memory by code older than v7 has no work columns: none)
+        has_work = ((st["tokens"] >= 0) | (st["samples"] >= 0) | (st["flops_source"] > 0)
+                    if len(st["step"]) and "flops_source" in st else None)
         for i in range(len(st["step"])):
             step = int(st["step"][i])
             if step == END_MARK:  # no step: the rank ended (``finished`` once its steps are closed)
@@ -211,8 +237,14 @@ class RankAssembler:
             entry = self._feed(step)
             if entry is None:
                 continue
+            work = tuple(st[c][i].item() for c in _WORK_COLS) if has_work is not None and has_work[i] else None
+            if st["start_ns"][i] == WORK_ROW:  # no mark: work for the step (its captured ops' FLOPs)
+                entry.late_work = work
+                self.events += fresh
+                continue
             entry.mark = (int(st["start_ns"][i]), int(st["end_ns"][i]),
                           int(st["fp_start_ns"][i]), int(st["bp_end_ns"][i]))
+            entry.work = work
             entry.mark_seen_at = now
             self.events += fresh
         if None in self._fed.values():
@@ -321,7 +353,7 @@ class RankAssembler:
             queue_names=self.queue_names, carried_compute=self.carry[0], carried_comm=self.carry[1],
             prev_device_end_ns=before[1] if before is not None and before[0] == step - 1 else NO_VALUE,
             collectives=Calls(self.collective_names, _concat(entry.collectives, _CALL_COLS, _CALL_DTYPES)),
-            device_samples=dev,
+            device_samples=dev, work=_merged_work(entry.work, entry.late_work),
         )
         self.carry = carry_past_end(ev)
         window = step_window(ev)

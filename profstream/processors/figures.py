@@ -18,6 +18,7 @@ from profstream.processors.queues import queue_figures
 from profstream.processors.rolling import RollingWindow
 from profstream.processors.stalls import StallDetector, is_starved
 from profstream.processors.steptrace import step_trace
+from profstream.processors.throughput import work_figures
 from profstream.processors.utilization import utilization
 from profstream.processors.window import step_window, uncorrelated_ops
 
@@ -66,7 +67,8 @@ class RankFigures:
         starved = is_starved(trace, queues, opts.stall_ratio)
         self.starved_steps += starved
         transition = self.stall.update(ev.step, starved)
-        self.rolling.add(trace["step_time_ns"], trace["data_wait_ns"], util["utilization"])
+        work = work_figures(ev, trace["step_time_ns"], window)
+        self.rolling.add(trace["step_time_ns"], trace["data_wait_ns"], util["utilization"], work)
         record = {
             "run_id": ev.run_id, "rank": ev.rank, "world_size": ev.world_size, "host": ev.host,
             "device": ev.device,
@@ -89,5 +91,6 @@ class RankFigures:
             "closed_ns": time.time_ns(),
             "collectives": pack_calls(ev.collectives) if ev.collectives is not None else NO_CALLS,
             "devices": device_figures(ev),
+            "work": work,
         }
         return record, transition

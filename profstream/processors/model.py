@@ -60,6 +60,8 @@ class StepEvents:
     collectives: Any = None
     # device counter samples: the columns of schema.batch.DEVICE_COLUMNS
     device_samples: dict[str, np.ndarray] = field(default_factory=lambda: empty_section("device_samples"))
+    # the step mark's work: its schema.batch.WORK_COLUMNS values in order; None: the mark had none
+    work: tuple | None = None
 
     @property
     def step_time_ns(self) -> int:
