@@ -41,6 +41,7 @@ from profstream.sinks.rank_summary import (
     slowest_ranks,
     summary_lines,
 )
+from profstream.sinks.work_metrics import RankWork, fold_run_work, fold_work, work_lines
 
 log = logging.getLogger("profstream.sink.prometheus")
 
@@ -116,6 +117,7 @@ class _Rank:
     devices: dict[str, dict] = field(default_factory=dict)  # device -> DeviceFigures of its latest step
     recent: deque = field(default_factory=lambda: deque(maxlen=SLOW_WINDOW_STEPS))  # newest steps' step_s
     ended: bool = False  # its producer ended normally after its latest step (RankEnd)
+    work: RankWork | None = None  # throughput and MFU (None before a step with work figures)
 
 
 @dataclass(eq=False)
@@ -130,6 +132,8 @@ class _Run:
     straggler: int = 0
     ranks_reported: int = 0
     collectives: RunCollectives | None = None  # of the newest RunStepMetrics with collectives
+    work: dict[str, float] | None = None  # of the newest RunStepMetrics with work figures
+    work_step: int = -1
 
 
 class ExporterState:
@@ -228,6 +232,7 @@ class ExporterState:
         self._fresh[bisect.bisect_left(FRESHNESS_BUCKETS, fresh)] += 1
         self._fresh_sum += fresh
         r.ended = False  # a step after an end: the rank runs again (a new Monitor)
+        r.work = fold_work(r.work, m["work"], m["step"] >= r.last_step)
         if m["step"] < r.last_step:
             return  # an older step: counted above, the gauges keep the newest
         if m["step"] > r.last_step:
@@ -269,6 +274,9 @@ class ExporterState:
             run.straggler = m["straggler_rank"]
             run.ranks_reported = m["ranks_reported"]
             run.collectives = run_collectives(m) or run.collectives
+        if m["work"] is not None and m["step"] >= run.work_step:
+            run.work_step = m["step"]
+            run.work = fold_run_work(run.work, m["work"])
 
     def _fold_rank_end(self, end: dict, ts: float) -> None:
         run = self._runs.get(end["run_id"])
@@ -388,6 +396,7 @@ class ExporterState:
                 lambda run: run.straggler)
         per_run(p + "run_ranks_reported", "ranks in the run's latest complete step", lambda run: run.ranks_reported)
         out.extend(device_lines(p, ranks, _num))
+        out.extend(work_lines(p, ranks, [(_esc(run_id), run) for run_id, run in self._runs.items()], _num))
         out.extend(collective_lines(p, [(run_id, run.collectives) for run_id, run in runs], _esc, _num,
                                     self.top_ranks))
         out.extend(summary_lines(p, ((_esc(run_id), run.ranks, len(kept[run_id]))
