@@ -33,7 +33,7 @@ class TimedIterator:
             return next(self._it)
         queued, capacity = waiting_batches(self._it)
         batch = next(self._it)  # StopIteration and the loader's own errors go to the loop as they are
-        inst.after_batch(s_ns, queued, capacity)
+        inst.after_batch(s_ns, queued, capacity, batch)
         return batch
 
 

@@ -93,13 +93,23 @@ def _count(value: Any) -> int | None:
     return n if 0 <= n == value and n < 2**62 else None
 
 
+_INF = float("inf")
+
+
 def _amount(value: Any) -> float | None:
     """A FLOP count as the mark's f64, None when it is not a finite number >= 0."""
-    try:
-        x = float(value)
-    except (TypeError, ValueError, OverflowError):
-        return None
-    return x if 0 <= x < float("inf") else None
+    if type(value) is not float:
+        try:
+            value = float(value)
+        except (TypeError, ValueError, OverflowError):
+            return None
+    return value if 0 <= value < _INF else None
+
+
+def _share(value: Any) -> float:
+    """A FLOP count of a category as the mark's f64, NaN (unknown) when it is not one."""
+    x = _amount(value)
+    return _NAN if x is None else x
 
 
 class _StepContext:
@@ -355,8 +365,7 @@ class Monitor:
         attention and convolutions: used unless the user gave FLOPs (``work``,
         ``flops_per_token``)."""
         if self._step_start is not None and (x := _amount(flops)) is not None:
-            split = (_amount(v) if v == v else None for v in (matmul, attention, conv))
-            self._counted = (x, *(_NAN if v is None else v for v in split))
+            self._counted = (x, _share(matmul), _share(attention), _share(conv))
 
     def ops_flops(self, step: int, flops: float, matmul: float = _NAN, attention: float = _NAN,
                   conv: float = _NAN) -> None:
@@ -364,10 +373,9 @@ class Monitor:
         step ended (torch.profiler ``with_flops``): sent as a work row, used where the step
         has no FLOPs given or counted. Call it before ``complete_through(step)``."""
         if self._enabled and (x := _amount(flops)) is not None:
-            split = tuple(_amount(v) if v == v else _NAN for v in (matmul, attention, conv))
             self.buffer.add_sample(self.buffer.marks, (step, WORK_ROW, WORK_ROW, NO_VALUE, NO_VALUE, NO_VALUE,
-                                                       NO_VALUE, x, FLOPS_OPS, self.peak_flops,
-                                                       *(_NAN if v is None else v for v in split)))
+                                                       NO_VALUE, x, FLOPS_OPS, self.peak_flops, _share(matmul),
+                                                       _share(attention), _share(conv)))
 
     def set_device_peak(self, device_name: str, dtype: Any) -> float:
         """The peak FLOP/s of ``device_name`` in ``dtype`` from profstream's table, for the
@@ -378,7 +386,7 @@ class Monitor:
 
             _entry, peak = find_peak(device_name, dtype)
             self.peak_flops = _NAN if peak is None else peak
-            self._peak_unknown = how_to_set(device_name, dtype) if peak is None else None
+            self._peak_unknown = how_to_set(device_name, dtype) if peak is None and device_name != "cpu" else None
         return self.peak_flops
 
     def _resolve_peak(self, opts: dict[str, Any]) -> None:
@@ -397,7 +405,7 @@ class Monitor:
             name = cuda_device_name(int(ordinal) if ordinal.isdigit() else 0)
         if name is not None:
             self.set_device_peak(name, dtype)
-        else:
+        elif device != "cpu":  # a CPU has no table entry and says nothing: peak_tflops gives one
             from profstream.devices.peaks import how_to_set
 
             self._peak_unknown = how_to_set(device, dtype)
@@ -417,7 +425,8 @@ class Monitor:
             return (tokens, samples)
         peak = self.peak_flops
         if peak != peak and self._peak_unknown is not None:
-            _say_once("peak", logging.WARNING, "%s", self._peak_unknown)
+            log.warning("%s", self._peak_unknown)
+            self._peak_unknown = None  # said once
         return (tokens, samples, flops, source, peak, *split)
 
     def mark_fp_start(self, ts_ns: int | None = None) -> None:
