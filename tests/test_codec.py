@@ -35,7 +35,7 @@ GOLDEN_V6 = DATA / "eventbatch-v6.bin"  # random_batch(1234, 20, work=False), wo
 
 
 def random_batch(seed: int, n_ops: int = 500, launches: bool = True, devices: bool = True,
-                 collectives: bool = True, work: bool = True) -> EventBatch:
+                 collectives: bool = True, work: bool = True, loader: bool = False) -> EventBatch:
     """A batch of random columns; ``launches``: with ops.launch_ns (v4), ``devices``: with
     device samples (v5), ``collectives``: with collective rows (v6), ``work``: with the step
     marks' work and ops.flops (v7), each drawn apart so that the other columns are those the
@@ -72,6 +72,10 @@ def random_batch(seed: int, n_ops: int = 500, launches: bool = True, devices: bo
         b.steps.update({c: wrng.random(3) * 1e15 if d.kind == "f" else wrng.integers(0, 3 if d.kind == "u" else 2**40, 3)
                         for c, d in WORK_COLUMNS})
         b.steps["flops"][1] = np.nan  # a step without FLOPs
+    if loader:  # v9: drawn apart as well
+        lrng = np.random.default_rng([seed, 8])
+        b.loader_samples = {c: (lrng.random(4) if d.kind == "f" else lrng.integers(-1, 2**30, 4))
+                            for c, d in SECTIONS["loader_samples"]}
     if collectives:
         crng = np.random.default_rng([seed, 6])
         b.collective_names = ["all_reduce", "0", "Float", "all_gather"]
@@ -124,7 +128,7 @@ def test_empty_columns_of_any_kind_encode_alike():
 
 
 def test_message_is_avro_single_object_encoding():
-    data = encode_batch(random_batch(0, 10))
+    data = encode_batch(random_batch(0, 10, loader=True))
     assert data[:2] == b"\xc3\x01"
     sv = CURRENT["EventBatch"]
     assert int.from_bytes(data[2:10], "little") == sv.fingerprint
@@ -151,6 +155,12 @@ WORK_FIGURES = {"tokens": 4096, "samples": 8, "flops": 1.2e14, "flops_source": "
                 "op_categories": [{"category": "matmul", "flops": 1.1e14, "time_ns": 8, "flops_per_s": 1.3e22}]}
 
 
+RESOURCES = {"readings": 1, "cpu_user": 0.4, "cpu_system": 0.05, "cpu_iowait": 0.0, "cpu_idle": 0.55,
+             "process_cpu": 1.2, "rss_bytes": 3 << 30, "loader_readings": 2, "workers": 2, "worker_cpu_mean": 0.97,
+             "worker_cpu_max": 0.99, "worker_runnable_mean": 0.99, "worker_runnable_max": 1.0, "worker_batches": 4,
+             "worker_s_per_batch": 0.5, "worker_cpu_s_per_batch": 0.48, "ctx_switches_per_s": 3000.0, "cpu_count": 8}
+
+
 def test_processed_records_round_trip():
     step = {
         "run_id": "r", "rank": 1, "world_size": 8, "host": "h", "device": "cpu", "step": 7, "start_ns": 1, "end_ns": 11,
@@ -168,7 +178,7 @@ def test_processed_records_round_trip():
                         "group_size": b"\2\0\0\0", "seq": b"\4" + b"\0" * 7, "bytes": b"\xa0\x0f" + b"\0" * 6,
                         "start_ns": b"\2" + b"\0" * 7, "end_ns": b"\5" + b"\0" * 7},
     }
-    assert decode("StepMetrics", encode("StepMetrics", step)) == {**step, "work": None}
+    assert decode("StepMetrics", encode("StepMetrics", step)) == {**step, "work": None, "resources": None, "advice": []}
     with_work = {**step, "work": WORK_FIGURES,
                  "rolling": {"window": 2, "mean_step_time_ns": 10.0, "p50_step_time_ns": 10.0,
                              "p95_step_time_ns": 10.0, "data_wait_share": 0.1, "mean_utilization": 0.8,
@@ -176,7 +186,12 @@ def test_processed_records_round_trip():
                              "p95_samples_per_s": None, "p50_mfu": 0.41, "p95_mfu": 0.43}}
     data = encode_step_metrics(with_work)
     assert data[:10] == VERSIONS[("StepMetrics", 7)].header
-    assert decode("StepMetrics", data) == with_work
+    assert decode("StepMetrics", data) == {**with_work, "resources": None, "advice": []}
+    with_advice = {**with_work, "resources": RESOURCES, "advice": [
+        {"rule": "more_workers", "text": "raise num_workers", "source": "MindSpore", "figures": {"workers_busy": 0.97}}]}
+    data = encode_step_metrics(with_advice)
+    assert data[:10] == VERSIONS[("StepMetrics", 8)].header
+    assert decode("StepMetrics", data) == with_advice
     run = {"run_id": "r", "step": 7, "ranks_reported": 2, "min_step_time_ns": 10, "median_step_time_ns": 12.0,
            "max_step_time_ns": 14, "skew": 1 / 3, "straggler_rank": 1, "step_times_ns": {"0": 10, "1": 14},
            "collectives_matched": 1, "late_rank": 1, "late_rank_held_ns": 3,
@@ -270,12 +285,15 @@ def test_shipped_v6_message_still_decodes_with_no_work_and_is_written_again_as_v
 def test_batches_are_v7_or_v8_with_their_work_and_v4_to_v6_without_it():
     """v7: a batch without device samples or collectives (every batch of the compiled
     Monitor but its side batches): v4's sections and the steps' work. With device samples
-    or collectives, the version before the work columns unless a mark carries work (v8)."""
+    or collectives, the version before the work columns unless a mark carries work (v8).
+    With loader samples (side batches of their own), v9."""
     cases = [(random_batch(3, 20, devices=False, collectives=False), 7),
              (random_batch(3, 20, devices=False, collectives=False, work=False), 7),
              (EventBatch(run_id="r", rank=0), 7),
              (random_batch(3, 20), 8), (random_batch(3, 20, collectives=False), 8),
-             (random_batch(3, 20, work=False), 6), (random_batch(3, 20, collectives=False, work=False), 5)]
+             (random_batch(3, 20, work=False), 6), (random_batch(3, 20, collectives=False, work=False), 5),
+             (random_batch(3, 20, loader=True), 9),
+             (EventBatch(run_id="r", rank=0, loader_samples=random_batch(3, 1, loader=True).loader_samples), 9)]
     for batch, version in cases:
         data = encode_batch(batch)
         assert data[:10] == VERSIONS[("EventBatch", version)].header, version
@@ -345,7 +363,7 @@ def test_op_names_with_any_characters_survive_and_a_nul_cannot_shift_the_diction
 
 def test_op_names_blob_without_its_terminator_is_malformed():
     from profstream.schema.codec import encode
-    batch = random_batch(6, 10)
+    batch = random_batch(6, 10, loader=True)
     record = {f: getattr(batch, f) for f in ("run_id", "rank", "world_size", "host", "device", "producer_id", "seq",
                                              "sent_ns", "dropped_ops", "dropped_samples", "complete_through_step",
                                              "buffer_fill_ratio", "send_latency_ns", "op_types", "queue_names")}

@@ -66,10 +66,10 @@ def test_only_records_with_collectives_are_written_as_the_new_versions():
     from profstream.schema.codec import VERSIONS, encode_run_step_metrics, encode_step_metrics
 
     assert (CURRENT["EventBatch"].version, CURRENT["StepMetrics"].version, CURRENT["RunStepMetrics"].version) == (
-        8, 7, 3)
+        9, 8, 3)
     data = encode_batch(random_batch(3, 10, work=False))
     assert data[:10] == VERSIONS[("EventBatch", 6)].header and decode_batch(data).n("collectives") == 5
-    assert encode_batch(random_batch(3, 10))[:10] == CURRENT["EventBatch"].header  # and work: v8
+    assert encode_batch(random_batch(3, 10))[:10] == VERSIONS[("EventBatch", 8)].header  # and work: v8
     assert encode_batch(random_batch(3, 10, devices=False, collectives=False))[:10] == VERSIONS[("EventBatch", 7)].header
     step = decode("StepMetrics", (DATA / "stepmetrics-v3.bin").read_bytes())
     assert encode_step_metrics(step)[:10] == VERSIONS[("StepMetrics", 3)].header

@@ -34,6 +34,7 @@ from typing import Any
 
 from profstream.config import ConfigError, Option, resolve
 from profstream.integrations.torch_capture import OpCapture, OpWindow
+from profstream.integrations.torch_loader import LoaderSampler
 from profstream.integrations.torch_sources import RssReader, TimedIterator
 from profstream.integrations.torch_work import StepWork
 from profstream.integrations.torch_work import send as send_work
@@ -139,6 +140,7 @@ class TorchInstrumentation:
         self.work_figures = work_figures
         self.count_flops = count_flops
         self._peak_set = False
+        self._loader: Any = None  # LoaderSampler of the multi-worker DataLoader (False: readings off)
         self.cuda = torch.cuda.is_available()
         self.capture_ops = capture_ops
         self.compiled_walk = compiled_walk
@@ -250,6 +252,8 @@ class TorchInstrumentation:
         self._remove_hooks()
         if self.work is not None:
             self.work.forget()  # a count still running (a loop that died in a step) is stopped
+        if self._loader:
+            self._loader.stop()  # its last readings go with the Monitor's close
         if self.capture is not None:
             try:
                 self.capture.close(timeout)
@@ -335,9 +339,12 @@ class TorchInstrumentation:
             return None
         return self._guard(self._on_batch_request, it)
 
-    def after_batch(self, s_ns: int, queued: int, capacity: int, batch: Any = None) -> None:
+    def after_batch(self, s_ns: int, queued: int, capacity: int, batch: Any = None, it: Any = None,
+                    worker: int = -1) -> None:
         if self.active:
             self._guard(self._on_batch_ready, s_ns, queued, capacity)
+            if capacity > 0 and it is not None and self.active:  # a multi-worker DataLoader: its workers read
+                self._guard(self._loader_batch, it, worker)
             if self.work is not None and self.mark_steps and self._in_step and self.active:
                 self._guard(self.work.batch, batch)  # trainers tell their steps' batches themselves
 
@@ -432,6 +439,16 @@ class TorchInstrumentation:
         self._ended_fp_ns = self._fp_ns
         self._fp_marked = self._bp_marked = False
         return self._step
+
+    def _loader_batch(self, it: Any, worker: int) -> None:
+        if self._loader is None:
+            interval = getattr(self.monitor, "options", {}).get("host_sample_interval_s", 0)
+            if not interval:
+                self._loader = False  # readings off
+                return
+            self._loader = LoaderSampler(self.monitor, interval)
+        if self._loader:
+            self._loader.batch(it, worker)
 
     def _send_work(self) -> None:
         """The ending step's work to the Monitor, before its end mark; the device's peak

@@ -540,6 +540,25 @@ class Monitor:
             self.buffer.add_device_sample((_time_ns() if ts_ns is None else ts_ns,
                                            self.sample_step if step is None else step, *sample))
 
+    def host_sample(self, cpu_user: float, cpu_system: float, cpu_idle: float, cpu_iowait: float,
+                    process_cpu: float, rss_bytes: int, ts_ns: int | None = None) -> None:
+        """Record one host reading of one's own (a simulator's): the machine's CPU shares,
+        this process's CPU (of one core) and RSS. The Monitor reads them itself every
+        ``host_sample_interval_s``."""
+        if self._enabled:
+            buf = self.buffer
+            buf.add_sample(buf.host, (_time_ns() if ts_ns is None else ts_ns, cpu_user, cpu_system, cpu_idle,
+                                      cpu_iowait, process_cpu, rss_bytes))
+
+    def loader_sample(self, row: tuple, ts_ns: int | None = None, step: int | None = None) -> None:
+        """Record one reading of a data-loader worker or of the machine: the columns of
+        ``schema.batch.LOADER_COLUMNS`` after ts_ns and step (worker, pid, interval_s, cpu,
+        runnable, batches, ctx_switches_per_s, cpu_count). The torch producer's loader
+        sampler calls this from its thread; they travel in batches of their own."""
+        if self._enabled:
+            self.buffer.add_loader_sample((_time_ns() if ts_ns is None else ts_ns,
+                                           self.sample_step if step is None else step, *row))
+
     @property
     def sample_step(self) -> int:
         """The step a sample taken now belongs to: the open step, else the next one."""

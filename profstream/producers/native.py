@@ -62,10 +62,10 @@ DYNAMIC_FIELDS = {"seq": "long", "sent_ns": "long", "dropped_ops": "long", "drop
 _DTYPES = {"<i4": "i4", "<i8": "i8", "|u1": "u1", "<f8": "f8"}
 
 # The parts of EventBuffer.drain() the native sender handles: ops and samples are recorded
-# natively, device samples and collective calls sent by the Python encoder
-# (native_sender._send_foreign).
+# natively, device samples, collective calls and data-loader readings sent by the Python
+# encoder (native_sender._send_foreign).
 KNOWN_DRAINED = {"watermark", "marks", "memory", "queues", "ops", "more_ops", "dropped_ops", "dropped_samples",
-                 "devices", "collectives"}
+                 "devices", "collectives", "loader"}
 
 _loaded: tuple[Any, str] | None = None
 _lock = threading.Lock()

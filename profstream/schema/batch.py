@@ -57,6 +57,12 @@ DEVICE_COLUMNS = (("ts_ns", I64), ("step", I64), ("device", I32), ("gpu_util", F
                   ("temperature_c", F64), ("sm_clock_mhz", F64), ("throttle_reasons", I64),
                   ("pcie_rx", F64), ("pcie_tx", F64), ("nvlink_rx", F64), ("nvlink_tx", F64))
 
+# v9: readings of the data-loader workers (worker >= 0) and of the machine (worker -1),
+# taken off the training thread; NaN / -1 where a value is unknown
+LOADER_COLUMNS = (("ts_ns", I64), ("step", I64), ("worker", I32), ("pid", I32), ("interval_s", F64), ("cpu", F64),
+                  ("runnable", F64), ("batches", I32), ("ctx_switches_per_s", F64), ("cpu_count", I32))
+MACHINE = -1  # the worker of the machine's row
+
 SECTIONS = {
     "ops": OP_COLUMNS,
     "memory": MEMORY_COLUMNS,
@@ -65,6 +71,7 @@ SECTIONS = {
     "host_samples": HOST_COLUMNS,
     "device_samples": DEVICE_COLUMNS,
     "collectives": COLLECTIVE_COLUMNS,
+    "loader_samples": LOADER_COLUMNS,
 }
 # A batch without device samples or collectives is written as v7 (v4's sections, the steps
 # section with its work columns): every batch of the compiled Monitor but its side batches.
@@ -73,6 +80,8 @@ SECTIONS = {
 # marks), else as v8 (v6's sections with the work columns).
 PLAIN_VERSION = 7
 WITHOUT_WORK_VERSIONS = {"device_samples": 5, "collectives": 6}
+WITH_WORK_VERSION = 8
+# A batch with loader samples (v9: they travel in batches of their own) is the current version.
 
 # Dictionary-coded columns: the header field that holds the dictionary -> the (section,
 # column) whose values index it. Codes are given in order of first appearance per batch.
@@ -189,6 +198,7 @@ class EventBatch:
     host_samples: dict[str, np.ndarray] = _empty("host_samples")
     device_samples: dict[str, np.ndarray] = _empty("device_samples")
     collectives: dict[str, np.ndarray] = _empty("collectives")
+    loader_samples: dict[str, np.ndarray] = _empty("loader_samples")
 
     @property
     def key(self) -> bytes:
@@ -251,10 +261,12 @@ def encode_batch(batch: EventBatch) -> bytes:
     record["op_names"] = names_blob(batch.op_names)
     for section in SECTIONS:
         record[section] = _pack(section, getattr(batch, section))
+    if record["loader_samples"]["count"]:
+        return encode("EventBatch", record)
     if not (record["collectives"]["count"] or record["device_samples"]["count"]):
         return encode("EventBatch", record, PLAIN_VERSION)
     if _carries_work(record["steps"]):
-        return encode("EventBatch", record)
+        return encode("EventBatch", record, WITH_WORK_VERSION)
     return encode("EventBatch", record, WITHOUT_WORK_VERSIONS["collectives" if record["collectives"]["count"]
                                                               else "device_samples"])
 

@@ -136,12 +136,17 @@ NO_COLLECTIVE_CALLS = {"names": [], "count": 0, "name_idx": b"", "group_idx": b"
 OP_FIGURES = ("compute_ns", "comm_ns", "overlap_ns", "pure_comm_ns", "idle_ns", "utilization", "overlap_ratio")
 
 
+def _step_metrics_v7_to_v8(record: dict) -> dict:
+    """Before v8 no step had host figures or advice."""
+    return {**record, "resources": None, "advice": []}
+
+
 def _step_metrics_v6_to_v7(record: dict) -> dict:
     """Before v7 no step had work figures; the rolling window none of them either."""
     rolling = record["rolling"]
     if rolling is not None:
         rolling = {**dict.fromkeys(ROLLING_WORK), **rolling}
-    return {**record, "rolling": rolling, "work": None}
+    return _step_metrics_v7_to_v8({**record, "rolling": rolling, "work": None})
 
 
 # StepMetrics v7: the rolling window's figures of the steps' work
@@ -224,9 +229,11 @@ _VERSIONS: list[SchemaVersion] = [
     # v4 to v6 EventBatch messages read with v7's step columns filled (batch.COLUMN_FILL: absent)
     _version(_load("event_batch.v7.avsc"), 7, _event_batch_v4_to_v6),  # v4's sections + the steps' work
     _version(_load("event_batch.v8.avsc"), 8),  # v6's sections + the steps' work
-    _version(_load("step_metrics.v7.avsc"), 7),  # + work: throughput and MFU; rolling p50/p95 of them
+    _version(_load("step_metrics.v7.avsc"), 7, _step_metrics_v7_to_v8),  # + work: throughput and MFU; rolling p50/p95
     _version(_load("run_step_metrics.v3.avsc"), 3),  # + work across ranks
     _version(_load("rank_checkpoint.v3.avsc"), 3),  # + the rolling window's work figures
+    _version(_load("event_batch.v9.avsc"), 9),  # + loader_samples (older ones read with none)
+    _version(_load("step_metrics.v8.avsc"), 8),  # + host figures and advice
 ]
 
 SCHEMAS: dict[int, SchemaVersion] = {v.fingerprint: v for v in _VERSIONS}
@@ -272,15 +279,19 @@ STEP_METRICS_WITHOUT_DEVICES_VERSION = 3
 STEP_METRICS_WITHOUT_COLLECTIVES_VERSION = 4
 STEP_METRICS_MEASURED_VERSION = 5
 STEP_METRICS_WITHOUT_WORK_VERSION = 6
+STEP_METRICS_WITHOUT_HOST_VERSION = 7
 RUN_STEP_METRICS_WITHOUT_COLLECTIVES_VERSION = 1
 RUN_STEP_METRICS_WITHOUT_WORK_VERSION = 2
 
 
 def encode_step_metrics(record: dict) -> bytes:
-    """A StepMetrics record as its message: v7 with work figures; else v6 when its op
-    figures were not measured, else v5 with collective calls, v4 with device figures, else v3."""
-    if record.get("work") is not None:
+    """A StepMetrics record as its message: v8 with resource figures or advice; else v7 with work
+    figures; else v6 when its op figures were not measured, else v5 with collective calls, v4
+    with device figures, else v3."""
+    if record.get("resources") is not None or record.get("advice"):
         return encode("StepMetrics", record)
+    if record.get("work") is not None:
+        return encode("StepMetrics", record, STEP_METRICS_WITHOUT_HOST_VERSION)
     if record["utilization"] is None:
         return encode("StepMetrics", record, STEP_METRICS_WITHOUT_WORK_VERSION)
     if record.get("collectives", NO_COLLECTIVE_CALLS)["count"]:
