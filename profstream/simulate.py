@@ -17,6 +17,16 @@ import numpy as np
 from profstream.devices.backend import DeviceSample
 from profstream.schema.batch import COMMUNICATION, COMPUTE
 from profstream.schema.codec import OP_FIGURES
+from profstream.simulate_resources import (
+    ADVICE,
+    FAULTS,
+    LOADER_CAPACITY,
+    LOADER_QUEUE,
+    Readings,
+    readings,
+    record_readings,
+    resources_truth,
+)
 
 FORWARD_TYPES = ("MatMul", "LayerNorm", "Softmax", "GeLU", "Add", "Conv2D")
 BACKWARD_TYPES = ("MatMulGrad", "LayerNormGrad", "SoftmaxGrad", "GeLUGrad", "Conv2DGrad")
@@ -58,6 +68,11 @@ class SimConfig:
     peak_tflops: float | None = None  # the Monitor's peak_tflops
     slowdown: tuple[int, int] | None = None  # inclusive step range whose steps take slowdown_factor longer
     slowdown_factor: float = 2.0
+    # Host and data-loader readings (simulate_resources.py): one of each a step, the loader's
+    # host queue at S; on the stalled steps, what starves them (loader_fault)
+    resources: bool = False
+    loader_fault: str | None = None  # cpu_bound, input_io, transfer or threads
+    comm_tail: tuple[int, int] | None = None  # inclusive step range whose all-reduce runs unhidden after backward
 
     def __post_init__(self) -> None:
         if self.ranks < 1 or self.steps < 1 or self.ops_per_step < 4:
@@ -80,6 +95,8 @@ class SimConfig:
             raise ValueError("flops_source must be 'given' or 'counted'")
         if self.slowdown is not None and (self.slowdown[0] > self.slowdown[1] or self.slowdown_factor <= 0):
             raise ValueError("slowdown range A:B needs A <= B and a factor > 0")
+        if self.loader_fault is not None and (self.loader_fault not in FAULTS or not self.resources):
+            raise ValueError(f"loader_fault must be one of {', '.join(FAULTS)}, with resources on")
 
     def is_stalled(self, step: int) -> bool:
         return self.stall is not None and self.stall[0] <= step <= self.stall[1]
@@ -108,6 +125,7 @@ class StepPlan:
     truth: dict = field(default_factory=dict)
     devices: list[tuple[int, DeviceSample]] = field(default_factory=list)  # (ts_ns, sample)
     work: dict | None = None  # tokens, samples, flops (and its split by category) the Monitor is given
+    readings: Readings | None = None  # host and data-loader readings (simulate_resources.py)
 
 
 def _split(total: int, parts: int, rng: np.random.Generator) -> list[int]:
@@ -136,7 +154,9 @@ def plan_step(cfg: SimConfig, rank: int, step: int, start_ns: int) -> StepPlan:
     F = S + data_wait
     B = F + fp_bp
     gap = int(base * 0.05) // 2
-    opt_start = B + gap
+    tail_comm = cfg.comm_tail is not None and cfg.comm_tail[0] <= step <= cfg.comm_tail[1] and cfg.comm_share > 0
+    unhidden = int(base * 0.35) if tail_comm else 0  # all-reduce after backward, before the optimizer
+    opt_start = B + unhidden + gap
     E = opt_start + optimizer + gap
 
     n_comm = max(1, cfg.ops_per_step // 20) if cfg.comm_share > 0 else 0
@@ -169,8 +189,8 @@ def plan_step(cfg: SimConfig, rank: int, step: int, start_ns: int) -> StepPlan:
     if n_comm:
         # All-reduce starts under backward and half of it runs past B: overlapped, then
         # partly pure communication, then overlapping the optimizer.
-        comm_total = int(base * cfg.comm_share)
-        lay(B - comm_total // 2, comm_total, n_comm, (COMM_TYPE,), COMMUNICATION, 1, "allreduce")
+        comm_total = unhidden or int(base * cfg.comm_share)
+        lay(B if unhidden else B - comm_total // 2, comm_total, n_comm, (COMM_TYPE,), COMMUNICATION, 1, "allreduce")
     lay(opt_start, optimizer, n_opt, (OPTIMIZER_TYPE,), COMPUTE, 0, "opt")
 
     allocated = 2_000_000_000 + 50_000_000 * rank + cfg.leak_bytes_per_step * (step - cfg.first_step)
@@ -189,6 +209,11 @@ def plan_step(cfg: SimConfig, rank: int, step: int, start_ns: int) -> StepPlan:
     if cfg.batch_size:
         plan.work = _work(cfg, np.random.default_rng([cfg.seed, rank, step, 1]))
         plan.truth["work"] = _work_truth(cfg, plan)
+    if cfg.resources:
+        plan.readings = readings(cfg.loader_fault, stalled)
+        plan.truth["resources"] = resources_truth(plan.readings)
+    advice = [ADVICE[cfg.loader_fault]] if cfg.resources and stalled and cfg.loader_fault else []
+    plan.truth["advice"] = advice + (["tail_allreduce"] if tail_comm else [])
     if not cfg.captures(step):  # the device ran the ops; no op event was sent
         plan.truth.update(NOT_MEASURED, op_types={})
         if plan.work is not None:
@@ -349,6 +374,8 @@ def record_phase(monitor, plan: StepPlan, phase: str) -> None:
         monitor.begin_step(plan.step, ts_ns=plan.start_ns)
         ts, size = plan.queue[0]
         monitor.queue(QUEUE_NAME, size, QUEUE_CAPACITY, ts_ns=ts)
+        if plan.readings is not None:  # the loader's host queue at S
+            monitor.queue(LOADER_QUEUE, plan.readings.queue_at_start, LOADER_CAPACITY, ts_ns=ts)
         monitor.memory(*plan.memory[0][1:], ts_ns=plan.memory[0][0])
         monitor.mark_fp_start(plan.fp_start_ns)
         return
@@ -366,6 +393,8 @@ def record_phase(monitor, plan: StepPlan, phase: str) -> None:
         monitor.memory(alloc, reserved, peak, ts_ns=ts)
     for ts, sample in plan.devices:
         monitor.device_sample(sample, ts_ns=ts, step=plan.step)
+    if plan.readings is not None:
+        record_readings(monitor, plan.readings, (plan.start_ns + plan.end_ns) // 2, plan.step)
     if plan.work is not None:
         work = plan.work
         monitor.work(tokens=work["tokens"], samples=work["samples"])

@@ -21,6 +21,7 @@ is a re-read of a closed step and is dropped like one.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,12 +36,13 @@ from profstream.schema.batch import (
     WORK_COLUMNS,
     WORK_ROW,
     EventBatch,
+    empty_section,
     launch_column,
 )
 
 _OP_COLS = ("kind", "type", "stream", "start_ns", "dur_ns", "launch_ns")
 _MEM_COLS = ("ts_ns", "allocated", "reserved", "peak")
-_QUEUE_COLS = ("queue", "ts_ns", "size")
+_QUEUE_COLS = ("queue", "ts_ns", "size", "capacity")
 _CALL_COLS = tuple(c for c, _ in CALL_COLUMNS)
 _CALL_DTYPES = dict(CALL_COLUMNS)
 _DEVICE_COLS = tuple(col for col, _ in SECTIONS["device_samples"])
@@ -65,6 +67,29 @@ class _OpenStep:
 
 _NO_CARRY = (np.empty(0, np.int64), np.empty(0, np.int64))
 _FLOPS_AT = _WORK_COLS.index("flops_source")
+
+
+RECENT_READINGS = 64  # batches of host or loader readings kept per rank (a minute of them at 1 s)
+
+
+def _readings(recent: deque, start_ns: int, end_ns: int, section: str) -> dict[str, np.ndarray]:
+    """The rows of the batches in ``recent`` [(first ts, last ts, rows)] whose ts_ns lies in
+    [start_ns, end_ns]; the newest batches are looked at first (a step's readings are among
+    the latest: the scan stops at the first batch wholly before it)."""
+    parts = []
+    for first, last, rows in reversed(recent):
+        if last < start_ns:
+            break
+        if first <= end_ns:
+            ts = rows["ts_ns"]
+            sel = (ts >= start_ns) & (ts <= end_ns)
+            if sel.any():
+                parts.append({c: v[sel] for c, v in rows.items()})
+    if not parts:
+        return empty_section(section)
+    if len(parts) == 1:
+        return parts[0]
+    return {c: np.concatenate([p[c] for p in parts]) for c in parts[0]}
 
 
 def _merged_work(mark: tuple | None, late: tuple | None) -> tuple | None:
@@ -109,7 +134,7 @@ def _concat(parts: list[dict], names: tuple[str, ...], dtypes: dict) -> dict[str
 _DTYPES = {"kind": np.uint8, "type": np.int32, "stream": np.int32, "start_ns": np.int64, "dur_ns": np.int64,
            "launch_ns": np.int64,
            "ts_ns": np.int64, "allocated": np.int64, "reserved": np.int64, "peak": np.int64,
-           "queue": np.int32, "size": np.int64}
+           "queue": np.int32, "size": np.int64, "capacity": np.int64}
 _DEVICE_DTYPES = dict(SECTIONS["device_samples"])
 
 
@@ -142,6 +167,10 @@ class RankAssembler:
         self.carry: tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]] = (_NO_CARRY, _NO_CARRY)
         self.device_end: tuple[int, int] | None = None  # (step, end of its last device op)
         self.ended_ns: int | None = None  # the producer's end mark: it ended normally, at this time
+        # the latest host and data-loader readings, by time (not checkpointed: a restarted
+        # processor's first steps may have none)
+        self.recent_host: deque = deque(maxlen=RECENT_READINGS)
+        self.recent_loader: deque = deque(maxlen=RECENT_READINGS)
         # health counters (totals)
         self.late_events = 0
         self.orphan_events = 0
@@ -200,7 +229,7 @@ class RankAssembler:
         if len(q["step"]):
             remap = np.array([self._code(self._queue_codes, self.queue_names, n) for n in batch.queue_names],
                              dtype=np.int32)
-            cols = {"queue": remap[q["name_idx"]], "ts_ns": q["ts_ns"], "size": q["size"]}
+            cols = {"queue": remap[q["name_idx"]], "ts_ns": q["ts_ns"], "size": q["size"], "capacity": q["capacity"]}
             for step, part in _by_step(q["step"], cols):
                 self._bucket(step, "queues", part, len(part["ts_ns"]))
         c = batch.collectives
@@ -217,6 +246,11 @@ class RankAssembler:
                     "start_ns": c["start_ns"], "end_ns": c["start_ns"] + c["dur_ns"]}
             for step, part in _by_step(c["step"], cols):
                 self._bucket(step, "collectives", part, len(part["seq"]))
+        for section, recent in (("host_samples", self.recent_host), ("loader_samples", self.recent_loader)):
+            rows = getattr(batch, section)
+            ts = rows["ts_ns"]
+            if len(ts) and fresh:  # kept by time: a step takes those of its [S, E] when it closes
+                recent.append((int(ts.min()), int(ts.max()), rows))
         dev = batch.device_samples
         if len(dev["step"]):
             for step, part in _by_step(dev["step"], dev):
@@ -350,6 +384,8 @@ class RankAssembler:
             type_names=self.type_names, world_size=self.world_size,
             mem_ts_ns=mem["ts_ns"], mem_allocated=mem["allocated"], mem_reserved=mem["reserved"],
             mem_peak=mem["peak"], queue=q["queue"], queue_ts_ns=q["ts_ns"], queue_size=q["size"],
+            queue_capacity=q["capacity"], host_samples=_readings(self.recent_host, S, E, "host_samples"),
+            loader_samples=_readings(self.recent_loader, S, E, "loader_samples"),
             queue_names=self.queue_names, carried_compute=self.carry[0], carried_comm=self.carry[1],
             prev_device_end_ns=before[1] if before is not None and before[0] == step - 1 else NO_VALUE,
             collectives=Calls(self.collective_names, _concat(entry.collectives, _CALL_COLS, _CALL_DTYPES)),

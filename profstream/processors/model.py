@@ -54,6 +54,7 @@ class StepEvents:
     queue: np.ndarray = field(default_factory=lambda: _empty(np.int32))
     queue_ts_ns: np.ndarray = field(default_factory=_empty)
     queue_size: np.ndarray = field(default_factory=_empty)
+    queue_capacity: np.ndarray = field(default_factory=_empty)  # -1 unknown
     queue_names: list[str] = field(default_factory=list)
     # collective calls (processors/collectives.Calls: names and columns), matched across
     # ranks by the run stage; None: none
@@ -62,6 +63,10 @@ class StepEvents:
     device_samples: dict[str, np.ndarray] = field(default_factory=lambda: empty_section("device_samples"))
     # the step mark's work: its schema.batch.WORK_COLUMNS values in order; None: the mark had none
     work: tuple | None = None
+    # host readings (schema.batch.HOST_COLUMNS) and data-loader readings (LOADER_COLUMNS)
+    # taken in [S, E]
+    host_samples: dict[str, np.ndarray] = field(default_factory=lambda: empty_section("host_samples"))
+    loader_samples: dict[str, np.ndarray] = field(default_factory=lambda: empty_section("loader_samples"))
 
     @property
     def step_time_ns(self) -> int:
