@@ -34,6 +34,7 @@ from profstream.processors.stalls import stall_state
 from profstream.schema.codec import DecodeError, decode, decode_any
 from profstream.sinks.collective_metrics import RunCollectives, collective_lines, run_collectives
 from profstream.sinks.device_metrics import MAX_DEVICES, device_lines, fold_devices
+from profstream.sinks.host_metrics import fold_resources, host_lines
 from profstream.sinks.rank_summary import (
     DEFAULT_TOP_RANKS,
     PHASES,
@@ -118,6 +119,8 @@ class _Rank:
     recent: deque = field(default_factory=lambda: deque(maxlen=SLOW_WINDOW_STEPS))  # newest steps' step_s
     ended: bool = False  # its producer ended normally after its latest step (RankEnd)
     work: RankWork | None = None  # throughput and MFU (None before a step with work figures)
+    resources: dict | None = None  # host and data-loader figures of the latest step with readings
+    advice: tuple[str, ...] = ()  # rules of the latest step's advice
 
 
 @dataclass(eq=False)
@@ -242,6 +245,8 @@ class ExporterState:
         r.step_s = step_s
         r.host_step_s = m["host_step_time_ns"] / 1e9
         r.phases = (m["data_wait_ns"] / 1e9, m["fp_bp_ns"] / 1e9, m["tail_ns"] / 1e9)
+        r.resources = fold_resources(r.resources, m["resources"])
+        r.advice = tuple(a["rule"] for a in m["advice"])
         if m["utilization"] is not None:  # a step without captured ops keeps the last measured values
             r.utilization = m["utilization"]
             r.overlap_ratio = m["overlap_ratio"]
@@ -396,6 +401,7 @@ class ExporterState:
                 lambda run: run.straggler)
         per_run(p + "run_ranks_reported", "ranks in the run's latest complete step", lambda run: run.ranks_reported)
         out.extend(device_lines(p, ranks, _num))
+        out.extend(host_lines(p, ranks + stalled, _num))  # a stalled rank's advice, whatever its rank
         out.extend(work_lines(p, ranks, [(_esc(run_id), run) for run_id, run in self._runs.items()], _num))
         out.extend(collective_lines(p, [(run_id, run.collectives) for run_id, run in runs], _esc, _num,
                                     self.top_ranks))
