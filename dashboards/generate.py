@@ -270,6 +270,28 @@ def training_run() -> Dashboard:
                     .with_target(prom(f"profstream_data_stall{{{RUN_RANK}}}", "rank {{rank}}"))
                     .mappings([ValueMap(options={"0": ValueMappingResult(text="ok", color="green"),
                                                  "1": ValueMappingResult(text="stalled", color="red")})]))
+        .with_row(Row("Host and data loader"))
+        .with_panel(ratio_series("Machine CPU", "the machine's CPU time by mode (user, system, iowait), share of all its "
+                                 "CPUs, over each rank's latest step with host readings (one a second)",
+                                 prom(f"profstream_host_cpu_ratio{{{RUN_RANK}, mode!=\"idle\"}}",
+                                      "rank {{rank}} {{mode}}"), width=8))
+        .with_panel(ratio_series("Loader workers: busy and CPU", "busy: share of the time a DataLoader worker ran or "
+                                 "waited to run (near 1: computing; low: waiting for reads); CPU: its CPU time, of one "
+                                 "core; mean over the workers",
+                                 prom(f'profstream_loader_worker_runnable_ratio{{{RUN_RANK}, stat="mean"}}',
+                                      "busy rank {{rank}}"),
+                                 prom(f'profstream_loader_worker_cpu_ratio{{{RUN_RANK}, stat="mean"}}',
+                                      "CPU rank {{rank}}", "B"), width=8))
+        .with_panel(series("Seconds a batch (per worker)", "seconds a DataLoader worker takes to make a batch", "s",
+                           prom(f"profstream_loader_seconds_per_batch{{{RUN_RANK}}}", "rank {{rank}}"), width=8))
+        .with_panel(series("Context switches", "the machine's context switches per second", "short",
+                           prom(f"profstream_context_switches_per_second{{{RUN_RANK}}}", "rank {{rank}}"), width=12))
+        .with_panel(statetimeline.Panel().title("Advice").span(12).height(8).datasource(PROMETHEUS)
+                    .description("what the rank's figures say to do about its latest starved step or long tail "
+                                 "(profstream advise --run prints the lines with their figures): threads, transfer, "
+                                 "more_workers, input_io, tail_allreduce")
+                    .with_target(prom(f"profstream_advice{{{RUN_RANK}}}", "rank {{rank}} {{rule}}"))
+                    .mappings([ValueMap(options={"1": ValueMappingResult(text="advised", color="orange")})]))
         .with_row(Row("Operators"))
         .with_panel(bargauge.Panel().title("Top op types (device time in range)").span(12).height(9)
                     .description("summed op time by op type over the time range; top K per step + other")

@@ -185,7 +185,9 @@ MONITOR_OPTIONS: tuple[Option, ...] = (
            _positive, "an integer >= 1"),
     Option("compression", "str", "lz4", "Kafka compression codec", lambda v: v in COMPRESSIONS,
            "one of " + ", ".join(COMPRESSIONS)),
-    Option("host_sample_interval_s", "float", 1.0, "seconds between host CPU/RSS samples (0: off)",
+    Option("host_sample_interval_s", "float", 1.0,
+           "seconds between host CPU/RSS readings, and the PyTorch producer's readings of its DataLoader workers "
+           "(0: off)",
            _non_negative, "a number >= 0"),
     Option("device_interval_ms", "float", 500.0,
            "milliseconds between device counter readings (NVML on cuda devices; 0: off)",

@@ -119,6 +119,34 @@ def test_the_exporter_shows_the_latest_host_and_loader_figures_and_the_advice_wh
     assert s.all("profstream_advice", **rank) == [] and s("profstream_loader_workers", **rank) == 2
 
 
+def test_the_timeline_files_have_a_counter_track_per_reading_with_its_values(tmp_path):
+    from profstream.simulate_resources import readings
+    from profstream.sinks.timeline import TimelineSink
+    from tests.test_timeline import Rec, check_trace_format, feed, files, ns, read_trace
+
+    cfg = SimConfig(run_id="tl-host", ranks=1, steps=6, ops_per_step=20, stall=(2, 5), resources=True,
+                    loader_fault="input_io")
+    sink = TimelineSink(tmp_path)
+    feed(sink, [Rec("t.raw", m.partition, m.offset, m.key, m.value) for m in simulated_messages(cfg)])
+    sink.close()
+    got: dict = {}
+    for p in files(tmp_path):
+        doc = read_trace(p)
+        check_trace_format(doc)
+        for e in doc["traceEvents"]:
+            if e["ph"] == "C":
+                got.setdefault(e["name"], []).append((doc["otherData"]["base_time_ns"] + ns(e["ts"]), e["args"]))
+    truth = expected(cfg)
+    assert len(got["host CPU"]) == len(got["process"]) == len(got["context switches"]) == cfg.steps
+    assert len(got["loader worker 0"]) == len(got["loader worker 1"]) == cfg.steps
+    for (_, step), t in sorted(truth.items()):
+        r = readings("input_io", cfg.is_stalled(step))
+        worker = [args for _, args in sorted(got["loader worker 1"])][step]
+        assert worker == {"CPU %": pytest.approx(r.worker_cpu * 100), "busy %": pytest.approx(r.worker_runnable * 100)}
+        host = [args for _, args in sorted(got["host CPU"])][step]
+        assert host["iowait %"] == pytest.approx(t["resources"]["cpu_iowait"] * 100)
+
+
 def test_profstream_advise_prints_each_ranks_advice_with_its_figures(kafka_bootstrap, topics):
     from typer.testing import CliRunner
 

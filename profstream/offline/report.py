@@ -26,6 +26,7 @@ from profstream.offline import charts
 from profstream.offline.archive import ArchiveError, Loss, Tally, archive_files
 from profstream.offline.captures import Capture, archived_captures, render_captures
 from profstream.offline.replay import default_workers, replay_offline
+from profstream.offline.report_advice import advice_section
 from profstream.offline.report_collectives import communication_section
 from profstream.offline.report_devices import device_counter_section
 from profstream.offline.report_work import work_kpis, work_section
@@ -428,6 +429,7 @@ def render(data: ReportData, out_path: Path) -> str:
                 data, lambda s: s["memory"]["peak"] / 2**20 if s.get("memory") and s["memory"]["peak"] >= 0
                 else float("nan")), "MiB", y_min=None),
             "<h2>Data queue</h2>", _queue_chart(data),
+            *(("<h2>Host, data loader and advice</h2>", section) if (section := advice_section(data.by_rank)) else ()),
             *(("<h2>Device counters</h2>", section) if (section := device_counter_section(data.steps)) else ()),
             *(("<h2>Device: kernel breakdown</h2>", _device(data), "<h2>Host op types</h2>")
               if has_device_windows(data.steps) else ("<h2>Op types</h2>",)),
