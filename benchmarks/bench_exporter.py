@@ -5,7 +5,7 @@ as in production), one fresh exporter and topic prefix per repeat. This process 
 processors: it produces StepMetrics straight onto ``<prefix>.steps`` (keyed and
 partitioned as the processors do), 64 ranks x 10 steps/s by default, all ranks of a step
 together every 100 ms, each record with 11 op types (10 + other), one queue and memory
-figures. A scraper thread GETs /metrics every ``--scrape-interval-ms`` with Prometheus's
+figures (``--work``: and throughput and MFU, StepMetrics v7). A scraper thread GETs /metrics every ``--scrape-interval-ms`` with Prometheus's
 request headers (OpenMetrics, gzip) and notes, per rank, the first scrape that shows each
 step as ``profstream_last_step``.
 
@@ -90,9 +90,9 @@ PROMETHEUS_HEADERS = {
 LAST_STEP = re.compile(r'^profstream_last_step\{[^}]*rank="(\d+)"[^}]*\} (\S+)', re.M)
 
 
-def step_metrics(run_id: str, rank: int, step: int, now_ns: int) -> dict[str, Any]:
+def step_metrics(run_id: str, rank: int, step: int, now_ns: int, work: bool = False) -> dict[str, Any]:
     step_ns = 100_000_000 + 37_000 * rank + 1_000 * (step % 17)
-    return {
+    record = {
         "run_id": run_id, "rank": rank, "world_size": None, "host": f"node{rank // 8}",
         "device": f"cuda:{rank % 8}", "step": step, "start_ns": now_ns - step_ns, "end_ns": now_ns,
         "step_time_ns": step_ns, "data_wait_ns": 5_000_000, "fp_bp_ns": 80_000_000,
@@ -108,6 +108,16 @@ def step_metrics(run_id: str, rank: int, step: int, now_ns: int) -> dict[str, An
                     "data_wait_share": 0.05, "mean_utilization": 0.7},
         "closed_by": "watermark", "late_events": 0, "closed_ns": now_ns,
     }
+    if work:  # --work: throughput and MFU (StepMetrics v7), a captured step's op categories
+        seconds = step_ns / 1e9
+        record["work"] = {"tokens": 65536, "samples": 64, "flops": 6.4e13, "flops_source": "counted",
+                          "peak_flops": 989.5e12, "tokens_per_s": 65536 / seconds, "samples_per_s": 64 / seconds,
+                          "flops_per_s": 6.4e13 / seconds, "mfu": 6.4e13 / (seconds * 989.5e12),
+                          "op_categories": [{"category": "matmul", "flops": 5.9e13, "time_ns": 60_000_000,
+                                             "flops_per_s": 5.9e13 / 0.06},
+                                            {"category": "attention", "flops": 5e12, "time_ns": 10_000_000,
+                                             "flops_per_s": 5e12 / 0.01}]}
+    return record
 
 
 def freshness(body: str) -> dict[float, float]:
@@ -341,7 +351,7 @@ def one_repeat(bootstrap: str, args: argparse.Namespace, repeat: int) -> dict[st
             part = run_partition(run_id, partitions)
             for rank in range(ranks):
                 producer.send(topics.steps, key=f"{run_id}/{rank}".encode(), partition=part,
-                              value=encode("StepMetrics", step_metrics(run_id, rank, step, now_ns)))
+                              value=encode("StepMetrics", step_metrics(run_id, rank, step, now_ns, args.work)))
             producer.flush()
             return origin
 
@@ -415,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrent", type=int, default=200, help="scrapers started together after the run (0: none)")
     p.add_argument("--concurrent-rounds", type=int, default=5, help="GETs each concurrent scraper makes")
     p.add_argument("--keep-topics", action="store_true", help="do not delete the benchmark's topics")
+    p.add_argument("--work", action="store_true", help="every StepMetrics carries work figures (throughput, MFU)")
     p.add_argument("--baseline-consume", nargs=2, metavar=("TOPIC", "COUNT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.baseline_consume:

@@ -92,7 +92,7 @@ def monitor_messages(cfg: SimConfig, drain: str = "phase", origin_ns: int = ORIG
     phase it closes; None for what is left at the end)."""
     monitors = [Monitor(run_id=cfg.run_id, rank=r, bootstrap="127.0.0.1:1",
                         sender_factory=_NoThread, buffer_bytes=1 << 31, host_sample_interval_s=0, control=False,
-                        native=False)
+                        native=False, peak_tflops=cfg.peak_tflops)
                 for r in range(cfg.ranks)]
     senders = [Sender(m) for m in monitors]
     messages: list[tuple[bytes, bytes]] = []

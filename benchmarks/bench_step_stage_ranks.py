@@ -17,6 +17,9 @@ beside this one's, the rest of profstream shared), alternating with this one's i
 same process, so that the two are compared without the differences between processes
 that a shared box adds.
 
+``--work``: every step mark carries its work (tokens, samples, counted FLOPs, the peak), so
+that each StepMetrics has throughput and MFU (StepMetrics v7).
+
 ``--stage timeline`` times the timeline sink instead, as its SinkLoop drives it:
 ``TimelineSink.handle`` of every ``--ready-every`` messages, then ``durable_offsets`` (which
 also closes steps by time; its time is the ``ready`` figure); its ``close`` at the end,
@@ -50,10 +53,17 @@ from profstream.sinks.timeline import TimelineSink
 Record = namedtuple("Record", "topic partition offset key value")
 
 
-def rank_messages(ranks: int, template_ranks: int, steps: int, ops_per_step: int) -> list[tuple[float, Record]]:
-    """(send time in s, raw record) of every message of the run, in send order."""
+# --work: every step mark carries its work, as the torch producer's with a FLOP count
+WORK = {"batch_size": 8, "seq_len": 2048, "flops_per_token": 6 * 7e9, "flops_source": "counted",
+        "peak_tflops": 989.5}
+
+
+def rank_messages(ranks: int, template_ranks: int, steps: int, ops_per_step: int,
+                  work: bool = False) -> list[tuple[float, Record]]:
+    """(send time in s, raw record) of every message of the run, in send order; ``work``:
+    with the steps' work figures (``WORK``)."""
     cfg = SimConfig(run_id="stage", ranks=template_ranks, steps=steps, ops_per_step=ops_per_step,
-                    step_time_ms=500.0, seed=5)
+                    step_time_ms=500.0, seed=5, **(WORK if work else {}))
     at: list = []
     messages, _ = monitor_messages(cfg, sent_at=at)
     last = max(t for t in at if t is not None)
@@ -139,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stage", choices=("steps", "timeline"), default="steps",
                    help="the processors' StepStage, or the timeline sink")
     p.add_argument("--compare-with", metavar="DIR", help="another checkout whose stage to alternate with")
+    p.add_argument("--work", action="store_true",
+                   help="every step mark carries its work (tokens, samples, counted FLOPs, a peak): throughput and MFU")
     args = p.parse_args(argv)
     module_path, class_name, cls = (("profstream/processors/runtime.py", "StepStage", StepStage)
                                     if args.stage == "steps"
@@ -147,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     stages = {"this": cls}
     if args.compare_with:
         stages["other"] = other_class(args.compare_with, module_path, class_name)
-    messages = rank_messages(args.ranks, args.template_ranks, args.steps, args.ops_per_step)
+    messages = rank_messages(args.ranks, args.template_ranks, args.steps, args.ops_per_step, args.work)
     expected = args.ranks * args.steps
     note(f"{len(messages)} messages of {args.ranks} ranks x {args.steps} steps; code {profstream.__file__}")
     results: dict = {name: {} for name in stages}

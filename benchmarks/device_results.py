@@ -8,8 +8,10 @@ trace.json.gz, log.txt):
 2. publishes the live run's spool into it (``profstream spool publish``'s code) and reads
    the StepMetrics the processor committed: one for every step; device windows from the
    CUDA kernels; CUDA kernel op types; CUDA memory; the NVML counters per step (GPU and
-   memory-controller utilization, power, temperature, clock-event reasons) — the GPU
-   checks are "not applicable" on a ``--device cpu`` run, never passed by default;
+   memory-controller utilization, power, temperature, clock-event reasons), the work of
+   every step (its tokens from the DataLoader's token ids, its model FLOPs counted once per
+   input shape) and the MFU of the bf16 job against the card's dense peak — the GPU checks
+   are "not applicable" on a ``--device cpu`` run, never passed by default;
 3. compares ``profstream analyze`` of the exported trace with Holistic Trace Analysis
    (temporal breakdown, comm/comp overlap) within 1 % (as tests/test_hta_compare.py);
 4. prints one JSON summary with the machine's figures (overhead series, sampler cost) and
@@ -59,8 +61,35 @@ def live_checks(records: list[dict], steps: int, gpu: bool) -> dict[str, Any]:
         "device_temperature_measured": on_gpu(any(d["temperature_max_c"] is not None
                                                   for m in with_devices for d in m["devices"])),
         "device_utilization_above_0": on_gpu(any((m["utilization"] or 0) > 0 for m in records)),  # None: no ops
+        "work_figures_every_step": all(m["work"] is not None and m["work"]["tokens"] and m["work"]["flops"]
+                                       for m in records),
     }
+    # MFU against the card's dense peak (profstream's table, for the dtype the count saw): a
+    # card the table does not know has none, rightly (not applicable then, never a guess)
+    peaks = [m["work"]["peak_flops"] for m in records if m["work"] is not None and m["work"]["peak_flops"]]
+    checks["mfu_against_the_cards_peak"] = on_gpu(all(0 < (m["work"]["mfu"] or 0) <= 1 for m in records
+                                                      if m["work"] is not None)) if peaks else None
     return checks
+
+
+def work_figures(records: list[dict]) -> dict[str, Any]:
+    """The live run's throughput and MFU, medians over its steps (the first step of a shape
+    ran under the FLOP counter: the median leaves it out)."""
+    import statistics
+
+    works = [m["work"] for m in records if m["work"] is not None]
+
+    def med(key: str, scale: float = 1.0) -> float | None:
+        values = [w[key] * scale for w in works if w[key] is not None]
+        return statistics.median(values) if values else None
+
+    sources: dict[str, int] = {}
+    for w in works:
+        sources[str(w["flops_source"])] = sources.get(str(w["flops_source"]), 0) + 1
+    return {"steps_with_work": len(works), "tokens_per_step": med("tokens"), "samples_per_step": med("samples"),
+            "gflops_per_step": med("flops", 1e-9), "flops_source": sources, "tokens_per_s": med("tokens_per_s"),
+            "samples_per_s": med("samples_per_s"), "achieved_tflops": med("flops_per_s", 1e-12),
+            "peak_tflops": med("peak_flops", 1e-12), "mfu": med("mfu")}
 
 
 def per_step(records: list[dict]) -> dict[str, Any]:
@@ -213,7 +242,7 @@ def main() -> int:
                             for r in published]
             records = read_steps(bootstrap, prefix, live["run_id"], live["steps"])
             checks.update(live_checks(records, live["steps"], gpu))
-            out["live_run"] = {**live, "figures": per_step(records)}
+            out["live_run"] = {**live, "figures": per_step(records), "work": work_figures(records)}
         else:
             checks["step_metrics_for_every_step"] = False
             note("no live run came back: its phase failed on the device (summary.json's errors)")

@@ -165,8 +165,8 @@ def _hidden_axis_override(min_: float = 0, max_: float = 1) -> list[DynamicConfi
 def training_run() -> Dashboard:
     return (
         dashboard("profstream-training-run", "profstream / Training run",
-                  "Per-step figures of one run, per rank: step time and its phases, device utilization and "
-                  "overlap, memory, data queues, top op types. Annotations: run start/end, alerts and op "
+                  "Per-step figures of one run, per rank: step time and its phases, throughput and MFU, device "
+                  "utilization and overlap, memory, data queues, top op types. Annotations: run start/end, alerts and op "
                   "captures (linking their timeline files).")
         .with_variable(datasource_variable()).with_variable(run_variable()).with_variable(rank_variable())
         .annotation(tag_annotations("Alerts", "red", [TAG, "alert", "run:$run"]))
@@ -208,6 +208,41 @@ def training_run() -> Dashboard:
                            "tail = E - B (optimizer, unhidden sync)", "s",
                            prom(f"avg by (phase) (profstream_step_phase_seconds{{{RUN_RANK}}})", "{{phase}}"))
                     .stacking(StackingConfig().mode(StackingMode.NORMAL)).fill_opacity(40))
+        .with_row(Row("Throughput"))
+        .with_panel(single("Tokens/s (sum of ranks)", "tokens / step time of each rank's latest step with work "
+                           "figures, summed over the selected ranks (no value, never 0, where the producers send "
+                           "none)", "short",
+                           prom(f"sum(profstream_tokens_per_second{{{RUN_RANK}}})", "tokens/s"), width=4))
+        .with_panel(single("Samples/s (sum of ranks)", "samples / step time, summed over the selected ranks",
+                           "short", prom(f"sum(profstream_samples_per_second{{{RUN_RANK}}})", "samples/s"),
+                           width=4))
+        .with_panel(single("Achieved FLOP/s (sum of ranks)", "model FLOPs / step time, summed over the selected "
+                           "ranks", "flops",
+                           prom(f"sum(profstream_achieved_flops_per_second{{{RUN_RANK}}})", "achieved"),
+                           width=4))
+        .with_panel(single("MFU (mean of ranks)", "model FLOPs utilization: FLOPs / (step time x the device's "
+                           "dense peak FLOP/s); no value where the peak is unknown (set peak_tflops)",
+                           "percentunit", prom(f"avg(profstream_mfu_ratio{{{RUN_RANK}}})", "MFU"), width=4)
+                    .min(0).max(1))
+        .with_panel(single("Lowest MFU", "the lowest MFU among the selected ranks", "percentunit",
+                           prom(f"min(profstream_mfu_ratio{{{RUN_RANK}}})", "lowest"), width=4).min(0).max(1))
+        .with_panel(single("Peak FLOP/s (per device)", "the dense peak MFU divides by: profstream's table for "
+                           "the device and dtype, or peak_tflops", "flops",
+                           prom(f"max(profstream_peak_flops_per_second{{{RUN_RANK}}})", "peak"), width=4))
+        .with_panel(series("Tokens/s per rank", "tokens / step time of each rank's latest step with work figures; "
+                           "dashed: the rate of its token counter over 1 min", "short",
+                           prom(f"profstream_tokens_per_second{{{RUN_RANK}}}", "rank {{rank}}"),
+                           prom(f"rate(profstream_tokens_total{{{RUN_RANK}}}[1m])", "1m rank {{rank}}", "B"),
+                           width=8)
+                    .override_by_query("B", [DynamicConfigValue(id_val="custom.lineStyle",
+                                                                value={"fill": "dash", "dash": [10, 10]})]))
+        .with_panel(ratio_series("MFU per rank", "model FLOPs utilization of each rank's latest step with one "
+                                 "(MFURegression fires when the run's falls 20% below its 2-hour median)",
+                                 prom(f"profstream_mfu_ratio{{{RUN_RANK}}}", "rank {{rank}}"), width=8))
+        .with_panel(series("Achieved FLOP/s by op category", "matmul, attention, conv: the category's FLOPs / "
+                           "the time of its ops, in the latest step whose ops were captured", "flops",
+                           prom(f"profstream_op_category_flops_per_second{{{RUN_RANK}}}",
+                                "rank {{rank}} {{category}}"), width=8))
         .with_row(Row("Device"))
         .with_panel(ratio_series("Device utilization and idle",
                                  "utilization = |compute| / step time; idle = share of the step with neither "
@@ -235,6 +270,28 @@ def training_run() -> Dashboard:
                     .with_target(prom(f"profstream_data_stall{{{RUN_RANK}}}", "rank {{rank}}"))
                     .mappings([ValueMap(options={"0": ValueMappingResult(text="ok", color="green"),
                                                  "1": ValueMappingResult(text="stalled", color="red")})]))
+        .with_row(Row("Host and data loader"))
+        .with_panel(ratio_series("Machine CPU", "the machine's CPU time by mode (user, system, iowait), share of all its "
+                                 "CPUs, over each rank's latest step with host readings (one a second)",
+                                 prom(f"profstream_host_cpu_ratio{{{RUN_RANK}, mode!=\"idle\"}}",
+                                      "rank {{rank}} {{mode}}"), width=8))
+        .with_panel(ratio_series("Loader workers: busy and CPU", "busy: share of the time a DataLoader worker ran or "
+                                 "waited to run (near 1: computing; low: waiting for reads); CPU: its CPU time, of one "
+                                 "core; mean over the workers",
+                                 prom(f'profstream_loader_worker_runnable_ratio{{{RUN_RANK}, stat="mean"}}',
+                                      "busy rank {{rank}}"),
+                                 prom(f'profstream_loader_worker_cpu_ratio{{{RUN_RANK}, stat="mean"}}',
+                                      "CPU rank {{rank}}", "B"), width=8))
+        .with_panel(series("Seconds a batch (per worker)", "seconds a DataLoader worker takes to make a batch", "s",
+                           prom(f"profstream_loader_seconds_per_batch{{{RUN_RANK}}}", "rank {{rank}}"), width=8))
+        .with_panel(series("Context switches", "the machine's context switches per second", "short",
+                           prom(f"profstream_context_switches_per_second{{{RUN_RANK}}}", "rank {{rank}}"), width=12))
+        .with_panel(statetimeline.Panel().title("Advice").span(12).height(8).datasource(PROMETHEUS)
+                    .description("what the rank's figures say to do about its latest starved step or long tail "
+                                 "(profstream advise --run prints the lines with their figures): threads, transfer, "
+                                 "more_workers, input_io, tail_allreduce")
+                    .with_target(prom(f"profstream_advice{{{RUN_RANK}}}", "rank {{rank}} {{rule}}"))
+                    .mappings([ValueMap(options={"1": ValueMappingResult(text="advised", color="orange")})]))
         .with_row(Row("Operators"))
         .with_panel(bargauge.Panel().title("Top op types (device time in range)").span(12).height(9)
                     .description("summed op time by op type over the time range; top K per step + other")

@@ -223,7 +223,9 @@ MONITOR_OPTIONS: tuple[Option, ...] = (
            _positive, "an integer >= 1"),
     Option("compression", "str", "lz4", "Kafka compression codec", lambda v: v in COMPRESSIONS,
            "one of " + ", ".join(COMPRESSIONS)),
-    Option("host_sample_interval_s", "float", 1.0, "seconds between host CPU/RSS samples (0: off)",
+    Option("host_sample_interval_s", "float", 1.0,
+           "seconds between host CPU/RSS readings, and the PyTorch producer's readings of its DataLoader workers "
+           "(0: off)",
            _non_negative, "a number >= 0"),
     Option("device_interval_ms", "float", 500.0,
            "milliseconds between device counter readings (NVML on cuda devices; 0: off)",
@@ -231,6 +233,18 @@ MONITOR_OPTIONS: tuple[Option, ...] = (
     Option("counter_devices", "str", None,
            "ordinals of the devices whose counters are read, e.g. 0,1 (default: the device option's)",
            lambda v: bool(re.fullmatch(r"\d{1,4}(,\d{1,4}){0,63}", v)), "ordinals such as 0 or 0,1,2,3",
+           optional=True),
+    Option("peak_tflops", "float", None,
+           "dense peak TFLOPS of one of this rank's devices for the training's compute dtype, the denominator "
+           "of MFU (default: profstream's table, for the device and dtype the torch producer sees or "
+           "compute_dtype names; docs/figures.md)", _positive, "a number > 0", optional=True),
+    Option("compute_dtype", "str", None,
+           "dtype the model's matrix multiplications run in (bf16, fp16, fp32, tf32, fp8), to look the "
+           "device's peak up (default: what the torch producer's FLOP count sees)",
+           lambda v: v in ("bf16", "fp16", "fp32", "tf32", "fp8"), "bf16, fp16, fp32, tf32 or fp8", optional=True),
+    Option("flops_per_token", "float", None,
+           "model FLOPs of one trained token (forward and backward, e.g. 6 x parameters): a step's FLOPs are "
+           "this x its tokens, given (default: counted by the torch producer)", _positive, "a number > 0",
            optional=True),
     Option("auto_watermark", "bool", True,
            "advance the watermark at each step end (turn off when ops of a step arrive after it ends)"),

@@ -22,6 +22,16 @@ from profstream.devices.backend import DeviceSample
 from profstream.kafka.connection import Connection
 from profstream.schema.batch import COMMUNICATION, COMPUTE
 from profstream.schema.codec import OP_FIGURES
+from profstream.simulate_resources import (
+    ADVICE,
+    FAULTS,
+    LOADER_CAPACITY,
+    LOADER_QUEUE,
+    Readings,
+    readings,
+    record_readings,
+    resources_truth,
+)
 
 FORWARD_TYPES = ("MatMul", "LayerNorm", "Softmax", "GeLU", "Add", "Conv2D")
 BACKWARD_TYPES = ("MatMulGrad", "LayerNormGrad", "SoftmaxGrad", "GeLUGrad", "Conv2DGrad")
@@ -54,6 +64,20 @@ class SimConfig:
     # ops captured on every n-th step only (the Monitor's every_n_steps): the op figures of the
     # other steps are not measured (None in the truth)
     capture_every_n_steps: int | None = None
+    # Work per step (docs/figures.md, "Throughput and MFU"); batch_size 0: the steps carry none.
+    batch_size: int = 0  # samples per step
+    seq_len: int = 512  # tokens per sample
+    variable_tokens: bool = False  # packing: each step's tokens drawn in [seq_len/2, seq_len] per sample
+    flops_per_token: float = 0.0  # model FLOPs of a token (0: no FLOPs)
+    flops_source: str = "given"  # how the Monitor gets them: given (work(flops=...)) or counted (counted_flops)
+    peak_tflops: float | None = None  # the Monitor's peak_tflops
+    slowdown: tuple[int, int] | None = None  # inclusive step range whose steps take slowdown_factor longer
+    slowdown_factor: float = 2.0
+    # Host and data-loader readings (simulate_resources.py): one of each a step, the loader's
+    # host queue at S; on the stalled steps, what starves them (loader_fault)
+    resources: bool = False
+    loader_fault: str | None = None  # cpu_bound, input_io, transfer or threads
+    comm_tail: tuple[int, int] | None = None  # inclusive step range whose all-reduce runs unhidden after backward
 
     def __post_init__(self) -> None:
         if self.ranks < 1 or self.steps < 1 or self.ops_per_step < 4:
@@ -70,6 +94,14 @@ class SimConfig:
             raise ValueError("throttle range A:B needs A <= B")
         if self.capture_every_n_steps is not None and self.capture_every_n_steps < 1:
             raise ValueError("capture_every_n_steps must be >= 1")
+        if self.batch_size < 0 or self.seq_len < 1 or self.flops_per_token < 0:
+            raise ValueError("batch_size and flops_per_token must be >= 0, seq_len >= 1")
+        if self.flops_source not in ("given", "counted"):
+            raise ValueError("flops_source must be 'given' or 'counted'")
+        if self.slowdown is not None and (self.slowdown[0] > self.slowdown[1] or self.slowdown_factor <= 0):
+            raise ValueError("slowdown range A:B needs A <= B and a factor > 0")
+        if self.loader_fault is not None and (self.loader_fault not in FAULTS or not self.resources):
+            raise ValueError(f"loader_fault must be one of {', '.join(FAULTS)}, with resources on")
 
     def is_stalled(self, step: int) -> bool:
         return self.stall is not None and self.stall[0] <= step <= self.stall[1]
@@ -97,6 +129,8 @@ class StepPlan:
     queue: list[tuple[int, int]]  # (ts_ns, size)
     truth: dict = field(default_factory=dict)
     devices: list[tuple[int, DeviceSample]] = field(default_factory=list)  # (ts_ns, sample)
+    work: dict | None = None  # tokens, samples, flops (and its split by category) the Monitor is given
+    readings: Readings | None = None  # host and data-loader readings (simulate_resources.py)
 
 
 def _split(total: int, parts: int, rng: np.random.Generator) -> list[int]:
@@ -113,6 +147,8 @@ def plan_step(cfg: SimConfig, rank: int, step: int, start_ns: int) -> StepPlan:
     base = int(cfg.step_time_ms * 1e6 * rng.uniform(0.97, 1.03))
     if cfg.straggler_rank == rank:
         base = int(base * cfg.straggler_factor)
+    if cfg.slowdown is not None and cfg.slowdown[0] <= step <= cfg.slowdown[1]:
+        base = int(base * cfg.slowdown_factor)
     stalled = cfg.is_stalled(step)
     data_wait = int(base * (0.6 if stalled else rng.uniform(0.03, 0.08)))
     optimizer = int(base * 0.08)
@@ -123,7 +159,9 @@ def plan_step(cfg: SimConfig, rank: int, step: int, start_ns: int) -> StepPlan:
     F = S + data_wait
     B = F + fp_bp
     gap = int(base * 0.05) // 2
-    opt_start = B + gap
+    tail_comm = cfg.comm_tail is not None and cfg.comm_tail[0] <= step <= cfg.comm_tail[1] and cfg.comm_share > 0
+    unhidden = int(base * 0.35) if tail_comm else 0  # all-reduce after backward, before the optimizer
+    opt_start = B + unhidden + gap
     E = opt_start + optimizer + gap
 
     n_comm = max(1, cfg.ops_per_step // 20) if cfg.comm_share > 0 else 0
@@ -156,8 +194,8 @@ def plan_step(cfg: SimConfig, rank: int, step: int, start_ns: int) -> StepPlan:
     if n_comm:
         # All-reduce starts under backward and half of it runs past B: overlapped, then
         # partly pure communication, then overlapping the optimizer.
-        comm_total = int(base * cfg.comm_share)
-        lay(B - comm_total // 2, comm_total, n_comm, (COMM_TYPE,), COMMUNICATION, 1, "allreduce")
+        comm_total = unhidden or int(base * cfg.comm_share)
+        lay(B if unhidden else B - comm_total // 2, comm_total, n_comm, (COMM_TYPE,), COMMUNICATION, 1, "allreduce")
     lay(opt_start, optimizer, n_opt, (OPTIMIZER_TYPE,), COMPUTE, 0, "opt")
 
     allocated = 2_000_000_000 + 50_000_000 * rank + cfg.leak_bytes_per_step * (step - cfg.first_step)
@@ -173,9 +211,55 @@ def plan_step(cfg: SimConfig, rank: int, step: int, start_ns: int) -> StepPlan:
     if cfg.device_counters:
         plan.devices = _device_samples(cfg, plan, rng)
         plan.truth["device"] = _device_truth(plan.devices)
+    if cfg.batch_size:
+        plan.work = _work(cfg, np.random.default_rng([cfg.seed, rank, step, 1]))
+        plan.truth["work"] = _work_truth(cfg, plan)
+    if cfg.resources:
+        plan.readings = readings(cfg.loader_fault, stalled)
+        plan.truth["resources"] = resources_truth(plan.readings)
+    advice = [ADVICE[cfg.loader_fault]] if cfg.resources and stalled and cfg.loader_fault else []
+    plan.truth["advice"] = advice + (["tail_allreduce"] if tail_comm else [])
     if not cfg.captures(step):  # the device ran the ops; no op event was sent
         plan.truth.update(NOT_MEASURED, op_types={})
+        if plan.work is not None:
+            plan.truth["work"]["op_categories"] = {}
     return plan
+
+
+# The simulator's op types by category (processors/throughput.py names them so), and the
+# share of a counted step's FLOPs each gets (the rest: other ops).
+SIM_CATEGORIES = {"matmul": ("MatMul", "MatMulGrad"), "conv": ("Conv2D", "Conv2DGrad")}
+SIM_FLOPS_SPLIT = {"matmul": 0.8, "conv": 0.15}
+
+
+def _work(cfg: SimConfig, rng: np.random.Generator) -> dict:
+    """What the Monitor is told of a step's work."""
+    if cfg.variable_tokens:
+        tokens = int(rng.integers(cfg.seq_len // 2, cfg.seq_len + 1, cfg.batch_size).sum())
+    else:
+        tokens = cfg.batch_size * cfg.seq_len
+    flops = cfg.flops_per_token * tokens if cfg.flops_per_token else None
+    return {"tokens": tokens, "samples": cfg.batch_size, "flops": flops, "source": cfg.flops_source}
+
+
+def _work_truth(cfg: SimConfig, plan: StepPlan) -> dict:
+    """Throughput and MFU of a step, by direct arithmetic (the definitions of docs/figures.md)."""
+    work = plan.work
+    seconds = (plan.end_ns - plan.start_ns) / 1e9
+    flops = work["flops"]
+    peak = cfg.peak_tflops * 1e12 if cfg.peak_tflops else None
+    categories = {}
+    if flops is not None and cfg.flops_source == "counted":
+        for name, types in SIM_CATEGORIES.items():
+            time_ns = sum(d for t, d in zip(plan.op_types, plan.op_dur_ns) if t in types)
+            f = flops * SIM_FLOPS_SPLIT[name]
+            categories[name] = (f, time_ns, f / (time_ns / 1e9))
+    return {"tokens": work["tokens"], "samples": work["samples"], "flops": flops,
+            "flops_source": cfg.flops_source if flops is not None else None, "peak_flops": peak,
+            "tokens_per_s": work["tokens"] / seconds, "samples_per_s": work["samples"] / seconds,
+            "flops_per_s": flops / seconds if flops is not None else None,
+            "mfu": flops / (seconds * peak) if flops is not None and peak else None,
+            "op_categories": categories}
 
 
 # The op figures of a step whose ops were not captured (StepMetrics v6)
@@ -295,6 +379,8 @@ def record_phase(monitor, plan: StepPlan, phase: str) -> None:
         monitor.begin_step(plan.step, ts_ns=plan.start_ns)
         ts, size = plan.queue[0]
         monitor.queue(QUEUE_NAME, size, QUEUE_CAPACITY, ts_ns=ts)
+        if plan.readings is not None:  # the loader's host queue at S
+            monitor.queue(LOADER_QUEUE, plan.readings.queue_at_start, LOADER_CAPACITY, ts_ns=ts)
         monitor.memory(*plan.memory[0][1:], ts_ns=plan.memory[0][0])
         monitor.mark_fp_start(plan.fp_start_ns)
         return
@@ -312,6 +398,16 @@ def record_phase(monitor, plan: StepPlan, phase: str) -> None:
         monitor.memory(alloc, reserved, peak, ts_ns=ts)
     for ts, sample in plan.devices:
         monitor.device_sample(sample, ts_ns=ts, step=plan.step)
+    if plan.readings is not None:
+        record_readings(monitor, plan.readings, (plan.start_ns + plan.end_ns) // 2, plan.step)
+    if plan.work is not None:
+        work = plan.work
+        monitor.work(tokens=work["tokens"], samples=work["samples"])
+        if work["flops"] is not None and work["source"] == "counted":  # as the torch producer's count
+            monitor.counted_flops(work["flops"], matmul=work["flops"] * SIM_FLOPS_SPLIT["matmul"],
+                                  conv=work["flops"] * SIM_FLOPS_SPLIT["conv"])
+        elif work["flops"] is not None:
+            monitor.work(flops=work["flops"])
     monitor.end_step(plan.end_ns)
 
 
@@ -411,6 +507,8 @@ def run_simulation(cfg: SimConfig, monitor_options: dict | None = None, progress
     opts.setdefault("device_interval_ms", 0)  # simulated counters only, never the machine's
     if cfg.capture_every_n_steps is not None:
         opts["every_n_steps"] = cfg.capture_every_n_steps
+    if cfg.peak_tflops is not None:
+        opts["peak_tflops"] = cfg.peak_tflops
     with sigterm_ends_the_run():  # before the Monitors: their SIGTERM handler chains to it
         return _run(cfg, opts, progress, ranks, start, ended, Monitor)
 

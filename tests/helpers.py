@@ -166,6 +166,8 @@ def simulated_messages(cfg, close: bool = True, partitions: int = 4, send_every:
             "device_interval_ms": 0, **monitor_options}
     if cfg.capture_every_n_steps is not None:
         opts["every_n_steps"] = cfg.capture_every_n_steps
+    if cfg.peak_tflops is not None:
+        opts["peak_tflops"] = cfg.peak_tflops
     monitors = {r: Monitor(run_id=cfg.run_id, rank=r, world_size=cfg.ranks, sender_factory=IdleSender, **opts)
                 for r in range(cfg.ranks)}
     senders = {r: Sender(m) for r, m in monitors.items()}

@@ -23,22 +23,24 @@ from profstream.schema import (
     encode,
     encode_batch,
 )
-from profstream.schema.batch import STEP_MARK_V1_COLUMNS
-from profstream.schema.codec import VERSIONS, encode_step_metrics
+from profstream.schema.batch import LOSS_COLUMNS, STEP_MARK_V1_COLUMNS, WORK_COLUMNS
+from profstream.schema.codec import VERSIONS, encode_run_step_metrics, encode_step_metrics
 
 DATA = Path(__file__).parent / "data"
 GOLDEN = DATA / "eventbatch-v1.bin"
 GOLDEN_V2 = Path(__file__).parent / "data" / "eventbatch-v2.bin"  # random_batch(1234, 20), world_size 8
 GOLDEN_V3 = Path(__file__).parent / "data" / "eventbatch-v3.bin"  # the same, written by v3
 GOLDEN_V4 = DATA / "eventbatch-v4.bin"  # the same with launch times, written by v4
+GOLDEN_V6 = DATA / "eventbatch-v6.bin"  # random_batch(1234, 20, losses=False, work=False), world_size 8, by v6
 
 
 def random_batch(seed: int, n_ops: int = 500, launches: bool = True, devices: bool = True,
-                 collectives: bool = True, losses: bool = True) -> EventBatch:
+                 collectives: bool = True, losses: bool = True, work: bool = True, loader: bool = False) -> EventBatch:
     """A batch of random columns; ``launches``: with ops.launch_ns (v4), ``devices``: with
     device samples (v5), ``collectives``: with collective rows (v6), ``losses``: with step
-    marks that lost events and an end signal (v7), each drawn apart so that the other columns
-    are those the older golden messages were written from."""
+    marks that lost events and an end signal (v7), ``work``: with the step marks' work (v8),
+    ``loader``: with loader samples (v8), each drawn apart so that the other columns are those
+    the older golden messages were written from."""
     rng = np.random.default_rng(seed)
     names = [f"op{i}" for i in range(17)]
     types = ["MatMul", "AllReduce", "Copy", "Softmax"]
@@ -61,7 +63,7 @@ def random_batch(seed: int, n_ops: int = 500, launches: bool = True, devices: bo
     b.steps = {c: rng.integers(-1, 2**62, 3) for c, _ in SECTIONS["steps"][:STEP_MARK_V1_COLUMNS]}
     if losses:
         lrng = np.random.default_rng([seed, 7])
-        b.steps.update({c: lrng.integers(0, 2**20, 3) for c, _ in SECTIONS["steps"][STEP_MARK_V1_COLUMNS:]})
+        b.steps.update({c: lrng.integers(0, 2**20, 3) for c, _ in LOSS_COLUMNS})
     b.host_samples = {c: (rng.random(4) if d.kind == "f" else rng.integers(0, 2**40, 4))
                       for c, d in SECTIONS["host_samples"]}
     if devices:
@@ -69,12 +71,24 @@ def random_batch(seed: int, n_ops: int = 500, launches: bool = True, devices: bo
         b.device_samples = {c: (drng.random(6) if d.kind == "f" else drng.integers(-1, 2**40, 6))
                             for c, d in SECTIONS["device_samples"]}
         b.device_samples["gpu_util"][2] = np.nan  # a value the device does not report
+    if work:
+        wrng = np.random.default_rng([seed, 9])
+        b.steps.update({c: wrng.random(3) * 1e15 if d.kind == "f" else wrng.integers(0, 3 if d.kind == "u" else 2**40, 3)
+                        for c, d in WORK_COLUMNS})
+        b.steps["flops"][1] = np.nan  # a step without FLOPs
+    if loader:  # v8: drawn apart as well
+        lrng = np.random.default_rng([seed, 8])
+        b.loader_samples = {c: (lrng.random(4) if d.kind == "f" else lrng.integers(-1, 2**30, 4))
+                            for c, d in SECTIONS["loader_samples"]}
     if collectives:
         crng = np.random.default_rng([seed, 6])
         b.collective_names = ["all_reduce", "0", "Float", "all_gather"]
         b.collectives = {c: crng.integers(0, len(b.collective_names), 5) if c.endswith("_idx")
                          else crng.integers(-1, 2**40, 5) for c, _ in SECTIONS["collectives"]}
     return b
+
+
+WORK = {(c, "steps") for c, _ in WORK_COLUMNS}
 
 
 def assert_same_batch(a: EventBatch, b: EventBatch) -> None:
@@ -88,7 +102,7 @@ def assert_same_batch(a: EventBatch, b: EventBatch) -> None:
             want = cols_a[col] if col in cols_a else np.full(len(cols_a[cols[0][0]]), COLUMN_FILL[section, col])
             got, want = getattr(b, section)[col], np.asarray(want).astype(dtype)
             assert got.dtype == dtype, (section, col)
-            np.testing.assert_array_equal(got, want, err_msg=f"{section}.{col}")
+            np.testing.assert_array_equal(got, want, err_msg=f"{section}.{col}")  # NaN equals NaN here
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -118,7 +132,7 @@ def test_empty_columns_of_any_kind_encode_alike():
 
 
 def test_message_is_avro_single_object_encoding():
-    data = encode_batch(random_batch(0, 10))
+    data = encode_batch(random_batch(0, 10, loader=True))
     assert data[:2] == b"\xc3\x01"
     sv = CURRENT["EventBatch"]
     assert int.from_bytes(data[2:10], "little") == sv.fingerprint
@@ -140,6 +154,17 @@ DEVICE_FIGURES = {"device": "cuda:0", "samples": 2, "gpu_util": 0.9, "mem_util":
                   "nvlink_rx": None, "nvlink_tx": None}
 
 
+WORK_FIGURES = {"tokens": 4096, "samples": 8, "flops": 1.2e14, "flops_source": "counted", "peak_flops": 9.89e14,
+                "tokens_per_s": 4.096e5, "samples_per_s": 800.0, "flops_per_s": 1.2e16, "mfu": 0.41,
+                "op_categories": [{"category": "matmul", "flops": 1.1e14, "time_ns": 8, "flops_per_s": 1.3e22}]}
+
+
+RESOURCES = {"readings": 1, "cpu_user": 0.4, "cpu_system": 0.05, "cpu_iowait": 0.0, "cpu_idle": 0.55,
+             "process_cpu": 1.2, "rss_bytes": 3 << 30, "loader_readings": 2, "workers": 2, "worker_cpu_mean": 0.97,
+             "worker_cpu_max": 0.99, "worker_runnable_mean": 0.99, "worker_runnable_max": 1.0, "worker_batches": 4,
+             "worker_s_per_batch": 0.5, "worker_cpu_s_per_batch": 0.48, "ctx_switches_per_s": 3000.0, "cpu_count": 8}
+
+
 def test_processed_records_round_trip():
     step = {
         "run_id": "r", "rank": 1, "world_size": 8, "host": "h", "device": "cpu", "step": 7, "start_ns": 1, "end_ns": 11,
@@ -158,7 +183,20 @@ def test_processed_records_round_trip():
                         "start_ns": b"\2" + b"\0" * 7, "end_ns": b"\5" + b"\0" * 7},
         "dropped_ops": 3, "dropped_samples": 1,
     }
-    assert decode("StepMetrics", encode("StepMetrics", step)) == step
+    assert decode("StepMetrics", encode("StepMetrics", step)) == {**step, "work": None, "resources": None, "advice": []}
+    with_work = {**step, "work": WORK_FIGURES,
+                 "rolling": {"window": 2, "mean_step_time_ns": 10.0, "p50_step_time_ns": 10.0,
+                             "p95_step_time_ns": 10.0, "data_wait_share": 0.1, "mean_utilization": 0.8,
+                             "p50_tokens_per_s": 4e5, "p95_tokens_per_s": 4.1e5, "p50_samples_per_s": None,
+                             "p95_samples_per_s": None, "p50_mfu": 0.41, "p95_mfu": 0.43}}
+    data = encode_step_metrics(with_work)
+    assert data[:10] == VERSIONS[("StepMetrics", 8)].header
+    assert decode("StepMetrics", data) == {**with_work, "resources": None, "advice": []}
+    with_advice = {**with_work, "resources": RESOURCES, "advice": [
+        {"rule": "more_workers", "text": "raise num_workers", "source": "MindSpore", "figures": {"workers_busy": 0.97}}]}
+    data = encode_step_metrics(with_advice)
+    assert data[:10] == VERSIONS[("StepMetrics", 8)].header
+    assert decode("StepMetrics", data) == with_advice
     run = {"run_id": "r", "step": 7, "ranks_reported": 2, "min_step_time_ns": 10, "median_step_time_ns": 12.0,
            "max_step_time_ns": 14, "skew": 1 / 3, "straggler_rank": 1, "step_times_ns": {"0": 10, "1": 14},
            "collectives_matched": 1, "late_rank": 1, "late_rank_held_ns": 3,
@@ -168,7 +206,13 @@ def test_processed_records_round_trip():
                               "algbw_bytes_per_s": 4e12, "busbw_bytes_per_s": 4e12}],
            "unmatched_collectives": [{"collective": "broadcast", "group": "0", "seq": 5, "arrived": [0],
                                       "missing": [1], "expected": 2}]}
-    assert decode("RunStepMetrics", encode("RunStepMetrics", run)) == run
+    assert decode("RunStepMetrics", encode("RunStepMetrics", run)) == {**run, "work": None}
+    run_work = {**run, "work": {"ranks": 2, "tokens_per_s": 8e5, "samples_per_s": None, "flops_per_s": 3e14,
+                                "mean_mfu": 0.4, "min_mfu": 0.38, "min_mfu_rank": 1, "mfu_ranks": 2}}
+    data = encode_run_step_metrics(run_work)
+    assert data[:10] == VERSIONS[("RunStepMetrics", 3)].header
+    assert decode("RunStepMetrics", data) == run_work
+    assert encode_run_step_metrics(run)[:10] == VERSIONS[("RunStepMetrics", 2)].header  # v2 readers read it
     alert = {"name": "DataQueueStall", "state": "firing", "run_id": "r", "rank": 0, "step": 24, "ts_ns": 5,
              "summary": "starved", "evidence": {"data_wait_ns": 3.0}}
     assert decode("Alert", encode("Alert", alert)) == alert
@@ -197,7 +241,7 @@ def test_shipped_v1_message_still_decodes():
     raw = GOLDEN.read_bytes()
     assert raw[2:10] != CURRENT["EventBatch"].header[2:10]  # it really is an older version
     batch = decode_batch(raw)
-    assert_same_batch(random_batch(1234, 20, launches=False, devices=False, collectives=False, losses=False), batch)
+    assert_same_batch(random_batch(1234, 20, launches=False, devices=False, collectives=False, losses=False, work=False), batch)
     assert batch.world_size is None
     assert (batch.ops["launch_ns"] == -1).all()
 
@@ -207,7 +251,7 @@ def test_shipped_v2_message_still_decodes():
     raw = GOLDEN_V2.read_bytes()
     assert raw[2:10] not in (CURRENT["EventBatch"].header[2:10], GOLDEN.read_bytes()[2:10])
     batch = decode_batch(raw)
-    assert_same_batch(random_batch(1234, 20, launches=False, devices=False, collectives=False, losses=False), batch)
+    assert_same_batch(random_batch(1234, 20, launches=False, devices=False, collectives=False, losses=False, work=False), batch)
     assert batch.world_size == 8
     assert_same_batch(batch, decode_batch(encode_batch(batch)))  # re-encoded as the current version, unchanged
 
@@ -218,41 +262,76 @@ def test_shipped_v3_message_still_decodes_with_no_launch_times():
     raw = GOLDEN_V3.read_bytes()
     assert len({raw[2:10], GOLDEN_V2.read_bytes()[2:10], CURRENT["EventBatch"].header[2:10]}) == 3
     batch = decode_batch(raw)
-    assert_same_batch(random_batch(1234, 20, launches=False, devices=False, collectives=False, losses=False), batch)
+    assert_same_batch(random_batch(1234, 20, launches=False, devices=False, collectives=False, losses=False, work=False), batch)
     assert batch.ops["launch_ns"].tolist() == [-1] * 20
-    assert_same_batch(batch, decode_batch(encode_batch(random_batch(1234, 20, launches=False, devices=False, collectives=False, losses=False))))
+    assert_same_batch(batch, decode_batch(encode_batch(random_batch(1234, 20, launches=False, devices=False, collectives=False, losses=False, work=False))))
 
 
 def test_shipped_v4_message_still_decodes_with_no_device_samples():
     raw = GOLDEN_V4.read_bytes()
     assert len({raw[2:10], GOLDEN_V3.read_bytes()[2:10], CURRENT["EventBatch"].header[2:10]}) == 3
     batch = decode_batch(raw)
-    assert_same_batch(random_batch(1234, 20, devices=False, collectives=False, losses=False), batch)
+    assert_same_batch(random_batch(1234, 20, devices=False, collectives=False, losses=False, work=False), batch)
     assert batch.n("device_samples") == 0 and batch.world_size == 8 and (batch.ops["launch_ns"] > 0).any()
 
 
 def test_a_batch_without_device_samples_is_written_as_v4_so_older_processors_read_it():
-    batch = random_batch(1234, 20, devices=False, collectives=False, losses=False)
+    batch = random_batch(1234, 20, devices=False, collectives=False, losses=False, work=False)
     batch.world_size = 8
     assert encode_batch(batch) == GOLDEN_V4.read_bytes()  # byte for byte what v4 wrote
-    with_devices = random_batch(1234, 20, collectives=False, losses=False)
+    with_devices = random_batch(1234, 20, collectives=False, losses=False, work=False)
     data = encode_batch(with_devices)
     assert data[:10] == VERSIONS[("EventBatch", 5)].header  # v5 readers read it whole
     back = decode_batch(data)
     assert_same_batch(with_devices, back)
+
+
+def test_shipped_v6_message_still_decodes_with_no_work_and_is_written_again_as_v6():
+    raw = GOLDEN_V6.read_bytes()
+    assert raw[:10] == VERSIONS[("EventBatch", 6)].header
+    batch = decode_batch(raw)
+    assert_same_batch(random_batch(1234, 20, losses=False, work=False), batch)  # every v6 column as it was written
+    assert batch.steps["tokens"].tolist() == [-1] * 3 and batch.steps["flops_source"].tolist() == [0] * 3
+    assert np.isnan(batch.steps["flops"]).all() and np.isnan(batch.steps["peak_flops"]).all()
+    assert np.isnan(decode_batch(GOLDEN_V4.read_bytes()).steps["matmul_flops"]).all()
+    # its marks carry no work: written as v6 again, which a v6 processor reads whole
+    assert encode_batch(batch) == raw
+
+
+def test_batches_are_v8_with_work_losses_or_loader_readings_and_v4_to_v6_without():
+    """v8: a batch whose marks carry work, lost events or a signal, or that has loader
+    samples (side batches of their own). Without those, the oldest version that holds the
+    batch: v4 (ops and samples alone: the compiled Monitor's plain plan), v5 with device
+    samples, v6 with collectives."""
+    plain = {"losses": False, "work": False}
+    cases = [(random_batch(3, 20, devices=False, collectives=False, losses=False), 8),
+             (random_batch(3, 20, devices=False, collectives=False, **plain), 4),
+             (EventBatch(run_id="r", rank=0), 4),
+             (random_batch(3, 20), 8), (random_batch(3, 20, collectives=False), 8),
+             (random_batch(3, 20, work=False), 8),
+             (random_batch(3, 20, **plain), 6), (random_batch(3, 20, collectives=False, **plain), 5),
+             (random_batch(3, 20, loader=True, **plain), 8),
+             (EventBatch(run_id="r", rank=0, loader_samples=random_batch(3, 1, loader=True).loader_samples), 8)]
+    for batch, version in cases:
+        data = encode_batch(batch)
+        assert data[:10] == VERSIONS[("EventBatch", version)].header, version
+        assert_same_batch(batch, decode_batch(data))
+    back = decode_batch(encode_batch(random_batch(3, 20)))
     assert np.isnan(back.device_samples["gpu_util"][2]) and back.n("device_samples") == 6
+    assert np.isnan(back.steps["flops"][1]) and back.steps["tokens"].min() >= 0
 
 
-def test_only_batches_whose_marks_lost_events_or_name_a_signal_are_written_as_v7():
-    """v7's step columns (dropped_ops, dropped_samples, end_signal) go on the wire only when
-    a mark holds something there; a batch whose marks lost nothing keeps its older version,
-    which processors before v7 read whole; an older message reads with them at 0."""
+def test_only_batches_whose_marks_lost_events_or_name_a_signal_carry_the_loss_columns():
+    """The loss columns (dropped_ops, dropped_samples, end_signal: v7, now in v8) go on the
+    wire only when a mark holds something there; a batch whose marks lost nothing keeps its
+    older version, which processors before v7 read whole; an older message reads with them
+    at 0."""
     for collectives, older in ((False, 5), (True, 6)):
-        clean = random_batch(4, 20, collectives=collectives, losses=False)
+        clean = random_batch(4, 20, collectives=collectives, losses=False, work=False)
         assert encode_batch(clean)[:10] == VERSIONS[("EventBatch", older)].header
-        lossy = random_batch(4, 20, collectives=collectives)
+        lossy = random_batch(4, 20, collectives=collectives, work=False)
         data = encode_batch(lossy)
-        assert data[:10] == VERSIONS[("EventBatch", 7)].header
+        assert data[:10] == VERSIONS[("EventBatch", 8)].header
         assert_same_batch(lossy, decode_batch(data))
     old = decode_batch(GOLDEN_V4.read_bytes())
     for col in ("dropped_ops", "dropped_samples", "end_signal"):
@@ -269,6 +348,36 @@ def test_step_metrics_v3_still_decode_and_steps_without_device_figures_are_writt
     data = encode_step_metrics(with_devices)
     assert data[:10] == VERSIONS[("StepMetrics", 4)].header  # v4 readers read it whole
     assert decode("StepMetrics", data) == with_devices
+
+
+def test_step_metrics_v6_still_decode_with_no_work_and_steps_without_work_are_written_as_before():
+    stored = (DATA / "stepmetrics-v6.bin").read_bytes()
+    m = decode("StepMetrics", stored)
+    assert m["work"] is None and m["utilization"] is None and m["op_count"] == 0
+    assert m["rolling"]["p50_mfu"] is None and m["rolling"]["p95_tokens_per_s"] is None
+    assert m["rolling"]["p95_step_time_ns"] == 11.0
+    assert encode_step_metrics(m) == stored  # byte for byte what v6 wrote: v6 readers read it whole
+    v3 = decode("StepMetrics", (DATA / "stepmetrics-v3.bin").read_bytes())
+    assert v3["work"] is None and encode_step_metrics(v3)[:10] == VERSIONS[("StepMetrics", 3)].header
+
+
+def test_a_rank_checkpoint_v2_restores_a_rolling_window_without_work_figures():
+    from profstream.processors.rolling import RollingWindow
+
+    window = RollingWindow(4)
+    window.add(10, 1, 0.5)
+    state = window.to_state()
+    v2 = {"run_id": "r", "rank": 0, "floor": 3, "watermark": 2, "host": "h", "device": "cpu", "producers": {"p": 1},
+          "counters": {}, "starved_steps": 0, "stall": {"firing": False, "streak": 0, "streak_start": None,
+                                                        "since_step": None},
+          "rolling": {k: state[k] for k in ("added", "step_time", "data_wait", "utilization")},
+          "carry": {"compute_start": b"", "compute_end": b"", "comm_start": b"", "comm_end": b""},
+          "device_end_step": None, "device_end_ns": None}
+    cp = decode("RankCheckpoint", encode("RankCheckpoint", v2, version=2))
+    assert cp["rolling"]["mfu"] == b"" and cp["rolling"]["tokens_per_s"] == b""
+    restored = RollingWindow.from_state(4, cp["rolling"])
+    figures = restored.figures()
+    assert figures["p50_step_time_ns"] == 10.0 and figures["p50_mfu"] is None and figures["p95_tokens_per_s"] is None
 
 
 def test_launch_times_round_trip():
@@ -289,7 +398,7 @@ def test_op_names_with_any_characters_survive_and_a_nul_cannot_shift_the_diction
 
 def test_op_names_blob_without_its_terminator_is_malformed():
     from profstream.schema.codec import encode
-    batch = random_batch(6, 10)
+    batch = random_batch(6, 10, loader=True)
     record = {f: getattr(batch, f) for f in ("run_id", "rank", "world_size", "host", "device", "producer_id", "seq",
                                              "sent_ns", "dropped_ops", "dropped_samples", "complete_through_step",
                                              "buffer_fill_ratio", "send_latency_ns", "op_types", "queue_names")}

@@ -53,22 +53,25 @@ def test_shipped_v4_message_decodes_with_no_collectives():
     raw = (DATA / "eventbatch-v4.bin").read_bytes()
     assert raw[2:10] != CURRENT["EventBatch"].header[2:10]
     batch = decode_batch(raw)
-    assert_same_batch(random_batch(1234, 20, devices=False, collectives=False, losses=False), batch)
+    assert_same_batch(random_batch(1234, 20, devices=False, collectives=False, losses=False, work=False), batch)
     assert batch.n("collectives") == 0 and batch.collective_names == []
     assert_same_batch(batch, decode_batch(encode_batch(batch)))
 
 
 def test_only_records_with_collectives_are_written_as_the_new_versions():
     """Batches, steps and cross-rank steps without collectives keep the versions before
-    them (older readers read them whole); with collectives they are EventBatch v6,
-    StepMetrics v5 (v6 only for steps without ops), RunStepMetrics v2."""
+    them (older readers read them whole); with collectives they are EventBatch v6 (v8 when
+    a mark carries work or losses), StepMetrics v5 (v6 only for steps without ops, v7 for
+    partial steps, v8 with work figures), RunStepMetrics v2 (v3 with work)."""
     from profstream.schema.codec import VERSIONS, encode_run_step_metrics, encode_step_metrics
 
     assert (CURRENT["EventBatch"].version, CURRENT["StepMetrics"].version, CURRENT["RunStepMetrics"].version) == (
-        7, 7, 2)
-    data = encode_batch(random_batch(3, 10, losses=False))
+        8, 8, 3)
+    data = encode_batch(random_batch(3, 10, losses=False, work=False))
     assert data[:10] == VERSIONS[("EventBatch", 6)].header and decode_batch(data).n("collectives") == 5
-    assert encode_batch(random_batch(3, 10, collectives=False, losses=False))[:10] == VERSIONS[("EventBatch", 5)].header
+    assert encode_batch(random_batch(3, 10, collectives=False, losses=False, work=False))[:10] == \
+        VERSIONS[("EventBatch", 5)].header
+    assert encode_batch(random_batch(3, 10, losses=False))[:10] == VERSIONS[("EventBatch", 8)].header  # and work: v8
     step = decode("StepMetrics", (DATA / "stepmetrics-v3.bin").read_bytes())
     assert encode_step_metrics(step)[:10] == VERSIONS[("StepMetrics", 3)].header
     with_calls = {**step, "collectives": pack_calls(calls_of([CollectiveCall("all_reduce", "0", 2, 4, 4000, 2, 5)]))}
@@ -76,7 +79,7 @@ def test_only_records_with_collectives_are_written_as_the_new_versions():
     assert decode("StepMetrics", encode_step_metrics(with_calls)) == with_calls
     run = decode("RunStepMetrics", (DATA / "runstepmetrics-v1.bin").read_bytes())
     assert encode_run_step_metrics(run) == (DATA / "runstepmetrics-v1.bin").read_bytes()
-    assert encode_run_step_metrics({**run, "collectives_matched": 1})[:10] == CURRENT["RunStepMetrics"].header
+    assert encode_run_step_metrics({**run, "collectives_matched": 1})[:10] == VERSIONS[("RunStepMetrics", 2)].header
 
 
 def test_shipped_step_metrics_v3_and_run_step_metrics_v1_decode_without_collectives():

@@ -74,7 +74,18 @@ def _exported() -> dict[str, set[str]]:
                          "mem_total": 80, "power_w": 300.0, "power_peak_w": 310.0, "power_limit_w": 700.0,
                          "temperature_max_c": 61.0, "sm_clock_mhz": 1980.0, "throttle_reasons": 0x20,
                          "throttled_power": False, "throttled_thermal": True, "pcie_rx": 1e9, "pcie_tx": 2e9,
-                         "nvlink_rx": 3e9, "nvlink_tx": 4e9}]}
+                         "nvlink_rx": 3e9, "nvlink_tx": 4e9}],
+            "work": {"tokens": 4096, "samples": 8, "flops": 1e13, "flops_source": "counted", "peak_flops": 989.5e12,
+                     "tokens_per_s": 4e4, "samples_per_s": 80.0, "flops_per_s": 1e14, "mfu": 0.1,
+                     "op_categories": [{"category": "matmul", "flops": 9e12, "time_ns": 5 * 10**7,
+                                        "flops_per_s": 1.8e14}]},
+            "resources": {"readings": 1, "cpu_user": 0.4, "cpu_system": 0.05, "cpu_iowait": 0.01, "cpu_idle": 0.54,
+                          "process_cpu": 1.1, "rss_bytes": 3 << 30, "loader_readings": 2, "workers": 2,
+                          "worker_cpu_mean": 0.9, "worker_cpu_max": 0.95, "worker_runnable_mean": 0.97,
+                          "worker_runnable_max": 1.0, "worker_batches": 4, "worker_s_per_batch": 0.5,
+                          "worker_cpu_s_per_batch": 0.45, "ctx_switches_per_s": 4000.0, "cpu_count": 8},
+            "advice": [{"rule": "more_workers", "text": "raise num_workers", "source": "MindSpore",
+                        "figures": {"workers_busy": 0.97}}]}
     run = {"run_id": "r", "step": 1, "ranks_reported": 1, "min_step_time_ns": 10**8, "median_step_time_ns": 1e8,
            "max_step_time_ns": 10**8, "skew": 0.0, "straggler_rank": 0, "step_times_ns": {"0": 10**8},
            "collectives_matched": 1, "late_rank": 0, "late_rank_held_ns": 10,
@@ -83,7 +94,9 @@ def _exported() -> dict[str, set[str]]:
            "by_collective": [{"collective": "all_reduce", "calls": 1, "bytes": 8, "transfer_ns": 2,
                               "algbw_bytes_per_s": 4e9, "busbw_bytes_per_s": 4e9}],
            "unmatched_collectives": [{"collective": "all_reduce", "group": "0", "seq": 2, "arrived": [0],
-                                      "missing": [1], "expected": 2}]}
+                                      "missing": [1], "expected": 2}],
+           "work": {"ranks": 1, "tokens_per_s": 4e4, "samples_per_s": 80.0, "flops_per_s": 1e14, "mean_mfu": 0.1,
+                    "min_mfu": 0.1, "min_mfu_rank": 0, "mfu_ranks": 1}}
     alert = {"name": "DataQueueStall", "state": "firing", "run_id": "r", "rank": 0, "step": 1, "ts_ns": now_ns,
              "summary": "s", "evidence": {}}
     exporter = connected_exporter(topics)

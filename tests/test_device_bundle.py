@@ -123,4 +123,10 @@ def test_the_bundle_runs_the_gpu_check_path_offline_and_its_results_pass(kafka_b
     assert results.returncode == 0, (verdict["checks"], results.stderr[-3000:])
     assert verdict["checks"]["step_metrics_for_every_step"] is True
     assert verdict["live_run"]["figures"]["steps"] >= 12
+    # every step's work: the tiny job's batches of 4 x 65 token ids, its FLOPs counted; no
+    # MFU on a CPU (no peak to measure it against), so that check does not apply
+    assert verdict["checks"]["work_figures_every_step"] is True
+    assert verdict["checks"]["mfu_against_the_cards_peak"] is None
+    assert verdict["live_run"]["work"]["tokens_per_step"] == 4 * 65 and verdict["live_run"]["work"]["mfu"] is None
+    assert verdict["live_run"]["work"]["flops_source"] == {"counted": verdict["live_run"]["work"]["steps_with_work"]}
     assert verdict["spool"][0]["records"] > 0 and verdict["spool"][0]["damaged"] == 0

@@ -114,3 +114,27 @@ def test_no_broker_logs_one_warning_and_training_goes_on(caplog):
     assert trainer.global_step == 2
     warnings = [r.getMessage() for r in caplog.records if r.name.startswith("profstream")]
     assert len(warnings) == 1 and "127.0.0.1:1" in warnings[0], warnings
+
+
+def test_each_steps_work_is_its_micro_batches_samples_and_the_flops_flop_counter_mode_counts(kafka_bootstrap, topics):
+    """The regression module's batches are (x, y) of floats: samples per step are its
+    micro-batches' rows (no tokens); FLOPs equal FlopCounterMode's own count of one
+    micro-batch's forward and backward times the micro-batches (the same shape every step)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    steps = 4
+    callback = ProfstreamCallback(bootstrap=kafka_bootstrap, topic_prefix=topics.prefix, run_id="pl-work",
+                                  host_sample_interval_s=0, capture_ops=False, peak_tflops=0.1)
+    with RunningProcessor(kafka_bootstrap, topics):
+        _fit(steps, callback, accumulate_grad_batches=2, limit_val_batches=0)
+        got = step_records(kafka_bootstrap, topics.steps, "pl-work", steps)
+    module = Regression()
+    x, y = torch.randn(BATCH, 16), torch.randn(BATCH, 4)
+    with FlopCounterMode(display=False) as counter:
+        torch.nn.functional.mse_loss(module.net(x), y).backward()
+    for s in got:
+        w = s["work"]
+        assert w["tokens"] is None and w["tokens_per_s"] is None  # floats: no token ids
+        assert w["samples"] == 2 * BATCH and w["samples_per_s"] == 2 * BATCH / (s["step_time_ns"] / 1e9)
+        assert w["flops"] == 2 * counter.get_total_flops() and w["flops_source"] == "counted"
+        assert w["mfu"] == w["flops"] / (s["step_time_ns"] / 1e9 * 0.1e12)

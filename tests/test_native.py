@@ -186,7 +186,7 @@ def test_native_batches_are_the_python_bytes_at_training_scale(monkeypatch):
 def test_steps_that_lost_events_are_marked_the_same_in_the_same_bytes(monkeypatch):
     """A buffer that fills while the sender is behind: both Monitors drop the same ops and
     samples, each step's mark says what that step lost, and the batches that carry such
-    marks are EventBatch v7, byte for byte the same; batches whose marks lost nothing stay v4."""
+    marks are EventBatch v8, byte for byte the same; batches whose marks lost nothing stay v4."""
     py, py_sender, nat, nat_sender = _pair(buffer_bytes=1 << 20)
     limit, reserve = py.buffer.max_ops, py.buffer.max_samples
     mem = reserve * 2 // 5  # memory samples a step: their reserve fills in step 2
@@ -204,7 +204,7 @@ def test_steps_that_lost_events_are_marked_the_same_in_the_same_bytes(monkeypatc
     half, odd = limit // 2, limit % 2
     assert marks == {0: (0, 0), 1: (0, 0), 2: (half - odd, 3 * mem - reserve), 3: (half, mem), 4: (half, mem),
                      5: (half, mem)}
-    assert {m[:10] for m in got_nat} == {VERSIONS[("EventBatch", 7)].header}
+    assert {m[:10] for m in got_nat} == {VERSIONS[("EventBatch", 8)].header}  # marks that say what was lost
     assert sum(b.dropped_ops for b in batches) == nat.stats()["dropped_ops"] == 4 * half - odd
     _record(py, steps[:1], first_step=6)  # room again: a whole step, in a v4 batch
     _record(nat, steps[:1], first_step=6)
@@ -300,7 +300,8 @@ def test_numpy_integer_columns_of_any_width_give_the_python_bytes_and_drop_what_
 def test_native_batches_are_v4_with_the_launch_times_the_python_path_writes(monkeypatch):
     """EventBatch v4's ops.launch_ns, written from SECTIONS and COLUMN_FILL with no native
     code of its own: given by Monitor.ops(launch_ns=...), -1 for op() and for ops() without
-    it; the native message decodes as v4 to what the Python path's decodes to."""
+    it; the native message (v4: its marks say nothing more) decodes to what the Python
+    path's decodes to."""
     assert batch_schema.COLUMN_FILL[("ops", "launch_ns")] == -1 and native.plain_version().version == 4
     py, py_sender, nat, nat_sender = _pair()
     for mon in (py, nat):
@@ -314,8 +315,41 @@ def test_native_batches_are_v4_with_the_launch_times_the_python_path_writes(monk
     a, b = decode_batch(got_py), decode_batch(got_nat)
     assert b.ops["launch_ns"].tolist() == [-1, 12, -1, -1]
     assert b.ops["start_ns"].tolist() == [10, 20, 30, 40]
-    assert {c: v.tolist() for c, v in a.ops.items()} == {c: v.tolist() for c, v in b.ops.items()}
+    assert {c: v.tobytes() for c, v in a.ops.items()} == {c: v.tobytes() for c, v in b.ops.items()}  # NaN flops too
     assert got_py == got_nat
+
+
+def test_step_work_goes_in_the_mark_with_no_native_code_and_both_monitors_write_the_same_bytes(monkeypatch):
+    """EventBatch v8's work columns of a step mark (tokens, samples, FLOPs, their source,
+    the peak, the FLOPs by category), written from SECTIONS and COLUMN_FILL by the native
+    recorder that knows no schema: a step with all of them, one with tokens alone (the rest
+    absent), one given FLOPs over a count, one without work; the Python Monitor's batch is
+    the very same message."""
+    py, py_sender, nat, nat_sender = _pair(peak_tflops=989.5)
+    for mon in (py, nat):
+        mon.begin_step(0, ts_ns=10)
+        mon.work(tokens=4096, samples=8)
+        mon.counted_flops(3e13, matmul=2.5e13, attention=4e12, conv=0.0)
+        mon.work(tokens=4096, samples=8)  # a second micro-batch
+        mon.end_step(ts_ns=20)
+        mon.begin_step(1, ts_ns=20)
+        mon.work(tokens=100)
+        mon.end_step(ts_ns=30)
+        mon.begin_step(2, ts_ns=30)
+        mon.work(flops=1e13)
+        mon.counted_flops(3e13)  # the user's value wins
+        mon.work(tokens=-5, samples="x", flops=float("nan"))  # not counts: left out
+        mon.end_step(ts_ns=40)
+        mon.begin_step(3, ts_ns=40)
+        mon.end_step(ts_ns=50)
+    (got_py,), (got_nat,) = _messages(py_sender, nat_sender, monkeypatch)
+    assert got_py == got_nat
+    steps = decode_batch(got_nat).steps
+    assert steps["tokens"].tolist() == [8192, 100, -1, -1] and steps["samples"].tolist() == [16, -1, -1, -1]
+    assert steps["flops"][[0, 2]].tolist() == [3e13, 1e13] and np.isnan(steps["flops"][[1, 3]]).all()
+    assert steps["flops_source"].tolist() == [2, 0, 1, 0]  # counted, none, given, none
+    assert steps["peak_flops"][[0, 2]].tolist() == [989.5e12] * 2 and np.isnan(steps["peak_flops"][1])
+    assert steps["matmul_flops"][0] == 2.5e13 and steps["conv_flops"][0] == 0.0 and np.isnan(steps["matmul_flops"][2])
 
 
 def _held_until_queued(nat: Monitor, nat_sender: NativeSender) -> bytes:

@@ -23,6 +23,9 @@ from tests.test_processor import RunningProcessor
 
 FOR = "2s"  # every rule's `for:` in the test copy of alerts.yml
 INTERVAL = "200ms"  # scrape and rule evaluation
+# ranges of the test copy's rules that compare a recent window with a baseline, shortened
+# so that a run of seconds has both
+SHORT_WINDOWS = {"MFURegression": {"[10m]": "[3s]", "[2h]": "[1m]"}}
 
 
 def _free_port() -> int:
@@ -39,6 +42,8 @@ class Prometheus:
         for group in rules["groups"]:
             for rule in group["rules"]:
                 rule["for"] = FOR
+                for long, short in SHORT_WINDOWS.get(rule.get("alert"), {}).items():
+                    rule["expr"] = rule["expr"].replace(long, short)
         (tmp / "alerts.yml").write_text(yaml.safe_dump(rules))
         config = {
             "global": {"scrape_interval": INTERVAL, "scrape_timeout": INTERVAL, "evaluation_interval": INTERVAL},
@@ -163,3 +168,57 @@ def test_prometheus_stores_the_simulators_figures_and_fires_data_queue_stall_onl
     active = sorted((a["labels"]["alertname"], a["labels"].get("run"), a["state"]) for a in prom.alerts())
     assert active == [("DataQueueStall", "stalled", "firing")] * 2
     assert prom.query('ALERTS{run="clean"}') == {}
+
+
+def test_mfu_regression_fires_on_the_run_whose_steps_slow_down_and_not_on_a_steady_one(
+        kafka_bootstrap, topics, stack):
+    """Two simulated runs with known FLOPs per step, in real time: one whose steps take twice
+    as long from step 240 on (the same work: MFU halves), one steady. MFURegression (its
+    windows shortened to 3 s against 1 min) goes pending then firing for the first only, and
+    Prometheus holds the simulator's MFU."""
+    import threading
+
+    prom = stack
+    common = dict(ranks=2, steps=400, ops_per_step=12, step_time_ms=50.0, rate="realtime", batch_size=4,
+                  seq_len=256, flops_per_token=6 * 124e6, peak_tflops=1.0)
+    slowed = SimConfig(run_id="slowed", seed=3, slowdown=(240, 399), **common)
+    steady = SimConfig(run_id="steady", seed=4, **common)
+    errors: list[BaseException] = []
+
+    def simulate(cfg: SimConfig) -> None:
+        try:
+            run_simulation(cfg, {"bootstrap": kafka_bootstrap, "topic_prefix": topics.prefix})
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            errors.append(e)
+
+    threads = [threading.Thread(target=simulate, args=(cfg,)) for cfg in (slowed, steady)]
+    for t in threads:
+        t.start()
+    states: list[str] = []
+
+    def firing() -> bool:
+        assert not errors, errors
+        for a in prom.alerts():
+            if a["labels"]["alertname"] == "MFURegression":
+                assert a["labels"]["run"] == "slowed", a
+                if not states or states[-1] != a["state"]:
+                    states.append(a["state"])
+        return bool(states) and states[-1] == "firing"
+
+    try:
+        wait_until(firing, 90, f"MFURegression firing for the slowed run (states seen: {states})")
+    finally:
+        for t in threads:
+            t.join(120)
+    assert states == ["pending", "firing"] and not errors
+    for cfg in (slowed, steady):
+        truth, last = expected(cfg), cfg.steps - 1
+        run = f'run="{cfg.run_id}"'
+        wait_until(lambda run=run, last=last: set(prom.query(f"profstream_last_step{{{run}}}").values())
+                   == {float(last)}, 30, f"the last step of {cfg.run_id} in Prometheus")
+        mfu = prom.query(f"profstream_mfu_ratio{{{run}}}")
+        assert {dict(k)["rank"]: v for k, v in mfu.items()} == {
+            str(r): truth[(r, last)]["work"]["mfu"] for r in range(cfg.ranks)}
+        tokens = prom.query(f"profstream_tokens_total{{{run}}}")
+        assert set(tokens.values()) == {float(cfg.steps * 4 * 256)}
+    assert not any(a["labels"].get("run") == "steady" for a in prom.alerts())

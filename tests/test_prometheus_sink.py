@@ -312,3 +312,58 @@ def test_device_counters_are_series_per_device_and_a_throttled_step_shows_its_re
     res = subprocess.run([prometheus_tool("promtool"), "check", "metrics"], input=s.text, capture_output=True,
                          text=True, timeout=30)
     assert res.returncode == 0 and res.stdout + res.stderr == "", res.stdout + res.stderr
+
+
+def test_throughput_and_mfu_series_are_the_simulators_and_absent_for_a_rank_without_work():
+    """The exporter's work series from a simulated run's StepMetrics and RunStepMetrics
+    (processors run offline): per-rank throughput, MFU and counters equal the truth of the
+    latest step; the run's sums, mean and lowest MFU; per-category FLOP/s of the latest
+    captured step; a run without work figures has none of these series (not 0); promtool
+    accepts it."""
+    from collections import namedtuple
+
+    from profstream.processors.stream import figures
+    from tests.helpers import simulated_messages
+
+    Rec = namedtuple("Rec", "topic partition offset timestamp value")
+    with_work = SimConfig(run_id="mfu", ranks=2, steps=6, ops_per_step=30, batch_size=4, seq_len=128,
+                          variable_tokens=True, flops_per_token=6e8, flops_source="counted", peak_tflops=2.0,
+                          capture_every_n_steps=4, straggler_rank=1)
+    plain = SimConfig(run_id="plain", ranks=1, steps=3, ops_per_step=30)
+    topics = Topics("work")
+    state = ExporterState(topics)
+    now_ms = time.time_ns() // 10**6
+    records = [Rec(topics.steps if f.kind == "steps" else topics.run, 0, i, now_ms, f.value)
+               for cfg in (with_work, plain) for i, f in enumerate(figures(simulated_messages(cfg)))
+               if f.kind in ("steps", "run")]
+    state.handle(records)
+    s = Scrape(state.exposition().decode())
+    truth = expected(with_work)
+    last = with_work.steps - 1
+    for rank in range(2):
+        w = truth[(rank, last)]["work"]
+        labels = {"run": "mfu", "rank": str(rank)}
+        assert s("profstream_tokens_per_second", **labels) == w["tokens_per_s"]
+        assert s("profstream_samples_per_second", **labels) == w["samples_per_s"]
+        assert s("profstream_achieved_flops_per_second", **labels) == w["flops_per_s"]
+        assert s("profstream_mfu_ratio", **labels) == w["mfu"]
+        assert s("profstream_peak_flops_per_second", **labels) == 2e12
+        assert s("profstream_tokens_total", **labels) == sum(truth[(rank, k)]["work"]["tokens"] for k in range(6))
+        assert s("profstream_model_flops_total", **labels) == pytest.approx(
+            sum(truth[(rank, k)]["work"]["flops"] for k in range(6)))
+        captured = truth[(rank, 4)]["work"]["op_categories"]  # every 4th step: 4 is the latest captured
+        for category, (_flops, _time, per_s) in captured.items():
+            assert s("profstream_op_category_flops_per_second", category=category, **labels) == per_s
+    run_mfus = [truth[(r, last)]["work"]["mfu"] for r in range(2)]
+    assert s("profstream_run_mfu_ratio", run="mfu") == pytest.approx(sum(run_mfus) / 2)
+    assert s("profstream_run_min_mfu_ratio", run="mfu") == min(run_mfus)
+    assert s("profstream_run_min_mfu_rank", run="mfu") == 1  # the straggler
+    assert s("profstream_run_tokens_per_second", run="mfu") == pytest.approx(
+        sum(truth[(r, last)]["work"]["tokens_per_s"] for r in range(2)))
+    assert s("profstream_ranks_mfu_ratio", run="mfu", stat="min") == min(run_mfus)
+    work_names = {"profstream_tokens_per_second", "profstream_mfu_ratio", "profstream_tokens_total",
+                  "profstream_run_mfu_ratio", "profstream_ranks_mfu_ratio", "profstream_op_category_flops_per_second"}
+    assert not [x for x in s.samples if x.labels.get("run") == "plain" and x.name in work_names]
+    res = subprocess.run([prometheus_tool("promtool"), "check", "metrics"], input=s.text, capture_output=True,
+                         text=True)
+    assert res.returncode == 0, res.stdout + res.stderr

@@ -28,7 +28,9 @@ from tests.helpers import chromium, render_in_chromium, topic_size, wait_until
 START_NS = int(datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC).timestamp()) * 10**9
 CFG = SimConfig(run_id="postmortem", ranks=3, steps=40, ops_per_step=60, seed=21, stall=(10, 19),
                 straggler_rank=2, leak_bytes_per_step=1 << 20, device_counters=True, throttle=(30, 33),
-                start_ns=START_NS, capture_every_n_steps=4)
+                start_ns=START_NS, capture_every_n_steps=4, batch_size=4, seq_len=256, variable_tokens=True,
+                flops_per_token=6 * 1.2e9, flops_source="counted", peak_tflops=989.5, resources=True,
+                loader_fault="cpu_bound")
 CAPTURED = range(0, CFG.steps, 4)
 
 
@@ -198,6 +200,38 @@ def test_the_report_has_a_device_counter_section_with_the_simulators_readings(ar
         assert page.summary[(rank, "throttled_power_steps")] == 0
     assert "throttled steps: 30–33" in text
     assert "device-util" in page.charts and "device-temperature" in page.charts
+
+
+def test_the_report_shows_each_ranks_throughput_and_mfu_over_the_run_and_per_step(archive, tmp_path):
+    page, text = _report(archive, tmp_path / "report.html")
+    truth = expected(CFG)
+    run_tokens = []
+    for rank in range(CFG.ranks):
+        steps = [truth[(rank, s)] for s in range(CFG.steps)]
+        seconds = sum(t["step_time_ns"] for t in steps) / 1e9
+        tokens_per_s = sum(t["work"]["tokens"] for t in steps) / seconds
+        run_tokens.append(tokens_per_s)
+        assert page.summary[(rank, "work_steps")] == CFG.steps
+        assert page.summary[(rank, "tokens_per_s")] == pytest.approx(tokens_per_s, rel=1e-12)
+        assert page.summary[(rank, "tflops")] == pytest.approx(
+            sum(t["work"]["flops"] for t in steps) / seconds / 1e12, rel=1e-12)
+        assert page.summary[(rank, "mfu")] == pytest.approx(
+            sum(t["work"]["flops"] for t in steps) / seconds / 989.5e12, rel=1e-12)
+        assert page.summary[(rank, "peak_tflops")] == 989.5
+        # the per-step chart draws every step's MFU (no gap: every step had one)
+        assert len(page.points[("mfu", f"rank {rank}")]) == CFG.steps
+    assert page.kpis["tokens/s"].startswith(f"{sum(run_tokens):,.0f}")
+    assert "op-categories" in page.charts and "counted (40)" in text
+
+
+def test_the_report_says_what_to_do_about_the_stall_with_the_figures_and_the_rule(archive, tmp_path):
+    page, text = _report(archive, tmp_path / "report.html")
+    for rank in range(CFG.ranks):  # every stalled step (10-19) of every rank: its workers busy, its queue empty
+        assert re.search(rf'<tr data-rank="{rank}" data-rule="more_workers">', text)
+        assert page.summary[(rank, "advised_steps")] == 10
+    assert text.count('data-rule="') == CFG.ranks  # that rule only
+    assert "raise num_workers" in text and "MindSpore data preparation" in text
+    assert "loader-busy" in page.charts
 
 
 def test_the_report_needs_no_network_and_links_timelines_relatively(archive, tmp_path):

@@ -32,6 +32,7 @@ from profstream.schema.batch import (
     I64,
     SECTIONS,
     U8,
+    WORK_COLUMNS,
     EventBatch,
     decode_batch,
     encode_batch,
@@ -39,6 +40,7 @@ from profstream.schema.batch import (
 from profstream.simulate import (
     QUEUE_CAPACITY,
     QUEUE_NAME,
+    SIM_FLOPS_SPLIT,
     SimConfig,
     expected,
     plan_run,
@@ -82,6 +84,14 @@ def _columns(cfg: SimConfig, plan, lo: int, hi: int, types: list[str], last: boo
         q = np.array(plan.queue, I64)
         part["steps"] = {"step": one(plan.step), "start_ns": one(plan.start_ns), "end_ns": one(plan.end_ns),
                          "fp_start_ns": one(plan.fp_start_ns), "bp_end_ns": one(plan.bp_end_ns)}
+        if plan.work is not None:  # as the Monitor records it: FLOPs given, or counted with their split
+            w, counted = plan.work, plan.work["source"] == "counted"
+            flops = w["flops"] if w["flops"] is not None else math.nan
+            split = [flops * SIM_FLOPS_SPLIT["matmul"], math.nan, flops * SIM_FLOPS_SPLIT["conv"]] if counted \
+                else [math.nan] * 3
+            values = [w["tokens"], w["samples"], flops, (2 if counted else 1) if w["flops"] is not None else 0,
+                      cfg.peak_tflops * 1e12 if cfg.peak_tflops else math.nan, *split]
+            part["steps"].update((col, np.array([v], dtype)) for (col, dtype), v in zip(WORK_COLUMNS, values))
         part["memory"] = {"ts_ns": mem[:, 0], "step": np.full(len(mem), plan.step, I64), "allocated": mem[:, 1],
                           "reserved": mem[:, 2], "peak": mem[:, 3]}
         part["queues"] = {"name_idx": np.zeros(len(q), I32), "ts_ns": q[:, 0], "step": np.full(len(q), plan.step, I64),
@@ -835,6 +845,40 @@ def test_device_counters_are_counter_tracks_per_device_with_the_values_read(tmp_
                                (f"{d} throttled", {"power": 0, "thermal": int(plan.step == 2)})):
                 assert (ts, args) in got[(plan.rank, name)], (plan.rank, plan.step, name)
     assert all(len(v) == 2 * cfg.steps for v in got.values())  # two readings per step, none twice
+
+
+def test_throughput_tokens_mfu_and_achieved_flops_are_counter_tracks_at_each_steps_start(tmp_path):
+    """Counter tracks of the steps' work (timeline_work.py): tokens/s and samples/s, MFU in
+    percent, achieved TFLOP/s (per op category on captured steps), each at its step's start
+    with the simulator's values; a run without work figures has none of these tracks."""
+    cfg = SimConfig(run_id="work", ranks=2, steps=5, ops_per_step=20, seed=5, batch_size=4, seq_len=128,
+                    variable_tokens=True, flops_per_token=6e8, flops_source="counted", peak_tflops=2.0)
+    sink = TimelineSink(tmp_path / "work")
+    feed(sink, sim_records(cfg))
+    sink.close()
+    got: dict = defaultdict(dict)
+    for p in files(tmp_path / "work"):
+        doc = read_trace(p)
+        check_trace_format(doc)
+        for e in doc["traceEvents"]:
+            if e["ph"] == "C" and e["name"] in ("throughput", "MFU", "achieved TFLOP/s"):
+                got[(doc["otherData"]["rank"], e["name"])][doc["otherData"]["base_time_ns"] + ns(e["ts"])] = e["args"]
+    truth = expected(cfg, ORIGIN)
+    for plan in plan_run(cfg, ORIGIN):
+        w = truth[(plan.rank, plan.step)]["work"]
+        at = plan.start_ns
+        assert got[(plan.rank, "throughput")][at] == {"tokens/s": pytest.approx(w["tokens_per_s"]),
+                                                      "samples/s": pytest.approx(w["samples_per_s"])}
+        assert got[(plan.rank, "MFU")][at] == {"MFU %": pytest.approx(w["mfu"] * 100)}
+        achieved = {"model": pytest.approx(w["flops_per_s"] / 1e12)}
+        achieved.update((c, pytest.approx(v[2] / 1e12)) for c, v in w["op_categories"].items())
+        assert got[(plan.rank, "achieved TFLOP/s")][at] == achieved
+    plain = SimConfig(run_id="plain", ranks=1, steps=3, ops_per_step=20, seed=5)
+    sink = TimelineSink(tmp_path / "plain")
+    feed(sink, sim_records(plain))
+    sink.close()
+    names = {e.get("name") for p in files(tmp_path / "plain") for e in read_trace(p)["traceEvents"] if e["ph"] == "C"}
+    assert not names & {"throughput", "MFU", "achieved TFLOP/s"}
 
 
 def test_each_collective_is_split_into_wait_and_transfer_on_the_collectives_track(tmp_path):

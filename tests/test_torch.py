@@ -345,6 +345,12 @@ class FailingMonitor:
     def queue(self, *a, **k):
         self.calls += 1
 
+    def work(self, *a, **k):
+        self.calls += 1
+
+    def counted_flops(self, *a, **k):
+        self.calls += 1
+
 
 def test_a_failing_hook_never_reaches_the_training_loop(caplog):
     import profstream.torch as pst

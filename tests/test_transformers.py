@@ -79,6 +79,108 @@ def test_each_optimizer_step_gets_its_phases_ops_and_memory(kafka_bootstrap, top
         assert s["op_count"] > 0 and s["compute_ns"] > 0 and s["memory"]["allocated"] > 0
 
 
+class VariableTokens(torch.utils.data.Dataset):
+    """Token sequences of 6 to 16 tokens: a batch padded to its longest has its own count."""
+
+    def __init__(self, n: int) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.lengths = torch.randint(6, 17, (n,), generator=g).tolist()
+        self.ids = [torch.randint(0, 64, (k,), generator=g) for k in self.lengths]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i]}
+
+
+def _pad(items: list[dict]) -> dict:
+    longest = max(len(x["input_ids"]) for x in items)
+    ids = torch.zeros(len(items), longest, dtype=torch.long)
+    mask = torch.zeros(len(items), longest, dtype=torch.long)
+    for i, x in enumerate(items):
+        ids[i, :len(x["input_ids"])] = x["input_ids"]
+        mask[i, :len(x["input_ids"])] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+class StepInputs(transformers.TrainerCallback):
+    """What the model was given in each step: the inputs of each forward (micro-batch)."""
+
+    def __init__(self, profstream: ProfstreamCallback) -> None:
+        self.profstream = profstream
+        self.steps: dict[int, list[dict]] = {}
+        self.step: int | None = None
+        self.work = None  # the profstream callback's StepWork
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs) -> None:
+        self.work = self.profstream.steps.work
+        model.register_forward_pre_hook(self._inputs, with_kwargs=True)
+
+    def on_step_begin(self, args, state, control, **kwargs) -> None:
+        self.step = state.global_step
+        self.steps[self.step] = []
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        self.step = None
+
+    def _inputs(self, _model, _args, kwargs) -> None:
+        if self.step is not None:
+            self.steps[self.step].append({k: v.clone() for k, v in kwargs.items() if isinstance(v, torch.Tensor)})
+
+
+def test_each_steps_work_is_its_batches_tokens_and_the_flops_flop_counter_mode_counts(kafka_bootstrap, topics,
+                                                                                       tmp_path):
+    """Tokens per step are those of the step's micro-batches (padded batches of varying
+    length: each step its own count); FLOPs per step equal FlopCounterMode's own count of
+    the same micro-batches' forward and backward, 6 x dense parameters x tokens plus the
+    attention term; MFU against the given peak is FLOPs / (step time x peak); each input
+    shape was counted once."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    steps, width, layers = 8, 32, 2
+    callback = ProfstreamCallback(bootstrap=kafka_bootstrap, topic_prefix=topics.prefix, run_id="hf-work",
+                                  host_sample_interval_s=0, capture_ops=False, peak_tflops=0.5)
+    inputs = StepInputs(callback)
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=width, n_layer=layers, n_head=2)
+    trainer = transformers.Trainer(
+        model=transformers.GPT2LMHeadModel(config), data_collator=_pad, callbacks=[callback, inputs],
+        train_dataset=VariableTokens(BATCH * 2 * steps),
+        args=transformers.TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=steps,
+                                            per_device_train_batch_size=BATCH, gradient_accumulation_steps=2,
+                                            save_strategy="no", logging_strategy="no", report_to="none",
+                                            disable_tqdm=True, use_cpu=True, seed=0))
+    with RunningProcessor(kafka_bootstrap, topics):
+        trainer.train()
+        got = {s["step"]: s for s in step_records(kafka_bootstrap, topics.steps, "hf-work", steps)}
+
+    fresh = transformers.GPT2LMHeadModel(config)  # FLOPs depend on shapes, not weights
+
+    def flop_counter_mode(batch: dict) -> int:
+        with FlopCounterMode(display=False) as counter:
+            fresh(**batch).loss.backward()
+        return counter.get_total_flops()
+
+    dense = layers * 12 * width * width + 64 * width  # the blocks' matmul weights and the (tied) LM head
+    shapes = {tuple(b["input_ids"].shape) for mbs in inputs.steps.values() for b in mbs}
+    assert len({sum(b["input_ids"].numel() for b in mbs) for mbs in inputs.steps.values()}) > 1  # tokens vary
+    for step, micro_batches in inputs.steps.items():
+        w = got[step]["work"]
+        assert len(micro_batches) == 2
+        assert w["tokens"] == sum(b["input_ids"].numel() for b in micro_batches)
+        assert w["samples"] == 2 * BATCH
+        assert w["flops_source"] == "counted"
+        assert w["flops"] == sum(flop_counter_mode(b) for b in micro_batches)
+        attention = sum(12 * b["input_ids"].shape[0] * b["input_ids"].shape[1] ** 2 * width * layers
+                        for b in micro_batches)  # QK^T and AV, forward and backward
+        assert 0 < w["flops"] - 6 * dense * w["tokens"] <= attention
+        assert w["peak_flops"] == 0.5e12
+        assert w["mfu"] == w["flops"] / (got[step]["step_time_ns"] / 1e9 * 0.5e12)
+        assert w["tokens_per_s"] == w["tokens"] / (got[step]["step_time_ns"] / 1e9)
+    assert inputs.work.counted_regions == len(shapes)  # once per input shape, never per step
+
+
 def test_report_to_profstream_takes_its_options_from_the_environment(kafka_bootstrap, topics, tmp_path,
                                                                      monkeypatch):
     steps = 4

@@ -325,3 +325,26 @@ def webhook(
 ) -> None:
     """Alertmanager's webhook receiver alone: firing alerts with a run label become capture requests."""
     _serve(bootstrap, topic_prefix, policy, False, port, addr, token_file, web_config)
+
+
+@app.command()
+def advise(
+    run: Annotated[str, typer.Option("--run", help="the run to advise on")],
+    bootstrap: BootstrapOpt = None,
+    kafka_config: KafkaConfigOpt = None,
+    kafka_property: KafkaPropertyOpt = None,
+    topic_prefix: PrefixOpt = "profstream",
+    steps: Annotated[int, typer.Option(min=1, help="newest StepMetrics of each rank to read, about")] = 200,
+) -> None:
+    """What to do about a live run's starved steps and long tails, rank by rank, with the figures."""
+    from profstream.sinks.advise import advice_lines, run_advice
+
+    boot, topics = connect(bootstrap, topic_prefix)
+    try:
+        ranks = run_advice(boot, topics, run, steps)
+    except RuntimeError as e:
+        fail(str(e))
+    if not ranks:
+        fail(f"no step of run {run} on {topics.steps}: check --run (and --topic-prefix), or that its processors run")
+    for line in advice_lines(ranks):
+        out.print(line, highlight=False, soft_wrap=True)

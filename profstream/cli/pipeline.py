@@ -24,17 +24,21 @@ from profstream.config import check_name
 
 
 def sim_config(run_id, ranks, steps, ops_per_step, step_time_ms, comm_share, seed, stall, straggler,
-                straggler_factor, leak_bytes_per_step, rate, device_counters=False, throttle=None):
+                straggler_factor, leak_bytes_per_step, rate, device_counters=False, throttle=None, **work):
+    """A SimConfig of the command's options; ``work``: the SimConfig fields of the steps' work
+    (batch_size, seq_len, flops_per_token, peak_tflops, slowdown as "A:B", slowdown_factor)."""
     from profstream.simulate import SimConfig
 
     check_name(run_id, "run id")
     try:
+        if work.get("slowdown") is not None:
+            work["slowdown"] = parse_range(work["slowdown"], "--slowdown")
         return SimConfig(run_id=run_id, ranks=ranks, steps=steps, ops_per_step=ops_per_step,
                          step_time_ms=step_time_ms, comm_share=comm_share, seed=seed,
                          stall=parse_range(stall, "--stall"), straggler_rank=straggler,
                          straggler_factor=straggler_factor, leak_bytes_per_step=leak_bytes_per_step,
                          rate=rate, device_counters=device_counters or throttle is not None,
-                         throttle=parse_range(throttle, "--throttle"))
+                         throttle=parse_range(throttle, "--throttle"), **work)
     except ValueError as e:
         fail(str(e))
 
@@ -61,6 +65,15 @@ def simulate(
                                                        "cuda:r")] = False,
     throttle: Annotated[str | None, typer.Option(help="thermal throttling on steps A:B (inclusive); implies "
                                                       "--device-counters")] = None,
+    batch_size: Annotated[int, typer.Option(min=0, help="samples per step, each of --seq-len tokens: the steps' "
+                                                        "work, for throughput (0: none)")] = 0,
+    seq_len: Annotated[int, typer.Option(min=1, help="tokens per sample")] = 512,
+    flops_per_token: Annotated[float, typer.Option(min=0.0, help="model FLOPs of a token, given per step (MFU "
+                                                               "with --peak-tflops)")] = 0.0,
+    peak_tflops: Annotated[float | None, typer.Option(min=0.001, help="the Monitors' peak_tflops")] = None,
+    slowdown: Annotated[str | None, typer.Option(help="steps A:B (inclusive) take --slowdown-factor longer "
+                                                      "for the same work (MFURegression)")] = None,
+    slowdown_factor: Annotated[float, typer.Option(min=0.01)] = 2.0,
     topic_prefix: PrefixOpt = "profstream",
     procs: Annotated[int, typer.Option(help="producer processes that share the ranks out, each with the "
                                             "Monitors of its ranks (1 to --ranks)")] = 1,
@@ -73,7 +86,9 @@ def simulate(
     from profstream.simulate_procs import run_in_processes, shares
 
     cfg = sim_config(run_id, ranks, steps, ops_per_step, step_time_ms, comm_share, seed, stall, straggler,
-                      straggler_factor, leak_bytes_per_step, rate, device_counters, throttle)
+                      straggler_factor, leak_bytes_per_step, rate, device_counters, throttle, batch_size=batch_size,
+                      seq_len=seq_len, flops_per_token=flops_per_token, peak_tflops=peak_tflops, slowdown=slowdown,
+                      slowdown_factor=slowdown_factor)
     try:
         shares(cfg.ranks, procs)
     except ValueError:

@@ -193,7 +193,8 @@ def instrument_from_environment() -> Any:
         torch_opts = resolve(TORCH_OPTIONS, environ={k: v for k, v in os.environ.items()
                                                      if k != "PROFSTREAM_OPTIONS"})
         handle = TorchInstrumentation(None, {}, torch_opts["capture_ops"], mark_steps=True, lazy=True,
-                                      compiled_walk=torch_opts["compiled_walk"])
+                                      compiled_walk=torch_opts["compiled_walk"], work_figures=torch_opts["work_figures"],
+                                      count_flops=torch_opts["count_flops"])
         handle.attach(None, None, None)
         close_at_exit(handle)
         _handle = handle

@@ -56,6 +56,8 @@ class ProfstreamCallback(StepsCallback, Callback):
         if steps is not None and not steps.in_step:
             self._step_opened_at = trainer.global_step
             steps.begin(trainer.global_step)
+        if steps is not None:
+            steps.work_batch(batch)  # a micro-batch: its tokens, samples and FLOP count
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         if self.steps is not None:

@@ -16,6 +16,9 @@ Where each mark comes from:
 - memory: torch.cuda memory statistics at E when CUDA is there, else the process RSS.
 - ops: torch.profiler on the window start_step / stop_step / every_n_steps
   (``torch_capture``).
+- work: tokens and samples of each DataLoader batch, and the step's model FLOPs counted
+  once per input shape with torch's FlopCounterMode (``torch_work``), handed to the
+  Monitor before the step's end mark.
 
 Nothing here raises into the training loop: an internal error is logged once with its
 traceback and switches the instrumentation off; the training goes on untouched.
@@ -31,7 +34,10 @@ from typing import Any
 
 from profstream.config import ConfigError, Option, resolve
 from profstream.integrations.torch_capture import OpCapture, OpWindow
+from profstream.integrations.torch_loader import LoaderSampler
 from profstream.integrations.torch_sources import RssReader, TimedIterator
+from profstream.integrations.torch_work import StepWork
+from profstream.integrations.torch_work import send as send_work
 
 log = logging.getLogger("profstream.torch")
 
@@ -44,6 +50,11 @@ TORCH_OPTIONS: tuple[Option, ...] = (
            "capture ops with torch.profiler on the steps of start_step / stop_step / every_n_steps"),
     Option("compiled_walk", "bool", True,
            "read captured CPU-only traces with the compiled walk (built in the background at first use)"),
+    Option("work_figures", "bool", True,
+           "find each step's tokens and samples in its batches and its model FLOPs, for throughput and MFU"),
+    Option("count_flops", "bool", True,
+           "count the model FLOPs with torch's FlopCounterMode once per input shape (false: take those torch.profiler "
+           "counts on captured steps)"),
 )
 QUEUE_NAME = "dataloader"
 
@@ -72,7 +83,8 @@ def instrument(model: Any = None, optimizer: Any = None, loader: Any = None, mon
         raise ConfigError(f"options {', '.join(sorted(monitor_opts))} configure a new Monitor: "
                           "give them to Monitor(...) or leave out monitor=")
     inst = TorchInstrumentation(monitor, monitor_opts, torch_opts["capture_ops"], mark_steps,
-                                compiled_walk=torch_opts["compiled_walk"])
+                                compiled_walk=torch_opts["compiled_walk"], work_figures=torch_opts["work_figures"],
+                                count_flops=torch_opts["count_flops"])
     if inst.active:  # a disabled Monitor: no hooks at all, the loop runs as without profstream
         inst.attach(model, optimizer, loader)
     close_at_exit(inst)
@@ -121,10 +133,18 @@ class TorchInstrumentation:
     """The hooks of one ``instrument()`` call and the step state they share."""
 
     def __init__(self, monitor: Any, monitor_options: dict, capture_ops: bool, mark_steps: bool,
-                 lazy: bool = False, compiled_walk: bool = True) -> None:
+                 lazy: bool = False, compiled_walk: bool = True, work_figures: bool = True,
+                 count_flops: bool = True) -> None:
         import torch
 
         self._torch = torch
+        # the steps' work: found in the batches the hooks see (loop-marked steps: none, the
+        # loop gives it with Monitor.work or step(tokens=...))
+        self.work = StepWork(torch, count_flops) if work_figures and mark_steps else None
+        self.work_figures = work_figures
+        self.count_flops = count_flops
+        self._peak_set = False
+        self._loader: Any = None  # LoaderSampler of the multi-worker DataLoader (False: readings off)
         self.cuda = torch.cuda.is_available()
         self.capture_ops = capture_ops
         self.compiled_walk = compiled_walk
@@ -178,7 +198,8 @@ class TorchInstrumentation:
             window = OpWindow.of(monitor.options)
             _hand_op_window_to_producer(monitor)
             self.capture = OpCapture(monitor, window, self.cuda, self._fail, self.compiled_walk,
-                                     collective_bytes=monitor.options.get("collective_bytes", False))
+                                     collective_bytes=monitor.options.get("collective_bytes", False),
+                                     with_flops=self.work_figures and not self.count_flops)
         elif getattr(monitor, "capture_plan", None) is not None:
             monitor.capture_plan.unavailable = "op capture is off in this process (capture_ops=False)"
         if not self.cuda:
@@ -233,6 +254,10 @@ class TorchInstrumentation:
             self._guard(self._finish_run)
         self.active = False
         self._remove_hooks()
+        if self.work is not None:
+            self.work.forget()  # a count still running (a loop that died in a step) is stopped
+        if self._loader:
+            self._loader.stop()  # its last readings go with the Monitor's close
         if self.capture is not None:
             try:
                 self.capture.close(timeout)
@@ -318,9 +343,14 @@ class TorchInstrumentation:
             return None
         return self._guard(self._on_batch_request, it)
 
-    def after_batch(self, s_ns: int, queued: int, capacity: int) -> None:
+    def after_batch(self, s_ns: int, queued: int, capacity: int, batch: Any = None, it: Any = None,
+                    worker: int = -1) -> None:
         if self.active:
             self._guard(self._on_batch_ready, s_ns, queued, capacity)
+            if capacity > 0 and it is not None and self.active:  # a multi-worker DataLoader: its workers read
+                self._guard(self._loader_batch, it, worker)
+            if self.work is not None and self.mark_steps and self._in_step and self.active:
+                self._guard(self.work.batch, batch)  # trainers tell their steps' batches themselves
 
     # -- step logic -------------------------------------------------------------------
 
@@ -394,6 +424,8 @@ class TorchInstrumentation:
         if self._in_step and not (self._fp_marked or self._bp_marked or self._last_opt_end is not None):
             self.monitor.cancel_step()
             self._in_step = False
+            if self.work is not None:
+                self.work.forget()
             return None
         return self._end_step(self._last_opt_end)
 
@@ -403,12 +435,46 @@ class TorchInstrumentation:
             return None
         e_ns = _time_ns() if e_ns is None else e_ns
         self._sample_memory(e_ns)
+        if self.work is not None:
+            self._send_work()
         self.monitor.end_step(e_ns)
         self._in_step = False
         self._prev_end = e_ns
         self._ended_fp_ns = self._fp_ns
         self._fp_marked = self._bp_marked = False
         return self._step
+
+    def _loader_batch(self, it: Any, worker: int) -> None:
+        if self._loader is None:
+            interval = getattr(self.monitor, "options", {}).get("host_sample_interval_s", 0)
+            if not interval:
+                self._loader = False  # readings off
+                return
+            self._loader = LoaderSampler(self.monitor, interval)
+        if self._loader:
+            self._loader.batch(it, worker)
+
+    def _send_work(self) -> None:
+        """The ending step's work to the Monitor, before its end mark; the device's peak
+        looked up at the first count, for the dtype it saw."""
+        work = self.work.take()
+        if work[2] is not None and not self._peak_set:
+            self._peak_set = True
+            self._set_peak(self.work.dtype)
+        send_work(self.monitor, *work)
+
+    def _set_peak(self, counted_dtype: str | None) -> None:
+        monitor = self.monitor
+        options = getattr(monitor, "options", {})
+        if options.get("peak_tflops") is not None or not hasattr(monitor, "set_device_peak"):
+            return
+        dtype = options.get("compute_dtype") or counted_dtype
+        torch = self._torch
+        if self.cuda and torch.cuda.is_initialized():
+            name = torch.cuda.get_device_name(torch.cuda.current_device())
+        else:
+            name = str(options.get("device", "cpu"))
+        monitor.set_device_peak(name, dtype)
 
     def _follow_monitor_step(self) -> bool:
         """mark_steps=False: the loop marks steps. On the first forward of a new step, move

@@ -44,6 +44,7 @@ from profstream.integrations.torch_ops import (
     to_op_columns,
     tree_op_columns,
 )
+from profstream.processors.throughput import CATEGORIES, op_category
 
 log = logging.getLogger("profstream.torch")
 
@@ -78,6 +79,9 @@ class OpWindow:
 # What the profiler records on the steps of the schedule (capture requests bring their own).
 SCHEDULED = {"activities": frozenset(("cpu", "cuda")), "record_shapes": False, "profile_memory": False,
              "with_stack": False}
+# With with_flops (the step's FLOPs from its captured ops: count_flops off), every capture
+# also has torch.profiler count the FLOPs of its matmuls and convolutions.
+WITH_FLOPS = {"with_flops": True}
 
 
 class OpCapture:
@@ -85,7 +89,7 @@ class OpCapture:
     Monitor's ``capture_plan``, and feeds the ops to the Monitor."""
 
     def __init__(self, monitor: Any, window: OpWindow, run_has_device: bool, on_error: Any,
-                 compiled_walk: bool = True, collective_bytes: bool = False) -> None:
+                 compiled_walk: bool = True, collective_bytes: bool = False, with_flops: bool = False) -> None:
         self.monitor = monitor
         self.window = window
         self.plan = getattr(monitor, "capture_plan", None)
@@ -106,6 +110,7 @@ class OpCapture:
         self._saving_fp_ns: int | None = None
         self._saving_count: GroupCount | None = None  # the process group's calls at the saved step's end
         self.collective_bytes = collective_bytes  # record shapes: collectives carry their message sizes
+        self.with_flops = with_flops  # the profiler counts FLOPs: a captured step's are sent (Monitor.ops_flops)
         self._threads = HostThreads()
         self._node_names = NodeNames()
         # CPU-only runs read the event tree: compiled once it is built and has read a
@@ -168,10 +173,11 @@ class OpCapture:
             if upcoming is not None and not self.failed:
                 armed = plan.claim(upcoming)
                 if armed is not None:
-                    return armed.settings
+                    return {**armed.settings, **WITH_FLOPS} if self.with_flops else armed.settings
         if upcoming is None or upcoming not in self.window:
             return None
-        return {**SCHEDULED, "record_shapes": True} if self.collective_bytes else SCHEDULED
+        settings = {**SCHEDULED, "record_shapes": True} if self.collective_bytes else SCHEDULED
+        return {**settings, **WITH_FLOPS} if self.with_flops else settings
 
     @property
     def running(self) -> bool:
@@ -222,7 +228,7 @@ class OpCapture:
             activities.append(ProfilerActivity.CUDA)
         self._profiler = profile(activities=activities, schedule=self._schedule, on_trace_ready=self._trace_ready,
                                  record_shapes=settings["record_shapes"], profile_memory=settings["profile_memory"],
-                                 with_stack=settings["with_stack"])
+                                 with_stack=settings["with_stack"], with_flops=settings.get("with_flops", False))
         self._settings = settings
         self._profiler.start()
 
@@ -304,7 +310,25 @@ class OpCapture:
             self.ops_sent += len(cols)
             if count is not None:
                 self._send_collectives(step, results, cols, count)
+        if self.with_flops:
+            self._send_flops(step, results)
         return len(cols)
+
+    def _send_flops(self, step: int, results: Any) -> None:
+        """The FLOPs torch.profiler counted for the step's ops (with_flops: its matmuls and
+        convolutions, each counted on the op that ran them), by category, as the step's
+        FLOPs where it has none given or counted (source ops)."""
+        by_category = [0.0] * len(CATEGORIES)
+        total = 0.0
+        for e in results.events():
+            flops = e.flops()
+            if flops > 0:
+                total += flops
+                category = op_category(e.name())
+                if category >= 0:
+                    by_category[category] += flops
+        if total > 0:
+            self.monitor.ops_flops(step, total, *by_category)
 
     def _send_collectives(self, step: int, results: Any, cols: OpColumns, count: GroupCount) -> None:
         """The step's collective calls, numbered in their process group (torch_collectives)."""

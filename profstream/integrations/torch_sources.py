@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from profstream.integrations.torch_loader import next_worker
+
 
 class TimedIterator:
     """A DataLoader iterator that tells the instrumentation when a batch is asked for and
@@ -32,8 +34,9 @@ class TimedIterator:
         if s_ns is None:
             return next(self._it)
         queued, capacity = waiting_batches(self._it)
+        worker = next_worker(self._it) if capacity > 0 else -1
         batch = next(self._it)  # StopIteration and the loader's own errors go to the loop as they are
-        inst.after_batch(s_ns, queued, capacity)
+        inst.after_batch(s_ns, queued, capacity, batch, self._it, worker)
         return batch
 
 

@@ -109,7 +109,12 @@ class TrainerSteps(TorchInstrumentation):
     def __init__(self, options: dict[str, Any]) -> None:
         torch_options, monitor_options = split_options(options)
         super().__init__(None, monitor_options, torch_options["capture_ops"], mark_steps=False,
-                         compiled_walk=torch_options["compiled_walk"])
+                         compiled_walk=torch_options["compiled_walk"], work_figures=torch_options["work_figures"],
+                         count_flops=torch_options["count_flops"])
+        if torch_options["work_figures"]:  # the trainer tells the steps' batches (work_batch)
+            from profstream.integrations.torch_work import StepWork
+
+            self.work = StepWork(self._torch, torch_options["count_flops"])
         self.listening = True  # batch requests are the training loop's (off while it evaluates)
         self.next_step: int | None = None  # the step the next batch request begins, once known
         self._asked_ns: int | None = None  # the first batch request since the last step ended
@@ -132,6 +137,12 @@ class TrainerSteps(TorchInstrumentation):
         """``optimizer.step()`` is about to run (the first time in the step counts)."""
         if self.active and self._in_step and not self._bp_marked:
             self._guard(self._mark_backward_end)
+
+    def work_batch(self, batch: Any) -> None:
+        """A micro-batch of the open step is trained on now (its forward comes next): its
+        tokens and samples, and the region of its FLOP count."""
+        if self.active and self._in_step and self.work is not None:
+            self._guard(self.work.batch, batch)
 
     def end(self) -> None:
         """The trainer's step is over."""

@@ -36,12 +36,25 @@ class ProfstreamCallback(StepsCallback, TrainerCallback):
 
     log = logging.getLogger("profstream.transformers")
 
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self._inputs_hook: Any = None
+
     def on_train_begin(self, args: Any, state: Any, control: Any, train_dataloader: Any = None,
-                       **kwargs: Any) -> None:
+                       model: Any = None, **kwargs: Any) -> None:
         steps = self.start_steps(args.process_index, args.world_size, args.run_name, state.global_step)
         loader = getattr(train_dataloader, "base_dataloader", train_dataloader)  # accelerate wraps it
         if steps is not None and isinstance(loader, DataLoader):
             steps.attach_loader(loader)
+        if steps is not None and steps.work is not None and model is not None:
+            # the inputs of each forward of a step: a micro-batch (accelerate's loader fetches
+            # one batch ahead, so the batches the loader returns are not the step's)
+            self._inputs_hook = model.register_forward_pre_hook(self._forward_inputs, with_kwargs=True)
+
+    def _forward_inputs(self, _model: Any, args: tuple, kwargs: dict) -> None:
+        steps = self.steps
+        if steps is not None and steps.in_step:
+            steps.work_batch(kwargs if kwargs else args)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.steps is not None:
@@ -56,6 +69,9 @@ class ProfstreamCallback(StepsCallback, TrainerCallback):
             self.steps.end()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        hook, self._inputs_hook = self._inputs_hook, None
+        if hook is not None:
+            hook.remove()
         self.close_steps()
 
 

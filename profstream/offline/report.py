@@ -26,8 +26,10 @@ from profstream.offline import charts
 from profstream.offline.archive import ArchiveError, Loss, Tally, archive_files
 from profstream.offline.captures import Capture, archived_captures, render_captures
 from profstream.offline.replay import default_workers, replay_offline
+from profstream.offline.report_advice import advice_section
 from profstream.offline.report_collectives import communication_section
 from profstream.offline.report_devices import device_counter_section
+from profstream.offline.report_work import work_kpis, work_section
 from profstream.processors.stream import StreamOptions
 
 MAX_RANK_PANELS = 8  # per-rank stacked phase charts; the rest are in the tables
@@ -396,6 +398,7 @@ def render(data: ReportData, out_path: Path) -> str:
                 ("mean step", f"{st.mean() / 1e6:.1f} ms"),
                 ("data wait", f"{sum(s['data_wait_ns'] for s in data.steps) / st.sum():.1%}"),
                 ("utilization", *_utilization_kpi(data)),
+                *work_kpis(data.by_rank),
                 ("starved steps", len({s["step"] for s in data.steps if s["starved"]})), ("alerts fired", fired)]
         kpi_html = "".join(f'<div class="kpi" data-kpi="{_e(k)}"><b>{_e(v)}</b>{_e(label[0] if label else k)}</div>'
                            for k, v, *label in kpis)
@@ -412,6 +415,7 @@ def render(data: ReportData, out_path: Path) -> str:
             '<p class="sub">Shaded: steps on which a rank was starved for data. Dashed: alerts firing (red) '
             'and resolved (green), listed under Alerts.</p>',
             "<h2>Step phases</h2>", _phase_charts(data),
+            *(("<h2>Throughput and MFU</h2>", section) if (section := work_section(data.by_rank)) else ()),
             "<h2>Utilization and overlap</h2>",
             charts.line_chart("utilization", "Device utilization per rank (steps with captured ops)",
                               _per_rank_series(data, _op_figure("utilization")), "% of step time"),
@@ -425,6 +429,7 @@ def render(data: ReportData, out_path: Path) -> str:
                 data, lambda s: s["memory"]["peak"] / 2**20 if s.get("memory") and s["memory"]["peak"] >= 0
                 else float("nan")), "MiB", y_min=None),
             "<h2>Data queue</h2>", _queue_chart(data),
+            *(("<h2>Host, data loader and advice</h2>", section) if (section := advice_section(data.by_rank)) else ()),
             *(("<h2>Device counters</h2>", section) if (section := device_counter_section(data.steps)) else ()),
             *(("<h2>Device: kernel breakdown</h2>", _device(data), "<h2>Host op types</h2>")
               if has_device_windows(data.steps) else ("<h2>Op types</h2>",)),

@@ -27,6 +27,7 @@ is a re-read of a closed step and is dropped like one.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -41,20 +42,33 @@ from profstream.processors.window import (
     is_ascend_device,
     step_window,
 )
-from profstream.schema.batch import END_MARK, NO_VALUE, SECTIONS, EventBatch, column, launch_column
+from profstream.schema.batch import (
+    END_MARK,
+    NO_VALUE,
+    SECTIONS,
+    WORK_COLUMNS,
+    WORK_ROW,
+    EventBatch,
+    column,
+    empty_section,
+    launch_column,
+)
 
 _OP_COLS = ("kind", "type", "stream", "start_ns", "dur_ns", "launch_ns")
 _MEM_COLS = ("ts_ns", "allocated", "reserved", "peak")
-_QUEUE_COLS = ("queue", "ts_ns", "size")
+_QUEUE_COLS = ("queue", "ts_ns", "size", "capacity")
 _CALL_COLS = tuple(c for c, _ in CALL_COLUMNS)
 _CALL_DTYPES = dict(CALL_COLUMNS)
 _DEVICE_COLS = tuple(col for col, _ in SECTIONS["device_samples"])
+_WORK_COLS = tuple(col for col, _ in WORK_COLUMNS)
 
 
 @dataclass
 class _OpenStep:
     mark: tuple[int, int, int, int] | None = None  # S, E, F, B
     lost: tuple[int, int] = (0, 0)  # (ops, samples) of the step its producer dropped: its mark says
+    work: tuple | None = None  # the mark's work columns (WORK_COLUMNS), None: it had none
+    late_work: tuple | None = None  # those of a work row (schema.batch.WORK_ROW) for the step
     mark_seen_at: float = 0.0
     ops: list[dict] = field(default_factory=list)
     memory: list[dict] = field(default_factory=list)
@@ -86,6 +100,40 @@ class _OpenStep:
 
 _NO_CARRY = (np.empty(0, np.int64), np.empty(0, np.int64))
 _NO_AHEAD = (np.empty(0, np.uint8), np.empty(0, np.int64), np.empty(0, np.int64))
+_FLOPS_AT = _WORK_COLS.index("flops_source")
+
+
+RECENT_READINGS = 64  # batches of host or loader readings kept per rank (a minute of them at 1 s)
+
+
+def _readings(recent: deque, start_ns: int, end_ns: int, section: str) -> dict[str, np.ndarray]:
+    """The rows of the batches in ``recent`` [(first ts, last ts, rows)] whose ts_ns lies in
+    [start_ns, end_ns]; the newest batches are looked at first (a step's readings are among
+    the latest: the scan stops at the first batch wholly before it)."""
+    parts = []
+    for first, last, rows in reversed(recent):
+        if last < start_ns:
+            break
+        if first <= end_ns:
+            ts = rows["ts_ns"]
+            sel = (ts >= start_ns) & (ts <= end_ns)
+            if sel.any():
+                parts.append({c: v[sel] for c, v in rows.items()})
+    if not parts:
+        return empty_section(section)
+    if len(parts) == 1:
+        return parts[0]
+    return {c: np.concatenate([p[c] for p in parts]) for c in parts[0]}
+
+
+def _merged_work(mark: tuple | None, late: tuple | None) -> tuple | None:
+    """A step's work: its mark's, with the FLOPs of a work row where the mark has none
+    (FLOPs given or counted win over the captured ops')."""
+    if late is None or (mark is not None and mark[_FLOPS_AT] > 0):
+        return mark
+    if mark is None:
+        return late
+    return (*mark[:2], *late[2:])  # the mark's tokens and samples, the row's FLOPs, peak and split
 
 
 def _i64_bytes(values: np.ndarray) -> bytes:
@@ -120,7 +168,7 @@ def _concat(parts: list[dict], names: tuple[str, ...], dtypes: dict) -> dict[str
 _DTYPES = {"kind": np.uint8, "type": np.int32, "stream": np.int32, "start_ns": np.int64, "dur_ns": np.int64,
            "launch_ns": np.int64,
            "ts_ns": np.int64, "allocated": np.int64, "reserved": np.int64, "peak": np.int64,
-           "queue": np.int32, "size": np.int64}
+           "queue": np.int32, "size": np.int64, "capacity": np.int64}
 _DEVICE_DTYPES = dict(SECTIONS["device_samples"])
 
 
@@ -156,6 +204,10 @@ class RankAssembler:
         self._grace_wait: float | None = None  # mark time of the later step it waits for (no watermark)
         self.ended_ns: int | None = None  # the producer's end mark: it ended normally, at this time
         self.end_signal = 0  # the signal that ended it, as its end mark says (0: it closed)
+        # the latest host and data-loader readings, by time (not checkpointed: a restarted
+        # processor's first steps may have none)
+        self.recent_host: deque = deque(maxlen=RECENT_READINGS)
+        self.recent_loader: deque = deque(maxlen=RECENT_READINGS)
         # health counters (totals)
         self.late_events = 0
         self.orphan_events = 0
@@ -214,7 +266,7 @@ class RankAssembler:
         if len(q["step"]):
             remap = np.array([self._code(self._queue_codes, self.queue_names, n) for n in batch.queue_names],
                              dtype=np.int32)
-            cols = {"queue": remap[q["name_idx"]], "ts_ns": q["ts_ns"], "size": q["size"]}
+            cols = {"queue": remap[q["name_idx"]], "ts_ns": q["ts_ns"], "size": q["size"], "capacity": q["capacity"]}
             for step, part in _by_step(q["step"], cols):
                 self._bucket(step, "queues", part, len(part["ts_ns"]))
         c = batch.collectives
@@ -231,6 +283,11 @@ class RankAssembler:
                     "start_ns": c["start_ns"], "end_ns": c["start_ns"] + c["dur_ns"]}
             for step, part in _by_step(c["step"], cols):
                 self._bucket(step, "collectives", part, len(part["seq"]))
+        for section, recent in (("host_samples", self.recent_host), ("loader_samples", self.recent_loader)):
+            rows = getattr(batch, section)
+            ts = rows["ts_ns"]
+            if len(ts) and fresh:  # kept by time: a step takes those of its [S, E] when it closes
+                recent.append((int(ts.min()), int(ts.max()), rows))
         dev = batch.device_samples
         if len(dev["step"]):
             for step, part in _by_step(dev["step"], dev):
@@ -239,6 +296,10 @@ class RankAssembler:
         if len(st["step"]):
             lost_ops, lost_samples, end_signal = (column(batch, "steps", c)
                                                   for c in ("dropped_ops", "dropped_samples", "end_signal"))
+        # a mark's work: tokens or samples given (>= 0), or a FLOPs source (a batch built in
+        # memory by code older than v8 has no work columns: none)
+        has_work = ((st["tokens"] >= 0) | (st["samples"] >= 0) | (st["flops_source"] > 0)
+                    if len(st["step"]) and "flops_source" in st else None)
         for i in range(len(st["step"])):
             step = int(st["step"][i])
             if step == END_MARK:  # no step: the rank ended (``finished`` once its steps are closed)
@@ -251,9 +312,15 @@ class RankAssembler:
             entry = self._feed(step)
             if entry is None:
                 continue
+            work = tuple(st[c][i].item() for c in _WORK_COLS) if has_work is not None and has_work[i] else None
+            if st["start_ns"][i] == WORK_ROW:  # no mark: work for the step (its captured ops' FLOPs)
+                entry.late_work = work
+                self.events += fresh
+                continue
             entry.mark = (int(st["start_ns"][i]), int(st["end_ns"][i]),
                           int(st["fp_start_ns"][i]), int(st["bp_end_ns"][i]))
             entry.lost = (int(lost_ops[i]), int(lost_samples[i]))
+            entry.work = work
             entry.mark_seen_at = now
             self.events += fresh
         if None in self._fed.values():
@@ -417,10 +484,13 @@ class RankAssembler:
             type_names=self.type_names, world_size=self.world_size,
             mem_ts_ns=mem["ts_ns"], mem_allocated=mem["allocated"], mem_reserved=mem["reserved"],
             mem_peak=mem["peak"], queue=q["queue"], queue_ts_ns=q["ts_ns"], queue_size=q["size"],
+            queue_capacity=q["capacity"], host_samples=_readings(self.recent_host, S, E, "host_samples"),
+            loader_samples=_readings(self.recent_loader, S, E, "loader_samples"),
             queue_names=self.queue_names, carried_compute=self.carry[0], carried_comm=self.carry[1],
             prev_device_end_ns=prev, ahead_kind=ahead[0], ahead_start_ns=ahead[1], ahead_end_ns=ahead[2],
             collectives=Calls(self.collective_names, _concat(entry.collectives, _CALL_COLS, _CALL_DTYPES)),
             device_samples=dev, dropped_ops=entry.lost[0], dropped_samples=entry.lost[1],
+            work=_merged_work(entry.work, entry.late_work),
         )
         self.carry = carry_past_end(ev)
         window = step_window(ev)

@@ -9,8 +9,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from profstream.processors.advice import HOST_MAX_AGE_NS, step_advice
 from profstream.processors.collectives import NO_CALLS, pack_calls
 from profstream.processors.devices import device_figures
+from profstream.processors.host import host_figures
 from profstream.processors.memory import memory_figures
 from profstream.processors.model import StepEvents
 from profstream.processors.optypes import device_kind_costs, kernel_type_costs, op_type_costs
@@ -18,6 +20,7 @@ from profstream.processors.queues import queue_figures
 from profstream.processors.rolling import RollingWindow
 from profstream.processors.stalls import StallDetector, is_starved
 from profstream.processors.steptrace import step_trace
+from profstream.processors.throughput import work_figures
 from profstream.processors.utilization import utilization
 from profstream.processors.window import step_window, uncorrelated_ops
 
@@ -38,6 +41,9 @@ class RankFigures:
     rolling: RollingWindow = field(init=False)
     stall: StallDetector = field(init=False)
     starved_steps: int = 0
+    # the latest host figures and the end of their step, for the advice of steps without
+    # readings of their own (not checkpointed: a restarted processor has none until the next)
+    last_host: tuple[int, dict] | None = None
 
     def __post_init__(self) -> None:
         self.rolling = RollingWindow(self.options.rolling_steps)
@@ -66,8 +72,9 @@ class RankFigures:
         starved = is_starved(trace, queues, opts.stall_ratio)
         self.starved_steps += starved
         transition = self.stall.update(ev.step, starved)
+        work = work_figures(ev, trace["step_time_ns"], window)
         if not ev.partial:  # a step that lost events would pass for a whole one in the rolling figures
-            self.rolling.add(trace["step_time_ns"], trace["data_wait_ns"], util["utilization"])
+            self.rolling.add(trace["step_time_ns"], trace["data_wait_ns"], util["utilization"], work)
         record = {
             "run_id": ev.run_id, "rank": ev.rank, "world_size": ev.world_size, "host": ev.host,
             "device": ev.device,
@@ -91,5 +98,13 @@ class RankFigures:
             "collectives": pack_calls(ev.collectives) if ev.collectives is not None else NO_CALLS,
             "devices": device_figures(ev),
             "dropped_ops": ev.dropped_ops, "dropped_samples": ev.dropped_samples,
+            "work": work,
+            "resources": host_figures(ev),
         }
+        host = record["resources"]
+        if host is not None:
+            self.last_host = (ev.end_ns, host)
+        elif self.last_host is not None and ev.end_ns - self.last_host[0] <= HOST_MAX_AGE_NS:
+            host = self.last_host[1]
+        record["advice"] = step_advice(record, ev, host)
         return record, transition

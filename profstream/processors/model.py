@@ -59,12 +59,19 @@ class StepEvents:
     queue: np.ndarray = field(default_factory=lambda: _empty(np.int32))
     queue_ts_ns: np.ndarray = field(default_factory=_empty)
     queue_size: np.ndarray = field(default_factory=_empty)
+    queue_capacity: np.ndarray = field(default_factory=_empty)  # -1 unknown
     queue_names: list[str] = field(default_factory=list)
     # collective calls (processors/collectives.Calls: names and columns), matched across
     # ranks by the run stage; None: none
     collectives: Any = None
     # device counter samples: the columns of schema.batch.DEVICE_COLUMNS
     device_samples: dict[str, np.ndarray] = field(default_factory=lambda: empty_section("device_samples"))
+    # the step mark's work: its schema.batch.WORK_COLUMNS values in order; None: the mark had none
+    work: tuple | None = None
+    # host readings (schema.batch.HOST_COLUMNS) and data-loader readings (LOADER_COLUMNS)
+    # taken in [S, E]
+    host_samples: dict[str, np.ndarray] = field(default_factory=lambda: empty_section("host_samples"))
+    loader_samples: dict[str, np.ndarray] = field(default_factory=lambda: empty_section("loader_samples"))
     # events of the step its producer dropped (its buffer was full), as its mark says: a
     # partial step, whose op and sample figures cover only what arrived
     dropped_ops: int = 0

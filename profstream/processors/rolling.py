@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+from bisect import bisect_left, insort
+
 import numpy as np
 
 WINDOW_STEPS = 100
 _NOT_MEASURED = float("nan")
+_NO_WORK = {f"{q}_{name}": None for name in ("tokens_per_s", "samples_per_s", "mfu") for q in ("p50", "p95")}
+
+
+# The work figures the window keeps (StepMetrics ``work``), their p50 and p95 reported
+WORK_FIGURES = ("tokens_per_s", "samples_per_s", "mfu")
 
 
 class RollingWindow:
-    """Step time, data wait and utilization of the last ``n`` steps (bounded memory); a
-    step whose utilization was not measured holds NaN and counts in no utilization mean."""
+    """Step time, data wait, utilization and the work figures (tokens/s, samples/s, MFU)
+    of the last ``n`` steps (bounded memory); a step whose utilization or work figure was
+    not measured holds NaN there and counts in no mean or percentile of it."""
 
     def __init__(self, n: int = WINDOW_STEPS) -> None:
         if n < 1:
@@ -19,22 +27,44 @@ class RollingWindow:
         self._step_time = np.zeros(n, np.int64)
         self._data_wait = np.zeros(n, np.int64)
         self._utilization = np.zeros(n, np.float64)
+        # per work figure: its value in each slot (None: the step had none), and the window's
+        # values sorted (their percentiles in O(1); a step adds and removes one in O(n) memmove)
+        self._work: dict[str, list[float | None]] = {name: [None] * n for name in WORK_FIGURES}
+        self._sorted: dict[str, list[float]] = {name: [] for name in WORK_FIGURES}
         self._added = 0
 
     def __len__(self) -> int:
         return min(self._added, self.n)
 
-    def add(self, step_time_ns: int, data_wait_ns: int, utilization: float | None) -> None:
+    def add(self, step_time_ns: int, data_wait_ns: int, utilization: float | None,
+            work: dict | None = None) -> None:
+        """One step; ``work``: its StepMetrics work figures (None: it had none)."""
         i = self._added % self.n
         self._step_time[i] = step_time_ns
         self._data_wait[i] = data_wait_ns
         self._utilization[i] = _NOT_MEASURED if utilization is None else utilization
+        if work is not None or self._has_work:  # a run without work figures never touches them
+            for name, ring in self._work.items():
+                ordered = self._sorted[name]
+                old = ring[i]
+                if old is not None:
+                    del ordered[bisect_left(ordered, old)]
+                value = ring[i] = None if work is None else work.get(name)
+                if value is not None:
+                    insort(ordered, value)
         self._added += 1
+
+    @property
+    def _has_work(self) -> bool:
+        """Whether a step of the window had a work figure."""
+        return any(self._sorted.values())
 
     def to_state(self) -> dict:
         """Everything needed to rebuild this window (for the processor's checkpoint)."""
         return {"added": self._added, "step_time": self._step_time.tobytes(),
-                "data_wait": self._data_wait.tobytes(), "utilization": self._utilization.tobytes()}
+                "data_wait": self._data_wait.tobytes(), "utilization": self._utilization.tobytes(),
+                **{name: np.array([_NOT_MEASURED if v is None else v for v in ring]).tobytes() if self._has_work
+                   else b"" for name, ring in self._work.items()}}
 
     @classmethod
     def from_state(cls, n: int, state: dict) -> RollingWindow:
@@ -47,15 +77,23 @@ class RollingWindow:
         window._step_time[:] = step_time
         window._data_wait[:] = np.frombuffer(state["data_wait"], np.int64)
         window._utilization[:] = np.frombuffer(state["utilization"], np.float64)
+        for name in WORK_FIGURES:
+            saved = state.get(name) or b""  # empty: no step of the window had work figures (or v2)
+            if saved:
+                ring = window._work[name] = [v if v == v else None for v in np.frombuffer(saved, np.float64).tolist()]
+                window._sorted[name] = sorted(v for v in ring if v is not None)
         return window
 
     def _replay(self, state: dict, step_time: np.ndarray) -> None:
         old_n, added = len(step_time), state["added"]
         data_wait = np.frombuffer(state["data_wait"], np.int64)
         util = np.frombuffer(state["utilization"], np.float64)
+        work = {name: np.frombuffer(state[name], np.float64) for name in WORK_FIGURES if state.get(name)}
         for i in range(max(0, added - old_n), added):
             j = i % old_n
-            self.add(int(step_time[j]), int(data_wait[j]), float(util[j]))  # NaN stays not measured
+            values = {name: float(ring[j]) for name, ring in work.items() if ring[j] == ring[j]}
+            self.add(int(step_time[j]), int(data_wait[j]), float(util[j]),  # NaN stays not measured
+                     values or None)
 
     def figures(self) -> dict[str, int | float]:
         """``{window, mean/p50/p95_step_time_ns, data_wait_share, mean_utilization}``.
@@ -64,12 +102,13 @@ class RollingWindow:
         linear interpolation between the closest ranks. data_wait_share is
         sum(data_wait) / sum(step_time). All values are 0 while the window is empty, but
         mean_utilization: the mean over the steps whose utilization was measured, None
-        when none was.
+        when none was; the p50 and p95 of each work figure over the steps that had it,
+        None when none did.
         """
         count = len(self)
         if count == 0:
             return {"window": 0, "mean_step_time_ns": 0.0, "p50_step_time_ns": 0.0,
-                    "p95_step_time_ns": 0.0, "data_wait_share": 0.0, "mean_utilization": None}
+                    "p95_step_time_ns": 0.0, "data_wait_share": 0.0, "mean_utilization": None, **_NO_WORK}
         step_time = self._step_time[:count]
         ordered = np.sort(step_time)
         p50, p95 = _linear_percentile(ordered, 0.50), _linear_percentile(ordered, 0.95)
@@ -84,16 +123,26 @@ class RollingWindow:
             "p95_step_time_ns": float(p95),
             "data_wait_share": wait_sum / step_sum if step_sum > 0 else 0.0,
             "mean_utilization": float(measured.mean()) if len(measured) else None,
+            **(self._work_figures() if self._has_work else _NO_WORK),
         }
 
+    def _work_figures(self) -> dict[str, float | None]:
+        out: dict[str, float | None] = {}
+        for name, ordered in self._sorted.items():
+            out[f"p50_{name}"] = _linear_percentile(ordered, 0.50, float) if ordered else None
+            out[f"p95_{name}"] = _linear_percentile(ordered, 0.95, float) if ordered else None
+        return out
 
-def _linear_percentile(ordered: np.ndarray, q: float) -> float:
+
+def _linear_percentile(ordered, q: float, cast=int) -> float:
     """``np.percentile(values, 100 * q)`` (default 'linear' method), bit for bit, of sorted
-    int64 values, without numpy's per-call machinery (~50 us, once per step and rank)."""
+    int64 values (``cast=float``: floats), without numpy's per-call machinery (~50 us,
+    once per step and rank)."""
     index = (len(ordered) - 1) * q
     lo = int(index)
     t = index - lo
-    a = int(ordered[lo])
-    b = int(ordered[min(lo + 1, len(ordered) - 1)])
+    a = cast(ordered[lo])
+    b = cast(ordered[min(lo + 1, len(ordered) - 1)])
     d = b - a
     return float(b) - d * (1 - t) if t >= 0.5 else float(a) + d * t
+

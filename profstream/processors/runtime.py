@@ -32,7 +32,7 @@ from profstream.processors.collectives import check_calls, packed_step_collectiv
 from profstream.processors.figures import FigureOptions, RankFigures
 from profstream.processors.health import EVENT_FAMILIES, ProcessorHealth, StageCounts
 from profstream.processors.lag import LagProbe
-from profstream.processors.ranks import rank_figures
+from profstream.processors.ranks import rank_figures, run_work_figures
 from profstream.processors.stalls import stall_alert
 from profstream.schema.batch import END_MARK, decode_batch
 from profstream.schema.codec import (
@@ -277,6 +277,7 @@ class _RunState:
     pending: dict[int, dict[int, int]] = field(default_factory=dict)  # step -> rank -> step_time_ns
     calls: dict[int, dict[int, dict]] = field(default_factory=dict)  # step -> rank -> its collective calls (packed)
     unmeasured: dict[int, set[int]] = field(default_factory=dict)  # step -> ranks that reported it without ops
+    work: dict[int, dict[int, tuple]] = field(default_factory=dict)  # step -> rank -> its throughput and MFU
     ended: dict[int, int | None] = field(default_factory=dict)  # rank -> its last step, from its RankEnd
     first_offset: dict[int, int] = field(default_factory=dict)  # step -> input offset
     first_seen: dict[int, float] = field(default_factory=dict)
@@ -357,6 +358,10 @@ class RunStage:
             run.first_offset[step] = rec.offset
             run.first_seen[step] = now
         run.pending[step][m["rank"]] = m["step_time_ns"]
+        work = m["work"]
+        if work is not None:
+            run.work.setdefault(step, {})[m["rank"]] = (work["tokens_per_s"], work["samples_per_s"],
+                                                         work["flops_per_s"], work["mfu"])
         if not m["op_count"]:  # its ops (collectives too) were not captured on that rank
             run.unmeasured.setdefault(step, set()).add(m["rank"])
         if m["collectives"]["count"]:
@@ -383,7 +388,7 @@ class RunStage:
                     break
                 everyone = range(run.world_size) if run.world_size else sorted(run.ranks)
                 out.append(self._emit(run_id, step, reported, run.calls.pop(step, {}), everyone,
-                                      run.unmeasured.pop(step, set())))
+                                      run.unmeasured.pop(step, set()), run.work.pop(step, {})))
                 del run.pending[step], run.first_offset[step], run.first_seen[step]
                 run.floor = step + 1
                 self._changed.add(run_id)
@@ -395,11 +400,11 @@ class RunStage:
         return out
 
     def _emit(self, run_id: str, step: int, step_times: dict[int, int], calls: dict[int, dict],
-              everyone: Iterable[int], unmeasured: set[int]) -> Output:
+              everyone: Iterable[int], unmeasured: set[int], work: dict[int, tuple]) -> Output:
         figures = rank_figures(step_times)
         record = {"run_id": run_id, "step": step, **figures,
                   "step_times_ns": {str(r): t for r, t in sorted(step_times.items())},
-                  **packed_step_collectives(calls, list(everyone), unmeasured)}
+                  **packed_step_collectives(calls, list(everyone), unmeasured), "work": run_work_figures(work)}
         self.counts.run_steps += 1
         return Output(self.topics.run, run_id.encode(), encode_run_step_metrics(record), None)
 

@@ -88,6 +88,11 @@ class StallDetector:
         return detector
 
 
+def advice_text(advice: list) -> str:
+    """The advice lines of a step as sentences (processors/advice.py writes them)."""
+    return " ".join(f"{a['text'][0].upper()}{a['text'][1:]}." for a in advice)
+
+
 def stall_alert(step_metrics: Mapping[str, Any], transition: str, stall_steps: int, since_step: int | None,
                 starved_steps: int) -> dict:
     """The Alert record of a DataQueueStall ``transition`` ("firing" or "resolved") at the
@@ -97,15 +102,18 @@ def stall_alert(step_metrics: Mapping[str, Any], transition: str, stall_steps: i
     m = step_metrics
     run_id, rank = m["run_id"], m["rank"]
     firing = transition == FIRING
+    advice = m.get("advice") or [] if firing else []
+    evidence = {"data_wait_ns": float(m["data_wait_ns"]), "step_time_ns": float(m["step_time_ns"]),
+                "starved_steps_total": float(starved_steps)}
+    for a in advice:  # the figures the advice read, under its rule's name
+        evidence.update((f"{a['rule']}.{k}", v) for k, v in a["figures"].items())
     return {
         "name": STALL_ALERT, "state": transition, "run_id": run_id, "rank": rank,
         "step": m["step"], "ts_ns": m["end_ns"],
         "summary": (f"run {run_id} rank {rank}: data queue starved for {stall_steps} "
-                    f"consecutive steps (since step {since_step})" if firing else
-                    f"run {run_id} rank {rank}: data queue healthy for {stall_steps} steps"),
-        "evidence": {"data_wait_ns": float(m["data_wait_ns"]),
-                     "step_time_ns": float(m["step_time_ns"]),
-                     "starved_steps_total": float(starved_steps)},
+                    f"consecutive steps (since step {since_step})" + (f". {advice_text(advice)}" if advice else "")
+                    if firing else f"run {run_id} rank {rank}: data queue healthy for {stall_steps} steps"),
+        "evidence": evidence,
     }
 
 

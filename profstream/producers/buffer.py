@@ -67,6 +67,7 @@ class Drained(NamedTuple):
     dropped_samples: int  # device samples included
     devices: list[tuple]
     collectives: list[tuple]  # (name, group, dtype, step, seq, start_ns, dur_ns, in, out, group_size)
+    loader: list[tuple]  # data-loader readings (schema.batch.LOADER_COLUMNS), from the loader sampler's thread
 
 
 class Bounds(NamedTuple):
@@ -108,6 +109,8 @@ class EventBuffer:
         self.queues: deque = deque()
         self.devices: deque = deque()  # device counter samples (the device sampler's thread)
         self.collectives: deque = deque()
+        self.loader: deque = deque()  # data-loader readings (the loader sampler's thread)
+        self.host: deque = deque()  # host readings given to Monitor.host_sample (the Sender samples its own)
         # Monotonic counters, written by the recording thread only.
         self.dropped_ops = 0
         self.dropped_samples = 0  # step marks included
@@ -163,6 +166,14 @@ class EventBuffer:
         when the samples' reserve is full."""
         self.add_sample(self.collectives, row)
 
+    def add_loader_sample(self, row: tuple) -> None:
+        """One data-loader reading (``LOADER_COLUMNS``), or dropped and counted when their
+        reserve is full: a second writer's, counted with the device samples."""
+        if len(self.loader) < self.max_samples:
+            self.loader.append(row)
+        else:
+            self.dropped_device_samples += 1
+
     def add_device_sample(self, row: tuple) -> None:
         """One device counter sample (ts_ns, step, *DeviceSample), or dropped and counted
         when their reserve is full."""
@@ -182,9 +193,11 @@ class EventBuffer:
         queues = _take(self.queues)
         devices = _take(self.devices)
         collectives = _take(self.collectives)
+        loader = _take(self.loader)
         ops = self.take_ops(max_ops)
         return Drained(watermark, marks, memory, queues, ops, self.buffered_ops > 0,
-                       self.dropped_ops, self.dropped_samples + self.dropped_device_samples, devices, collectives)
+                       self.dropped_ops, self.dropped_samples + self.dropped_device_samples, devices, collectives,
+                       loader)
 
     def take_ops(self, limit: int) -> list[OpChunk]:
         """Up to ``limit`` buffered ops, op() tuples first, then ops() chunks (split if needed)."""
@@ -227,7 +240,8 @@ class EventBuffer:
 
     @property
     def buffered_samples(self) -> int:
-        return len(self.marks) + len(self.memory) + len(self.queues) + len(self.devices) + len(self.collectives)
+        return (len(self.marks) + len(self.memory) + len(self.queues) + len(self.devices) + len(self.collectives)
+                + len(self.loader) + len(self.host))
 
     @property
     def fill_ratio(self) -> float:
@@ -237,7 +251,7 @@ class EventBuffer:
     def empty(self) -> bool:
         """Whether nothing is waiting for the Sender."""
         return not (self.ops or self.op_chunks or self.marks or self.memory or self.queues or self.devices
-                    or self.collectives)
+                    or self.collectives or self.loader or self.host)
 
 
 def _take(buf: deque, limit: int | None = None) -> list:

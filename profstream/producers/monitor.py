@@ -28,7 +28,14 @@ from profstream.devices.backend import DeviceSample
 from profstream.kafka.connection import Connection
 from profstream.kafka.topics import Topics
 from profstream.producers.buffer import EventBuffer
-from profstream.schema.batch import END_MARK, NO_VALUE
+from profstream.schema.batch import (
+    END_MARK,
+    FLOPS_COUNTED,
+    FLOPS_GIVEN,
+    FLOPS_OPS,
+    NO_VALUE,
+    WORK_ROW,
+)
 
 log = logging.getLogger("profstream.monitor")
 
@@ -79,15 +86,52 @@ def _close_all_at_exit() -> None:
         monitor.close(timeout=5.0, ended=ended)
 
 
-class _StepContext:
-    __slots__ = ("_monitor", "_step")
+_NAN = float("nan")
 
-    def __init__(self, monitor: Monitor, step: int | None) -> None:
+
+def _count(value: Any) -> int | None:
+    """A token or sample count as the mark's i64, None when it is not one (never raises)."""
+    if type(value) is int:  # the usual case: one check
+        return value if value >= 0 else None
+    try:
+        n = int(value)  # numpy integers, a 0-d tensor
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return n if 0 <= n == value and n < 2**62 else None
+
+
+_INF = float("inf")
+
+
+def _amount(value: Any) -> float | None:
+    """A FLOP count as the mark's f64, None when it is not a finite number >= 0."""
+    if type(value) is not float:
+        try:
+            value = float(value)
+        except (TypeError, ValueError, OverflowError):
+            return None
+    return value if 0 <= value < _INF else None
+
+
+def _share(value: Any) -> float:
+    """A FLOP count of a category as the mark's f64, NaN (unknown) when it is not one."""
+    x = _amount(value)
+    return _NAN if x is None else x
+
+
+class _StepContext:
+    __slots__ = ("_monitor", "_step", "_work")
+
+    def __init__(self, monitor: Monitor, step: int | None, work: tuple) -> None:
         self._monitor = monitor
         self._step = step
+        self._work = work
 
     def __enter__(self) -> int:
-        return self._monitor.begin_step(self._step)
+        step = self._monitor.begin_step(self._step)
+        if self._work != (None, None, None):
+            self._monitor.work(*self._work)
+        return step
 
     def __exit__(self, *exc: object) -> None:
         self._monitor.end_step()
@@ -178,6 +222,16 @@ class Monitor:
         self._drops_at_start = (0, 0)  # the buffer's drop counts when the open step began
         self._end_signal = 0  # the signal that ends this process, once one arrived (its end mark says so)
         self.partial_steps = 0  # steps whose mark says they lost events
+        # The open step's work (docs/figures.md, "Throughput and MFU"): what the user gave,
+        # what an integration counted, and the device's peak FLOP/s (NaN: unknown).
+        self._tokens: int | None = None
+        self._samples: int | None = None
+        self._flops: float | None = None  # given
+        self._counted: tuple[float, float, float, float] | None = None  # flops, matmul, attention, conv
+        self._flops_per_token: float | None = opts["flops_per_token"]
+        self.peak_flops: float = _NAN
+        self._peak_unknown: str | None = None  # the one line to say when a step has FLOPs and no peak
+        self._resolve_peak(opts)
         self._auto_watermark: bool = opts["auto_watermark"]
         self._start_step = opts["start_step"]
         self._stop_step = opts["stop_step"]
@@ -270,6 +324,7 @@ class Monitor:
         self._step_start = _time_ns() if ts_ns is None else ts_ns
         self._fp_start = self._bp_end = NO_VALUE
         self._drops_at_start = self.buffer.drop_counts()
+        self._tokens = self._samples = self._flops = self._counted = None
         self._capturing = self._in_window(step)
         if self._plan_gate is not None and self._plan_gate.claim(step) is not None:
             self._capture_requested()
@@ -289,7 +344,11 @@ class Monitor:
         lost_ops, lost_samples = ops - self._drops_at_start[0], samples - self._drops_at_start[1]
         if lost_ops or lost_samples:
             self.partial_steps += 1
-        buf.add_mark((self._step, self._step_start, end_ns, self._fp_start, self._bp_end, lost_ops, lost_samples, 0))
+        mark = (self._step, self._step_start, end_ns, self._fp_start, self._bp_end, lost_ops, lost_samples, 0)
+        if self._tokens is None and self._samples is None and self._flops is None and self._counted is None:
+            buf.add_mark(mark)
+        else:
+            buf.add_mark(mark + self._work_columns())
         self._step_start = None
         if self._counting is not None:
             self._requested_step_ended(end_ns)
@@ -309,9 +368,97 @@ class Monitor:
         self._step, self._next_step = self._step_before, self._step
         self._sync_recorder()
 
-    def step(self, step: int | None = None) -> _StepContext:
-        """``with monitor.step(): ...`` marks the start and end of one step."""
-        return _StepContext(self, step)
+    def step(self, step: int | None = None, *, tokens: int | None = None, samples: int | None = None,
+             flops: float | None = None) -> _StepContext:
+        """``with monitor.step(): ...`` marks the start and end of one step; ``tokens``,
+        ``samples``, ``flops``: its work, as ``work()`` takes it."""
+        return _StepContext(self, step, (tokens, samples, flops))
+
+    # -- work: throughput and MFU ------------------------------------------------------
+
+    def work(self, tokens: int | None = None, samples: int | None = None, flops: float | None = None) -> None:
+        """Add to the open step's work: tokens and samples trained on, model FLOPs (forward
+        and backward). Called once per micro-batch, it sums them. FLOPs given here win over
+        ``flops_per_token`` and over an integration's count. A value that is not a count
+        (negative, not a number) is left out; no step open: nothing."""
+        if self._step_start is None:
+            return
+        if tokens is not None and (n := _count(tokens)) is not None:
+            self._tokens = n if self._tokens is None else self._tokens + n
+        if samples is not None and (n := _count(samples)) is not None:
+            self._samples = n if self._samples is None else self._samples + n
+        if flops is not None and (x := _amount(flops)) is not None:
+            self._flops = x if self._flops is None else self._flops + x
+
+    def counted_flops(self, flops: float, matmul: float = _NAN, attention: float = _NAN, conv: float = _NAN) -> None:
+        """The open step's model FLOPs as an integration counted them (torch's
+        FlopCounterMode, once per input shape), and those of its matrix multiplications,
+        attention and convolutions: used unless the user gave FLOPs (``work``,
+        ``flops_per_token``)."""
+        if self._step_start is not None and (x := _amount(flops)) is not None:
+            self._counted = (x, _share(matmul), _share(attention), _share(conv))
+
+    def ops_flops(self, step: int, flops: float, matmul: float = _NAN, attention: float = _NAN,
+                  conv: float = _NAN) -> None:
+        """The FLOPs the profiler counted for the captured ops of ``step``, read after the
+        step ended (torch.profiler ``with_flops``): sent as a work row, used where the step
+        has no FLOPs given or counted. Call it before ``complete_through(step)``."""
+        if self._enabled and (x := _amount(flops)) is not None:
+            self.buffer.add_sample(self.buffer.marks, (step, WORK_ROW, WORK_ROW, NO_VALUE, NO_VALUE, 0, 0, 0,
+                                                       NO_VALUE, NO_VALUE, x, FLOPS_OPS, self.peak_flops,
+                                                       _share(matmul), _share(attention), _share(conv)))
+
+    def set_device_peak(self, device_name: str, dtype: Any) -> float:
+        """The peak FLOP/s of ``device_name`` in ``dtype`` from profstream's table, for the
+        steps from now on, unless ``peak_tflops`` gave it; NaN (MFU absent, one line said
+        at the first step with FLOPs) where the table does not know them."""
+        if self.options["peak_tflops"] is None:
+            from profstream.devices.peaks import find_peak, how_to_set
+
+            _entry, peak = find_peak(device_name, dtype)
+            self.peak_flops = _NAN if peak is None else peak
+            self._peak_unknown = how_to_set(device_name, dtype) if peak is None and device_name != "cpu" else None
+        return self.peak_flops
+
+    def _resolve_peak(self, opts: dict[str, Any]) -> None:
+        """The peak from ``peak_tflops``, else from the table for the CUDA device and
+        ``compute_dtype`` when both are known here; else unknown until an integration
+        says (``set_device_peak``)."""
+        if opts["peak_tflops"] is not None:
+            self.peak_flops = opts["peak_tflops"] * 1e12
+            return
+        device, dtype = opts["device"], opts["compute_dtype"]
+        name = None
+        if dtype is not None and device.startswith("cuda") and self._enabled:
+            from profstream.devices.peaks import cuda_device_name
+
+            ordinal = device.partition(":")[2]
+            name = cuda_device_name(int(ordinal) if ordinal.isdigit() else 0)
+        if name is not None:
+            self.set_device_peak(name, dtype)
+        elif device != "cpu":  # a CPU has no table entry and says nothing: peak_tflops gives one
+            from profstream.devices.peaks import how_to_set
+
+            self._peak_unknown = how_to_set(device, dtype)
+
+    def _work_columns(self) -> tuple:
+        """The step mark's v8 columns (schema.batch.WORK_COLUMNS) of the open step."""
+        tokens = NO_VALUE if self._tokens is None else self._tokens
+        samples = NO_VALUE if self._samples is None else self._samples
+        split = (_NAN, _NAN, _NAN)
+        if self._flops is not None:
+            flops, source = self._flops, FLOPS_GIVEN
+        elif self._flops_per_token is not None and self._tokens is not None:
+            flops, source = self._flops_per_token * self._tokens, FLOPS_GIVEN
+        elif self._counted is not None:
+            flops, source, split = self._counted[0], FLOPS_COUNTED, self._counted[1:]
+        else:
+            return (tokens, samples)
+        peak = self.peak_flops
+        if peak != peak and self._peak_unknown is not None:
+            log.warning("%s", self._peak_unknown)
+            self._peak_unknown = None  # said once
+        return (tokens, samples, flops, source, peak, *split)
 
     def mark_fp_start(self, ts_ns: int | None = None) -> None:
         """Forward pass of the current step starts now (or at ``ts_ns``)."""
@@ -423,6 +570,25 @@ class Monitor:
         if self._enabled:
             self.buffer.add_device_sample((_time_ns() if ts_ns is None else ts_ns,
                                            self.sample_step if step is None else step, *sample))
+
+    def host_sample(self, cpu_user: float, cpu_system: float, cpu_idle: float, cpu_iowait: float,
+                    process_cpu: float, rss_bytes: int, ts_ns: int | None = None) -> None:
+        """Record one host reading of one's own (a simulator's): the machine's CPU shares,
+        this process's CPU (of one core) and RSS. The Monitor reads them itself every
+        ``host_sample_interval_s``."""
+        if self._enabled:
+            buf = self.buffer
+            buf.add_sample(buf.host, (_time_ns() if ts_ns is None else ts_ns, cpu_user, cpu_system, cpu_idle,
+                                      cpu_iowait, process_cpu, rss_bytes))
+
+    def loader_sample(self, row: tuple, ts_ns: int | None = None, step: int | None = None) -> None:
+        """Record one reading of a data-loader worker or of the machine: the columns of
+        ``schema.batch.LOADER_COLUMNS`` after ts_ns and step (worker, pid, interval_s, cpu,
+        runnable, batches, ctx_switches_per_s, cpu_count). The torch producer's loader
+        sampler calls this from its thread; they travel in batches of their own."""
+        if self._enabled:
+            self.buffer.add_loader_sample((_time_ns() if ts_ns is None else ts_ns,
+                                           self.sample_step if step is None else step, *row))
 
     @property
     def sample_step(self) -> int:

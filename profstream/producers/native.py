@@ -66,10 +66,10 @@ _DTYPES = {"<i4": "i4", "<i8": "i8", "|u1": "u1", "<f8": "f8"}
 FOREIGN_DICTIONARIES = ("collective_names",)
 
 # The parts of EventBuffer.drain() the native sender handles: ops and samples are recorded
-# natively, device samples and collective calls sent by the Python encoder
-# (native_sender._send_foreign).
+# natively, device samples, collective calls and data-loader readings sent by the Python
+# encoder (native_sender._send_foreign).
 KNOWN_DRAINED = {"watermark", "marks", "memory", "queues", "ops", "more_ops", "dropped_ops", "dropped_samples",
-                 "devices", "collectives"}
+                 "devices", "collectives", "loader"}
 
 _loaded: tuple[Any, str] | None = None
 _lock = threading.Lock()

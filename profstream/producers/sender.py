@@ -29,6 +29,7 @@ from profstream.kafka.topics import Topics
 from profstream.producers.buffer import EventBuffer, OpChunk, rows_chunk
 from profstream.producers.spool_sending import SpoolSending
 from profstream.schema.batch import (
+    COLUMN_FILL,
     HOST,
     I32,
     I64,
@@ -52,6 +53,8 @@ DEVICE_ROWS_PER_BATCH = 4096  # ~0.5 MB encoded: under Kafka's message limit
 # The native Monitor (native_sender) sends collective calls the same way, as EventBatch v6
 # batches of their own: its compiled encoder writes v4 alone (docs/monitor.md).
 COLLECTIVE_PRODUCER_SUFFIX = ".collectives"
+# Data-loader readings (EventBatch v8) go in batches of their own too, from either Monitor.
+LOADER_PRODUCER_SUFFIX = ".loader"
 COLLECTIVE_ROWS_PER_BATCH = 1024  # their names travel with them: a smaller batch
 # At most one message per batch interval, and after the interval one as soon as a step has
 # ended (or a batch filled, or a completed step waits); while no step ends (a long step),
@@ -164,6 +167,18 @@ def sample_columns(rows: list[tuple], columns: tuple[tuple[str, Any], ...]) -> d
     return {c: np.array(v, dtype=d) for (c, d), v in zip(columns, zip(*rows))}
 
 
+_MARK_FILL = tuple(COLUMN_FILL.get(("steps", c), NO_VALUE) for c, _ in SECTIONS["steps"])
+
+
+def mark_columns(rows: list[tuple]) -> dict[str, np.ndarray]:
+    """Step mark tuples as the steps section: a mark without its work (or with part of it)
+    has the rest filled as absent (``COLUMN_FILL``), as the native recorder fills it."""
+    width = len(_MARK_FILL)
+    if any(len(row) != width for row in rows):
+        rows = [row + _MARK_FILL[len(row):] for row in rows]
+    return sample_columns(rows, SECTIONS["steps"])
+
+
 def host_sample(process: psutil.Process) -> tuple | None:
     """One host_samples row (``SECTIONS["host_samples"]``) by psutil, None when it fails:
     host samples are best effort, a vanished /proc entry is not worth a warning."""
@@ -185,6 +200,15 @@ def collective_columns(rows: list[tuple]) -> tuple[list[str], dict[str, np.ndarr
 
 def _fill_device_samples(batch: EventBatch, rows: list[tuple]) -> None:
     batch.device_samples = sample_columns(rows, SECTIONS["device_samples"])
+
+
+def _take(rows) -> list:
+    pop = rows.popleft
+    return [pop() for _ in range(len(rows))]
+
+
+def _fill_loader_samples(batch: EventBatch, rows: list[tuple]) -> None:
+    batch.loader_samples = sample_columns(rows, SECTIONS["loader_samples"])
 
 
 def fill_collectives(batch: EventBatch, rows: list[tuple]) -> None:
@@ -247,7 +271,8 @@ class Sender(SpoolSending, threading.Thread):
         self._connect_timeout = opts["connect_timeout_s"]
         self._producer = None
         self._seq = 0
-        self._side_seq = {DEVICE_PRODUCER_SUFFIX: 0, COLLECTIVE_PRODUCER_SUFFIX: 0}  # batches of their own
+        self._side_seq = {DEVICE_PRODUCER_SUFFIX: 0, COLLECTIVE_PRODUCER_SUFFIX: 0,
+                          LOADER_PRODUCER_SUFFIX: 0}  # batches of their own
         self._sent_watermark: int | None = None
         self._reported_dropped_ops = 0
         self._reported_dropped_samples = 0
@@ -579,20 +604,24 @@ class Sender(SpoolSending, threading.Thread):
         """Drain one batch from the buffers into self._pending. False if nothing to send."""
         m, buf = self.m, self.buffer
         (watermark, marks, memory, queues, ops, more_ops, dropped_ops, dropped_samples, devices,
-         collectives) = buf.drain(min(buf.batch_max_ops, self._ops_limit))
+         collectives, loader) = buf.drain(min(buf.batch_max_ops, self._ops_limit))
         if devices:  # before the batch that may move the watermark past their steps
             self._queue_device_batches(devices)
+        if loader:
+            self._queue_loader_batches(loader)
         # what never reached Kafka is reported downstream with what the buffer dropped
         total_dropped_ops = dropped_ops + self.undelivered_ops
         total_dropped_samples = dropped_samples + self.undelivered_samples
         host = self._host_rows
         self._host_rows = []
+        if buf.host:  # readings given to Monitor.host_sample (a simulator's)
+            host += _take(buf.host)
         dropped_ops = total_dropped_ops - self._reported_dropped_ops
         dropped_samples = total_dropped_samples - self._reported_dropped_samples
         if not (marks or memory or queues or collectives or host or ops or dropped_ops or dropped_samples) and (
             watermark == self._sent_watermark
         ):
-            return bool(devices)
+            return bool(devices or loader)
         batch = EventBatch(
             run_id=m.run_id, rank=m.rank, world_size=m.options["world_size"], host=m.options["host"],
             device=m.options["device"],
@@ -611,8 +640,7 @@ class Sender(SpoolSending, threading.Thread):
         # Sections of user code's values; a section with no samples keeps the batch's empty one.
         # A value its column cannot hold drops that section alone, counted (the step marks stay).
         if marks:
-            samples -= self._section(batch, marks, lambda: setattr(batch, "steps", sample_columns(
-                marks, SECTIONS["steps"])))
+            samples -= self._section(batch, marks, lambda: setattr(batch, "steps", mark_columns(marks)))
         if memory:
             samples -= self._section(batch, memory, lambda: setattr(batch, "memory", sample_columns(
                 memory, SECTIONS["memory"])))
@@ -659,6 +687,11 @@ class Sender(SpoolSending, threading.Thread):
         samples with values that are not numbers are dropped and counted."""
         self._queue_side_batches(rows, DEVICE_PRODUCER_SUFFIX, DEVICE_ROWS_PER_BATCH, _fill_device_samples,
                                  "device samples with values that are not numbers")
+
+    def _queue_loader_batches(self, rows: list[tuple]) -> None:
+        """Data-loader readings into batches of their own (LOADER_PRODUCER_SUFFIX)."""
+        self._queue_side_batches(rows, LOADER_PRODUCER_SUFFIX, DEVICE_ROWS_PER_BATCH, _fill_loader_samples,
+                                 "data-loader readings with values that are not numbers")
 
     def _queue_side_batches(self, rows: list[tuple], suffix: str, per_batch: int, fill: Any, bad: str) -> None:
         """Rows of one section into batches of their own, under the producer id + ``suffix``

@@ -36,11 +36,21 @@ MEMORY_COLUMNS = (("ts_ns", I64), ("step", I64), ("allocated", I64), ("reserved"
 QUEUE_COLUMNS = (("name_idx", I32), ("ts_ns", I64), ("step", I64), ("size", I64), ("capacity", I64))
 # v7: a mark says what its step lost (dropped_ops, dropped_samples: a partial step) and
 # the end mark why the producer ended (end_signal: the signal number, 0 for a close)
+LOSS_COLUMNS = (("dropped_ops", I64), ("dropped_samples", I64), ("end_signal", I64))
+# v8: the step's work after them (WORK_COLUMNS; a mark row without them is filled from
+# COLUMN_FILL: absent). A row whose start_ns is WORK_ROW is no mark: it carries work for a
+# step whose mark came earlier (the FLOPs of its captured ops, read after it ended).
+WORK_COLUMNS = (("tokens", I64), ("samples", I64), ("flops", F64), ("flops_source", U8), ("peak_flops", F64),
+                ("matmul_flops", F64), ("attention_flops", F64), ("conv_flops", F64))
 STEP_COLUMNS = (("step", I64), ("start_ns", I64), ("end_ns", I64), ("fp_start_ns", I64), ("bp_end_ns", I64),
-                ("dropped_ops", I64), ("dropped_samples", I64), ("end_signal", I64))
+                *LOSS_COLUMNS, *WORK_COLUMNS)
 # The columns a step mark has had since v1; a batch whose marks' later columns hold their
-# fill (nothing lost, no signal) is written as an older version (encode_batch)
+# fill (nothing lost, no signal, no work) is written as an older version (encode_batch)
 STEP_MARK_V1_COLUMNS = 5
+# ``flops_source`` codes of a step mark: where its model FLOPs came from
+FLOPS_SOURCES = ("", "given", "counted", "ops")
+FLOPS_GIVEN, FLOPS_COUNTED, FLOPS_OPS = 1, 2, 3
+WORK_ROW = -1  # start_ns of a steps row that carries work alone
 # v6: one row per rank's part in a collective call; name, group and dtype index collective_names
 COLLECTIVE_COLUMNS = (("name_idx", I32), ("group_idx", I32), ("dtype_idx", I32), ("step", I64), ("seq", I64),
                       ("start_ns", I64), ("dur_ns", I64), ("in_bytes", I64), ("out_bytes", I64),
@@ -53,6 +63,12 @@ DEVICE_COLUMNS = (("ts_ns", I64), ("step", I64), ("device", I32), ("gpu_util", F
                   ("temperature_c", F64), ("sm_clock_mhz", F64), ("throttle_reasons", I64),
                   ("pcie_rx", F64), ("pcie_tx", F64), ("nvlink_rx", F64), ("nvlink_tx", F64))
 
+# v8: readings of the data-loader workers (worker >= 0) and of the machine (worker -1),
+# taken off the training thread; NaN / -1 where a value is unknown
+LOADER_COLUMNS = (("ts_ns", I64), ("step", I64), ("worker", I32), ("pid", I32), ("interval_s", F64), ("cpu", F64),
+                  ("runnable", F64), ("batches", I32), ("ctx_switches_per_s", F64), ("cpu_count", I32))
+MACHINE = -1  # the worker of the machine's row
+
 SECTIONS = {
     "ops": OP_COLUMNS,
     "memory": MEMORY_COLUMNS,
@@ -61,6 +77,7 @@ SECTIONS = {
     "host_samples": HOST_COLUMNS,
     "device_samples": DEVICE_COLUMNS,
     "collectives": COLLECTIVE_COLUMNS,
+    "loader_samples": LOADER_COLUMNS,
 }
 # A batch without device samples is written as the version before them, which every
 # processor since v4 reads: producers with device counters off stay readable by older
@@ -68,8 +85,11 @@ SECTIONS = {
 WITHOUT_DEVICE_SAMPLES_VERSION = 4
 # Likewise a batch without collectives is written as v5 (or v4, without device samples too).
 WITHOUT_COLLECTIVES_VERSION = 5
-# And a batch whose step marks lost nothing (and whose end mark is a close) as v6 or older.
-WITHOUT_STEP_LOSSES_VERSION = 6
+# And a batch whose step marks say nothing past v1's columns (nothing lost, a close, no
+# work) and that has no loader readings as v6 or older; v8 for all the others (v7, marks
+# with losses but no work, is read but no longer written: the compiled Monitor has one plan
+# for marks that say more, and the Python encoder writes what it writes).
+WITHOUT_MARK_EXTRAS_VERSION = 6
 
 # Dictionary-coded columns: the header field that holds the dictionary -> the (section,
 # column) whose values index it. Codes are given in order of first appearance per batch.
@@ -87,6 +107,8 @@ COLUMN_FILL = {
     ("steps", "dropped_ops"): 0,  # v7
     ("steps", "dropped_samples"): 0,
     ("steps", "end_signal"): 0,
+    **{("steps", col): float("nan") if dtype == F64 else 0 if dtype == U8 else NO_VALUE
+       for col, dtype in WORK_COLUMNS},  # v8
 }
 
 
@@ -197,6 +219,7 @@ class EventBatch:
     host_samples: dict[str, np.ndarray] = _empty("host_samples")
     device_samples: dict[str, np.ndarray] = _empty("device_samples")
     collectives: dict[str, np.ndarray] = _empty("collectives")
+    loader_samples: dict[str, np.ndarray] = _empty("loader_samples")
 
     @property
     def key(self) -> bytes:
@@ -259,19 +282,25 @@ def encode_batch(batch: EventBatch) -> bytes:
     record["op_names"] = names_blob(batch.op_names)
     for section in SECTIONS:
         record[section] = _pack(section, getattr(batch, section))
-    if _marks_say_more(record["steps"]):
+    if _marks_say_more(record["steps"]) or record["loader_samples"]["count"]:
         version = None
     elif record["collectives"]["count"]:
-        version = WITHOUT_STEP_LOSSES_VERSION
+        version = WITHOUT_MARK_EXTRAS_VERSION
     else:
         version = WITHOUT_COLLECTIVES_VERSION if record["device_samples"]["count"] else WITHOUT_DEVICE_SAMPLES_VERSION
     return encode("EventBatch", record, version)
 
 
+_FILL_BYTES = {col: np.full(1, COLUMN_FILL["steps", col], dtype).tobytes()
+               for col, dtype in STEP_COLUMNS[STEP_MARK_V1_COLUMNS:]}
+
+
 def _marks_say_more(packed: dict) -> bool:
     """Whether a packed steps section holds anything but the fill in the columns added
-    after v1 (a step that lost events, an end mark on a signal): v7 must carry it."""
-    return bool(packed["count"]) and any(any(packed[col]) for col, _ in STEP_COLUMNS[STEP_MARK_V1_COLUMNS:])
+    after v1 (a step that lost events, an end mark on a signal, a step's work): v8 must
+    carry it."""
+    n = packed["count"]
+    return bool(n) and any(packed[col] != fill * n for col, fill in _FILL_BYTES.items())
 
 
 def decode_batch(data: bytes) -> EventBatch:

@@ -66,6 +66,8 @@ class SchemaVersion:
     fingerprint: int
     header: bytes  # MAGIC + fingerprint, the prefix of every message of this version
     upgrade: Callable[[dict], dict]  # record of this version -> record of the current one
+    # (field, record name) of each field of type ["null", record]: encode names the branch
+    named_unions: tuple[tuple[str, str], ...] = ()
 
 
 def _load(file: str) -> dict:
@@ -82,6 +84,9 @@ def _version(schema: dict, version: int, upgrade: Callable[[dict], dict] | None 
         fingerprint=fp,
         header=MAGIC + fp.to_bytes(8, "little"),
         upgrade=upgrade or (lambda record: record),
+        named_unions=tuple((f["name"], branch["name"]) for f in parsed["fields"]
+                           if isinstance(f["type"], list) and len(f["type"]) == 2 and f["type"][0] == "null"
+                           and isinstance(branch := f["type"][1], dict) and branch.get("type") == "record"),
     )
 
 
@@ -131,33 +136,51 @@ NO_COLLECTIVE_CALLS = {"names": [], "count": 0, "name_idx": b"", "group_idx": b"
 OP_FIGURES = ("compute_ns", "comm_ns", "overlap_ns", "pure_comm_ns", "idle_ns", "utilization", "overlap_ratio")
 
 
-def _step_metrics_v5_to_v6(record: dict) -> dict:
-    """A step without op events had its op figures written as 0 before v6: they were not
-    measured, and read as such (null)."""
-    if record["op_count"]:
-        return record
-    return {**record, **dict.fromkeys(OP_FIGURES)}
-
-
-def _step_metrics_v4_to_v6(record: dict) -> dict:
-    return _step_metrics_v5_to_v6({**record, "collectives": NO_COLLECTIVE_CALLS})
-
-
-def _step_metrics_v3_to_v6(record: dict) -> dict:
-    return _step_metrics_v4_to_v6(_step_metrics_v3_to_v4(record))
+def _step_metrics_v7_to_v8(record: dict) -> dict:
+    """Before v8 no step had work figures (the rolling window none of them either), host
+    figures or advice."""
+    rolling = record["rolling"]
+    if rolling is not None:
+        rolling = {**dict.fromkeys(ROLLING_WORK), **rolling}
+    return {**record, "rolling": rolling, "work": None, "resources": None, "advice": []}
 
 
 # StepMetrics v7: what the step lost, 0 in older records (they said nothing of it)
 STEP_LOSSES = ("dropped_ops", "dropped_samples")
 
 
-def _step_metrics_v6_to_v7(record: dict) -> dict:
-    return {**record, **dict.fromkeys(STEP_LOSSES, 0)}
+def _step_metrics_v6_to_v8(record: dict) -> dict:
+    return _step_metrics_v7_to_v8({**record, **dict.fromkeys(STEP_LOSSES, 0)})
 
 
-def _run_step_metrics_v1_to_v2(record: dict) -> dict:
-    return {**record, "collectives_matched": 0, "collective_ranks": [], "by_collective": [], "late_rank": None,
-            "late_rank_held_ns": 0, "unmatched_collectives": []}
+# StepMetrics v8: the rolling window's figures of the steps' work
+ROLLING_WORK = tuple(f"{q}_{what}" for what in ("tokens_per_s", "samples_per_s", "mfu") for q in ("p50", "p95"))
+
+
+def _step_metrics_v5_to_v8(record: dict) -> dict:
+    """A step without op events had its op figures written as 0 before v6: they were not
+    measured, and read as such (null)."""
+    if not record["op_count"]:
+        record = {**record, **dict.fromkeys(OP_FIGURES)}
+    return _step_metrics_v6_to_v8(record)
+
+
+def _step_metrics_v4_to_v8(record: dict) -> dict:
+    return _step_metrics_v5_to_v8({**record, "collectives": NO_COLLECTIVE_CALLS})
+
+
+def _step_metrics_v3_to_v8(record: dict) -> dict:
+    return _step_metrics_v4_to_v8(_step_metrics_v3_to_v4(record))
+
+
+def _run_step_metrics_v2_to_v3(record: dict) -> dict:
+    return {**record, "work": None}
+
+
+def _run_step_metrics_v1_to_v3(record: dict) -> dict:
+    return _run_step_metrics_v2_to_v3({
+        **record, "collectives_matched": 0, "collective_ranks": [], "by_collective": [], "late_rank": None,
+        "late_rank_held_ns": 0, "unmatched_collectives": []})
 
 
 def _step_metrics_v2_to_v3(record: dict) -> dict:
@@ -178,40 +201,49 @@ def _capture_status_v1_to_v2(record: dict) -> dict:
     return {**record, "requester": "", "request_reason": ""}
 
 
-def _rank_checkpoint_v1_to_v2(record: dict) -> dict:
-    return {**record, "carry": {"compute_start": b"", "compute_end": b"", "comm_start": b"", "comm_end": b""},
-            "device_end_step": None, "device_end_ns": None}
+def _rank_checkpoint_v2_to_v3(record: dict) -> dict:
+    """The rolling window of a v2 checkpoint kept no work figures: empty rings (none measured)."""
+    return {**record, "rolling": {"tokens_per_s": b"", "samples_per_s": b"", "mfu": b"", **record["rolling"]}}
+
+
+def _rank_checkpoint_v1_to_v3(record: dict) -> dict:
+    return _rank_checkpoint_v2_to_v3({
+        **record, "carry": {"compute_start": b"", "compute_end": b"", "comm_start": b"", "comm_end": b""},
+        "device_end_step": None, "device_end_ns": None})
 
 
 _VERSIONS: list[SchemaVersion] = [
     _version(_load("event_batch.avsc"), 1, _then(_event_batch_v1_to_v4, _event_batch_v4_to_v6)),
-    _version(_load("step_metrics.avsc"), 1, _then(_then(_step_metrics_v1_to_v3, _step_metrics_v3_to_v6),
-                                                   _step_metrics_v6_to_v7)),
-    _version(_load("run_step_metrics.avsc"), 1, _run_step_metrics_v1_to_v2),
+    _version(_load("step_metrics.avsc"), 1, _then(_step_metrics_v1_to_v3, _step_metrics_v3_to_v8)),
+    _version(_load("run_step_metrics.avsc"), 1, _run_step_metrics_v1_to_v3),
     _version(_load("alert.avsc"), 1),
-    _version(_load("rank_checkpoint.avsc"), 1, _rank_checkpoint_v1_to_v2),
+    _version(_load("rank_checkpoint.avsc"), 1, _rank_checkpoint_v1_to_v3),
     _version(_load("run_checkpoint.avsc"), 1),
     _version(_load("event_batch.v2.avsc"), 2, _then(_event_batch_v2_to_v4, _event_batch_v4_to_v6)),  # + world_size
-    _version(_load("step_metrics.v2.avsc"), 2, _then(_then(_step_metrics_v2_to_v3, _step_metrics_v3_to_v6),
-                                                     _step_metrics_v6_to_v7)),  # + world_size
+    _version(_load("step_metrics.v2.avsc"), 2, _then(_step_metrics_v2_to_v3, _step_metrics_v3_to_v8)),  # + world_size
     _version(_load("event_batch.v3.avsc"), 3, _then(_event_batch_v3_to_v4, _event_batch_v4_to_v6)),  # op_names blob
     _version(_load("event_batch.v4.avsc"), 4, _event_batch_v4_to_v6),  # + ops.launch_ns
-    _version(_load("step_metrics.v3.avsc"), 3, _then(_step_metrics_v3_to_v6, _step_metrics_v6_to_v7)),  # + the device window, kernels, device kinds
-    _version(_load("rank_checkpoint.v2.avsc"), 2),  # + carry, device end
+    _version(_load("step_metrics.v3.avsc"), 3, _step_metrics_v3_to_v8),  # + the device window, kernels, device kinds
+    _version(_load("rank_checkpoint.v2.avsc"), 2, _rank_checkpoint_v2_to_v3),  # + carry, device end
     # EventBatch v4 messages read with device_samples empty (decode_batch: a newer section)
     _version(_load("event_batch.v5.avsc"), 5, _event_batch_v4_to_v6),  # + device_samples
-    _version(_load("step_metrics.v4.avsc"), 4, _then(_step_metrics_v4_to_v6, _step_metrics_v6_to_v7)),  # + devices
+    _version(_load("step_metrics.v4.avsc"), 4, _step_metrics_v4_to_v8),  # + devices
     _version(_load("event_batch.v6.avsc"), 6),  # + collectives, collective_names
-    _version(_load("step_metrics.v5.avsc"), 5, _then(_step_metrics_v5_to_v6, _step_metrics_v6_to_v7)),  # + collectives
-    _version(_load("run_step_metrics.v2.avsc"), 2),  # + collectives matched across ranks
+    _version(_load("step_metrics.v5.avsc"), 5, _step_metrics_v5_to_v8),  # + collectives
+    _version(_load("run_step_metrics.v2.avsc"), 2, _run_step_metrics_v2_to_v3),  # + collectives matched across ranks
     _version(_load("capture_request.avsc"), 1),  # the control topic (docs/capture.md)
     _version(_load("capture_status.avsc"), 1, _capture_status_v1_to_v2),
     _version(_load("rank_end.avsc"), 1, lambda record: {**record, "end_signal": 0}),  # on the steps topic: a rank that ended
-    _version(_load("step_metrics.v6.avsc"), 6, _step_metrics_v6_to_v7),  # op figures null when not measured
-    # EventBatch v6 and older read with the v7 step columns at their fill (decode_batch: COLUMN_FILL)
+    _version(_load("step_metrics.v6.avsc"), 6, _step_metrics_v6_to_v8),  # op figures null when not measured
+    # EventBatch v6 and older read with the later step columns at their fill (decode_batch: COLUMN_FILL)
     _version(_load("event_batch.v7.avsc"), 7),  # + steps.dropped_ops, dropped_samples, end_signal
-    _version(_load("step_metrics.v7.avsc"), 7),  # + what a partial step lost
+    _version(_load("step_metrics.v7.avsc"), 7, _step_metrics_v7_to_v8),  # + what a partial step lost
     _version(_load("rank_end.v2.avsc"), 2),  # + end_signal (v1 reads as 0: default)
+    _version(_load("run_step_metrics.v3.avsc"), 3),  # + work across ranks
+    _version(_load("rank_checkpoint.v3.avsc"), 3),  # + the rolling window's work figures
+    # v7 and older read with the work columns absent and no loader readings
+    _version(_load("event_batch.v8.avsc"), 8),  # + the steps' work, loader_samples
+    _version(_load("step_metrics.v8.avsc"), 8),  # + work: throughput and MFU; rolling p50/p95; host figures; advice
     _version(_load("capture_status.v2.avsc"), 2),  # + requester (authenticated), request_reason
 ]
 
@@ -235,6 +267,12 @@ def encode(name: str, record: dict, version: int | None = None) -> bytes:
     missing = _WRITE_DEFAULTS.get(name)
     if missing and any(f not in record for f in missing):
         record = {**missing, **record}
+    if sv.named_unions:  # a nullable record's branch named: fastavro then skips validating it against each
+        record = dict(record)
+        for field, branch in sv.named_unions:
+            value = record.get(field)
+            if type(value) is dict:
+                record[field] = (branch, value)
     out = io.BytesIO()
     out.write(sv.header)
     schemaless_writer(out, sv.parsed, record)
@@ -246,19 +284,25 @@ def encode(name: str, record: dict, version: int | None = None) -> bytes:
 STEP_METRICS_WITHOUT_DEVICES_VERSION = 3
 # Likewise steps without collective calls as v4 (v3 without device figures too), and
 # cross-rank steps without collectives as RunStepMetrics v1; steps whose op figures were
-# measured as v5 or older (v6 only for the steps that were not).
+# measured as v5 or older (v6 only for the steps that were not); steps that lost nothing
+# as v6 or older (v7 for partial steps); steps without work, host figures or advice as v7 or
+# older (v8 only for those with them), cross-rank ones without work as RunStepMetrics v2 or v1.
 STEP_METRICS_WITHOUT_COLLECTIVES_VERSION = 4
 STEP_METRICS_MEASURED_VERSION = 5
 STEP_METRICS_NOTHING_LOST_VERSION = 6  # v6 for a step that lost nothing: v7 says what a step lost
+STEP_METRICS_LOSSES_VERSION = 7  # v7 for a partial step without work or host figures: v8 says those
 RUN_STEP_METRICS_WITHOUT_COLLECTIVES_VERSION = 1
+RUN_STEP_METRICS_WITHOUT_WORK_VERSION = 2
 
 
 def encode_step_metrics(record: dict) -> bytes:
-    """A StepMetrics record as its message: v7 when the step lost events (a partial step),
-    v6 when its op figures were not measured, else v5 with collective calls, v4 with device
-    figures, else v3."""
-    if any(record.get(f) for f in STEP_LOSSES):
+    """A StepMetrics record as its message: v8 with work, resource figures or advice; else v7
+    when the step lost events (a partial step), v6 when its op figures were not measured, else
+    v5 with collective calls, v4 with device figures, else v3."""
+    if record.get("work") is not None or record.get("resources") is not None or record.get("advice"):
         return encode("StepMetrics", record)
+    if any(record.get(f) for f in STEP_LOSSES):
+        return encode("StepMetrics", record, STEP_METRICS_LOSSES_VERSION)
     if record["utilization"] is None:
         return encode("StepMetrics", record, STEP_METRICS_NOTHING_LOST_VERSION)
     if record.get("collectives", NO_COLLECTIVE_CALLS)["count"]:
@@ -277,9 +321,13 @@ def encode_rank_end(record: dict) -> bytes:
 
 
 def encode_run_step_metrics(record: dict) -> bytes:
-    """A RunStepMetrics record as its message: v2 with collectives, else v1."""
+    """A RunStepMetrics record as its message: v3 with work figures, else v2 with
+    collectives, else v1."""
+    if record.get("work") is not None:
+        return encode("RunStepMetrics", record)
     has = record.get("collectives_matched") or record.get("unmatched_collectives")
-    return encode("RunStepMetrics", record, None if has else RUN_STEP_METRICS_WITHOUT_COLLECTIVES_VERSION)
+    return encode("RunStepMetrics", record, RUN_STEP_METRICS_WITHOUT_WORK_VERSION if has
+                  else RUN_STEP_METRICS_WITHOUT_COLLECTIVES_VERSION)
 
 
 def decode_any(data: bytes) -> tuple[str, dict]:

@@ -35,6 +35,7 @@ from profstream.processors.stalls import stall_state
 from profstream.schema.codec import DecodeError, decode, decode_any
 from profstream.sinks.collective_metrics import RunCollectives, collective_lines, run_collectives
 from profstream.sinks.device_metrics import MAX_DEVICES, device_lines, fold_devices
+from profstream.sinks.host_metrics import fold_resources, host_lines
 from profstream.sinks.rank_summary import (
     DEFAULT_TOP_RANKS,
     PHASES,
@@ -42,6 +43,7 @@ from profstream.sinks.rank_summary import (
     slowest_ranks,
     summary_lines,
 )
+from profstream.sinks.work_metrics import RankWork, fold_run_work, fold_work, work_lines
 
 log = logging.getLogger("profstream.sink.prometheus")
 
@@ -127,6 +129,9 @@ class _Rank:
     dropped: tuple[int, int] = (0, 0)  # ops, samples
     partial_steps: int = 0
     lost_steps: int = 0
+    work: RankWork | None = None  # throughput and MFU (None before a step with work figures)
+    resources: dict | None = None  # host and data-loader figures of the latest step with readings
+    advice: tuple[str, ...] = ()  # rules of the latest step's advice
 
 
 @dataclass(eq=False)
@@ -141,6 +146,8 @@ class _Run:
     straggler: int = 0
     ranks_reported: int = 0
     collectives: RunCollectives | None = None  # of the newest RunStepMetrics with collectives
+    work: dict[str, float] | None = None  # of the newest RunStepMetrics with work figures
+    work_step: int = -1
 
 
 class ExporterState:
@@ -244,6 +251,7 @@ class ExporterState:
         self._fresh[bisect.bisect_left(FRESHNESS_BUCKETS, fresh)] += 1
         self._fresh_sum += fresh
         r.ended = False  # a step after an end: the rank runs again (a new Monitor)
+        r.work = fold_work(r.work, m["work"], m["step"] >= r.last_step)
         if m["step"] < r.last_step:
             return  # an older step: counted above, the gauges keep the newest
         if m["step"] > r.last_step:
@@ -253,6 +261,8 @@ class ExporterState:
         r.step_s = step_s
         r.host_step_s = m["host_step_time_ns"] / 1e9
         r.phases = (m["data_wait_ns"] / 1e9, m["fp_bp_ns"] / 1e9, m["tail_ns"] / 1e9)
+        r.resources = fold_resources(r.resources, m["resources"])
+        r.advice = tuple(a["rule"] for a in m["advice"])
         # a step without captured ops keeps the last measured values; so does one that lost ops
         if m["utilization"] is not None and not lost_ops:
             r.utilization = m["utilization"]
@@ -287,6 +297,9 @@ class ExporterState:
             run.straggler = m["straggler_rank"]
             run.ranks_reported = m["ranks_reported"]
             run.collectives = run_collectives(m) or run.collectives
+        if m["work"] is not None and m["step"] >= run.work_step:
+            run.work_step = m["step"]
+            run.work = fold_run_work(run.work, m["work"])
 
     def _fold_rank_end(self, end: dict, ts: float) -> None:
         run = self._runs.get(end["run_id"])
@@ -424,6 +437,8 @@ class ExporterState:
                 lambda run: run.straggler)
         per_run(p + "run_ranks_reported", "ranks in the run's latest complete step", lambda run: run.ranks_reported)
         out.extend(device_lines(p, ranks, _num))
+        out.extend(host_lines(p, ranks + stalled, _num))  # a stalled rank's advice, whatever its rank
+        out.extend(work_lines(p, ranks, [(_esc(run_id), run) for run_id, run in self._runs.items()], _num))
         out.extend(collective_lines(p, [(run_id, run.collectives) for run_id, run in runs], _esc, _num,
                                     self.top_ranks))
         out.extend(summary_lines(p, ((_esc(run_id), run.ranks, len(kept[run_id]))

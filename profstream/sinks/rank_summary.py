@@ -45,6 +45,10 @@ _FIGURES: tuple[tuple[str, str, str, Callable[[Any], Iterable[tuple[str, float]]
      "captured ops (ranks with one)", "", lambda r: _measured(r.overlap_ratio)),
     ("idle_ratio", "time with neither compute nor communication / step time of the latest step with captured "
      "ops (ranks with one)", "", lambda r: _measured(r.idle_ratio)),
+    ("tokens_per_second", "tokens / step time of the latest step with work figures (ranks with one)", "",
+     lambda r: _measured(r.work.gauges.get("tokens_per_s") if r.work is not None else None)),
+    ("mfu_ratio", "model FLOPs utilization of the latest step with one (ranks with one)", "",
+     lambda r: _measured(r.work.gauges.get("mfu") if r.work is not None else None)),
     ("memory_bytes", "device memory of the latest step with samples, by kind (ranks that report the kind)",
      "kind", lambda r: r.memory),
     ("last_step", "number of the latest step", "",

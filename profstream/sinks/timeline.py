@@ -56,6 +56,8 @@ from profstream.sinks.timeline_collectives import (
     slice_columns,
 )
 from profstream.sinks.timeline_devices import device_counter_events
+from profstream.sinks.timeline_host import host_counter_events
+from profstream.sinks.timeline_work import work_counter_events
 
 try:  # ISA-L deflate: same gzip format, ~3x the speed of zlib at level 1
     from isal import isal_zlib as _deflate
@@ -241,6 +243,8 @@ def step_timeline(ev: StepEvents, arrivals: Arrivals | None = None) -> StepTimel
     for q, ts, size in zip(ev.queue.tolist(), ev.queue_ts_ns.tolist(), ev.queue_size.tolist()):
         counters.append(({"ph": "C", "name": f"queue {ev.queue_names[q]}", "pid": pid, "args": {"size": size}}, ts))
     counters += device_counter_events(ev, pid)
+    counters += work_counter_events(ev, pid, window, trace["step_time_ns"])
+    counters += host_counter_events(ev, pid)
 
     return StepTimeline(ev.run_id, ev.rank, step, S, heads, np.concatenate(heads_idx),
                         np.concatenate(starts, dtype=np.int64), np.concatenate(durs, dtype=np.int64),
