@@ -18,7 +18,12 @@ same process, so that the two are compared without the differences between proce
 that a shared box adds.
 
 ``--work``: every step mark carries its work (tokens, samples, counted FLOPs, the peak), so
-that each StepMetrics has throughput and MFU (StepMetrics v7).
+that each StepMetrics has throughput and MFU (StepMetrics v7). ``--resources``: every step
+has a host reading and a data-loader reading (EventBatch v9 batches of their own), and the
+stalled second half of the steps advice (StepMetrics v8). ``--resources-ab``: the same run
+(its second half stalled) without readings ("off") and with them ("on"), alternating in
+this process: what the host figures and the advice add to a step, without the differences
+between processes.
 
 ``--stage timeline`` times the timeline sink instead, as its SinkLoop drives it:
 ``TimelineSink.handle`` of every ``--ready-every`` messages, then ``durable_offsets`` (which
@@ -59,11 +64,16 @@ WORK = {"batch_size": 8, "seq_len": 2048, "flops_per_token": 6 * 7e9, "flops_sou
 
 
 def rank_messages(ranks: int, template_ranks: int, steps: int, ops_per_step: int,
-                  work: bool = False) -> list[tuple[float, Record]]:
+                  work: bool = False, resources: bool = False, stall: bool = False) -> list[tuple[float, Record]]:
     """(send time in s, raw record) of every message of the run, in send order; ``work``:
-    with the steps' work figures (``WORK``)."""
+    with the steps' work figures (``WORK``); ``resources``: a host and a data-loader reading
+    in every step, and its stalled half starved by busy workers (advice on every such step);
+    ``stall``: the second half stalled without readings (no advice: nothing says why)."""
+    extra = {**(WORK if work else {}),
+             **({"resources": True, "loader_fault": "cpu_bound"} if resources else {}),
+             **({"stall": (steps // 2, steps - 1)} if resources or stall else {})}
     cfg = SimConfig(run_id="stage", ranks=template_ranks, steps=steps, ops_per_step=ops_per_step,
-                    step_time_ms=500.0, seed=5, **(WORK if work else {}))
+                    step_time_ms=500.0, seed=5, **extra)
     at: list = []
     messages, _ = monitor_messages(cfg, sent_at=at)
     last = max(t for t in at if t is not None)
@@ -151,22 +161,37 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compare-with", metavar="DIR", help="another checkout whose stage to alternate with")
     p.add_argument("--work", action="store_true",
                    help="every step mark carries its work (tokens, samples, counted FLOPs, a peak): throughput and MFU")
+    p.add_argument("--resources", action="store_true",
+                   help="a host and a data-loader reading every step, its second half starved by busy workers: host "
+                        "figures and advice")
+    p.add_argument("--resources-ab", action="store_true",
+                   help="alternate the same stalled run without readings (off) and with them (on), in this process")
     args = p.parse_args(argv)
+    if args.resources_ab and args.compare_with:
+        p.error("--resources-ab and --compare-with each alternate two sides: give one")
     module_path, class_name, cls = (("profstream/processors/runtime.py", "StepStage", StepStage)
                                     if args.stage == "steps"
                                     else ("profstream/sinks/timeline.py", "TimelineSink", TimelineSink))
     run = run_once if args.stage == "steps" else run_timeline_once
-    stages = {"this": cls}
-    if args.compare_with:
-        stages["other"] = other_class(args.compare_with, module_path, class_name)
-    messages = rank_messages(args.ranks, args.template_ranks, args.steps, args.ops_per_step, args.work)
+    def build(resources: bool, stall: bool = False) -> list[tuple[float, Record]]:
+        return rank_messages(args.ranks, args.template_ranks, args.steps, args.ops_per_step, args.work, resources,
+                             stall)
+
+    if args.resources_ab:  # name -> (stage class, messages)
+        stages = {"off": (cls, build(False, stall=True)), "on": (cls, build(True))}
+    else:
+        messages = build(args.resources)
+        stages = {"this": (cls, messages)}
+        if args.compare_with:
+            stages["other"] = (other_class(args.compare_with, module_path, class_name), messages)
     expected = args.ranks * args.steps
-    note(f"{len(messages)} messages of {args.ranks} ranks x {args.steps} steps; code {profstream.__file__}")
+    for name, (_, messages) in stages.items():
+        note(f"{name}: {len(messages)} messages of {args.ranks} ranks x {args.steps} steps; code {profstream.__file__}")
     results: dict = {name: {} for name in stages}
     for every in [int(x) for x in args.ready_every.split(",")]:
         runs: dict[str, list] = {name: [] for name in stages}
         for _ in range(args.repeats):
-            for name, cls in stages.items():  # alternating
+            for name, (cls, messages) in stages.items():  # alternating
                 r = run(messages, every, cls)
                 if r["steps"] != expected or r["steps_twice"]:
                     raise SystemExit(f"{name}, ready every {every}: {r['steps']} of {expected} steps, "
@@ -182,7 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     emit(envelope("step_stage_ranks", args, {
         "metric": (f"{class_name} " + ("fold + ready" if args.stage == "steps" else "handle + durable_offsets")
                    + " CPU per (rank, step), one thread, no Kafka"),
-        "code": {"this": profstream.__file__, "other": args.compare_with}, "messages": len(messages),
+        "code": {"this": profstream.__file__, "other": args.compare_with},
+        "messages": ({name: len(messages) for name, (_, messages) in stages.items()} if args.resources_ab
+                     else len(stages["this"][1])),
         "steps": expected, "results": results}))
     return 0
 
