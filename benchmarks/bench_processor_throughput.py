@@ -100,7 +100,7 @@ def monitor_messages(cfg: SimConfig, drain: str = "phase", origin_ns: int = ORIG
 
     def build(rank: int, at_ns: int | None = None) -> None:
         sender = senders[rank]
-        while sender._build():
+        while sender._pending or sender._build():  # a build may queue a side batch too (loader readings)
             value = sender._pending.popleft()[0]  # (value, ops, samples)
             messages.append((monitors[rank].key, value))
             if sent_at is not None:

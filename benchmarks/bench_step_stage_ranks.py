@@ -18,7 +18,12 @@ same process, so that the two are compared without the differences between proce
 that a shared box adds.
 
 ``--work``: every step mark carries its work (tokens, samples, counted FLOPs, the peak), so
-that each StepMetrics has throughput and MFU (StepMetrics v7).
+that each StepMetrics has throughput and MFU (StepMetrics v7). ``--resources``: every step
+has a host reading and a data-loader reading (EventBatch v9 batches of their own), and the
+stalled second half of the steps advice (StepMetrics v8). ``--resources-ab``: the ``--resources`` run
+with its readings taken out ("off": the same steps, stalls and loader queue) and as it is
+("on"), alternating in this process: what the host figures and the advice add to a step,
+without the differences between processes.
 
 ``--stage timeline`` times the timeline sink instead, as its SinkLoop drives it:
 ``TimelineSink.handle`` of every ``--ready-every`` messages, then ``durable_offsets`` (which
@@ -46,6 +51,12 @@ import profstream
 from profstream.kafka.topics import Topics
 from profstream.processors.health import StageCounts
 from profstream.processors.runtime import StepStage
+from profstream.producers.sender import (
+    COLLECTIVE_PRODUCER_SUFFIX,
+    DEVICE_PRODUCER_SUFFIX,
+    LOADER_PRODUCER_SUFFIX,
+)
+from profstream.schema.batch import decode_batch, empty_section, encode_batch
 from profstream.schema.codec import decode, record_name
 from profstream.simulate import SimConfig
 from profstream.sinks.timeline import TimelineSink
@@ -56,24 +67,53 @@ Record = namedtuple("Record", "topic partition offset key value")
 # --work: every step mark carries its work, as the torch producer's with a FLOP count
 WORK = {"batch_size": 8, "seq_len": 2048, "flops_per_token": 6 * 7e9, "flops_source": "counted",
         "peak_tflops": 989.5}
+SIDE_SUFFIXES = (DEVICE_PRODUCER_SUFFIX, COLLECTIVE_PRODUCER_SUFFIX, LOADER_PRODUCER_SUFFIX)
+
+
+def without_readings(messages: list[tuple[bytes, bytes]], at: list) -> tuple[list, list]:
+    """The messages with their host and data-loader readings taken out: the loader's batches
+    dropped, the host rows of the others emptied; the rest (the loader's queue) kept."""
+    kept, kept_at = [], []
+    for (key, value), t in zip(messages, at):
+        batch = decode_batch(value)
+        if batch.producer_id.endswith(LOADER_PRODUCER_SUFFIX):
+            continue
+        if len(batch.host_samples["ts_ns"]):
+            batch.host_samples = empty_section("host_samples")
+            value = encode_batch(batch)
+        kept.append((key, value))
+        kept_at.append(t)
+    return kept, kept_at
 
 
 def rank_messages(ranks: int, template_ranks: int, steps: int, ops_per_step: int,
-                  work: bool = False) -> list[tuple[float, Record]]:
+                  work: bool = False, resources: bool = False, readings: bool = True) -> list[tuple[float, Record]]:
     """(send time in s, raw record) of every message of the run, in send order; ``work``:
-    with the steps' work figures (``WORK``)."""
+    with the steps' work figures (``WORK``); ``resources``: a host and a data-loader reading
+    in every step, the loader's host queue sampled, and its stalled half starved by busy
+    workers (advice on every such step); ``readings`` False: the same run without the host
+    and loader readings (``without_readings``: no host figures, no advice)."""
+    extra = {**(WORK if work else {}),
+             **({"resources": True, "loader_fault": "cpu_bound", "stall": (steps // 2, steps - 1)} if resources
+                else {})}
     cfg = SimConfig(run_id="stage", ranks=template_ranks, steps=steps, ops_per_step=ops_per_step,
-                    step_time_ms=500.0, seed=5, **(WORK if work else {}))
+                    step_time_ms=500.0, seed=5, **extra)
     at: list = []
     messages, _ = monitor_messages(cfg, sent_at=at)
+    if not readings:
+        messages, at = without_readings(messages, at)
     last = max(t for t in at if t is not None)
     first = min(t for t in at if t is not None)
     out = []
     for (key, value), t in zip(messages, at):
         template = int(key.rpartition(b"/")[2])
+        # a side batch (device, collective or loader readings) keeps its producer's suffix: it
+        # is a producer of its own, with its own sequence numbers
+        pid = decode_batch(value).producer_id
+        suffix = next((x for x in SIDE_SUFFIXES if pid.endswith(x)), "")
         for rank in range(template, ranks, template_ranks):
             rec = Record("stage.raw", rank % 16, len(out), f"stage/{rank}".encode(),
-                         clone_batch(value, rank, ranks, f"stage-{rank}".encode()))
+                         clone_batch(value, rank, ranks, f"stage-{rank}{suffix}".encode()))
             out.append((((t if t is not None else last) - first) / 1e9, rec))
     return out
 
@@ -151,22 +191,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compare-with", metavar="DIR", help="another checkout whose stage to alternate with")
     p.add_argument("--work", action="store_true",
                    help="every step mark carries its work (tokens, samples, counted FLOPs, a peak): throughput and MFU")
+    p.add_argument("--resources", action="store_true",
+                   help="a host and a data-loader reading every step, its second half starved by busy workers: host "
+                        "figures and advice")
+    p.add_argument("--resources-ab", action="store_true",
+                   help="alternate the --resources run with its readings taken out (off) and as it is (on), in this "
+                        "process")
     args = p.parse_args(argv)
+    if args.resources_ab and args.compare_with:
+        p.error("--resources-ab and --compare-with each alternate two sides: give one")
     module_path, class_name, cls = (("profstream/processors/runtime.py", "StepStage", StepStage)
                                     if args.stage == "steps"
                                     else ("profstream/sinks/timeline.py", "TimelineSink", TimelineSink))
     run = run_once if args.stage == "steps" else run_timeline_once
-    stages = {"this": cls}
-    if args.compare_with:
-        stages["other"] = other_class(args.compare_with, module_path, class_name)
-    messages = rank_messages(args.ranks, args.template_ranks, args.steps, args.ops_per_step, args.work)
+    def build(resources: bool, readings: bool = True) -> list[tuple[float, Record]]:
+        return rank_messages(args.ranks, args.template_ranks, args.steps, args.ops_per_step, args.work, resources,
+                             readings)
+
+    if args.resources_ab:  # name -> (stage class, messages)
+        stages = {"off": (cls, build(True, readings=False)), "on": (cls, build(True))}
+    else:
+        messages = build(args.resources)
+        stages = {"this": (cls, messages)}
+        if args.compare_with:
+            stages["other"] = (other_class(args.compare_with, module_path, class_name), messages)
     expected = args.ranks * args.steps
-    note(f"{len(messages)} messages of {args.ranks} ranks x {args.steps} steps; code {profstream.__file__}")
+    for name, (_, messages) in stages.items():
+        note(f"{name}: {len(messages)} messages of {args.ranks} ranks x {args.steps} steps; code {profstream.__file__}")
     results: dict = {name: {} for name in stages}
     for every in [int(x) for x in args.ready_every.split(",")]:
         runs: dict[str, list] = {name: [] for name in stages}
         for _ in range(args.repeats):
-            for name, cls in stages.items():  # alternating
+            for name, (cls, messages) in stages.items():  # alternating
                 r = run(messages, every, cls)
                 if r["steps"] != expected or r["steps_twice"]:
                     raise SystemExit(f"{name}, ready every {every}: {r['steps']} of {expected} steps, "
@@ -182,7 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     emit(envelope("step_stage_ranks", args, {
         "metric": (f"{class_name} " + ("fold + ready" if args.stage == "steps" else "handle + durable_offsets")
                    + " CPU per (rank, step), one thread, no Kafka"),
-        "code": {"this": profstream.__file__, "other": args.compare_with}, "messages": len(messages),
+        "code": {"this": profstream.__file__, "other": args.compare_with},
+        "messages": ({name: len(messages) for name, (_, messages) in stages.items()} if args.resources_ab
+                     else len(stages["this"][1])),
         "steps": expected, "results": results}))
     return 0
 

@@ -119,6 +119,32 @@ def test_the_exporter_shows_the_latest_host_and_loader_figures_and_the_advice_wh
     assert s.all("profstream_advice", **rank) == [] and s("profstream_loader_workers", **rank) == 2
 
 
+def test_the_grafana_annotation_of_a_firing_stall_says_what_to_do_and_the_figures_read():
+    from profstream.sinks.grafana import Grafana, GrafanaAnnotationSink
+    from tests.helpers import wait_until
+    from tests.test_grafana_client import TOKEN, Feed, GrafanaDouble
+
+    cfg = SimConfig(run_id="annotated", ranks=1, steps=10, ops_per_step=20, stall=(2, 9), resources=True,
+                    loader_fault="transfer")
+    alerts = [decode("Alert", f.value) for f in figures(simulated_messages(cfg)) if f.kind == "alerts"]
+    firing = [a for a in alerts if a["state"] == "firing"]
+    assert len(firing) == 1
+    feed = Feed()
+    with GrafanaDouble() as grafana:
+        sink = GrafanaAnnotationSink(Grafana(grafana.url, TOKEN, timeout=2.0), backoff_s=(0.05, 0.2),
+                                     close_timeout_s=0.5)
+        try:
+            sink.handle([feed("p.alerts", "Alert", firing[0])])
+            bodies = wait_until(lambda: grafana.annotation_bodies() or None, 10, "the alert's annotation")
+        finally:
+            sink.close()
+    [body] = bodies
+    assert body["tags"][:4] == ["profstream", "alert", "DataQueueStall", "firing"]
+    assert "moving the batch to the device is the limit: pin_memory=True" in body["text"]
+    assert "transfer.queue_at_start=8" in body["text"] and "transfer.queue_capacity=8" in body["text"]
+    assert "num_workers" not in body["text"]  # that advice and no other
+
+
 def test_the_timeline_files_have_a_counter_track_per_reading_with_its_values(tmp_path):
     from profstream.simulate_resources import readings
     from profstream.sinks.timeline import TimelineSink

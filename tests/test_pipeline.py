@@ -112,7 +112,9 @@ def test_demo_command_leaves_an_archive_timelines_and_a_report_and_prints_where(
     assert f'href="timeline/{run_id}/rank-0/steps-0-19.json.gz"' in report
     # the page opens in a browser: no console error, its charts and summary rows are there
     dom, console = render_in_chromium(out / "report.html")
-    assert console == [] and 'data-chart="step-time"' in dom and dom.count('<tr data-rank="') == 2
+    summary = re.search(r'<table id="summary">(.*?)</table>', dom, re.S)
+    assert console == [] and 'data-chart="step-time"' in dom and summary and summary.group(1).count('<tr data-rank="') == 2
+    assert 'id="work"' in dom  # the demo's steps carry their work: the throughput table is there too
     # Prometheus ran with a copy of deploy/prometheus's configuration scraping the demo's exporter
     if shutil.which("prometheus") or os.environ.get("PROFSTREAM_SKIP_PROMETHEUS") != "1":
         assert re.search(r"Prometheus: http://127\.0\.0\.1:\d+", result.output), result.output

@@ -11,20 +11,21 @@ value no reading had is null, never 0.
 
 from __future__ import annotations
 
-import numpy as np
-
 from profstream.processors.model import StepEvents
 from profstream.schema.batch import MACHINE
 
-
-def _mean(values: np.ndarray) -> float | None:
-    known = values[values == values]
-    return float(known.mean()) if len(known) else None
+# A step has a few readings (one a second): the figures are computed on Python lists, about
+# 10 us a step where numpy's per-call overhead on so few values took 37 (benchmarks.md, issue #34).
 
 
-def _max(values: np.ndarray) -> float | None:
-    known = values[values == values]
-    return float(known.max()) if len(known) else None
+def _mean(values: list[float]) -> float | None:
+    known = [v for v in values if v == v]  # NaN: not measured
+    return sum(known) / len(known) if known else None
+
+
+def _max(values: list[float]) -> float | None:
+    known = [v for v in values if v == v]
+    return max(known) if known else None
 
 
 def host_figures(ev: StepEvents) -> dict | None:
@@ -32,30 +33,34 @@ def host_figures(ev: StepEvents) -> dict | None:
     h, lo = ev.host_samples, ev.loader_samples
     if not len(h["ts_ns"]) and not len(lo["ts_ns"]):
         return None
-    workers = lo["worker"] != MACHINE
-    machine = ~workers
-    batches = lo["batches"][workers]
-    known = batches >= 0
-    total = int(batches[known].sum()) if known.any() else None
-    seconds = lo["interval_s"][workers][known]
-    cpu_s = (lo["cpu"][workers] * lo["interval_s"][workers])[known]
+    ids = lo["worker"].tolist()
+    cpu, runnable, interval = lo["cpu"].tolist(), lo["runnable"].tolist(), lo["interval_s"].tolist()
+    batches = lo["batches"].tolist()
+    workers = [i for i, w in enumerate(ids) if w != MACHINE]
+    machine = [i for i, w in enumerate(ids) if w == MACHINE]
+    known = [i for i in workers if batches[i] >= 0]
+    total = sum(batches[i] for i in known) if known else None
     produced = total is not None and total > 0
-    cpu_known = cpu_s[cpu_s == cpu_s]
-    rss = h["rss_bytes"][h["rss_bytes"] > 0]
+    cpu_s = [cpu[i] * interval[i] for i in known]
+    cpu_known = [x for x in cpu_s if x == x]
+    rss = [x for x in h["rss_bytes"].tolist() if x > 0]
+    cpu_count = lo["cpu_count"].tolist()
+    count = max(cpu_count[i] for i in machine) if machine else -1
+    worker_cpu, worker_runnable = [cpu[i] for i in workers], [runnable[i] for i in workers]
+    ctx = lo["ctx_switches_per_s"].tolist()
     return {
-        "readings": int(len(h["ts_ns"])),
-        "cpu_user": _mean(h["cpu_user"]), "cpu_system": _mean(h["cpu_system"]),
-        "cpu_iowait": _mean(h["cpu_iowait"]), "cpu_idle": _mean(h["cpu_idle"]),
-        "process_cpu": _mean(h["process_cpu"]), "rss_bytes": int(rss.max()) if len(rss) else None,
-        "loader_readings": int(workers.sum()),
-        "workers": int(len(np.unique(lo["worker"][workers]))),
-        "worker_cpu_mean": _mean(lo["cpu"][workers]), "worker_cpu_max": _max(lo["cpu"][workers]),
-        "worker_runnable_mean": _mean(lo["runnable"][workers]), "worker_runnable_max": _max(lo["runnable"][workers]),
+        "readings": len(h["ts_ns"]),
+        "cpu_user": _mean(h["cpu_user"].tolist()), "cpu_system": _mean(h["cpu_system"].tolist()),
+        "cpu_iowait": _mean(h["cpu_iowait"].tolist()), "cpu_idle": _mean(h["cpu_idle"].tolist()),
+        "process_cpu": _mean(h["process_cpu"].tolist()), "rss_bytes": max(rss) if rss else None,
+        "loader_readings": len(workers),
+        "workers": len({ids[i] for i in workers}),
+        "worker_cpu_mean": _mean(worker_cpu), "worker_cpu_max": _max(worker_cpu),
+        "worker_runnable_mean": _mean(worker_runnable), "worker_runnable_max": _max(worker_runnable),
         "worker_batches": total,
         # a worker makes its batches one at a time: its seconds (and CPU seconds) per batch
-        "worker_s_per_batch": float(seconds.sum()) / total if produced else None,
-        "worker_cpu_s_per_batch": float(cpu_known.sum()) / total if produced and len(cpu_known) else None,
-        "ctx_switches_per_s": _mean(lo["ctx_switches_per_s"][machine]),
-        "cpu_count": int(lo["cpu_count"][machine].max()) if machine.any() and lo["cpu_count"][machine].max() > 0
-        else None,
+        "worker_s_per_batch": sum(interval[i] for i in known) / total if produced else None,
+        "worker_cpu_s_per_batch": sum(cpu_known) / total if produced and cpu_known else None,
+        "ctx_switches_per_s": _mean([ctx[i] for i in machine]),
+        "cpu_count": int(count) if count > 0 else None,
     }

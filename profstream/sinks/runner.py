@@ -12,7 +12,8 @@ A commit the group refuses while it rebalances, or one that fails while Kafka is
 is postponed, not fatal: the next poll commits again. While Kafka is away no call of the
 loop waits longer than ``KAFKA_WAIT_MS`` (kafka-python's commit otherwise retries for its
 whole request timeout, and a position for ever), so that ``tick()`` work and a stop go on.
-On stop the loop polls on (at most ``FINAL_COMMIT_S``) until a commit goes through, so
+On stop the loop polls on (at most ``FINAL_COMMIT_S``) until a commit goes through, and
+after closing the sink retries a commit the group refused (partitions paused), so
 that a restart re-reads as little as possible.
 
 Readers use read_committed: they see the processors' transactional outputs only once
@@ -112,6 +113,7 @@ class SinkLoop:
         self._said_at = -1e18  # when a commit that timed out was last logged
         self._committed: dict[TopicPartition, int] = {}
         self._postponed = False  # the latest commit was refused during a rebalance
+        self._away = False  # and that was because Kafka did not answer
         self.records = 0
         self.last_poll = 0.0
         self.lag = 0  # messages not consumed yet; updated on the loop's thread (consumers are not thread-safe)
@@ -165,14 +167,25 @@ class SinkLoop:
                                       timeout_ms=KAFKA_WAIT_MS)
             except POSTPONED as e:
                 log.info("offset commit postponed to the next poll: %s", type(e).__name__)
-                self._postponed = True
+                self._postponed, self._away = True, False
                 return False
             except UNREACHABLE as e:  # every broker, or the group's coordinator, away: what is durable stays so
                 self._unreachable("an offset commit", e)
-                self._postponed = True
+                self._postponed, self._away = True, True
                 return False
             self._committed.update(offsets)
         self._postponed = False
+        return True
+
+    def _final_commit(self, deadline: float) -> bool:
+        """The commit after the sink closed: a group that is rebalancing (a heartbeat late on
+        a loaded machine) refuses it, so rejoin it with every partition paused (nothing more
+        is read: the sink is closed) and try again until ``deadline``."""
+        while not self._commit():
+            if self._away or time.monotonic() >= deadline:  # Kafka away: a stop does not wait for it
+                return False
+            self._consumer.pause(*self._consumer.assignment())
+            self._consumer.poll(timeout_ms=200)
         return True
 
     def _unreachable(self, what: str, error: Exception) -> None:
@@ -191,7 +204,7 @@ class SinkLoop:
             close = getattr(self.sink, "close", None)
             if close is not None:
                 close()
-            if not self._commit():
+            if not self._final_commit(time.monotonic() + FINAL_COMMIT_S):
                 log.warning("last offset commit failed (the group is rebalancing or Kafka is away): a restart "
                             "re-reads a few records")
         finally:
