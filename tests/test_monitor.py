@@ -426,3 +426,20 @@ def test_step_ends_do_not_wake_the_sender_once_per_step(kafka_bootstrap, topics)
     assert woke <= 3 * intervals + 20, f"the sender woke {woke} times in {intervals:.0f} batch intervals of 200 steps"
     assert mon.close(timeout=30)
     assert mon.stats()["dropped_samples"] == 0
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_work_rows_count_with_the_marks_and_never_make_the_dropped_marks_negative(native):
+    """A captured step's FLOPs go as a work row of the steps section after its mark
+    (``ops_flops``): a row of the marks' reserve, so the marks dropped are counted over
+    both and a Monitor that dropped none says 0 (it said -N with the compiled Monitor: the
+    rows recorded outnumbered the marks offered)."""
+    mon = Monitor(run_id="work-rows", bootstrap=UNREACHABLE, host_sample_interval_s=0, native=native,
+                  sender_factory=IdleSender)
+    for s in range(20):
+        with mon.step(s):
+            mon.op("gemm", 1_000 * s, 5)
+        mon.ops_flops(s, 1e12)
+    stats = mon.stats()
+    assert stats["dropped_marks"] == 0 and stats["dropped_samples"] == 0
+    mon.close(timeout=0.1)

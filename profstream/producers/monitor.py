@@ -404,9 +404,10 @@ class Monitor:
         step ended (torch.profiler ``with_flops``): sent as a work row, used where the step
         has no FLOPs given or counted. Call it before ``complete_through(step)``."""
         if self._enabled and (x := _amount(flops)) is not None:
-            self.buffer.add_sample(self.buffer.marks, (step, WORK_ROW, WORK_ROW, NO_VALUE, NO_VALUE, 0, 0, 0,
-                                                       NO_VALUE, NO_VALUE, x, FLOPS_OPS, self.peak_flops,
-                                                       _share(matmul), _share(attention), _share(conv)))
+            # a row of the steps section: counted with the marks (their reserve, dropped_marks)
+            self.buffer.add_mark((step, WORK_ROW, WORK_ROW, NO_VALUE, NO_VALUE, 0, 0, 0,
+                                  NO_VALUE, NO_VALUE, x, FLOPS_OPS, self.peak_flops,
+                                  _share(matmul), _share(attention), _share(conv)))
 
     def set_device_peak(self, device_name: str, dtype: Any) -> float:
         """The peak FLOP/s of ``device_name`` in ``dtype`` from profstream's table, for the
