@@ -32,11 +32,12 @@ def _varint(n: int) -> bytes:
     if -64 <= n < 64:
         return _SMALL[n + 64]
     z = (n << 1) ^ (n >> 63)
-    out = bytearray()
+    out = []
+    append = out.append
     while z >= 0x80:
-        out.append((z & 0x7F) | 0x80)
+        append((z & 0x7F) | 0x80)
         z >>= 7
-    out.append(z)
+    append(z)
     return bytes(out)
 
 
