@@ -16,6 +16,7 @@ from profstream.schema import (
     SECTIONS,
     DecodeError,
     EventBatch,
+    codec,
     crc64_avro,
     decode,
     decode_any,
@@ -510,3 +511,65 @@ def test_a_capture_status_v1_still_decodes_without_a_requester():
     schemaless_writer(body, v1.parsed, {k: v for k, v in status.items() if k not in ("requester", "request_reason")})
     old = decode("CaptureStatus", v1.header + body.getvalue())
     assert old == {**status, "requester": "", "request_reason": ""}
+
+
+def _fastavro_bytes(name: str, record: dict, version: int | None) -> bytes:
+    """What fastavro writes for ``record`` (the path encode took before the generated writers)."""
+    import io
+
+    from fastavro import schemaless_writer
+
+    sv = codec.CURRENT[name] if version is None else VERSIONS[(name, version)]
+    missing = codec._WRITE_DEFAULTS.get(name)
+    if missing and any(f not in record for f in missing):
+        record = {**missing, **record}
+    record = dict(record)
+    for field, branch in sv.named_unions:
+        if type(record.get(field)) is dict:
+            record[field] = (branch, record[field])
+    out = io.BytesIO()
+    out.write(sv.header)
+    schemaless_writer(out, sv.parsed, record)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("options", [
+    {},
+    {"batch_size": 8, "seq_len": 128, "flops_per_token": 6e9, "peak_tflops": 400.0, "device_counters": True,
+     "stall": (3, 6), "resources": True, "loader_fault": "cpu_bound", "straggler_rank": 1},
+    {"capture_every_n_steps": 3, "comm_tail": (2, 5), "slowdown": (4, 5)},
+])
+def test_generated_writers_write_fastavros_bytes(monkeypatch, options):
+    """Every record the processors write (StepMetrics of each version, RankCheckpoint, RankEnd,
+    Alert, RunStepMetrics, RunCheckpoint) is written byte for byte as fastavro writes it."""
+    from profstream.processors.stream import StepFigures, figures
+    from profstream.simulate import SimConfig
+    from tests.helpers import simulated_messages
+
+    written = []
+    real = codec.encode
+
+    def spy(name, record, version=None):
+        data = real(name, record, version)
+        written.append((name, record, version, data))
+        return data
+
+    monkeypatch.setattr(codec, "encode", spy)  # encode_step_metrics, encode_rank_end, ... call it here
+    monkeypatch.setattr("profstream.processors.runtime.encode", spy)  # Alerts, checkpoints
+    cfg = SimConfig(run_id="w", ranks=3, steps=10, ops_per_step=40, step_time_ms=50.0, seed=3, **options)
+    messages = simulated_messages(cfg)
+    assert list(figures(messages))
+    steps = StepFigures()
+    for m in messages[: len(messages) // 2]:
+        steps.feed(m)
+    for stage, _ in steps._stages.values():  # the rank checkpoints of steps half way
+        stage.changed_state()
+    assert {"StepMetrics", "RankCheckpoint", "RankEnd", "RunStepMetrics"} <= {name for name, *_ in written}
+    for name, record, version, data in written:
+        assert data == _fastavro_bytes(name, record, version), (name, version)
+        sv = codec.CURRENT[name] if version is None else VERSIONS[(name, version)]
+        assert sv.header + codec._WRITERS[sv.fingerprint]({**codec._WRITE_DEFAULTS.get(name, {}), **record}) == data
+    # a record the generated writer does not take is written by fastavro, as before
+    odd = next(dict(record) for name, record, version, _ in written if name == "StepMetrics")
+    odd["op_count"] = np.int64(odd["op_count"])
+    assert real("StepMetrics", odd) == _fastavro_bytes("StepMetrics", odd, None)

@@ -157,9 +157,15 @@ def _by_step(steps: np.ndarray, columns: dict[str, np.ndarray]):
         yield int(step), {k: v[idx] for k, v in columns.items()}
 
 
+_NO_COLUMNS: dict[tuple[str, ...], dict[str, np.ndarray]] = {}  # the columns of a section without rows
+
+
 def _concat(parts: list[dict], names: tuple[str, ...], dtypes: dict) -> dict[str, np.ndarray]:
     if not parts:
-        return {n: np.empty(0, dtypes[n]) for n in names}
+        empty = _NO_COLUMNS.get(names)
+        if empty is None:
+            empty = _NO_COLUMNS[names] = {n: np.empty(0, dtypes[n]) for n in names}
+        return empty.copy()  # a dict of its own; its zero-length arrays hold nothing to change
     if len(parts) == 1:
         return parts[0]
     return {n: np.concatenate([p[n] for p in parts]) for n in names}
@@ -197,6 +203,8 @@ class RankAssembler:
         self.collective_names: list[str] = []  # collective and group names of this rank's calls
         self._collective_codes: dict[str, int] = {}
         self._collective_remaps: dict[tuple[str, ...], np.ndarray] = {}  # a batch's names -> their codes
+        self._type_remaps: dict[tuple[str, ...], np.ndarray] = {}  # likewise for op types and queue names
+        self._queue_remaps: dict[tuple[str, ...], np.ndarray] = {}
         # what the next step to close needs of the last closed one (window.py)
         self.carry: tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]] = (_NO_CARRY, _NO_CARRY)
         self.device_end: tuple[int, int] | None = None  # (step, end of its device window)
@@ -250,8 +258,7 @@ class RankAssembler:
 
         ops = batch.ops
         if len(ops["step"]):
-            remap = np.array([self._code(self._type_codes, self.type_names, t) for t in batch.op_types],
-                             dtype=np.int32)
+            remap = self._remap(self._type_remaps, self._type_codes, self.type_names, batch.op_types)
             cols = {"kind": ops["kind"], "type": remap[ops["type_idx"]], "stream": ops["stream"],
                     "start_ns": ops["start_ns"], "dur_ns": ops["dur_ns"], "launch_ns": launch_column(ops)}
             for step, part in _by_step(ops["step"], cols):
@@ -264,20 +271,14 @@ class RankAssembler:
                 self._bucket(step, "memory", part, len(part["ts_ns"]))
         q = batch.queues
         if len(q["step"]):
-            remap = np.array([self._code(self._queue_codes, self.queue_names, n) for n in batch.queue_names],
-                             dtype=np.int32)
+            remap = self._remap(self._queue_remaps, self._queue_codes, self.queue_names, batch.queue_names)
             cols = {"queue": remap[q["name_idx"]], "ts_ns": q["ts_ns"], "size": q["size"], "capacity": q["capacity"]}
             for step, part in _by_step(q["step"], cols):
                 self._bucket(step, "queues", part, len(part["ts_ns"]))
         c = batch.collectives
         if len(c["step"]):
-            names = tuple(batch.collective_names)
-            remap = self._collective_remaps.get(names)
-            if remap is None:  # a rank's batches mostly carry the same few names
-                if len(self._collective_remaps) >= 64:
-                    self._collective_remaps.clear()
-                remap = self._collective_remaps[names] = np.array(
-                    [self._code(self._collective_codes, self.collective_names, n) for n in names], dtype=np.int32)
+            remap = self._remap(self._collective_remaps, self._collective_codes, self.collective_names,
+                                batch.collective_names)
             cols = {"name_idx": remap[c["name_idx"]], "group_idx": remap[c["group_idx"]],
                     "group_size": c["group_size"], "seq": c["seq"], "bytes": np.maximum(c["in_bytes"], c["out_bytes"]),
                     "start_ns": c["start_ns"], "end_ns": c["start_ns"] + c["dur_ns"]}
@@ -345,6 +346,20 @@ class RankAssembler:
             entry.batches.add(self._batch)
         self._fed[step] = entry
         return entry
+
+    @classmethod
+    def _remap(cls, remaps: dict[tuple[str, ...], np.ndarray], codes: dict[str, int], names: list[str],
+               batch_names) -> np.ndarray:
+        """The rank's code of each name of a batch's dictionary (new names get the next
+        codes, in order), kept per distinct dictionary: a rank's batches mostly carry the
+        same few (the last 64 kept)."""
+        key = tuple(batch_names)
+        remap = remaps.get(key)
+        if remap is None:
+            if len(remaps) >= 64:
+                remaps.clear()
+            remap = remaps[key] = np.array([cls._code(codes, names, n) for n in key], dtype=np.int32)
+        return remap
 
     @staticmethod
     def _code(codes: dict[str, int], names: list[str], name: str) -> int:

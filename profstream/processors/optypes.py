@@ -18,6 +18,22 @@ from profstream.schema.batch import KIND_NAMES
 OTHER = "other"
 
 
+_NAME_ARRAYS: dict[int, tuple[list[str], int, np.ndarray]] = {}  # id(type_names) -> (it, its length, array)
+
+
+def _names_array(names: list[str]) -> np.ndarray:
+    """``np.array(names, dtype=str)`` of a rank's op types (its assembler's growing
+    ``type_names``), kept until the list grows (built once per step, it cost ~10 us)."""
+    held = _NAME_ARRAYS.get(id(names))
+    if held is not None and held[0] is names and held[1] == len(names):
+        return held[2]
+    if len(_NAME_ARRAYS) >= 4096:
+        _NAME_ARRAYS.clear()
+    array = np.array(names, dtype=str)
+    _NAME_ARRAYS[id(names)] = (names, len(names), array)
+    return array
+
+
 def _costs(ev: StepEvents, sel: np.ndarray, top_k: int) -> list[dict[str, int | str]]:
     if top_k < 0:
         raise ValueError("top_k must be >= 0")
@@ -26,7 +42,7 @@ def _costs(ev: StepEvents, sel: np.ndarray, top_k: int) -> list[dict[str, int | 
     totals = np.bincount(codes, weights=ev.op_dur_ns[sel], minlength=n_types)
     counts = np.bincount(codes, minlength=n_types)
     present = np.flatnonzero(counts)
-    names = np.array(ev.type_names, dtype=str)[present]
+    names = _names_array(ev.type_names)[present]
     # bincount weights are float64: exact for sums below 2**53 ns (104 days).
     totals = totals[present].astype(np.int64)
     counts = counts[present]

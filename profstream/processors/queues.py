@@ -16,12 +16,18 @@ def queue_figures(ev: StepEvents) -> list[dict[str, int | float | str | None]]:
     (a sample taken at S counts), None when there is none. Samples of equal ts are taken
     in the order received.
     """
-    ts, size = ev.queue_ts_ns, ev.queue_size
-    order = np.lexsort((np.arange(len(ts)), ts))  # by time, then as received
-    codes, ts, size = ev.queue[order], ts[order], size[order]
+    ts, size, codes = ev.queue_ts_ns, ev.queue_size, ev.queue
+    if not (ts[1:] >= ts[:-1]).all():  # mostly in time order already: then the sort is the identity
+        order = np.lexsort((np.arange(len(ts)), ts))  # by time, then as received
+        codes, ts, size = codes[order], ts[order], size[order]
     inside = (ts >= ev.start_ns) & (ts <= ev.end_ns)
     figures = []
-    for code in np.unique(codes[inside]):  # a handful of queues, not a loop over samples
+    present = codes[inside]
+    if len(present) and (present == present[0]).all():  # one queue (the common case): no np.unique
+        present = present[:1]
+    else:
+        present = np.unique(present)
+    for code in present:  # a handful of queues, not a loop over samples
         mine = codes == code
         sizes = size[mine & inside]
         before = size[mine & (ts <= ev.start_ns)]

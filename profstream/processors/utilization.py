@@ -18,7 +18,7 @@ then, never 0.
 
 from __future__ import annotations
 
-from profstream.processors.intervals import intersection_length, total, union
+from profstream.processors.intervals import total, union, union_intersection_length
 from profstream.processors.model import StepEvents
 from profstream.processors.window import Window, busy_intervals, intervals, step_window
 from profstream.schema.batch import COMMUNICATION, COMPUTE
@@ -43,7 +43,7 @@ def utilization(ev: StepEvents, window: Window | None = None) -> dict[str, int |
     comm = union(*intervals(ev, COMMUNICATION, w))
     compute_ns = int((compute[1] - compute[0]).sum())
     comm_ns = int((comm[1] - comm[0]).sum())
-    overlap_ns = intersection_length(*compute, *comm)
+    overlap_ns = union_intersection_length(*compute, *comm)
     if w.device:
         busy_ns = total(*busy_intervals(ev, w))
     else:

@@ -159,8 +159,8 @@ def intervals(ev: StepEvents, kind: int, window: Window) -> tuple[np.ndarray, np
     """(start, end) of the ops of ``kind`` that ``window`` counts: on a device window every
     such op running inside it (the step's own and its ahead ops), clipped to it; on a host
     window the step's, clipped to [S, E], with what earlier steps carried past their end."""
-    sel = ev.op_kind == kind
     if window.device:
+        sel = ev.op_kind == kind
         start = ev.op_start_ns[sel]
         end = start + ev.op_dur_ns[sel]
         mine = ev.ahead_kind == kind

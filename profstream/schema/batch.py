@@ -148,8 +148,11 @@ def _read_only_empty(dtype: np.dtype) -> np.ndarray:
 _EMPTY_COLUMNS = {dtype: _read_only_empty(dtype) for dtype in (I32, I64, U8, F64)}
 
 
+_EMPTY_SECTIONS = {section: {col: _EMPTY_COLUMNS[dtype] for col, dtype in spec} for section, spec in SECTIONS.items()}
+
+
 def empty_section(section: str) -> dict[str, np.ndarray]:
-    return {col: _EMPTY_COLUMNS[dtype] for col, dtype in SECTIONS[section]}
+    return _EMPTY_SECTIONS[section].copy()  # a dict of its own: callers may set columns
 
 
 def _empty(section: str):
@@ -258,21 +261,33 @@ def _pack(section: str, columns: dict[str, np.ndarray]) -> dict:
     return out
 
 
+# Per section: (column, dtype, its item size, its COLUMN_FILL or _NO_FILL), in the schema's order
+_NO_FILL = object()
+_UNPACK = {section: tuple((col, dtype, dtype.itemsize, COLUMN_FILL.get((section, col), _NO_FILL)) for col, dtype in spec)
+           for section, spec in SECTIONS.items()}
+
+
 def _unpack(section: str, record: dict) -> dict[str, np.ndarray]:
     count = record["count"]
     if count < 0:
         raise DecodeError("malformed", f"{section}.count is negative")
-    if not count and not any(record.get(col) for col, _ in SECTIONS[section]):
-        return empty_section(section)  # most sections of most batches: no numpy calls
+    spec = _UNPACK[section]
+    get = record.get
+    if not count:
+        for col, _, _, _ in spec:
+            if get(col):
+                break
+        else:
+            return _EMPTY_SECTIONS[section].copy()  # most sections of most batches: no numpy calls
     out = {}
-    for col, dtype in SECTIONS[section]:
-        raw = record.get(col)
-        if raw is None and (section, col) in COLUMN_FILL:  # a column newer than the message
+    for col, dtype, size, fill in spec:
+        raw = get(col)
+        if raw is None and fill is not _NO_FILL:  # a column newer than the message
             # (count was checked against the section's first column, never a filled one)
-            out[col] = np.full(count, COLUMN_FILL[section, col], dtype)
+            out[col] = np.full(count, fill, dtype)
             continue
-        if len(raw) != count * dtype.itemsize:
-            raise DecodeError("malformed", f"{section}.{col} holds {len(raw)} bytes, expected {count} x {dtype.itemsize}")
+        if len(raw) != count * size:
+            raise DecodeError("malformed", f"{section}.{col} holds {len(raw)} bytes, expected {count} x {size}")
         out[col] = np.frombuffer(raw, dtype)
     return out
 
@@ -303,23 +318,41 @@ def _marks_say_more(packed: dict) -> bool:
     return bool(n) and any(packed[col] != fill * n for col, fill in _FILL_BYTES.items())
 
 
+_SECTION_NAMES = tuple(SECTIONS)
+_VALID_NAMES: set[str] = set()  # run ids, hosts and devices already checked (is_valid_name)
+
+
+def _check_name(what: str, value, may_be_empty: bool) -> None:
+    if value in _VALID_NAMES or (may_be_empty and value == ""):
+        return
+    if not is_valid_name(value):
+        raise DecodeError("invalid_name", f"{what} {value[:80]!r}{'...' if len(value) > 80 else ''}: "
+                                          f"expected {NAME_RULE}")
+    if len(_VALID_NAMES) >= 65536:
+        _VALID_NAMES.clear()
+    _VALID_NAMES.add(value)
+
+
 def decode_batch(data: bytes) -> EventBatch:
     """Decode a raw-topic message; raises DecodeError (and only that) on bad input."""
     record = decode("EventBatch", data)
     blob = record["op_names"]
     if blob and blob[-1] != 0:
         raise DecodeError("malformed", "op_names does not end with its NUL terminator")
-    batch = EventBatch(**{f: record[f] for f in _HEADER_FIELDS if f != "op_names"}, op_names=OpNames(blob),
-                       **{section: _unpack(section, record[section]) if section in record else empty_section(section)
-                          for section in SECTIONS})  # a section newer than the message: empty
+    sections = {section: _unpack(section, record[section]) if section in record else _EMPTY_SECTIONS[section].copy()
+                for section in _SECTION_NAMES}  # a section newer than the message: empty
+    batch = EventBatch(record["run_id"], record["rank"], record["world_size"], record["host"], record["device"],
+                       record["producer_id"], record["seq"], record["sent_ns"], record["dropped_ops"],
+                       record["dropped_samples"], record["complete_through_step"], record["buffer_fill_ratio"],
+                       record["send_latency_ns"], OpNames(blob), record["op_types"], record["queue_names"],
+                       record["collective_names"], **sections)
     ops = batch.ops
-    if len(ops["name_idx"]) and (
-        ops["name_idx"].min() < 0 or ops["name_idx"].max() >= len(batch.op_names)
-        or ops["type_idx"].min() < 0 or ops["type_idx"].max() >= len(batch.op_types)
-    ):
+    # a negative index is a large unsigned one: one max per column says both
+    if len(ops["name_idx"]) and (ops["name_idx"].view(np.uint32).max() >= len(batch.op_names)
+                                 or ops["type_idx"].view(np.uint32).max() >= len(batch.op_types)):
         raise DecodeError("malformed", "op name/type index outside its dictionary")
     q = batch.queues["name_idx"]
-    if len(q) and (q.min() < 0 or q.max() >= len(batch.queue_names)):
+    if len(q) and q.view(np.uint32).max() >= len(batch.queue_names):
         raise DecodeError("malformed", "queue name index outside its dictionary")
     c = batch.collectives
     if len(c["step"]):  # the three index one dictionary; a negative index is a large unsigned one
@@ -328,9 +361,7 @@ def decode_batch(data: bytes) -> EventBatch:
             bad = next(k for k in ("name_idx", "group_idx", "dtype_idx")
                        if c[k].view(np.uint32).max() >= len(batch.collective_names))
             raise DecodeError("malformed", f"collectives.{bad} outside collective_names")
-    for what in ("run_id", "host", "device"):  # host and device may be unknown (empty)
-        value = getattr(batch, what)
-        if not is_valid_name(value) and (what == "run_id" or value):
-            raise DecodeError("invalid_name", f"{what} {value[:80]!r}{'...' if len(value) > 80 else ''}: "
-                                              f"expected {NAME_RULE}")
+    _check_name("run_id", batch.run_id, False)  # host and device may be unknown (empty)
+    _check_name("host", batch.host, True)
+    _check_name("device", batch.device, True)
     return batch
