@@ -337,3 +337,43 @@ def test_the_report_sets_a_captured_window_s_op_types_beside_the_baseline(kafka_
     for op_type, before, during in rows:
         assert float(before) == pytest.approx(mean_ms(op_type, (0, 10, 20, 30)), abs=5e-4), op_type
         assert float(during) == pytest.approx(mean_ms(op_type, range(40, 45)), abs=5e-4), op_type
+
+
+def test_a_request_written_while_the_reader_positions_itself_on_a_new_topic_is_read():
+    """A new requester creates its topic and writes its request at once: the reader that
+    finds the topic in between, with nothing written since its start, must still read it.
+    (It took the topic's end after asking the times, and so started past such a request:
+    a secured pipeline test saw no status in 60 s on a loaded box.)"""
+    import types
+
+    import confluent_kafka
+
+    from profstream.kafka.topics import Topics
+    from profstream.producers.control import ControlReader
+
+    topics = Topics("race")
+    topic = topics.requests_prefix + "alice"
+    written = []  # offsets of the requests on the topic's one partition
+
+    class Consumer:  # the broker's answers, the request written right after the times were asked
+        def list_topics(self, timeout):
+            meta = types.SimpleNamespace(error=None, partitions={0: None})
+            return types.SimpleNamespace(topics={topic: meta})
+
+        def get_watermark_offsets(self, tp, timeout):
+            return 0, len(written)
+
+        def offsets_for_times(self, tps, timeout):
+            out = [confluent_kafka.TopicPartition(tp.topic, tp.partition, -1) for tp in tps]  # none since
+            written.append(0)  # the requester's write lands now
+            return out
+
+        def incremental_assign(self, tps):
+            self.assigned = tps
+
+    owner = types.SimpleNamespace(options={"connect_timeout_s": 1.0}, connection=Connection("127.0.0.1:1"),
+                                  run_id="r", rank=0, producer_id="p", topics=topics)
+    reader = ControlReader(owner, plan=None, since_ms=0)
+    consumer = Consumer()
+    reader._scan(consumer, 1.0)
+    assert [(tp.topic, tp.offset) for tp in consumer.assigned] == [(topic, 0)]  # from the request on

@@ -188,8 +188,10 @@ def _control_consumer(conn: Connection | str, topics: Topics, run_id: str | None
             parts = [control_partition(run_id, len(parts))]
         tps += [TopicPartition(topic, p) for p in parts]
     consumer.assign(tps)
-    found = consumer.offsets_for_times(dict.fromkeys(tps, since_ms))
+    # the ends before the times: a record written in between is found by its time (ends
+    # taken after could skip it)
     ends = consumer.end_offsets(tps)
+    found = consumer.offsets_for_times(dict.fromkeys(tps, since_ms))
     for tp in tps:
         at = found.get(tp)
         consumer.seek(tp, at.offset if at is not None else ends[tp])
@@ -257,8 +259,8 @@ def runs_seen(conn: Connection | str, topics: Topics, since_s: float, run_id: st
             parts = [control_partition(run_id, len(parts))]  # keyed by run, as the control topic
         tps = [TopicPartition(topics.run, p) for p in parts]
         consumer.assign(tps)
+        ends = consumer.end_offsets(tps)  # before the times, as in _control_consumer
         found = consumer.offsets_for_times(dict.fromkeys(tps, int((time.time() - since_s) * 1000)))
-        ends = consumer.end_offsets(tps)
         for tp in tps:
             at = found.get(tp)
             consumer.seek(tp, at.offset if at is not None else ends[tp])

@@ -147,8 +147,8 @@ class AutoCaptureService:
         if not tps:
             return
         consumer.assign(sorted(set(consumer.assignment()) | set(tps)))
+        ends = consumer.end_offsets(list(tps))  # before the times: a record written in between is found by its time
         found = consumer.offsets_for_times(tps)
-        ends = consumer.end_offsets(list(tps))
         for tp in tps:
             at = found.get(tp)
             consumer.seek(tp, at.offset if at is not None else ends[tp])

@@ -151,13 +151,17 @@ class ControlReader(threading.Thread):
             tps.append(confluent_kafka.TopicPartition(name, partition, self.since_ms))
         if not tps:
             return
+        # The ends first, then the times: a request written in between is found by its time, and
+        # one written after both is past the end taken first. (The ends taken after the times
+        # skipped a request that a new requester wrote right after creating its topic.)
+        ends = {(tp.topic, tp.partition): consumer.get_watermark_offsets(tp, timeout=timeout)[1] for tp in tps}
         found = consumer.offsets_for_times(tps, timeout=timeout)
         for tp in found:
             if tp.error is not None:
                 raise confluent_kafka.KafkaException(tp.error)
-            if tp.offset < 0:  # nothing written since: from the end as of now, as a number (a logical
+            if tp.offset < 0:  # nothing written since: from that end, as a number (a logical
                 # OFFSET_END would be resolved later, past requests written meanwhile)
-                tp.offset = consumer.get_watermark_offsets(tp, timeout=timeout)[1]
+                tp.offset = ends[(tp.topic, tp.partition)]
         consumer.incremental_assign(found)
         self._reading.update(tp.topic for tp in found)
 
