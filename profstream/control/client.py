@@ -27,7 +27,7 @@ from profstream.control.records import (
     listed_ranks,
     request_from,
 )
-from profstream.kafka.clients import make_consumer, make_producer, position_by
+from profstream.kafka.clients import make_consumer, make_producer, position_by, seek_to_times
 from profstream.kafka.connection import Connection
 from profstream.kafka.topics import Topics
 from profstream.schema.codec import DecodeError
@@ -188,14 +188,7 @@ def _control_consumer(conn: Connection | str, topics: Topics, run_id: str | None
             parts = [control_partition(run_id, len(parts))]
         tps += [TopicPartition(topic, p) for p in parts]
     consumer.assign(tps)
-    # the ends before the times: a record written in between is found by its time (ends
-    # taken after could skip it)
-    ends = consumer.end_offsets(tps)
-    found = consumer.offsets_for_times(dict.fromkeys(tps, since_ms))
-    for tp in tps:
-        at = found.get(tp)
-        consumer.seek(tp, at.offset if at is not None else ends[tp])
-    return consumer, ends
+    return consumer, seek_to_times(consumer, dict.fromkeys(tps, since_ms))
 
 
 def _polls(consumer, run_id: str | None, topics: Topics, poll_ms: int = 200) -> Iterator[list[tuple[str, dict]]]:
@@ -259,11 +252,7 @@ def runs_seen(conn: Connection | str, topics: Topics, since_s: float, run_id: st
             parts = [control_partition(run_id, len(parts))]  # keyed by run, as the control topic
         tps = [TopicPartition(topics.run, p) for p in parts]
         consumer.assign(tps)
-        ends = consumer.end_offsets(tps)  # before the times, as in _control_consumer
-        found = consumer.offsets_for_times(dict.fromkeys(tps, int((time.time() - since_s) * 1000)))
-        for tp in tps:
-            at = found.get(tp)
-            consumer.seek(tp, at.offset if at is not None else ends[tp])
+        ends = seek_to_times(consumer, dict.fromkeys(tps, int((time.time() - since_s) * 1000)))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and not all(
                 (position_by(consumer, tp, deadline) or 0) >= end for tp, end in ends.items()):

@@ -33,7 +33,7 @@ from profstream.control.records import (
     encode_status,
     request_from,
 )
-from profstream.kafka.clients import make_consumer, make_producer
+from profstream.kafka.clients import make_consumer, make_producer, seek_to_times
 from profstream.kafka.connection import Connection
 from profstream.kafka.topics import Topics
 from profstream.processors.runtime import dead_letter
@@ -147,11 +147,7 @@ class AutoCaptureService:
         if not tps:
             return
         consumer.assign(sorted(set(consumer.assignment()) | set(tps)))
-        ends = consumer.end_offsets(list(tps))  # before the times: a record written in between is found by its time
-        found = consumer.offsets_for_times(tps)
-        for tp in tps:
-            at = found.get(tp)
-            consumer.seek(tp, at.offset if at is not None else ends[tp])
+        seek_to_times(consumer, tps)
         self._assigned.update(starts)
 
     def _handle(self, rec, live_from: int) -> None:

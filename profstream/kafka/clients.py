@@ -273,6 +273,19 @@ def position_by(consumer: KafkaConsumer, tp: Any, deadline: float | None) -> int
     return consumer.position(tp, timeout_ms=left)
 
 
+def seek_to_times(consumer: KafkaConsumer, times: dict[Any, int]) -> dict[Any, int]:
+    """Seek each assigned partition of ``times`` to its first record at or after its time
+    (ms), or to its end where there is none; returns the ends. The ends are taken before the
+    times: a record written in between is then found by its time, where ends taken after it
+    would start past it."""
+    ends = consumer.end_offsets(list(times))
+    found = consumer.offsets_for_times(times)
+    for tp in times:
+        at = found.get(tp)
+        consumer.seek(tp, at.offset if at is not None else ends[tp])
+    return ends
+
+
 def consumer_lag(consumer: KafkaConsumer, timeout_ms: int | None = None) -> int | None:
     """Messages behind the end of the consumer's assigned partitions, as of its last fetch.
     ``timeout_ms``: the longest to wait in all for positions that need a broker (None: until
