@@ -316,18 +316,28 @@ def test_device_windows_tile_the_device_span_and_summed_figures_equal_the_whole_
 
     first = min(o[2] for o in ops)
     world = max(o[2] + o[3] for o in ops)
+    _assert_windows_tile(out, ops, ops, first, world, (COMPUTE, COMMUNICATION, MEMCPY))
+
+
+def _assert_windows_tile(out: list[dict], ops: list[tuple], bounding: list[tuple], first: int, last: int,
+                         busy_kinds: tuple[int, ...]) -> None:
+    """The StepMetrics ``out`` of ``ops`` (in UNITs): windows that meet exactly from ``first``
+    to ``last``, step time, compute, communication and overlap summed equal to those of the
+    ``bounding`` ops over that span, idle the span's time none of ``busy_kinds`` runs, the
+    phases tiling each window, and every op once, whole, in its step's device kinds."""
+    world = max(o[2] + o[3] for o in ops)
     masks = {k: np.zeros(world, bool) for k in (COMPUTE, COMMUNICATION, MEMCPY)}
-    for kind, _stream, start, dur, _launch in ops:
+    for kind, _stream, start, dur, _launch in bounding:
         masks[kind][start:start + dur] = True
     compute, comm = masks[COMPUTE], masks[COMMUNICATION]
-    busy = compute | comm | masks[MEMCPY]
+    busy = np.logical_or.reduce([masks[k] for k in busy_kinds])
     span = np.zeros(world, bool)
-    span[first:] = True
+    span[first:last] = True
 
     def summed(field: str) -> float:
         return sum(s[field] for s in out) / UNIT
 
-    assert out[0]["device_start_ns"] == first * UNIT and out[-1]["device_end_ns"] == world * UNIT
+    assert out[0]["device_start_ns"] == first * UNIT and out[-1]["device_end_ns"] == last * UNIT
     for before, after in zip(out, out[1:]):
         assert after["device_start_ns"] == before["device_end_ns"]  # neither overlap nor gap
     assert summed("step_time_ns") == span.sum()
@@ -361,31 +371,8 @@ def test_on_ascend_the_windows_tile_the_span_of_compute_and_communication(steps,
 
     tasks = [o for o in ops if o[0] in (COMPUTE, COMMUNICATION)]
     first = min(o[2] for o in tasks)
-    world = max(o[2] + o[3] for o in ops)
     last = max(o[2] + o[3] for o in tasks)
-    masks = {k: np.zeros(world, bool) for k in (COMPUTE, COMMUNICATION)}
-    for kind, _stream, start, dur, _launch in tasks:
-        masks[kind][start:start + dur] = True
-    compute, comm = masks[COMPUTE], masks[COMMUNICATION]
-    span = np.zeros(world, bool)
-    span[first:last] = True
-
-    def summed(field: str) -> float:
-        return sum(s[field] for s in out) / UNIT
-
-    assert out[0]["device_start_ns"] == first * UNIT and out[-1]["device_end_ns"] == last * UNIT
-    for before, after in zip(out, out[1:]):
-        assert after["device_start_ns"] == before["device_end_ns"]  # neither overlap nor gap
-    assert summed("step_time_ns") == span.sum()
-    assert summed("compute_ns") == compute.sum()
-    assert summed("comm_ns") == comm.sum()
-    assert summed("overlap_ns") == (compute & comm).sum()
-    assert summed("idle_ns") == (span & ~(compute | comm)).sum()
-    for s in out:
-        assert s["data_wait_ns"] >= 0 and s["fp_bp_ns"] >= 0 and s["tail_ns"] >= 0
-        assert s["data_wait_ns"] + s["fp_bp_ns"] + s["tail_ns"] == s["step_time_ns"]
-    assert sum(k["total_ns"] for s in out for k in s["device_kinds"]) == sum(o[3] for o in ops) * UNIT
-    assert sum(k["count"] for s in out for k in s["device_kinds"]) == len(ops)
+    _assert_windows_tile(out, ops, tasks, first, last, (COMPUTE, COMMUNICATION))
 
 
 def test_a_step_waiting_for_a_later_one_gets_the_same_figures_across_a_restart(tmp_path):
