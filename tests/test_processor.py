@@ -192,6 +192,18 @@ def test_kill_9_and_restart_gives_every_step_exactly_once_with_identical_values(
         before = len(step_records(kafka_bootstrap, topics.steps, "crash", total, timeout=1, full=False))
         assert before < total, "the run was over before the crash: the test did not test a crash"
         proc = start()
+        # mid-run, `kill -USR1` logs where each stage stands, and the loop goes on unharmed
+        wait_until(lambda: (tmp_path / "processor.log").read_text().count("processing") == 2, 60, "the restart")
+
+        def dumped() -> bool:
+            if " assigned [" in (tmp_path / "processor.log").read_text():
+                return True
+            proc.send_signal(signal.SIGUSR1)  # again: one sent before it was assigned shows nothing
+            return False
+
+        wait_until(dumped, 60, "a state dump on USR1", interval=1.0)
+        dump = (tmp_path / "processor.log").read_text()
+        assert f"g-{topics.prefix}-p0: assigned [" in dump and f"g-{topics.prefix}-run-p0: assigned [" in dump, dump
         producer.join(120)
         steps = step_records(kafka_bootstrap, topics.steps, "crash", total, timeout=90)
         # give a duplicate the chance to show up

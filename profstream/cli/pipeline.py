@@ -180,7 +180,28 @@ def process(
     where = f"{web.scheme if web else 'http'}://{metrics_addr}:{metrics_port}/metrics"
     err.print(f"processing {topics.raw} from {boot} (group {group_id}, instance {instance_id})"
               + (f", metrics on {where}" if metrics_port else "") + "; Ctrl-C stops", highlight=False)
+    _dump_state_on_usr1(processor)
     try:
         processor.run()
     except KeyboardInterrupt:
         processor.stop()
+
+
+def _dump_state_on_usr1(processor) -> None:
+    """`kill -USR1` of a processor logs where each stage stands (partitions, positions, fetch
+    and group states, what it waits for) after the threads' stacks that faulthandler prints."""
+    import faulthandler
+    import logging
+    import signal
+
+    log = logging.getLogger("profstream.processor")
+
+    def dump(*_) -> None:  # runs on the main thread, inside the step stage's loop: must not raise there
+        try:
+            log.warning("profstream processor state:\n%s", processor.describe())
+        except Exception as e:  # another stage's thread changed what was being read: say so, go on
+            log.warning("profstream processor state: not readable now (%r); send USR1 again", e)
+
+    faulthandler.unregister(signal.SIGUSR1)
+    signal.signal(signal.SIGUSR1, dump)
+    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=True)

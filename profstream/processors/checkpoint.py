@@ -223,6 +223,20 @@ class TransactionalLoop:
         (a copy: read from other threads)."""
         return dict(self._positions)
 
+    def describe(self) -> str:
+        """One line on where this loop stands, for a state dump (``kill -USR1`` of a processor):
+        its partitions and positions, the open transaction, its group and fetch states as
+        librdkafka's last statistics tell them, and what the stage holds."""
+        now = time.monotonic()
+        txn = "none" if self._txn_started is None else f"open {now - self._txn_started:.1f} s, {self._txn_outputs} out"
+        last = "never" if self.last_commit_s is None else f"{time.time() - self.last_commit_s:.1f} s ago"
+        watch = self._group_watch
+        fetch = "; ".join(f"p{p}: {f}" for p, f in sorted(watch.fetch.items())) or "none"
+        held = getattr(self.stage, "describe", lambda: "")()
+        return (f"{self.transactional_id}: assigned {self.assignment()} positions {self.positions()}; transaction "
+                f"{txn}; last commit {last}; recoveries {self.recoveries}; group {watch.state}; fetch {fetch}"
+                + (f"; holds {held}" if held else ""))
+
     # -- clients ----------------------------------------------------------------------
 
     def _client_error(self, err: KafkaError) -> None:

@@ -37,6 +37,7 @@ class GroupWatch:
         self._seen_ts: float | None = None
         self.state = "new"
         self.joined = False  # seen in its group (statistics) since created or last told otherwise
+        self.fetch: dict[int, str] = {}  # assigned partition -> its fetch state and offsets (for a state dump)
 
     def update(self, stats_json: str) -> None:
         stats = json.loads(stats_json)
@@ -50,6 +51,11 @@ class GroupWatch:
         if self._joined_ts is None or joined:
             self._joined_ts = ts
         self.joined = self.joined or joined
+        self.fetch = {int(p): f"{s.get('fetch_state')} next {s.get('next_offset')} app {s.get('app_offset')} "
+                              f"lso {s.get('ls_offset')} hw {s.get('hi_offset')} leader {s.get('leader')} "
+                              f"queued {s.get('fetchq_cnt')}"
+                      for t in stats.get("topics", {}).values() for p, s in t.get("partitions", {}).items()
+                      if p != "-1" and s.get("fetch_state") not in (None, "none")}
 
     def stuck_for(self) -> float | None:
         """Seconds out of the group once past :data:`STUCK_AFTER_S`, else None."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 import zlib
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -259,6 +260,9 @@ class StepStage:
             out.append(Output(self.topics.alerts, ev.run_id.encode(), encode("Alert", alert), None))
         return out
 
+    def describe(self) -> str:
+        return f"{len(self.ranks)} ranks open, {self.open_events} events"
+
     @property
     def open_runs(self) -> int:
         return len({run for run, _ in self.ranks})
@@ -399,6 +403,20 @@ class RunStage:
                 out.append(Output(self.state_topic, run_id.encode(), None, run.partition))
         return out
 
+    def describe(self) -> str:
+        """Per run: the steps it waits for, the lowest one's missing ranks (a state dump)."""
+        parts = []
+        for run_id, run in self.runs.items():
+            low = min(run.pending, default=None)
+            if low is None:
+                parts.append(f"{run_id} floor {run.floor}, nothing pending")
+                continue
+            everyone = set(range(run.world_size)) if run.world_size else run.ranks
+            missing = sorted(everyone - run.pending[low].keys())
+            parts.append(f"{run_id} floor {run.floor}, {len(run.pending)} steps pending from {low} (missing ranks "
+                         f"{missing[:16]}, first seen {time.monotonic() - run.first_seen[low]:.0f} s ago)")
+        return "; ".join(parts) or "no runs"
+
     def _emit(self, run_id: str, step: int, step_times: dict[int, int], calls: dict[int, dict],
               everyone: Iterable[int], unmeasured: set[int], work: dict[int, tuple]) -> Output:
         figures = rank_figures(step_times)
@@ -477,6 +495,10 @@ class Processor:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def describe(self) -> str:
+        """Every stage's loop, one line each (``kill -USR1`` logs it with the threads' stacks)."""
+        return "\n".join(loop.describe() for loop in self.loops)
 
     def lag(self) -> int | None:
         """Raw messages the step stage has not consumed yet, from the broker's end offsets
