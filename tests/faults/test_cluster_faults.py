@@ -28,7 +28,9 @@ from tests.helpers import raw_batches, wait_until
 CFG = SimConfig(run_id="cluster", ranks=16, steps=500, ops_per_step=50, step_time_ms=100, seed=23, rate="realtime")
 OUTAGE_S = 30.0
 RUN_GRACE_S = 90.0
-RECOVERY_DEADLINE_S = 60.0  # "came back at all"; how fast it comes back is measured in benchmarks/
+# "came back at all"; how fast it comes back is measured in benchmarks/. After the whole
+# cluster restarts on 2 loaded cores, its controllers alone took 45 s to settle once.
+RECOVERY_DEADLINE_S = 90.0
 
 
 @dataclass
@@ -128,7 +130,9 @@ def test_a_16_rank_run_through_a_cluster_fault_commits_every_step_once_and_archi
             print(f"\n{happened.name}: every rank's figures fresh again {recovered:.1f} s after the fault")
             happened.restore()
             result = run.end(240)
-            run.wait_committed(processor, 120, 60)
+            # A step missing a rank is held up to --run-grace-s: wait past it. A step emitted on
+            # the grace without a rank the topic holds, or twice, fails the comparison with the replay.
+            run.wait_committed(processor, 120, RUN_GRACE_S + 30)
             wait_until(lambda: processor.metrics().get("profstream_consumer_lag_messages") == 0, 60, "lag 0")
             wait_until(lambda: _archived(archive) >= run.raw_sent, 60, f"every raw message archived ({archive.log})")
             # what an idempotent producer's resend left in the raw topic, and what the processor did with it
