@@ -41,6 +41,8 @@ from profstream.kafka.clients import make_native_consumer, make_transactional_pr
 from profstream.kafka.connection import Connection
 from profstream.kafka.deadline import CallTimeout, DeadlineCaller
 from profstream.processors.group_watch import STATS_INTERVAL_MS, GroupWatch
+from profstream.processors.input_watch import STUCK_AFTER_S as INPUT_STUCK_AFTER_S
+from profstream.processors.input_watch import InputWatch
 
 log = logging.getLogger("profstream.processor")
 
@@ -193,6 +195,7 @@ class TransactionalLoop:
                                or f"input topic {stage.input_topic} does not exist: create it first "
                                "(`profstream process` does)")
         self._subscribe()
+        self._input_watch = InputWatch(conn, stage.input_topic)  # see processors/input_watch.py
         self._positions: dict[int, int] = {}  # input partition -> next offset to consume
         self._assigned: set[int] = set()
         self._txn_started: float | None = None
@@ -310,6 +313,7 @@ class TransactionalLoop:
 
     def _on_assign(self, assigned: list[TopicPartition]) -> None:
         self._heard = True
+        self._input_watch.reset()
         parts = [tp.partition for tp in assigned]
         self._assigned.update(parts)
         if self._failure is None:
@@ -444,6 +448,13 @@ class TransactionalLoop:
             consumed += 1
         if consumed:
             self._heard = True
+            self._input_watch.consumed(now)
+        else:
+            grown = self._input_watch.stuck(self.assignment(), now)
+            if grown is not None:
+                raise _ConsumerFailure(KafkaError(KafkaError._STATE, (
+                    f"the consumer received nothing for {INPUT_STUCK_AFTER_S:g} s or more while its partitions of "
+                    f"{self.stage.input_topic} gained {grown} messages")))
         outputs = self.stage.ready(now)
         if outputs:
             self._begin()
@@ -630,6 +641,7 @@ class TransactionalLoop:
                 backoff = min(backoff * 2, 5.0)
         self.recoveries += 1
         self._heard = self._group_watch.joined = False
+        self._input_watch.reset()
         if answered:
             self._outage_started = None
             log.warning("profstream processor %s: resumed from the last commit %.1f s after the fault",
