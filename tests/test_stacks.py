@@ -1,0 +1,172 @@
+"""Every rank's stacks on demand (`profstream stacks`), through the real broker.
+
+The ranks are real processes, each with a real Monitor: after a few steps every rank but
+one waits in ``wait_in_all_reduce`` (an Event, as a collective waits for its peers, in a
+C call that released the GIL) and the stuck one sleeps in ``stuck_in_data_loading``. The
+command must set that rank apart, on its host, in that function.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+
+from typer.testing import CliRunner
+
+from profstream.cli import app
+from profstream.control.records import (
+    FINISHED,
+    decode_control,
+    encode_status,
+    new_stacks_request,
+    new_status,
+)
+from profstream.control.stacks import ask_stacks, group_ranks, stacks_lines, traceback_lines
+from profstream.producers.stacks import thread_stacks
+from tests.helpers import wait_until
+
+WORLD = 3
+STUCK = 1
+
+RANK_SCRIPT = textwrap.dedent('''
+    import sys, threading, time
+    from profstream.producers.monitor import Monitor
+
+    bootstrap, prefix, run_id, rank, world, stuck = sys.argv[1:4] + [int(a) for a in sys.argv[4:7]]
+    monitor = Monitor(bootstrap=bootstrap, topic_prefix=prefix, run_id=run_id, rank=rank, world_size=world,
+                      host=f"node-{rank}", host_sample_interval_s=0)
+    peers = threading.Event()
+
+    def wait_in_all_reduce():
+        peers.wait()
+
+    def stuck_in_data_loading():
+        time.sleep(600)
+
+    for step in range(3):
+        monitor.begin_step()
+        monitor.end_step()
+    monitor.begin_step()
+    print("entering", flush=True)
+    if rank == stuck:
+        stuck_in_data_loading()
+    else:
+        wait_in_all_reduce()
+''')
+
+
+class Ranks:
+    """WORLD rank processes of one run, each printing "entering" before it blocks; killed on exit."""
+
+    def __init__(self, bootstrap, topics, run_id, tmp_path):
+        script = tmp_path / "rank.py"
+        script.write_text(RANK_SCRIPT)
+        self.procs = [subprocess.Popen([sys.executable, str(script), bootstrap, topics.prefix, run_id, str(r),
+                                        str(WORLD), str(STUCK)], stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT, text=True) for r in range(WORLD)]
+        self.lines: list[list[str]] = [[] for _ in self.procs]
+        for proc, lines in zip(self.procs, self.lines):
+            threading.Thread(target=lambda p=proc, out=lines: out.extend(p.stdout), daemon=True).start()
+
+    def __enter__(self):
+        return self
+
+    def entered(self) -> bool:
+        for proc, lines in zip(self.procs, self.lines):
+            if proc.poll() is not None:
+                raise AssertionError(f"a rank exited {proc.returncode}: {''.join(lines)[-3000:]}")
+        return all("entering\n" in lines for lines in self.lines)
+
+    def __exit__(self, *exc):
+        for proc in self.procs:
+            proc.kill()
+        for proc in self.procs:
+            proc.wait(10)
+
+
+def _main_frames(group):
+    main = next(t for t in group.threads if t["main"])
+    return [f["function"] for f in main["frames"]], main
+
+
+def test_stacks_set_the_stuck_rank_apart_in_its_function(kafka_bootstrap, topics, tmp_path):
+    with Ranks(kafka_bootstrap, topics, "hung-run", tmp_path) as ranks:
+        wait_until(ranks.entered, 60, "every rank to reach its blocking call")
+        answer = ask_stacks(kafka_bootstrap, topics, "hung-run", timeout_s=30)
+        assert answer.missing() == [] and sorted(answer.answered) == list(range(WORLD)), stacks_lines(answer)
+        odd, rest = answer.groups  # the odd one out first
+        assert odd.ranks == [STUCK] and odd.hosts == [f"node-{STUCK}"]
+        functions, main = _main_frames(odd)
+        assert functions[-1] == "stuck_in_data_loading" and main["frames"][-1]["code"] == "time.sleep(600)"
+        others = [r for r in range(WORLD) if r != STUCK]
+        assert rest.ranks == others and rest.hosts == [f"node-{r}" for r in others]
+        functions, _main = _main_frames(rest)
+        assert "wait_in_all_reduce" in functions and "stuck_in_data_loading" not in functions
+        assert not any(t["own"] for g in answer.groups for t in g.threads)  # profstream's threads left aside
+
+        result = CliRunner().invoke(app, ["stacks", "--run", "hung-run", "--bootstrap", kafka_bootstrap,
+                                          "--topic-prefix", topics.prefix, "--timeout-s", "30"])
+        assert result.exit_code == 0, result.output
+        text = result.output
+        assert f"{WORLD} of {WORLD} ranks answered" in text
+        first, second = text.index(f"ranks {STUCK} (1 of {WORLD}) on node-{STUCK}"), text.index("ranks 0,2 (2 of 3)")
+        assert first < text.index("in stuck_in_data_loading\n      time.sleep(600)") < second
+        assert second < text.index("in wait_in_all_reduce")
+
+
+def test_stacks_of_a_run_no_monitor_serves_say_so_in_one_line(kafka_bootstrap, topics):
+    result = CliRunner().invoke(app, ["stacks", "--run", "no-such-run", "--bootstrap", kafka_bootstrap,
+                                      "--topic-prefix", topics.prefix, "--timeout-s", "30"])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: no rank of run no-such-run has been seen: no Monitor of it "
+                                                   "answered the stacks request"), lines
+    assert "check --run" in lines[0] and "30 s" not in lines[0]  # said within seconds, not after the timeout
+
+
+def test_a_deep_stack_is_cut_to_its_innermost_frames_and_says_so():
+    got = {}
+    ready, done = threading.Event(), threading.Event()
+
+    def recurse(n):
+        if n:
+            return recurse(n - 1)
+        ready.set()
+        done.wait()
+
+    thread = threading.Thread(target=recurse, args=(500,), name="deep")
+    thread.start()
+    try:
+        ready.wait(10)
+        threads, omitted = thread_stacks(max_frames=20)
+        got = next(t for t in threads if t["name"] == "deep")
+    finally:
+        done.set()
+        thread.join()
+    assert omitted == 0 and len(got["frames"]) == 20 and got["frames_omitted"] > 480
+    functions = [f["function"] for f in got["frames"]]
+    assert functions[0] == "recurse" and functions[-1] == "wait"  # the outer ones cut, the innermost kept
+    assert traceback_lines(got)[0].strip() == f"... {got['frames_omitted']} outer frames left out (a deep stack)"
+    request = new_stacks_request("r")  # and the record that carries it decodes whole
+    status = new_status(request, FINISHED, 0, threads=threads, threads_omitted=omitted)
+    assert decode_control(encode_status(status)) == ("CaptureStatus", status)
+
+
+def test_many_threads_are_bounded_in_count_and_size():
+    max_bytes = 4096
+    stop = threading.Event()
+    workers = [threading.Thread(target=stop.wait, name=f"worker-{i:02d}") for i in range(12)]
+    for w in workers:
+        w.start()
+    try:
+        threads, omitted = thread_stacks(max_threads=5, max_bytes=max_bytes)
+    finally:
+        stop.set()
+        for w in workers:
+            w.join()
+    assert len(threads) == 5 and omitted >= 8 and threads[0]["main"]
+    assert len(encode_status(new_status(new_stacks_request("r"), FINISHED, 0, threads=threads))) < 2 * max_bytes
+    same = group_ranks({0: {"threads": threads, "host": "a"}, 1: {"threads": threads, "host": "b"}})
+    assert [(g.ranks, g.hosts) for g in same] == [([0, 1], ["a", "b"])]
