@@ -170,3 +170,20 @@ def test_many_threads_are_bounded_in_count_and_size():
     assert len(encode_status(new_status(new_stacks_request("r"), FINISHED, 0, threads=threads))) < 2 * max_bytes
     same = group_ranks({0: {"threads": threads, "host": "a"}, 1: {"threads": threads, "host": "b"}})
     assert [(g.ranks, g.hosts) for g in same] == [([0, 1], ["a", "b"])]
+
+
+def test_ops_requests_and_statuses_without_threads_stay_readable_by_older_monitors_and_sinks():
+    """Only a stacks request and its answer need the new schema versions: a Monitor, sink or
+    guard from before them keeps reading every request for ops and every other status."""
+    from profstream.control.records import encode_request, new_request
+    from profstream.schema.codec import VERSIONS
+
+    ops = new_request("r")
+    assert encode_request(ops).startswith(VERSIONS[("CaptureRequest", 1)].header)
+    assert decode_control(encode_request(ops))[1]["kind"] == "ops"
+    stacks = new_stacks_request("r")
+    assert encode_request(stacks).startswith(VERSIONS[("CaptureRequest", 2)].header)
+    assert decode_control(encode_request(stacks)) == ("CaptureRequest", stacks)
+    armed = new_status(ops, "armed", 0)
+    assert encode_status(armed).startswith(VERSIONS[("CaptureStatus", 2)].header)
+    assert decode_control(encode_status(armed))[1]["threads"] is None
