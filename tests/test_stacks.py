@@ -8,11 +8,13 @@ command must set that rank apart, on its host, in that function.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
 import threading
 
+import pytest
 from typer.testing import CliRunner
 
 from profstream.cli import app
@@ -60,12 +62,13 @@ RANK_SCRIPT = textwrap.dedent('''
 class Ranks:
     """WORLD rank processes of one run, each printing "entering" before it blocks; killed on exit."""
 
-    def __init__(self, bootstrap, topics, run_id, tmp_path):
-        script = tmp_path / "rank.py"
-        script.write_text(RANK_SCRIPT)
-        self.procs = [subprocess.Popen([sys.executable, str(script), bootstrap, topics.prefix, run_id, str(r),
-                                        str(WORLD), str(STUCK)], stdout=subprocess.PIPE,
-                                       stderr=subprocess.STDOUT, text=True) for r in range(WORLD)]
+    def __init__(self, bootstrap, topics, run_id, tmp_path, script=RANK_SCRIPT, env=None):
+        path = tmp_path / "rank.py"
+        path.write_text(script)
+        self.procs = [subprocess.Popen([sys.executable, str(path), bootstrap, topics.prefix, run_id, str(r),
+                                        str(WORLD), str(STUCK)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                       text=True, env=None if env is None else {**env, "RANK": str(r)})
+                      for r in range(WORLD)]
         self.lines: list[list[str]] = [[] for _ in self.procs]
         for proc, lines in zip(self.procs, self.lines):
             threading.Thread(target=lambda p=proc, out=lines: out.extend(p.stdout), daemon=True).start()
@@ -111,9 +114,16 @@ def test_stacks_set_the_stuck_rank_apart_in_its_function(kafka_bootstrap, topics
         assert result.exit_code == 0, result.output
         text = result.output
         assert f"{WORLD} of {WORLD} ranks answered" in text
-        first, second = text.index(f"ranks {STUCK} (1 of {WORLD}) on node-{STUCK}"), text.index("ranks 0,2 (2 of 3)")
+        first, second = text.index(f"rank {STUCK} (1 of {WORLD}) on node-{STUCK}"), text.index("ranks 0,2 (2 of 3)")
         assert first < text.index("in stuck_in_data_loading\n      time.sleep(600)") < second
         assert second < text.index("in wait_in_all_reduce")
+
+        result = CliRunner().invoke(app, ["stacks", "--run", "hung-run", "--json", "--bootstrap", kafka_bootstrap,
+                                          "--topic-prefix", topics.prefix, "--timeout-s", "30"])
+        got = json.loads(result.output)
+        assert result.exit_code == 0 and [g["ranks"] for g in got["groups"]] == [[STUCK], others], result.output
+        frames = next(t for t in got["answered"][str(STUCK)]["threads"] if t["main"])["frames"]
+        assert frames[-1]["function"] == "stuck_in_data_loading" and got["missing"] == []
 
 
 def test_stacks_of_a_run_no_monitor_serves_say_so_in_one_line(kafka_bootstrap, topics):
@@ -187,3 +197,54 @@ def test_ops_requests_and_statuses_without_threads_stay_readable_by_older_monito
     armed = new_status(ops, "armed", 0)
     assert encode_status(armed).startswith(VERSIONS[("CaptureStatus", 2)].header)
     assert decode_control(encode_status(armed))[1]["threads"] is None
+
+
+TORCH_SCRIPT = textwrap.dedent('''
+    import sys, time
+    import torch
+    import torch.distributed as dist
+    from profstream.producers.monitor import Monitor
+
+    bootstrap, prefix, run_id = sys.argv[1:4]
+    stuck = int(sys.argv[6])
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    monitor = Monitor(bootstrap=bootstrap, topic_prefix=prefix, run_id=run_id, rank=rank, world_size=world,
+                      host=f"node-{rank}", host_sample_interval_s=0)
+    grads = torch.ones(4)
+    dist.all_reduce(grads)  # every rank is in the job
+
+    def stuck_before_all_reduce():
+        time.sleep(600)
+
+    monitor.begin_step()
+    print("entering", flush=True)
+    if rank == stuck:
+        stuck_before_all_reduce()
+    dist.all_reduce(grads)
+''')
+
+
+@pytest.mark.multiproc
+def test_stacks_show_the_ranks_in_a_gloo_all_reduce_and_the_one_that_never_came(kafka_bootstrap, topics, tmp_path):
+    """The issue's case: torch.distributed (gloo) ranks wait in all_reduce, inside C++ with
+    the GIL released, for a rank that sleeps before it."""
+    pytest.importorskip("torch")
+    import os
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "WORLD_SIZE": str(WORLD), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "OMP_NUM_THREADS": "1"}
+    with Ranks(kafka_bootstrap, topics, "gloo-run", tmp_path, TORCH_SCRIPT, env) as ranks:
+        wait_until(ranks.entered, 120, "every rank to reach its blocking call")
+        answer = ask_stacks(kafka_bootstrap, topics, "gloo-run", timeout_s=30)
+        assert answer.missing() == [] and len(answer.groups) == 2, stacks_lines(answer)
+        odd, rest = answer.groups
+        functions, main = _main_frames(odd)
+        assert odd.ranks == [STUCK] and odd.hosts == [f"node-{STUCK}"]
+        assert functions[-1] == "stuck_before_all_reduce" and main["frames"][-1]["code"] == "time.sleep(600)"
+        functions, _main = _main_frames(rest)
+        assert rest.ranks == [r for r in range(WORLD) if r != STUCK] and "all_reduce" in functions, functions

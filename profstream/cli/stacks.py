@@ -38,7 +38,7 @@ def stacks(
     topic_prefix: PrefixOpt = "profstream",
 ) -> None:
     """Every rank's Python thread stacks now, the training thread's included: ranks whose stacks are the same are
-    merged, the odd one out first. Exit status 1 when some rank did not answer."""
+    merged, the odd one out first. Exit status 1 when some rank did not answer, 2 (one line) when none did."""
     import getpass
     import socket
 

@@ -96,6 +96,11 @@ def format_ranks_list(ranks: list[int]) -> str:
     return format_ranks(ranges)
 
 
+def ranks_phrase(ranks: list[int]) -> str:
+    """``rank 2`` or ``ranks 0-1,3``."""
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {format_ranks_list(ranks)}"
+
+
 def traceback_lines(thread: dict, indent: str = "    ") -> list[str]:
     """One thread's stack as Python's tracebacks print it (most recent call last)."""
     lines = []
@@ -121,7 +126,7 @@ def stacks_lines(answer: StacksAnswer) -> list[str]:
     for group in answer.groups:
         hosts = ", ".join(h or "?" for h in group.hosts)
         lines.append("")
-        lines.append(f"ranks {format_ranks_list(group.ranks)} ({len(group.ranks)} of {total}) on {hosts}:")
+        lines.append(f"{ranks_phrase(group.ranks)} ({len(group.ranks)} of {total}) on {hosts}:")
         omitted = max(answered[r]["threads_omitted"] for r in group.ranks)
         for thread in group.threads:
             lines.append(f"  thread {thread['name']}" + (" (main)" if thread["main"] else "")
@@ -138,6 +143,6 @@ def stacks_lines(answer: StacksAnswer) -> list[str]:
     missing = answer.missing()
     if missing and answered:
         lines.append("")
-        lines.append(f"ranks {format_ranks_list(missing)} did not answer within {answer.waited_s:.0f} s: their "
-                     "process is gone, cut off from Kafka, or one of its threads holds the GIL")
+        lines.append(f"{ranks_phrase(missing)} did not answer within {answer.waited_s:.0f} s: the process is gone, "
+                     "cut off from Kafka, or one of its threads holds the GIL")
     return lines
