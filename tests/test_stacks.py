@@ -248,3 +248,29 @@ def test_stacks_show_the_ranks_in_a_gloo_all_reduce_and_the_one_that_never_came(
         assert functions[-1] == "stuck_before_all_reduce" and main["frames"][-1]["code"] == "time.sleep(600)"
         functions, _main = _main_frames(rest)
         assert rest.ranks == [r for r in range(WORLD) if r != STUCK] and "all_reduce" in functions, functions
+
+
+def test_a_stacks_request_read_after_it_expired_is_refused_not_answered_with_stacks_of_now(kafka_bootstrap, topics):
+    """A reader cut off from Kafka for a while reads old stacks requests when it is back:
+    the stacks of now would answer a question nobody is waiting on any more."""
+    import time
+
+    from profstream.control.client import follow, send_request
+    from profstream.producers.monitor import Monitor
+
+    monitor = Monitor(bootstrap=kafka_bootstrap, topic_prefix=topics.prefix, run_id="late-run", rank=0,
+                      world_size=1, host_sample_interval_s=0)
+    try:
+        wait_until(lambda: monitor.stats()["control_connected"], 30, "the control reader to connect")
+        old = new_stacks_request("late-run", expires_s=1.0, now_ns=time.time_ns() - 5 * 10**9)
+        send_request(kafka_bootstrap, topics, old)
+        progress = follow(kafka_bootstrap, topics, old, timeout=30)
+        status = progress.ranks[0]
+        assert status["state"] == "refused" and status["reason"].startswith("expired: ") and status["threads"] is None
+        fresh = new_stacks_request("late-run")
+        send_request(kafka_bootstrap, topics, fresh)
+        assert follow(kafka_bootstrap, topics, fresh, timeout=30).ranks[0]["threads"]
+        stats = monitor.stats()
+        assert (stats["stacks_refused"], stats["stack_dumps"], stats["capture_requests"]) == (1, 1, 0)
+    finally:
+        monitor.close(timeout=10)

@@ -99,6 +99,7 @@ class ControlReader(threading.Thread):
         self.refused = 0  # by this thread, on arrival (the plan counts the training thread's)
         self.undecodable = 0
         self.stack_dumps = 0  # stacks requests answered with this process's threads
+        self.stacks_refused = 0  # expired or invalid ones
         self.statuses_sent = 0
         self.statuses_undelivered = 0
         self.outages = 0
@@ -217,7 +218,7 @@ class ControlReader(threading.Thread):
             reason = refusal("expired", f"read {(now - record['expires_at_ns']) / 1e9:.1f} s after it expired: "
                                         "the stacks now would not answer it")
         if reason is not None:
-            self.refused += 1
+            self.stacks_refused += 1
             self._send(new_status(record, REFUSED, self.owner.rank, reason=reason, **self._who()))
             return
         threads, omitted = thread_stacks()
@@ -344,7 +345,8 @@ class ControlReader(threading.Thread):
         return {"control_connected": self.connected, "control_outages": self.outages,
                 "capture_requests": self.requests, "captures_started": plan.started,
                 "captures_finished": plan.finished, "captures_refused": plan.refused + self.refused,
-                "stack_dumps": self.stack_dumps, "control_undecodable": self.undecodable, "statuses_undelivered": self.statuses_undelivered}
+                "stack_dumps": self.stack_dumps, "stacks_refused": self.stacks_refused,
+                "control_undecodable": self.undecodable, "statuses_undelivered": self.statuses_undelivered}
 
 
 def start_control(owner: Owner, since_ms: int | None = None) -> tuple[CapturePlan, ControlReader]:
