@@ -17,7 +17,7 @@ from profstream.config import ConfigError
 
 # The command modules register their commands, in the order `profstream --help` lists them.
 # isort: off
-from profstream.cli import stack, pipeline, sinks, offline, integrations, spool, control, acl, doctor, demo  # noqa: E402, F401
+from profstream.cli import stack, pipeline, sinks, offline, integrations, spool, control, stacks, acl, doctor, demo  # noqa: E402, F401
 # isort: on
 
 __all__ = ["app", "main"]

@@ -170,7 +170,7 @@ def capture(
         progress = follow(boot, topics, request, timeout_s, stop=stop.is_set, unanswered_s=unanswered_s)
     waited = time.monotonic() - started
     if not progress.ranks and progress.whole is None:
-        fail(_unanswered(run, seen, waited, boot, topics))
+        fail(unanswered(run, seen, waited, boot, topics, "capture"))
     out.print(_progress_table(progress))
     for line in _timeline_lines(progress, timeline_dir, wait_s=30.0):
         out.print(line, highlight=False, soft_wrap=True)
@@ -186,16 +186,17 @@ LIVE_ANSWER_S = 10.0  # a run the processors show: its ranks' readers answer wit
 UNSEEN_ANSWER_S = 5.0  # a run they do not: a rank starting now would still answer in this time
 
 
-def _unanswered(run: str, seen: float | None, waited: float, bootstrap: str, topics) -> str:
-    """Why no rank of ``run`` answered a capture request, in one line."""
+def unanswered(run: str, seen: float | None, waited: float, bootstrap: str, topics, what: str) -> str:
+    """Why no Monitor of ``run`` answered a ``what`` (capture, stacks) request, in one line."""
     from profstream.control.client import RUN_SEEN_S, runs_seen
 
     if seen is not None:
-        return (f"no rank of run {run} answered within {waited:.0f} s, though the processors showed a step of it "
-                f"{time.time() - seen:.0f} s ago: its Monitors read no capture requests (control=false, or a "
-                "Monitor older than capture requests)")
+        return (f"no Monitor of run {run} answered the {what} request within {waited:.0f} s, though the processors "
+                f"showed a step of it {time.time() - seen:.0f} s ago: its Monitors read no requests (control=false, "
+                f"or a Monitor older than {what} requests), or every rank is stuck holding the GIL")
     others = sorted(runs_seen(bootstrap, topics, 120.0))
-    return (f"no rank of run {run} has been seen: none answered within {waited:.0f} s and the processors have shown "
+    return (f"no rank of run {run} has been seen: no Monitor of it answered the {what} request within {waited:.0f} s and "
+            "the processors have shown "
             f"no step of it in the last {RUN_SEEN_S / 60:g} min; check --run (runs of the last 2 min: "
             f"{', '.join(others[:10]) or 'none'}{' ...' if len(others) > 10 else ''})")
 

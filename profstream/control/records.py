@@ -5,11 +5,13 @@ only that principal may write (its ACL): the reader of a request sets ``requeste
 the topic (``request_from``), never from the request's own ``requested_by`` (free text,
 shown for people). Statuses travel on ``<prefix>.control`` and carry the requester on.
 
-A request names a run, its ranks (all, or ranges such as ``0,3-5``), a start (each rank's
-next step, or step N), a number of steps and what the profiler records; a status says
-what one rank (or, with ``rank`` None, a service for the whole request) did with it:
-``armed``, ``started``, ``finished`` or ``refused`` with a reason. A refusal's reason
-begins with one of ``REFUSALS`` and a colon, then says why in words.
+A request names a run, its ranks (all, or ranges such as ``0,3-5``) and its ``kind``: a
+capture of ``ops`` (a start: each rank's next step, or step N; a number of steps; what
+the profiler records) or every Python thread's ``stacks`` now (``profstream stacks``); a
+status says what one rank (or, with ``rank`` None, a service for the whole request) did
+with it: ``armed``, ``started``, ``finished`` or ``refused`` with a reason. A rank answers
+a stacks request with one status, ``finished`` with its ``threads`` (or ``refused``). A
+refusal's reason begins with one of ``REFUSALS`` and a colon, then says why in words.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from profstream.schema.names import is_valid_name
 REQUEST, STATUS = "CaptureRequest", "CaptureStatus"
 ARMED, STARTED, FINISHED, REFUSED = "armed", "started", "finished", "refused"
 STATES = (ARMED, STARTED, FINISHED, REFUSED)
+OPS, STACKS = "ops", "stacks"  # a request's kind
+KINDS = (OPS, STACKS)
 ACTIVITIES = ("cpu", "cuda")
 DEFAULT_STEPS = 20
 DEFAULT_EXPIRES_S = 300.0
@@ -76,13 +80,13 @@ def listed_ranks(ranges: list[dict] | None) -> list[int] | None:
 def new_request(run_id: str, *, ranks: list[dict] | None = None, start_step: int | None = None,
                 steps: int = DEFAULT_STEPS, activities: tuple[str, ...] = ACTIVITIES, record_shapes: bool = False,
                 profile_memory: bool = False, with_stack: bool = False, reason: str = "", requested_by: str = "",
-                expires_s: float = DEFAULT_EXPIRES_S, now_ns: int | None = None) -> dict:
+                expires_s: float = DEFAULT_EXPIRES_S, now_ns: int | None = None, kind: str = OPS) -> dict:
     """A checked CaptureRequest with a fresh request_id; RequestError says what is wrong."""
     now = time.time_ns() if now_ns is None else now_ns
     if not expires_s > 0:
         raise RequestError(f"expires {expires_s!r} s: give a number of seconds > 0")
     request = {
-        "request_id": uuid.uuid4().hex, "run_id": run_id, "ranks": ranks, "start_step": start_step,
+        "request_id": uuid.uuid4().hex, "run_id": run_id, "ranks": ranks, "kind": kind, "start_step": start_step,
         "steps": steps, "activities": list(activities), "record_shapes": record_shapes,
         "profile_memory": profile_memory, "with_stack": with_stack, "reason": reason,
         "requested_by": requested_by, "requested_ns": now, "expires_at_ns": now + int(expires_s * 1e9),
@@ -91,6 +95,14 @@ def new_request(run_id: str, *, ranks: list[dict] | None = None, start_step: int
     if problem is not None:
         raise RequestError(problem.partition(": ")[2])
     return request
+
+
+def new_stacks_request(run_id: str, *, ranks: list[dict] | None = None, reason: str = "", requested_by: str = "",
+                       expires_s: float = 60.0, now_ns: int | None = None) -> dict:
+    """A request for the stacks of every Python thread of ``ranks`` (None: all) of ``run_id``;
+    a rank that reads it after ``expires_s`` refuses it (its answer would be old news)."""
+    return new_request(run_id, ranks=ranks, steps=1, reason=reason, requested_by=requested_by,
+                       expires_s=expires_s, now_ns=now_ns, kind=STACKS)
 
 
 def check_request(request: dict) -> str | None:
@@ -102,6 +114,8 @@ def check_request(request: dict) -> str | None:
         return invalid(f"request id {request['request_id']!r} is not a valid name")
     if not is_valid_name(request["run_id"]):
         return invalid(f"run id {request['run_id']!r} is not a valid name")
+    if request["kind"] not in KINDS:
+        return invalid(f"kind {request['kind']!r}: expected one of {', '.join(KINDS)}")
     if request["steps"] < 1:
         return invalid(f"steps {request['steps']}: ask for at least 1")
     if request["start_step"] is not None and request["start_step"] < 0:
@@ -129,15 +143,17 @@ def refusal_code(reason: str) -> str:
 def new_status(request: dict, state: str, rank: int | None, *, first_step: int | None = None,
                last_step: int | None = None, ops: int = 0, window_start_ns: int | None = None,
                window_end_ns: int | None = None, reason: str = "", world_size: int | None = None,
-               host: str = "", ts_ns: int | None = None) -> dict:
+               host: str = "", ts_ns: int | None = None, threads: list[dict] | None = None,
+               threads_omitted: int = 0) -> dict:
     """The CaptureStatus of ``request`` on ``rank`` (None: for the whole request); it carries
-    the request's authenticated requester and its reason."""
+    the request's authenticated requester and its reason (and, answering a stacks request,
+    the rank's ``threads``: producers/stacks.py)."""
     assert state in STATES, state
     return {"request_id": request["request_id"], "run_id": request["run_id"], "rank": rank, "state": state,
             "first_step": first_step, "last_step": last_step, "ops": ops, "window_start_ns": window_start_ns,
             "window_end_ns": window_end_ns, "reason": reason, "world_size": world_size, "host": host,
             "requester": request.get("requester", ""), "request_reason": request.get("reason", ""),
-            "ts_ns": time.time_ns() if ts_ns is None else ts_ns}
+            "threads": threads, "threads_omitted": threads_omitted, "ts_ns": time.time_ns() if ts_ns is None else ts_ns}
 
 
 def request_from(topic: str, requests_prefix: str, record: dict) -> dict | None:
@@ -159,12 +175,18 @@ def who_asked(request: dict) -> str:
     return requester if not said or said == requester else f"{requester} ({said})"
 
 
+# Requests for ops and statuses without threads are written in the versions that Monitors,
+# sinks and guards from before stacks requests read (CaptureRequest v1, CaptureStatus v2).
+OPS_REQUEST_VERSION = 1
+STATUS_WITHOUT_THREADS_VERSION = 2
+
+
 def encode_request(request: dict) -> bytes:
-    return encode(REQUEST, request)
+    return encode(REQUEST, request, OPS_REQUEST_VERSION if request.get("kind", OPS) == OPS else None)
 
 
 def encode_status(status: dict) -> bytes:
-    return encode(STATUS, status)
+    return encode(STATUS, status, STATUS_WITHOUT_THREADS_VERSION if status.get("threads") is None else None)
 
 
 def control_key(run_id: str) -> bytes:
@@ -192,6 +214,8 @@ def decode_control(value: bytes) -> tuple[str, dict]:
 
 def describe_request(request: dict) -> str:
     """One line for people: what is asked of which ranks."""
+    if request["kind"] == STACKS:
+        return f"stacks of ranks {format_ranks(request['ranks'])} of run {request['run_id']}"
     start = "the next step" if request["start_step"] is None else f"step {request['start_step']}"
     return (f"{request['steps']} steps from {start} on ranks {format_ranks(request['ranks'])} of run "
             f"{request['run_id']}")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from profstream.control.records import (
     FINISHED,
+    OPS,
     REQUEST,
     decode_control,
     describe_request,
@@ -67,6 +68,8 @@ def archived_captures(archive: Path, run_id: str, on_loss=None) -> list[Capture]
         if record["run_id"] != run_id:
             continue
         if name == REQUEST:
+            if record["kind"] != OPS:  # stacks requests capture no steps
+                continue
             topic = rec["topic"]
             record = next((request_from(topic, p, record) for p in prefixes if topic.startswith(p)), None) or record
             by_id.setdefault(record["request_id"], Capture(record))

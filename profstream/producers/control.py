@@ -1,4 +1,4 @@
-"""``ControlReader``: the training process's thread that reads capture requests.
+"""``ControlReader``: the training process's thread that reads capture and stacks requests.
 
 One thread per Monitor, with its own librdkafka consumer and no consumer-group state: it
 assigns itself, in every request topic ``<prefix>.requests.<user>`` it may read (one per
@@ -9,7 +9,9 @@ looks for new request topics every ``SCAN_S``. Requests on the control topic its
 (older clients) are never acted on. Requests for its run and rank are checked and
 offered to the ``CapturePlan``; the statuses that come back (armed, refused, and the
 started / finished ones the training thread queues) are sent by a producer made at the
-first status. Nothing here runs on the training thread; a broker outage means no
+first status. A stacks request is answered here, at once, on this thread: every Python
+thread's stack (``stacks.py``), the training thread's included, in one finished status.
+Nothing here runs on the training thread; a broker outage means no
 captures, counted in ``Monitor.stats()`` (``control_connected``, ``control_outages``) and
 logged at INFO level (the Sender already warns once per outage).
 """
@@ -26,8 +28,10 @@ import confluent_kafka
 
 from profstream.control.records import (
     ARMED,
+    FINISHED,
     REFUSED,
     REQUEST,
+    STACKS,
     check_request,
     control_key,
     control_partition,
@@ -35,12 +39,14 @@ from profstream.control.records import (
     encode_status,
     new_status,
     rank_in,
+    refusal,
     request_from,
 )
 from profstream.kafka.clients import make_native_producer, native_consumer_config
 from profstream.kafka.connection import Connection
 from profstream.kafka.topics import CONTROL_GROUP_PREFIX, Topics
 from profstream.producers.capture_plan import CapturePlan
+from profstream.producers.stacks import thread_stacks
 from profstream.schema.codec import DecodeError
 
 log = logging.getLogger("profstream.monitor")
@@ -92,6 +98,8 @@ class ControlReader(threading.Thread):
         self.armed = 0
         self.refused = 0  # by this thread, on arrival (the plan counts the training thread's)
         self.undecodable = 0
+        self.stack_dumps = 0  # stacks requests answered with this process's threads
+        self.stacks_refused = 0  # expired or invalid ones
         self.statuses_sent = 0
         self.statuses_undelivered = 0
         self.outages = 0
@@ -190,6 +198,9 @@ class ControlReader(threading.Thread):
             self._seen.popitem(last=False)
         if not rank_in(record["ranks"], self.owner.rank):
             return
+        if record["kind"] == STACKS:
+            self._answer_stacks(record)
+            return
         self.requests += 1
         reason = check_request(record) or self.plan.offer(record)
         if reason is None:
@@ -198,6 +209,22 @@ class ControlReader(threading.Thread):
         else:
             self.refused += 1
             self._send(new_status(record, REFUSED, self.owner.rank, reason=reason, **self._who()))
+
+    def _answer_stacks(self, record: dict) -> None:
+        """Every thread's stack, taken on this thread now, in one finished status."""
+        now = time.time_ns()
+        reason = check_request(record)
+        if reason is None and now >= record["expires_at_ns"]:
+            reason = refusal("expired", f"read {(now - record['expires_at_ns']) / 1e9:.1f} s after it expired: "
+                                        "the stacks now would not answer it")
+        if reason is not None:
+            self.stacks_refused += 1
+            self._send(new_status(record, REFUSED, self.owner.rank, reason=reason, **self._who()))
+            return
+        threads, omitted = thread_stacks()
+        self.stack_dumps += 1
+        self._send(new_status(record, FINISHED, self.owner.rank, threads=threads, threads_omitted=omitted, ts_ns=now,
+                              **self._who()))
 
     def _send_statuses(self) -> None:
         outbox = self.plan.outbox
@@ -318,6 +345,7 @@ class ControlReader(threading.Thread):
         return {"control_connected": self.connected, "control_outages": self.outages,
                 "capture_requests": self.requests, "captures_started": plan.started,
                 "captures_finished": plan.finished, "captures_refused": plan.refused + self.refused,
+                "stack_dumps": self.stack_dumps, "stacks_refused": self.stacks_refused,
                 "control_undecodable": self.undecodable, "statuses_undelivered": self.statuses_undelivered}
 
 

@@ -198,9 +198,14 @@ def _step_metrics_v3_to_v4(record: dict) -> dict:
     return {**record, "devices": []}
 
 
-def _capture_status_v1_to_v2(record: dict) -> dict:
+def _capture_status_v2_to_v3(record: dict) -> dict:
+    """A status from before stacks requests: it answers a capture of ops, no thread's stack."""
+    return {**record, "threads": None, "threads_omitted": 0}
+
+
+def _capture_status_v1_to_v3(record: dict) -> dict:
     """A status from before the requests had topics of their own: who asked is not known."""
-    return {**record, "requester": "", "request_reason": ""}
+    return _capture_status_v2_to_v3({**record, "requester": "", "request_reason": ""})
 
 
 def _rank_checkpoint_v2_to_v3(record: dict) -> dict:
@@ -233,8 +238,9 @@ _VERSIONS: list[SchemaVersion] = [
     _version(_load("event_batch.v6.avsc"), 6),  # + collectives, collective_names
     _version(_load("step_metrics.v5.avsc"), 5, _step_metrics_v5_to_v8),  # + collectives
     _version(_load("run_step_metrics.v2.avsc"), 2, _run_step_metrics_v2_to_v3),  # + collectives matched across ranks
-    _version(_load("capture_request.avsc"), 1),  # the control topic (docs/capture.md)
-    _version(_load("capture_status.avsc"), 1, _capture_status_v1_to_v2),
+    # the control topic (docs/capture.md)
+    _version(_load("capture_request.avsc"), 1, lambda record: {**record, "kind": "ops"}),
+    _version(_load("capture_status.avsc"), 1, _capture_status_v1_to_v3),
     _version(_load("rank_end.avsc"), 1, lambda record: {**record, "end_signal": 0}),  # on the steps topic: a rank that ended
     _version(_load("step_metrics.v6.avsc"), 6, _step_metrics_v6_to_v8),  # op figures null when not measured
     # EventBatch v6 and older read with the later step columns at their fill (decode_batch: COLUMN_FILL)
@@ -246,7 +252,10 @@ _VERSIONS: list[SchemaVersion] = [
     # v7 and older read with the work columns absent and no loader readings
     _version(_load("event_batch.v8.avsc"), 8),  # + the steps' work, loader_samples
     _version(_load("step_metrics.v8.avsc"), 8),  # + work: throughput and MFU; rolling p50/p95; host figures; advice
-    _version(_load("capture_status.v2.avsc"), 2),  # + requester (authenticated), request_reason
+    _version(_load("capture_status.v2.avsc"), 2, _capture_status_v2_to_v3),  # + requester (authenticated), request_reason
+    # ops requests and their statuses are still written as v1 and v2 (records.encode_request, encode_status)
+    _version(_load("capture_request.v2.avsc"), 2),  # + kind: ops or stacks
+    _version(_load("capture_status.v3.avsc"), 3),  # + threads: a stacks request's answer
 ]
 
 SCHEMAS: dict[int, SchemaVersion] = {v.fingerprint: v for v in _VERSIONS}
