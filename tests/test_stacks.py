@@ -150,7 +150,8 @@ def test_a_deep_stack_is_cut_to_its_innermost_frames_and_says_so():
     thread.start()
     try:
         ready.wait(10)
-        threads, omitted = thread_stacks(max_frames=20)
+        # however many threads earlier tests left in this process: none cut, no size halving
+        threads, omitted = thread_stacks(max_threads=100_000, max_frames=20, max_bytes=1 << 30)
         got = next(t for t in threads if t["name"] == "deep")
     finally:
         done.set()
