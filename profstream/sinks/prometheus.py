@@ -195,6 +195,8 @@ class ExporterState:
                             self._fold_step(value, ts, now)
                         elif name == "RankEnd":
                             self._fold_rank_end(value, ts)
+                        elif name == "RankProgress":  # the run stage's (hangs come as Alerts)
+                            pass
                         else:
                             raise DecodeError("wrong_type", f"expected StepMetrics or RankEnd, got {name}")
                     elif kind == "run":
