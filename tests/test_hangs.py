@@ -51,9 +51,9 @@ class Run:
 
 def test_ranks_blocked_in_a_collective_fire_one_hang_naming_them_and_the_rank_elsewhere():
     run = Run()
-    # ranks 0, 1, 3 entered step 7 at T0 and wait in its all_reduce; rank 2 entered it 10 s
-    # later (its step 6 ran long) and sleeps in user code before the all_reduce
-    where = {0: (7, 0.0), 1: (7, 0.0), 2: (7, 10.0), 3: (7, 0.0)}
+    # ranks 0, 1, 3 entered step 7 at T0 and wait in its all_reduce; rank 2 is in step 6 since
+    # 5 s after T0 (its step 6 ran late) and sleeps in user code there
+    where = {0: (7, 0.0), 1: (7, 0.0), 2: (6, 5.0), 3: (7, 0.0)}
     for t in range(0, 61, 5):  # 60 s in step 7: not past the threshold yet
         assert run.tick(t, where) == []
     fired = run.tick(65, where)
@@ -63,11 +63,11 @@ def test_ranks_blocked_in_a_collective_fire_one_hang_naming_them_and_the_rank_el
     assert alert["run_id"] == "hang-run" and alert["step"] == 7 and alert["rank"] is None
     assert alert["ts_ns"] == T0 + 65 * S  # the producers' clock, not the processor's
     assert "ranks 0, 1, 3 (hosts node-a, node-b) in step 7 for 65 s (past 60 s)" in alert["summary"]
-    assert "rank 2 (host node-b) in step 7 too, not past the threshold" in alert["summary"]
+    assert "rank 2 (host node-b) in step 6 for 60 s" in alert["summary"]
     ev = alert["evidence"]
-    assert ev["rank.0.in_step_s"] == ev["rank.3.in_step_s"] == 65.0 and ev["rank.2.in_step_s"] == 55.0
-    assert ev["rank.2.step"] == 7.0 and ev["ranks_in_step"] == 3.0 and ev["ranks_elsewhere"] == 1.0
-    # the hang goes on, rank 2 past the threshold too: nothing more, however many loop turns
+    assert ev["rank.0.in_step_s"] == ev["rank.3.in_step_s"] == 65.0 and ev["rank.2.in_step_s"] == 60.0
+    assert ev["rank.2.step"] == 6.0 and ev["ranks_in_step"] == 3.0 and ev["ranks_elsewhere"] == 1.0
+    # the hang goes on, rank 2 past the threshold in its step too: nothing more, however many loop turns
     for t in range(70, 200, 5):
         assert run.tick(t, where) == []
     # every rank moves on: one resolved
@@ -86,7 +86,12 @@ def test_a_rank_hung_in_the_step_before_is_named_with_the_ranks_waiting_for_it()
     fired = run.tick(60, where)  # rank 2: 61 s in step 6; the others 60 s in step 7
     assert [(a["state"], a["step"]) for a in fired] == [("firing", 6)]
     summary = fired[0]["summary"]
-    assert "rank 2 (host node-b) in step 6 for 61 s" in summary and "ranks 0, 1, 3 (hosts node-a, node-b) in step 7" in summary
+    assert "rank 2 (host node-b) in step 6 for 61 s" in summary
+    assert "ranks 0, 1, 3 (hosts node-a, node-b) in step 7 for 60 s" in summary
+    # ranks of one step that entered it at different times: one group, their span
+    run = Run(hang_after_s=10.0)
+    fired = run.tick(12, {0: (4, 0.0), 1: (4, 1.5), 2: (4, 3.0), 3: (3, 0.0)})
+    assert "ranks 0, 1, 2 (hosts node-a, node-b) in step 4 for 9-12 s (past 10 s)" in fired[0]["summary"]
     # the others pass the threshold in step 7 too: the same hang, no second alert
     assert run.tick(65, where) == [] and run.tick(70, where) == []
 

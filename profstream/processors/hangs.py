@@ -4,9 +4,10 @@ state of the run, and its Alert records.
 A run hangs when a rank has been inside one step for more than ``hang_after_s``, measured
 on that rank's clock (its report's ts_ns − step_started_ns), while it still reports. The
 alert names the step: the highest step a rank sits in past the threshold (ranks that wait
-in a collective are ahead of the rank they wait for, or in its step), the ranks that sit
-in it past the threshold, with their hosts, and the ranks that are elsewhere: in another
-step, in that one for less time, between steps, silent (no report for
+in a collective are ahead of the rank they wait for, or in its step), every reporting rank
+in it with how long (the first past the threshold fire it; the others entered the same
+collective a little later, or are in it for another reason: a step says no more), with
+their hosts, and the ranks that are elsewhere: in another step, between steps, silent (no report for
 ``SILENT_INTERVALS`` of their progress intervals, on the processor's clock) or never heard
 of (below the producers' world_size). It fires once when the hang starts and resolves
 when no reporting rank sits in any step past the threshold any more.
@@ -107,7 +108,7 @@ class HangWatch:
         if not stuck:
             return None
         step = max(s for s, _ in stuck.values())
-        return step, {r: t for r, (s, t) in stuck.items() if s == step}
+        return step, {r: p.in_step_s() for r, p in self.places.items() if p.step == step and p.silent_s(now) is None}
 
     def _firing(self, run_id: str, now: float, step: int, hung: dict[int, float]) -> dict:
         places = self.places
@@ -115,6 +116,7 @@ class HangWatch:
                                       "ranks_in_step": float(len(hung))}
         elsewhere: list[str] = []
         groups: dict[str, list[int]] = {}  # what a rank elsewhere is doing -> its ranks
+        times: dict[str, list[float]] = {}
         for r in sorted(places):
             if r in hung:
                 evidence[f"rank.{r}.in_step_s"] = hung[r]
@@ -131,10 +133,12 @@ class HangWatch:
             else:
                 evidence[f"rank.{r}.step"] = float(p.step)
                 evidence[f"rank.{r}.in_step_s"] = p.in_step_s()
-                where = f"in step {p.step}" + (" too, not past the threshold" if p.step == step else "")
+                where = f"in step {p.step}"
+                times.setdefault(where, []).append(p.in_step_s())
             groups.setdefault(where, []).append(r)
         for where, ranks in groups.items():
-            elsewhere.append(f"{_ranks_text(ranks, places)} {where}")
+            since = f" for {_span(times[where])}" if where in times else ""
+            elsewhere.append(f"{_ranks_text(ranks, places)} {where}{since}")
         if self.world_size:
             unheard = [r for r in range(self.world_size) if r not in places]
             if unheard:
@@ -142,7 +146,7 @@ class HangWatch:
                 elsewhere.append(f"{_ranks_text(unheard, places)} never reported")
         evidence["ranks_elsewhere"] = float(sum(len(g) for g in groups.values()) + evidence.get("ranks_unheard", 0))
         summary = (f"run {run_id}: {_ranks_text(sorted(hung), places)} in step {step} for "
-                   f"{max(hung.values()):.0f} s (past {self.hang_after_s:g} s)")
+                   f"{_span(hung.values())} (past {self.hang_after_s:g} s)")
         summary += "; " + "; ".join(elsewhere) if elsewhere else "; no rank elsewhere"
         ts_ns = max(places[r].ts_ns for r in hung)
         return {"name": HANG_ALERT, "state": FIRING, "run_id": run_id, "rank": None, "step": step, "ts_ns": ts_ns,
@@ -155,6 +159,13 @@ class HangWatch:
                 "summary": f"run {run_id}: no reporting rank sits in a step past {self.hang_after_s:g} s any more "
                            f"(the hang named step {step})",
                 "evidence": {"hang_after_s": self.hang_after_s}}
+
+
+def _span(seconds: Iterable[float]) -> str:
+    """'65 s', or '55-65 s' when the times differ in whole seconds."""
+    seconds = list(seconds)
+    lo, hi = f"{min(seconds):.0f}", f"{max(seconds):.0f}"
+    return f"{hi} s" if lo == hi else f"{lo}-{hi} s"
 
 
 def _ranks_text(ranks: Iterable[int], places: Mapping[int, RankPlace]) -> str:
