@@ -151,3 +151,31 @@ def test_step_stage_passes_progress_on_to_the_run_partition_and_replays_leave_it
     assert StepFigures(raw_topic="offline.raw").feed(RawMessage(1.0, 0, 0, b"hang-run/2", value)) == []
     name, record = decode_any(value)
     assert name == "RankProgress" and record["step"] == 7 and record["step_started_ns"] == T0
+
+
+def test_the_exporter_shows_a_firing_hang_per_run_skips_progress_and_a_restart_keeps_it():
+    import time
+
+    from tests.helpers import connected_exporter
+
+    topics = Topics("hangs")
+    Msg = namedtuple("Msg", "topic partition offset timestamp value")
+    run = Run()
+    where = {0: (7, 0.0), 1: (7, 0.0), 2: (6, 5.0), 3: (7, 0.0)}
+    run.tick(0, where)
+    [firing] = run.tick(65, where)
+    now_ms = int(time.time() * 1000)
+    state = connected_exporter(topics)
+    state.handle([Msg(topics.steps, 0, 0, now_ms, progress(0, 7, T0, T0 + S)),
+                  Msg(topics.alerts, 0, 0, now_ms, encode("Alert", firing))])
+    text = state.exposition().decode()
+    assert 'profstream_training_hang{run="hang-run"} 1' in text and 'profstream_hang_step{run="hang-run"} 7' in text
+    assert not any(state.decode_errors.values())  # a RankProgress on the steps topic is no error
+    restarted = connected_exporter(topics)  # reads the alerts topic at start
+    restarted.seed_stalls([firing])
+    restarted.handle([Msg(topics.steps, 0, 1, now_ms, progress(0, 7, T0, T0 + 70 * S))])
+    assert 'profstream_training_hang{run="hang-run"} 1' in restarted.exposition().decode()
+    [resolved] = run.tick(200, {r: (8, 200.0) for r in range(4)})
+    state.handle([Msg(topics.alerts, 0, 1, now_ms, encode("Alert", resolved))])
+    text = state.exposition().decode()
+    assert 'profstream_training_hang{run="hang-run"} 0' in text and "profstream_hang_step{" not in text
