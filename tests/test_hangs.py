@@ -92,6 +92,12 @@ def test_a_rank_hung_in_the_step_before_is_named_with_the_ranks_waiting_for_it()
     run = Run(hang_after_s=10.0)
     fired = run.tick(12, {0: (4, 0.0), 1: (4, 1.5), 2: (4, 3.0), 3: (3, 0.0)})
     assert "ranks 0, 1, 2 (hosts node-a, node-b) in step 4 for 9-12 s (past 10 s)" in fired[0]["summary"]
+    # a rank between steps (its loop outside any step) is named with the step it left
+    run = Run(hang_after_s=10.0)
+    run.feed(0, progress(3, None, None, T0, last_step=3))
+    fired = run.tick(12, {0: (4, 0.0), 1: (4, 0.0)})
+    assert "rank 3 (host node-b) between steps after step 3" in fired[0]["summary"]
+    assert fired[0]["evidence"]["rank.3.step"] == -1.0 and fired[0]["evidence"]["rank.3.last_step"] == 3.0
     # the others pass the threshold in step 7 too: the same hang, no second alert
     assert run.tick(65, where) == [] and run.tick(70, where) == []
 

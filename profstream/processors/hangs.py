@@ -108,7 +108,8 @@ class HangWatch:
         if not stuck:
             return None
         step = max(s for s, _ in stuck.values())
-        return step, {r: p.in_step_s() for r, p in self.places.items() if p.step == step and p.silent_s(now) is None}
+        return step, {r: t for r, p in self.places.items()
+                      if p.step == step and (t := p.in_step_s()) is not None and p.silent_s(now) is None}
 
     def _firing(self, run_id: str, now: float, step: int, hung: dict[int, float]) -> dict:
         places = self.places
@@ -128,13 +129,16 @@ class HangWatch:
                 where = f"silent for {silent:.0f} s (last in step {p.step})" if p.step is not None else \
                     f"silent for {silent:.0f} s"
             elif p.step is None:
-                evidence[f"rank.{r}.step"] = -1.0 if p.last_step is None else float(p.last_step)
+                evidence[f"rank.{r}.step"] = -1.0
+                if p.last_step is not None:
+                    evidence[f"rank.{r}.last_step"] = float(p.last_step)
                 where = "between steps" + (f" after step {p.last_step}" if p.last_step is not None else "")
             else:
                 evidence[f"rank.{r}.step"] = float(p.step)
-                evidence[f"rank.{r}.in_step_s"] = p.in_step_s()
                 where = f"in step {p.step}"
-                times.setdefault(where, []).append(p.in_step_s())
+                if (t := p.in_step_s()) is not None:
+                    evidence[f"rank.{r}.in_step_s"] = t
+                    times.setdefault(where, []).append(t)
             groups.setdefault(where, []).append(r)
         for where, ranks in groups.items():
             since = f" for {_span(times[where])}" if where in times else ""
