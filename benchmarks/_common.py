@@ -223,3 +223,13 @@ def chosen(parser: Any, value: str, known: Any, what: str = "fault") -> list[str
     if unknown or not names:
         parser.error(f"unknown {what}(s) {unknown}: choose from {sorted(known)}")
     return names
+
+
+
+def rank_role(parser: Any) -> None:
+    """The hidden options of a benchmark that starts itself as rank processes (--role rank)."""
+    import argparse
+
+    for name, kind in (("--prefix", str), ("--run-id", str), ("--rank", int)):
+        parser.add_argument(name, type=kind, help=argparse.SUPPRESS)
+    parser.add_argument("--role", default="bench", help=argparse.SUPPRESS)

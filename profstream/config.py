@@ -219,6 +219,11 @@ MONITOR_OPTIONS: tuple[Option, ...] = (
     Option("control", "bool", True,
            "read capture requests for this run from <topic_prefix>.control (a thread with its own Kafka "
            "consumer; docs/capture.md)"),
+    Option("progress_interval_s", "float", 5.0,
+           "seconds between two RankProgress records (the step this rank is in and since when), sent by the "
+           "control thread to the raw topic, inside long steps too: the processors tell a hang from them "
+           "(docs/figures.md, Hangs; needs control; 0: off)",
+           lambda v: v == 0 or 0.5 <= v <= 3600, "0 (off) or 0.5..3600"),
     Option("capture_max_steps", "int", 100, "most steps one capture request may capture (more is refused)",
            _positive, "an integer >= 1"),
     Option("compression", "str", "lz4", "Kafka compression codec", lambda v: v in COMPRESSIONS,

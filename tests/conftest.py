@@ -23,6 +23,10 @@ BOOTSTRAP_ENV = "PROFSTREAM_TEST_BOOTSTRAP"
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # Monitors of the tests send no RankProgress unless a test asks for it (test_hangs.py,
+    # test_hang_e2e.py give progress_interval_s): those records leave on a timer, so counts of
+    # the raw and steps topics' messages would depend on how long a test's Monitors lived.
+    os.environ.setdefault("PROFSTREAM_PROGRESS_INTERVAL_S", "0")
     # kafka-python 3.x loads its protocol schemas with the deprecated
     # importlib.resources.read_text/open_text: hundreds of warnings that are not ours.
     config.addinivalue_line(

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from profstream.kafka.clients import make_consumer, read_topic
 from profstream.schema.batch import EventBatch, decode_batch
-from profstream.schema.codec import decode, record_name
+from profstream.schema.codec import decode, is_rank_progress, record_name
 
 
 def read_full(bootstrap: str, topic: str, want, count: int, timeout: float, decode=None,
@@ -20,13 +20,20 @@ def read_full(bootstrap: str, topic: str, want, count: int, timeout: float, deco
     return got
 
 
+def raw_batch(value: bytes) -> EventBatch | None:
+    """The EventBatch of a raw-topic message; None for a RankProgress (where a rank is, sent by
+    its Monitor's control thread beside its batches: docs/events.md)."""
+    return None if is_rank_progress(value) else decode_batch(value)
+
+
 def raw_batches(bootstrap: str, topic: str, run_id: str, count: int, timeout: float = 30.0,
                 full: bool = True) -> list[EventBatch]:
     """``count`` batches of ``run_id`` from the raw topic, in each partition's order (fewer
     fail the test as a short read; ``full=False``: those that came within ``timeout``)."""
     read = read_full if full else read_topic
     kw = {"what": f"batches of {run_id}"} if full else {}
-    return read(bootstrap, topic, lambda b: b.run_id == run_id, count, timeout, decode=decode_batch, **kw)
+    return read(bootstrap, topic, lambda b: b is not None and b.run_id == run_id, count, timeout, decode=raw_batch,
+                **kw)
 
 
 def step_records(bootstrap: str, topic: str, run_id: str, count: int, timeout: float = 60.0,

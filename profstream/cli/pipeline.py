@@ -128,6 +128,10 @@ def process(
                                                          "the producer sends no watermark")] = 2.0,
     run_grace_s: Annotated[float, typer.Option(min=0.0, help="wait for missing ranks of a step")] = 10.0,
     idle_timeout_s: Annotated[float, typer.Option(min=1.0, help="close a run after this long silent")] = 60.0,
+    hang_after_s: Annotated[float, typer.Option(min=0.5, help="TrainingHang fires when a rank still reporting has "
+                                                              "been inside one step this long, on its own clock "
+                                                              "(its RankProgress records; docs/figures.md, "
+                                                              "Hangs)")] = 60.0,
     commit_interval_ms: Annotated[float, typer.Option(min=1.0, help="transaction commit interval")] = 100.0,
     stall_ratio: Annotated[float, typer.Option(min=0.0, max=1.0, help="data_wait/step_time of a starved step")] = 0.3,
     stall_steps: Annotated[int, typer.Option(min=1, help="consecutive starved steps that fire DataQueueStall")] = 5,
@@ -168,7 +172,8 @@ def process(
         processor = Processor(boot, topics, group_id=group_id, instance_id=instance_id, grace_s=grace_s,
                               idle_timeout_s=idle_timeout_s, run_grace_s=run_grace_s,
                               figure_options=FigureOptions(top_k, stall_ratio, stall_steps, rolling_steps),
-                              commit_interval_ms=commit_interval_ms, stages=stages, max_outage_s=max_outage_s)
+                              commit_interval_ms=commit_interval_ms, stages=stages, max_outage_s=max_outage_s,
+                              hang_after_s=hang_after_s)
     except RuntimeError as e:  # a topic it may not use, a transaction Kafka would not start: one line
         fail(str(e))
     if metrics_port:

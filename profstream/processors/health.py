@@ -89,12 +89,14 @@ class _Counters:
         self.run_steps = 0
         self.runs_closed = 0
         self.ranks_ended = 0
+        self.progress = 0  # RankProgress records passed on to the steps topic
         self.alerts = 0
         self.uncorrelated_ops = 0
 
 
 _TOTALS = ("batches", "late_events", "lost_batches", "duplicate_batches", "producer_dropped", "producer_dropped_samples",
-           "steps_closed", "partial_steps", "run_steps", "runs_closed", "ranks_ended", "alerts", "uncorrelated_ops")
+           "steps_closed", "partial_steps", "run_steps", "runs_closed", "ranks_ended", "progress", "alerts",
+           "uncorrelated_ops")
 
 
 class StageCounts(_Counters):
@@ -179,6 +181,8 @@ class ProcessorHealth(_Counters):
             ("run_steps", "RunStepMetrics produced", self.run_steps),
             ("ranks_ended", "ranks whose producer ended (end mark: a close or a SIGTERM), every step closed: RankEnd "
              "records produced", self.ranks_ended),
+            ("rank_progress", "RankProgress records (where a rank is, mid-step too) passed on to the steps topic",
+             self.progress),
             ("alerts", "alert transitions produced", self.alerts),
             ("uncorrelated_device_ops", "device ops without a launch time in steps whose other device ops "
              "have one: counted in the host step holding their start", self.uncorrelated_ops),

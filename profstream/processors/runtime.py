@@ -31,6 +31,7 @@ from profstream.processors.checkpoint import MAX_OUTAGE_S, Output, Transactional
 from profstream.processors.close_schedule import CloseSchedule
 from profstream.processors.collectives import check_calls, packed_step_collectives
 from profstream.processors.figures import FigureOptions, RankFigures
+from profstream.processors.hangs import HANG_AFTER_S, HangWatch
 from profstream.processors.health import EVENT_FAMILIES, ProcessorHealth, StageCounts
 from profstream.processors.lag import LagProbe
 from profstream.processors.ranks import rank_figures, run_work_figures
@@ -44,6 +45,7 @@ from profstream.schema.codec import (
     encode_rank_end,
     encode_run_step_metrics,
     encode_step_metrics,
+    is_rank_progress,
 )
 
 # How many finished ranks a stage remembers to drop late copies of their batches (a few
@@ -173,6 +175,8 @@ class StepStage:
     # -- records ----------------------------------------------------------------------
 
     def fold(self, rec, now: float) -> list[Output]:
+        if is_rank_progress(rec.value):
+            return self._pass_progress(rec)
         try:
             batch = decode_batch(rec.value)
         except DecodeError as e:
@@ -209,6 +213,18 @@ class StepStage:
             if batch.send_latency_ns >= 0:
                 rank.send_latency_s = batch.send_latency_ns / 1e9
         return []
+
+    def _pass_progress(self, rec) -> list[Output]:
+        """A RankProgress goes on, as it is, to the steps topic in its run's partition (the
+        run stage reads it there); one that does not decode goes to the dead letters."""
+        try:
+            m = decode("RankProgress", rec.value)
+        except DecodeError as e:
+            self.counts.decode_errors[e.reason] += 1
+            return [dead_letter(self.topics.dlq, rec, e)]
+        self.counts.progress += 1
+        return [Output(self.topics.steps, f"{m['run_id']}/{m['rank']}".encode(), bytes(rec.value),
+                       run_partition(m["run_id"], self.steps_partitions))]
 
     def ready(self, now: float) -> list[Output]:
         out: list[Output] = []
@@ -286,23 +302,28 @@ class _RunState:
     first_offset: dict[int, int] = field(default_factory=dict)  # step -> input offset
     first_seen: dict[int, float] = field(default_factory=dict)
     last_seen: float = 0.0
+    hangs: HangWatch | None = None  # where its ranks are (RankProgress): in memory only (hangs.py)
 
 
 class RunStage:
     """steps -> RunStepMetrics: a step of a run is emitted once all its ranks reported it
     (the producers' world_size, else every rank seen in the run so far), or ``grace_s``
-    after its first report; steps are emitted in order."""
+    after its first report; steps are emitted in order. From the ranks' RankProgress it
+    tells a hang (``hangs.py``): TrainingHang alerts after ``hang_after_s`` in one step."""
 
     name = "run"
 
     def __init__(self, topics: Topics, counts: StageCounts, grace_s: float = 10.0,
-                 idle_timeout_s: float = 60.0) -> None:
+                 idle_timeout_s: float = 60.0, hang_after_s: float = HANG_AFTER_S) -> None:
+        if hang_after_s <= 0:
+            raise ValueError("hang_after_s must be > 0")
         self.topics = topics
         self.input_topic = topics.steps
         self.state_topic = topics.run_state
         self.counts = counts
         self.grace_s = grace_s
         self.idle_timeout_s = idle_timeout_s
+        self.hang_after_s = hang_after_s
         self.runs: dict[str, _RunState] = {}
         self._changed: set[str] = set()
 
@@ -340,8 +361,11 @@ class RunStage:
             if name == "RankEnd":
                 self._rank_ended(m)
                 return []
+            if name == "RankProgress":
+                self._rank_progress(m, rec.partition, now)
+                return []
             if name != "StepMetrics":
-                raise DecodeError("wrong_type", f"expected StepMetrics or RankEnd, got {name}")
+                raise DecodeError("wrong_type", f"expected StepMetrics, RankEnd or RankProgress, got {name}")
         except DecodeError as e:
             self.counts.decode_errors[e.reason] += 1
             return []
@@ -380,6 +404,21 @@ class RunStage:
         run = self.runs.get(end["run_id"])
         if run is not None:
             run.ended[end["rank"]] = end["last_step"]
+            if run.hangs is not None:
+                run.hangs.forget(end["rank"])
+
+    def _rank_progress(self, m: dict, partition: int, now: float) -> None:
+        run = self.runs.get(m["run_id"])
+        if run is None:
+            run = self.runs[m["run_id"]] = _RunState(partition)
+        if m["rank"] in run.ended:  # a record sent before its end, read after it
+            return
+        run.last_seen = now  # the run is alive while its ranks say where they are
+        if run.world_size is None and m["world_size"] is not None:
+            run.world_size = m["world_size"]
+        if run.hangs is None:
+            run.hangs = HangWatch(self.hang_after_s)
+        run.hangs.report(m, now)
 
     def ready(self, now: float) -> list[Output]:
         out: list[Output] = []
@@ -396,8 +435,13 @@ class RunStage:
                 del run.pending[step], run.first_offset[step], run.first_seen[step]
                 run.floor = step + 1
                 self._changed.add(run_id)
+            if run.hangs is not None:
+                for alert in run.hangs.check(run_id, now):
+                    self.counts.alerts += 1
+                    out.append(Output(self.topics.alerts, run_id.encode(), encode("Alert", alert), None))
             ended = len(run.ended) >= expected and run.ranks <= run.ended.keys()  # every rank said it ended
-            if not run.pending and (ended or now - run.last_seen >= self.idle_timeout_s):
+            live = run.hangs is not None and run.hangs.live(now)  # its ranks still report where they are
+            if not run.pending and not live and (ended or now - run.last_seen >= self.idle_timeout_s):
                 del self.runs[run_id]
                 self._changed.discard(run_id)
                 out.append(Output(self.state_topic, run_id.encode(), None, run.partition))
@@ -441,7 +485,8 @@ class Processor:
                  instance_id: str = "0", grace_s: float = 2.0, idle_timeout_s: float = 60.0,
                  run_grace_s: float = 10.0, figure_options: FigureOptions | None = None,
                  commit_interval_ms: float = 100.0, stages: str = "all", compression: str = "lz4",
-                 health: ProcessorHealth | None = None, max_outage_s: float = MAX_OUTAGE_S) -> None:
+                 health: ProcessorHealth | None = None, max_outage_s: float = MAX_OUTAGE_S,
+                 hang_after_s: float = HANG_AFTER_S) -> None:
         if stages not in ("all", "steps", "run"):
             raise ValueError("stages must be all, steps or run")
         self.health = health or ProcessorHealth()
@@ -460,7 +505,7 @@ class Processor:
                 max_outage_s=max_outage_s))
         if stages in ("all", "run"):
             counts = StageCounts(keep_step_ends=False)
-            self.run_stage = RunStage(topics, counts, run_grace_s, idle_timeout_s)
+            self.run_stage = RunStage(topics, counts, run_grace_s, idle_timeout_s, hang_after_s)
             self.loops.append(TransactionalLoop(
                 conn, self.run_stage, f"{group_id}-run", instance_id, commit_interval_ms,
                 compression=compression, on_commit=lambda _n, c=counts: self.health.commit(c),

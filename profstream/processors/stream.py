@@ -29,7 +29,7 @@ from profstream.kafka.topics import Topics
 from profstream.processors.figures import FigureOptions
 from profstream.processors.health import StageCounts
 from profstream.processors.runtime import RunStage, StepStage
-from profstream.schema.codec import SCHEMAS
+from profstream.schema.codec import SCHEMAS, is_rank_progress
 
 STEPS, ALERTS, DEAD_LETTERS, RUN, ENDS = "steps", "alerts", "dead_letters", "run", "ends"
 _RANK_ENDS = {sv.header for sv in SCHEMAS.values() if sv.name == "RankEnd"}  # v1 and v2 are written
@@ -123,8 +123,9 @@ class StepFigures:
 
     def _figures(self, clock: float, partition: int, outputs) -> list[Figure]:
         kinds = self._kinds
+        # RankProgress (where a rank is now) is the live run stage's, for hangs: not a figure of a replay
         return [Figure(clock, partition, next(self._seq), ENDS if o.value[:10] in _RANK_ENDS else kinds[o.topic],
-                       o.value) for o in outputs if o.topic in kinds]
+                       o.value) for o in outputs if o.topic in kinds and not is_rank_progress(o.value)]
 
 
 class RunFigures:

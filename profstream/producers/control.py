@@ -11,6 +11,10 @@ offered to the ``CapturePlan``; the statuses that come back (armed, refused, and
 started / finished ones the training thread queues) are sent by a producer made at the
 first status. A stacks request is answered here, at once, on this thread: every Python
 thread's stack (``stacks.py``), the training thread's included, in one finished status.
+Every ``progress_interval_s`` this thread also sends a RankProgress to the raw topic (the
+rank's key, so its EventBatches' partition): the step the training thread is in and since
+when, read from the Monitor without a lock (``Monitor.where``), so that the processors see
+a hang while no step ends (docs/figures.md, Hangs); only while Kafka answers.
 Nothing here runs on the training thread; a broker outage means no
 captures, counted in ``Monitor.stats()`` (``control_connected``, ``control_outages``) and
 logged at INFO level (the Sender already warns once per outage).
@@ -47,7 +51,7 @@ from profstream.kafka.connection import Connection
 from profstream.kafka.topics import CONTROL_GROUP_PREFIX, Topics
 from profstream.producers.capture_plan import CapturePlan
 from profstream.producers.stacks import thread_stacks
-from profstream.schema.codec import DecodeError
+from profstream.schema.codec import DecodeError, encode
 
 log = logging.getLogger("profstream.monitor")
 
@@ -66,6 +70,8 @@ class Owner(Protocol):
     rank: int
     producer_id: str
     topics: Topics
+
+    def where(self) -> tuple[int | None, int | None, int | None]: ...
 
 
 class ControlReader(threading.Thread):
@@ -92,6 +98,9 @@ class ControlReader(threading.Thread):
         self._next_probe = 0.0
         self._next_scan = 0.0
         self._reading: set[str] = set()  # request topics assigned
+        self._progress_every = opts.get("progress_interval_s") or 0.0  # 0: no RankProgress
+        self._next_progress = 0.0
+        self._progress_key = f"{owner.run_id}/{owner.rank}".encode()  # the Monitor's: its batches' partition
         self._warned_down = False
         # counters (read by Monitor.stats)
         self.requests = 0  # requests for this rank
@@ -103,6 +112,8 @@ class ControlReader(threading.Thread):
         self.statuses_sent = 0
         self.statuses_undelivered = 0
         self.outages = 0
+        self.progress_sent = 0
+        self.progress_undelivered = 0
 
     # -- thread -------------------------------------------------------------------------
 
@@ -113,6 +124,7 @@ class ControlReader(threading.Thread):
                     self._stopping.wait(0.1)
                 else:
                     self._read()
+                    self._send_progress()
                 self._send_statuses()
             except Exception:  # a bug here must not end the reader silently
                 log.exception("profstream control reader: unexpected error; continuing")
@@ -205,10 +217,10 @@ class ControlReader(threading.Thread):
         reason = check_request(record) or self.plan.offer(record)
         if reason is None:
             self.armed += 1
-            self._send(new_status(record, ARMED, self.owner.rank, **self._who()))
+            self._send_status(new_status(record, ARMED, self.owner.rank, **self._who()))
         else:
             self.refused += 1
-            self._send(new_status(record, REFUSED, self.owner.rank, reason=reason, **self._who()))
+            self._send_status(new_status(record, REFUSED, self.owner.rank, reason=reason, **self._who()))
 
     def _answer_stacks(self, record: dict) -> None:
         """Every thread's stack, taken on this thread now, in one finished status."""
@@ -219,40 +231,65 @@ class ControlReader(threading.Thread):
                                         "the stacks now would not answer it")
         if reason is not None:
             self.stacks_refused += 1
-            self._send(new_status(record, REFUSED, self.owner.rank, reason=reason, **self._who()))
+            self._send_status(new_status(record, REFUSED, self.owner.rank, reason=reason, **self._who()))
             return
         threads, omitted = thread_stacks()
         self.stack_dumps += 1
-        self._send(new_status(record, FINISHED, self.owner.rank, threads=threads, threads_omitted=omitted, ts_ns=now,
+        self._send_status(new_status(record, FINISHED, self.owner.rank, threads=threads, threads_omitted=omitted, ts_ns=now,
                               **self._who()))
 
     def _send_statuses(self) -> None:
         outbox = self.plan.outbox
         while outbox:
             state, cur, reason, ts_ns = outbox.popleft()
-            self._send(new_status(cur.request, state, self.owner.rank, reason=reason, ts_ns=ts_ns,
+            self._send_status(new_status(cur.request, state, self.owner.rank, reason=reason, ts_ns=ts_ns,
                                   **self.plan.status_fields(state, cur), **self._who()))
         if self._producer is not None:
             self._producer.poll()
 
+    def _send_progress(self) -> None:
+        """A RankProgress every interval, while Kafka answers (a rank cut off has no one to tell)."""
+        now = time.monotonic()
+        if not self._progress_every or now < self._next_progress or self._down_since is not None:
+            return
+        self._next_progress = now + self._progress_every
+        step, started_ns, last_step = self.owner.where()
+        opts = self.owner.options
+        record = {"run_id": self.owner.run_id, "rank": self.owner.rank, "world_size": opts.get("world_size"),
+                  "host": opts.get("host", ""), "step": step, "step_started_ns": started_ns,
+                  "last_step": last_step, "ts_ns": time.time_ns(), "interval_ms": int(self._progress_every * 1000)}
+        if self._send(encode("RankProgress", record), self.owner.topics.raw, self._progress_key, self._on_progress):
+            self.progress_sent += 1
+
+    def _on_progress(self, error: Exception | None) -> None:
+        if error is not None:
+            self.progress_undelivered += 1
+            self.progress_sent -= 1
+
     def _who(self) -> dict[str, Any]:
         return {"world_size": self.owner.options.get("world_size"), "host": self.owner.options.get("host", "")}
 
-    def _send(self, status: dict) -> None:
+    def _send_status(self, status: dict) -> None:
+        if self._send(encode_status(status), self.topic, self.key, self._on_delivery):
+            self.statuses_sent += 1
+        else:
+            self.statuses_undelivered += 1
+
+    def _send(self, value: bytes, topic: str, key: bytes, on_delivery) -> bool:
+        """Hand one message to this thread's producer (made at the first); False: not taken."""
         if self._producer is None:
             try:
                 self._producer = make_native_producer(self._conn, compression=None,
                                                       bootstrap_timeout_ms=int(self._connect_timeout * 1000))
             except Exception as e:
-                self.statuses_undelivered += 1
                 self._mark_down(e)
-                return
+                return False
         try:
-            self._producer.send(self.topic, encode_status(status), self.key, self._on_delivery)
-            self.statuses_sent += 1
+            self._producer.send(topic, value, key, on_delivery)
+            return True
         except (BufferError, confluent_kafka.KafkaException) as e:
-            self.statuses_undelivered += 1
             self._mark_down(e)
+            return False
 
     def _on_delivery(self, error: Exception | None) -> None:
         if error is not None:
@@ -346,7 +383,8 @@ class ControlReader(threading.Thread):
                 "capture_requests": self.requests, "captures_started": plan.started,
                 "captures_finished": plan.finished, "captures_refused": plan.refused + self.refused,
                 "stack_dumps": self.stack_dumps, "stacks_refused": self.stacks_refused,
-                "control_undecodable": self.undecodable, "statuses_undelivered": self.statuses_undelivered}
+                "control_undecodable": self.undecodable, "statuses_undelivered": self.statuses_undelivered,
+                "progress_sent": self.progress_sent, "progress_undelivered": self.progress_undelivered}
 
 
 def start_control(owner: Owner, since_ms: int | None = None) -> tuple[CapturePlan, ControlReader]:

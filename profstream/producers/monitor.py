@@ -358,6 +358,17 @@ class Monitor:
         # end of the batch interval rather than wait for more (producers/sender.py: IDLE_SEND_S)
         self._wake.set()
 
+    def where(self) -> tuple[int | None, int | None, int | None]:
+        """(open step, when it began, last step begun before it) as another thread reads
+        them now, without a lock: (None, None, last step) between steps. The training
+        thread writes the step before its start and clears the start first, so one start
+        read twice around the step is a consistent pair."""
+        start = self._step_start
+        step, before = self._step, self._step_before
+        if start is None or self._step_start != start:
+            return None, None, step if step >= 0 else None
+        return step, start, before if before >= 0 else None
+
     def cancel_step(self) -> None:
         """Forget the step begun and not ended: no mark of it is sent (a loop that fetched a
         batch it then did not train on), and the next step takes its number. Its ops and

@@ -256,6 +256,8 @@ _VERSIONS: list[SchemaVersion] = [
     # ops requests and their statuses are still written as v1 and v2 (records.encode_request, encode_status)
     _version(_load("capture_request.v2.avsc"), 2),  # + kind: ops or stacks
     _version(_load("capture_status.v3.avsc"), 3),  # + threads: a stacks request's answer
+    # on the raw topic (a Monitor's control thread), passed on to the steps topic: where a rank is now
+    _version(_load("rank_progress.avsc"), 1),
 ]
 
 SCHEMAS: dict[int, SchemaVersion] = {v.fingerprint: v for v in _VERSIONS}
@@ -273,7 +275,8 @@ _WRITE_DEFAULTS = {"StepMetrics": {"collectives": NO_COLLECTIVE_CALLS}}
 # The records the processors write once per rank-step (or more often): written by a writer
 # generated from their schema (schema/writer.py), the same bytes as fastavro's in a third of
 # the time; the rest (and any record the generated writer does not take) by fastavro.
-COMPILED_WRITERS = frozenset({"StepMetrics", "RankCheckpoint", "Alert", "RankEnd", "RunStepMetrics", "RunCheckpoint"})
+COMPILED_WRITERS = frozenset({"StepMetrics", "RankCheckpoint", "Alert", "RankEnd", "RunStepMetrics", "RunCheckpoint",
+                              "RankProgress"})
 _WRITERS: dict[int, Callable[[dict], bytes]] = {}  # fingerprint -> its generated writer
 
 
@@ -354,6 +357,15 @@ def encode_run_step_metrics(record: dict) -> bytes:
     has = record.get("collectives_matched") or record.get("unmatched_collectives")
     return encode("RunStepMetrics", record, RUN_STEP_METRICS_WITHOUT_WORK_VERSION if has
                   else RUN_STEP_METRICS_WITHOUT_COLLECTIVES_VERSION)
+
+
+RANK_PROGRESS_HEADERS = frozenset(v.header for v in _VERSIONS if v.name == "RankProgress")
+
+
+def is_rank_progress(data: bytes | None) -> bool:
+    """Whether a message holds a RankProgress (from its header alone): the raw and steps
+    topics' readers that want only EventBatches or StepMetrics skip it."""
+    return data is not None and bytes(data[:HEADER_LEN]) in RANK_PROGRESS_HEADERS
 
 
 def decode_any(data: bytes) -> tuple[str, dict]:

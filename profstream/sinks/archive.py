@@ -173,6 +173,8 @@ def message_steps(value: bytes | None) -> MessageSteps | None:
         name, record = decode_any(value)
     except DecodeError:
         return None
+    if name == "RankProgress":  # where a rank is now: no events of a step
+        return MessageSteps(record["run_id"], record["rank"], None, None, False)
     step = record.get("last_step") if name == "RankEnd" else record.get("step")
     return MessageSteps(record.get("run_id", ""), record.get("rank"), step, step, name == "RankEnd")
 

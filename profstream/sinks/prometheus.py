@@ -30,6 +30,7 @@ from prometheus_client.utils import floatToGoString
 from profstream.kafka.connection import Connection
 from profstream.kafka.topics import Topics
 from profstream.metrics_server import serve_metrics
+from profstream.processors.hangs import hang_state
 from profstream.processors.health import FRESHNESS_BUCKETS
 from profstream.processors.stalls import stall_state
 from profstream.schema.codec import DecodeError, decode, decode_any
@@ -141,6 +142,7 @@ class _Run:
     op_types: set[str] = field(default_factory=set)  # op types with series of their own
     kernels: set[str] = field(default_factory=set)  # kernel types with series of their own
     stalls: dict[int, int] = field(default_factory=dict)  # rank -> 1 while DataQueueStall fires
+    hang_step: int | None = None  # the step a firing TrainingHang named; None: none fires
     step: int = -1  # newest RunStepMetrics
     skew: float = 0.0
     straggler: int = 0
@@ -164,6 +166,7 @@ class ExporterState:
         self._lock = threading.Lock()
         self._runs: dict[str, _Run] = {}
         self._stall_seeds: dict[str, dict[int, int]] = {}  # firing stalls read at start, by run
+        self._hang_seeds: dict[str, int | None] = {}  # the step of a firing TrainingHang read at start, by run
         self._next_expiry = 0.0
         # sink health: plain values
         self.records: Counter = Counter()  # by topic kind
@@ -195,6 +198,8 @@ class ExporterState:
                             self._fold_step(value, ts, now)
                         elif name == "RankEnd":
                             self._fold_rank_end(value, ts)
+                        elif name == "RankProgress":  # the run lives on (hangs come as Alerts)
+                            self._run(value["run_id"], ts)
                         else:
                             raise DecodeError("wrong_type", f"expected StepMetrics or RankEnd, got {name}")
                     elif kind == "run":
@@ -207,19 +212,23 @@ class ExporterState:
                 self._expire(now)
 
     def seed_stalls(self, alerts: Sequence[dict]) -> None:
-        """Replay DataQueueStall transitions read at start, so that a restarted exporter
-        keeps reporting a stall that is still firing."""
+        """Replay DataQueueStall and TrainingHang transitions read at start, so that a
+        restarted exporter keeps reporting a stall or hang that is still firing."""
         with self._lock:
             for a in alerts:
                 stall = stall_state(a)
                 if stall is not None:
                     run_id, rank, firing = stall
                     self._stall_seeds.setdefault(run_id, {})[rank] = int(firing)
+                hang = hang_state(a)
+                if hang is not None:
+                    self._hang_seeds[hang[0]] = a["step"] if hang[1] else None
 
     def _run(self, run_id: str, ts: float) -> _Run:
         run = self._runs.get(run_id)
         if run is None:
-            run = self._runs[run_id] = _Run(ts, stalls=self._stall_seeds.pop(run_id, {}))
+            run = self._runs[run_id] = _Run(ts, stalls=self._stall_seeds.pop(run_id, {}),
+                                            hang_step=self._hang_seeds.pop(run_id, None))
         elif ts > run.seen_s:
             run.seen_s = ts
         return run
@@ -315,6 +324,9 @@ class ExporterState:
         if stall is not None:
             run_id, rank, firing = stall
             self._run(run_id, ts).stalls[rank] = int(firing)
+        hang = hang_state(a)
+        if hang is not None:
+            self._run(hang[0], ts).hang_step = a["step"] if hang[1] else None
 
     def _expire(self, now: float) -> None:
         """Drop ranks and runs whose newest record is older than the TTL (lock held)."""
@@ -436,6 +448,14 @@ class ExporterState:
         per_run(p + "straggler_rank", "rank with the largest step time in the run's latest complete step",
                 lambda run: run.straggler)
         per_run(p + "run_ranks_reported", "ranks in the run's latest complete step", lambda run: run.ranks_reported)
+        # every live run, a step emitted or not (a run may hang in its first step)
+        family(p + "training_hang", "gauge", "1 while the processor's TrainingHang alert fires for the run: a rank "
+               "in one step past --hang-after-s (the alert's summary names the ranks)",
+               (f'{p}training_hang{{run="{_esc(run_id)}"}} {int(run.hang_step is not None)}\n'
+                for run_id, run in self._runs.items()))
+        family(p + "hang_step", "gauge", "the step the firing TrainingHang named (no sample while none fires)",
+               (f'{p}hang_step{{run="{_esc(run_id)}"}} {run.hang_step}\n'
+                for run_id, run in self._runs.items() if run.hang_step is not None))
         out.extend(device_lines(p, ranks, _num))
         out.extend(host_lines(p, ranks + stalled, _num))  # a stalled rank's advice, whatever its rank
         out.extend(work_lines(p, ranks, [(_esc(run_id), run) for run_id, run in self._runs.items()], _num))

@@ -47,7 +47,7 @@ from profstream.processors.utilization import ops_measured
 from profstream.processors.window import Window as StepWindow
 from profstream.processors.window import intervals, step_window
 from profstream.schema.batch import COMMUNICATION, COMPUTE, KIND_NAMES, decode_batch
-from profstream.schema.codec import DecodeError
+from profstream.schema.codec import DecodeError, is_rank_progress
 from profstream.sinks.timeline_collectives import (
     TID_COLLECTIVES,
     TRACK_NAME,
@@ -788,6 +788,8 @@ class TimelineSink:
     def _fold(self, rec, now: float) -> tuple[str, int] | None:
         if rec.topic == self.control_topic:
             self._capture_status(rec.value)
+            return None
+        if is_rank_progress(rec.value):  # where a rank is now: nothing to draw
             return None
         try:
             batch = decode_batch(rec.value)
