@@ -30,6 +30,7 @@ def test_a_reachable_broker_with_its_topics_passes(kafka_bootstrap, topics):
 
 
 def test_a_bad_option_in_the_environment_fails_naming_it(monkeypatch):
+    monkeypatch.delenv("PROFSTREAM_PROGRESS_INTERVAL_S", raising=False)  # tests/conftest.py's: another variable
     monkeypatch.setenv("PROFSTREAM_OPTIONS", '{"run_id": "r1", "every_n_step": 5}')
     finding = doctor.check_options()
     assert finding.status == FAIL and "unknown option 'every_n_step' in PROFSTREAM_OPTIONS" in finding.fix
