@@ -631,6 +631,7 @@ class TransactionalLoop:
                 break
             except (KafkaException, CallTimeout) as e:
                 self._check_fence(e)
+                replace_consumer = replace_consumer or isinstance(e, _ConsumerFailure)
                 out_s = time.monotonic() - started
                 if out_s > self.max_outage:
                     raise self._unavailable(out_s, e) from None
@@ -678,7 +679,13 @@ class TransactionalLoop:
             return False
         topic = self.stage.input_topic
         for p, offset in self._load(parts).items():
-            self._consumer.seek(TopicPartition(topic, p, offset))
+            # confluent-kafka's seek() waits for librdkafka to take it, without a deadline: in
+            # the cluster-down fault test it never returned, and the run stage stood still for
+            # good. One that outlives its deadline costs the consumer, not the loop.
+            try:
+                self._call("seek", self.call_timeout, self._consumer.seek, TopicPartition(topic, p, offset))
+            except CallTimeout as e:
+                raise _ConsumerFailure(KafkaError(KafkaError._TIMED_OUT, f"{e}: the consumer is replaced")) from None
         return True
 
     def close(self) -> None:

@@ -12,11 +12,16 @@ by unsubscribing the loop's consumer behind its back.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
 
+import confluent_kafka
 import pytest
+from confluent_kafka import KafkaError, KafkaException
 
+from profstream.kafka.clients import native_consumer_config
+from profstream.processors import checkpoint
 from profstream.processors.group_watch import STUCK_AFTER_S
 from profstream.processors.runtime import Processor
 from profstream.simulate import SimConfig, expected, run_simulation
@@ -82,3 +87,47 @@ def test_a_consumer_in_its_group_that_receives_nothing_while_its_input_grows_is_
     monkeypatch.setattr(input_watch, "STUCK_AFTER_S", 4.0)
     _processed_after(broker.bootstrap, fault_topics, lambda loop: loop._consumer.pause(loop._consumer.assignment()),
                      60, idle_s=6.0)
+
+
+def test_a_seek_that_never_returns_costs_the_consumer_not_the_loop(broker, fault_topics, monkeypatch):
+    """confluent-kafka's seek() waits for librdkafka without a deadline: in the cluster-down
+    fault test (2026-11-28) a recovery's seek never returned and the run stage stood still for
+    minutes. A rebuild's seek now has the loop's call deadline; past it, the consumer is replaced."""
+    release = threading.Event()  # set at the end: the abandoned seek returns
+    stuck = threading.Event()
+
+    class SeekMayHang(confluent_kafka.Consumer):
+        def seek(self, partition):
+            if stuck.is_set():
+                release.wait()
+            return super().seek(partition)
+
+    made = checkpoint.make_native_consumer
+    monkeypatch.setattr(checkpoint, "make_native_consumer",
+                        lambda conn, group, **kw: SeekMayHang(native_consumer_config(conn, group, **kw)))
+    topics = fault_topics
+    before = _run(broker.bootstrap, topics, "before")
+    processor = Processor(broker.bootstrap, topics, group_id=f"g-{topics.prefix}", grace_s=0.5, stages="steps")
+    loop, health = processor.loops[0], processor.health
+    loop.call_timeout = 2.0
+    try:
+        deadline = time.monotonic() + 60
+        while health.steps_closed < before.ranks * before.steps and time.monotonic() < deadline:
+            loop.step()
+        assert health.steps_closed == before.ranks * before.steps and loop.assignment()
+        monkeypatch.setattr(checkpoint, "make_native_consumer", made)  # its replacement seeks as usual
+        stuck.set()
+        began = time.monotonic()
+        loop._recover(KafkaException(KafkaError(KafkaError._TRANSPORT, "a fault")))  # rebuild: seek
+        assert time.monotonic() - began < 20, "the recovery waited on the stuck seek"
+        after = _run(broker.bootstrap, topics, "after")
+        total = (before.ranks * before.steps) + (after.ranks * after.steps)
+        deadline = time.monotonic() + 60
+        while health.steps_closed < total and time.monotonic() < deadline:
+            loop.step()
+        assert health.steps_closed == total, f"not processed after the stuck seek; state: {loop.describe()}"
+    finally:
+        release.set()
+        loop.close()
+    steps = step_records(broker.bootstrap, topics.steps, "after", after.ranks * after.steps + 1, timeout=5, full=False)
+    assert Counter((s["rank"], s["step"]) for s in steps) == Counter(expected(after).keys())
