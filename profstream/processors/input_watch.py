@@ -4,8 +4,9 @@ GroupWatch (group_watch.py) catches a consumer that fell out of its group. A con
 also stay in its group, keep its assignment and still deliver nothing: the CI run of
 2026-11-28 had a run stage that polled for two minutes after the whole cluster came back,
 in its group as far as GroupWatch could tell, while the step stage kept committing
-StepMetrics to its input; no error was raised and nothing was consumed. Whatever librdkafka state that was, the symptom is
-plain from the outside: the input partitions' committed ends grow and nothing arrives.
+StepMetrics to its input; no error was raised and nothing was consumed. Whatever
+librdkafka state that was, the symptom is plain from the outside: the input partitions'
+committed ends grow and nothing arrives.
 
 So, while the loop has consumed nothing for :data:`PROBE_AFTER_S`, it asks the brokers for
 the read_committed ends of its partitions (one ListOffsets request, at most every
