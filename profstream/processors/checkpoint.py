@@ -195,7 +195,7 @@ class TransactionalLoop:
                                or f"input topic {stage.input_topic} does not exist: create it first "
                                "(`profstream process` does)")
         self._subscribe()
-        self._input_watch = InputWatch(conn, stage.input_topic)  # see processors/input_watch.py
+        self._input_watch = InputWatch(conn, group_id, stage.input_topic)  # see processors/input_watch.py
         self._positions: dict[int, int] = {}  # input partition -> next offset to consume
         self._assigned: set[int] = set()
         self._txn_started: float | None = None
@@ -450,7 +450,7 @@ class TransactionalLoop:
             self._heard = True
             self._input_watch.consumed(now)
         else:
-            grown = self._input_watch.stuck(self.assignment(), now)
+            grown = self._input_watch.stuck(self.assignment(), self._positions, now)
             if grown is not None:
                 raise _ConsumerFailure(KafkaError(KafkaError._STATE, (
                     f"the consumer received nothing for {INPUT_STUCK_AFTER_S:g} s or more while its partitions of "
@@ -701,3 +701,4 @@ class TransactionalLoop:
                         self.transactional_id, _describe(e))
         finally:
             self._call.close()
+            self._input_watch.close()
