@@ -1,0 +1,270 @@
+"""Rank clocks against the run's clock, learned from the collectives themselves.
+
+Every timestamp is taken on its rank's host clock; hosts' clocks differ by 0.1-10 ms, as
+much as the waits the cross-rank figures measure. A blocking collective in which every
+rank's result depends on every rank's input (all_reduce, all_gather, reduce_scatter,
+all_to_all, barrier: ``MUTUAL``) ends on all its members within the transfer's tail, and
+no member can end it before the last one started it. So, per matched call of such a
+collective and per member r, against an anchor member a whose offset is known:
+
+- sample: end_r - end_a + offset_a (the ends nearly coincide in true time);
+- causality: start_r - end_a <= offset_r - offset_a <= end_r - start_a.
+
+The run's clock is the clock of its reference rank (the lowest rank of the first step with
+such calls; offset 0). The anchor of a call is the reference where it is a member, else
+the lowest member with an offset, so that ranks never in a call with the reference (a
+pipeline stage's tensor-parallel group) are reached through others. Per rank and step the
+median of its samples goes into a window of the last ``WINDOW_STEPS`` steps; the offset is
+the median of the window, clipped into the window's causality interval [lo, hi] (its
+tightest bounds), and its error bound the distance to the farther end of the interval: the
+true offset lies inside it whenever the calls are real barriers and the clock did not
+drift across the window. A rank without such a call has no offset (absent, never 0).
+
+A time t of rank r is t - offset_r on the run's clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+
+from profstream.processors.collectives import Calls
+
+WINDOW_STEPS = 32  # steps of samples per rank: long enough to be robust, short enough to follow drift
+MAX_DRIFT = 100e-6  # the fastest a host clock runs apart from another (a free-running crystal's 100 ppm)
+MUTUAL = frozenset({"all_reduce", "allreduce", "all_gather", "allgather", "_allgather_base",
+                    "all_gather_into_tensor", "reduce_scatter", "reducescatter", "_reduce_scatter_base",
+                    "reduce_scatter_tensor", "all_to_all", "alltoall", "alltoall_base", "all_to_all_single",
+                    "barrier", "all_gather_object", "all_gather_coalesced", "allreduce_coalesced"})
+_CHAIN_PASSES = 4  # anchor hops from the reference within one step
+
+
+class RunClocks:
+    """The clock offsets of one run's ranks: ``learn`` a step's calls, then read
+    ``offsets()`` (ns, rank -> offset) and ``estimates()`` (with error bounds)."""
+
+    def __init__(self, window: int = WINDOW_STEPS) -> None:
+        if window < 1:
+            raise ValueError("window must be >= 1")
+        self.window = window
+        self.reference: int | None = None
+        self._row: dict[int, int] = {}  # rank -> row of the rings
+        self._lookup = np.full(0, -1, np.int64)  # the same, indexed by rank
+        self._ranks: list[int] = []
+        self._sample = np.full((0, window), np.nan)  # per step: median of the rank's samples
+        self._lo = np.full((0, window), np.nan)
+        self._hi = np.full((0, window), np.nan)
+        self._time = np.full(window, np.nan)  # per column: when its step's calls ended (ns, any clock)
+        self._pos = 0  # the next column written
+        self._offset = np.full(0, np.nan)  # the current estimate per row (NaN: none)
+        self._error = np.full(0, np.nan)
+        self._bounds = np.full((0, 2), np.nan)  # the window's [lo, hi] per row
+
+    # -- learning ---------------------------------------------------------------------
+
+    def learn(self, calls: Mapping[int, Calls]) -> None:
+        """Fold in one step's calls ``{rank: its calls}`` (matched ones of MUTUAL collectives
+        count) and update every offset."""
+        rows = _mutual_rows(calls)
+        if rows is None:
+            return
+        rank, seg, start, end = rows
+        if self.reference is None:
+            self.reference = int(rank.min())
+        known = self._offset_of(rank)
+        lo_known, hi_known = self._bounds_of(rank)
+        step_sample: dict[int, float] = {}
+        step_lo: dict[int, float] = {}
+        step_hi: dict[int, float] = {}
+        for _ in range(_CHAIN_PASSES):
+            anchor = _anchors(rank, seg, known, self.reference)
+            use = (anchor >= 0) & (anchor != np.arange(len(rank)))
+            use &= ~np.isin(rank, list(step_sample))  # a rank's samples of this step come from one pass
+            if not use.any():
+                break
+            a = anchor[use]
+            r = rank[use]
+            sample = end[use] - end[a] + known[a]
+            lo = start[use] - end[a] + lo_known[a]
+            hi = end[use] - start[a] + hi_known[a]
+            for x, med, low, high in _per_rank(r, sample, lo, hi):
+                step_sample[x], step_lo[x], step_hi[x] = med, low, high
+            new = np.isin(rank, list(step_sample)) & np.isnan(known)  # anchors for the next pass
+            if not new.any():
+                break
+            for i in np.flatnonzero(new).tolist():
+                x = int(rank[i])
+                known[i], lo_known[i], hi_known[i] = step_sample[x], step_lo[x], step_hi[x]
+        ref = self.reference
+        if ref in set(rank.tolist()):
+            step_sample[ref], step_lo[ref], step_hi[ref] = 0.0, 0.0, 0.0
+        if step_sample:
+            self._write(step_sample, step_lo, step_hi, float(end.max()))
+
+    def _write(self, sample: dict[int, float], lo: dict[int, float], hi: dict[int, float], at_ns: float) -> None:
+        for x in sample:
+            self._grow(x)
+        col = self._pos % self.window
+        self._pos += 1
+        for ring in (self._sample, self._lo, self._hi):
+            ring[:, col] = np.nan
+        self._time[col] = at_ns
+        rows = np.array([self._row[x] for x in sample])
+        self._sample[rows, col] = list(sample.values())
+        self._lo[rows, col] = [lo[x] for x in sample]
+        self._hi[rows, col] = [hi[x] for x in sample]
+        self._estimate(rows)
+
+    def _estimate(self, rows: np.ndarray) -> None:
+        """Offsets of ``rows`` from their windows: median clipped into [max lo, min hi], each
+        step's bounds widened by the drift they may have seen since (MAX_DRIFT)."""
+        med = np.nanmedian(self._sample[rows], axis=1)
+        now = np.nanmax(self._time)
+        widen = MAX_DRIFT * np.nan_to_num(now - self._time, nan=0.0)
+        lo = np.nanmax(self._lo[rows] - widen, axis=1)
+        hi = np.nanmin(self._hi[rows] + widen, axis=1)
+        for i in np.flatnonzero(lo > hi).tolist():  # the window's bounds disagree (the clock moved within
+            lo[i], hi[i] = self._newest_bounds(int(rows[i]))  # it): the newest step's
+        offset = np.clip(med, lo, hi)
+        self._offset[rows] = offset
+        self._error[rows] = np.maximum(hi - offset, offset - lo)
+        self._bounds[rows] = np.stack([lo, hi], axis=1)
+
+    def _newest_bounds(self, row: int) -> tuple[float, float]:
+        for back in range(1, self.window + 1):
+            col = (self._pos - back) % self.window
+            if not np.isnan(self._lo[row, col]):
+                return float(self._lo[row, col]), float(self._hi[row, col])
+        return -np.inf, np.inf
+
+    def _grow(self, rank: int) -> None:
+        if rank in self._row:
+            return
+        self._row[rank] = len(self._ranks)
+        if rank >= len(self._lookup):
+            self._lookup = np.append(self._lookup, np.full(rank + 1 - len(self._lookup), -1, np.int64))
+        self._lookup[rank] = len(self._ranks)
+        self._ranks.append(rank)
+        blank = np.full((1, self.window), np.nan)
+        self._sample = np.vstack([self._sample, blank])
+        self._lo = np.vstack([self._lo, blank])
+        self._hi = np.vstack([self._hi, blank])
+        self._offset = np.append(self._offset, np.nan)
+        self._error = np.append(self._error, np.nan)
+        self._bounds = np.vstack([self._bounds, [[np.nan, np.nan]]])
+
+    def _offset_of(self, rank: np.ndarray) -> np.ndarray:
+        """The current offset of each row's rank (the reference 0; NaN: none)."""
+        return self._per_row(rank, self._offset, 0.0)
+
+    def _bounds_of(self, rank: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return self._per_row(rank, self._bounds[:, 0], 0.0), self._per_row(rank, self._bounds[:, 1], 0.0)
+
+    def _per_row(self, rank: np.ndarray, values: np.ndarray, at_reference: float) -> np.ndarray:
+        idx = self._lookup[np.minimum(rank, len(self._lookup) - 1)] if len(self._lookup) else np.full(len(rank), -1)
+        idx = np.where(rank < len(self._lookup), idx, -1)
+        out = np.where(idx >= 0, values[np.maximum(idx, 0)] if len(values) else np.nan, np.nan)
+        out[rank == self.reference] = at_reference
+        return out.astype(np.float64)
+
+    # -- reading ----------------------------------------------------------------------
+
+    def offsets(self, ranks: Iterable[int] | None = None) -> dict[int, int]:
+        """rank -> its clock's offset from the run's clock (ns), for the ranks with one."""
+        want = self._ranks if ranks is None else [r for r in ranks if r in self._row]
+        return {r: int(round(self._offset[self._row[r]])) for r in want if not np.isnan(self._offset[self._row[r]])}
+
+    def estimates(self, ranks: Iterable[int] | None = None) -> list[dict]:
+        """RunStepMetrics ``clock_offsets``: rank, offset_ns, error_ns, for the ranks with
+        an offset (of ``ranks``, else all), by rank."""
+        want = sorted(self._ranks if ranks is None else [r for r in ranks if r in self._row])
+        out = []
+        for r in want:
+            i = self._row[r]
+            if not np.isnan(self._offset[i]):
+                out.append({"rank": r, "offset_ns": int(round(self._offset[i])),
+                            "error_ns": int(np.ceil(self._error[i]))})
+        return out
+
+    # -- checkpoint -------------------------------------------------------------------
+
+    def snapshot(self) -> dict:
+        """RunCheckpoint ``clocks``: the reference and each rank's estimate and interval."""
+        return {"reference": self.reference, "at_ns": int(np.nanmax(self._time)) if self._pos else 0,
+                "ranks": [{"rank": r, "offset_ns": int(round(self._offset[i])),
+                           "lo_ns": int(np.floor(self._bounds[i, 0])), "hi_ns": int(np.ceil(self._bounds[i, 1]))}
+                          for r, i in self._row.items() if not np.isnan(self._offset[i])]}
+
+    @classmethod
+    def restore(cls, state: dict | None, window: int = WINDOW_STEPS) -> RunClocks:
+        """A RunClocks whose window holds one step: the checkpointed estimates (the next
+        steps' samples replace them; docs/figures.md, Clocks)."""
+        clocks = cls(window)
+        if state is None or state["reference"] is None:
+            return clocks
+        clocks.reference = state["reference"]
+        if state["ranks"]:
+            clocks._write({x["rank"]: float(x["offset_ns"]) for x in state["ranks"]},
+                          {x["rank"]: float(x["lo_ns"]) for x in state["ranks"]},
+                          {x["rank"]: float(x["hi_ns"]) for x in state["ranks"]}, float(state["at_ns"]))
+        return clocks
+
+
+def _mutual_rows(calls: Mapping[int, Calls]) -> tuple[np.ndarray, ...] | None:
+    """(rank, call segment, start, end) of every member of every call of a MUTUAL
+    collective that all its group's members reported, sorted by call then rank."""
+    names: dict[str, int] = {}
+    parts = []
+    for r in sorted(calls):
+        c = calls[r]
+        if not len(c):
+            continue
+        mutual = np.array([n.lower() in MUTUAL for n in c.names], bool)
+        keep = mutual[c.cols["name_idx"]]
+        if not keep.any():
+            continue
+        remap = np.array([names.setdefault(n, len(names)) for n in c.names], np.int64)
+        cols = {k: c.cols[k][keep] for k in ("group_idx", "seq", "group_size", "start_ns", "end_ns")}
+        parts.append((r, remap[cols["group_idx"]], cols))
+    if not parts:
+        return None
+    rank = np.concatenate([np.full(len(g), r, np.int64) for r, g, _ in parts])
+    group = np.concatenate([g for _, g, _ in parts])
+    col = {k: np.concatenate([p[2][k] for p in parts]).astype(np.int64) for k in parts[0][2]}
+    order = np.lexsort((rank, col["seq"], group))
+    rank, group = rank[order], group[order]
+    seq, size = col["seq"][order], col["group_size"][order]
+    start, end = col["start_ns"][order], col["end_ns"][order]
+    new = np.ones(len(seq), bool)
+    new[1:] = (group[1:] != group[:-1]) | (seq[1:] != seq[:-1])
+    first = np.flatnonzero(new)
+    count = np.diff(np.append(first, len(seq)))
+    seg = np.cumsum(new) - 1
+    whole = (count == size[first])[seg] & (count > 1)[seg]  # every member reported it
+    if not whole.any():
+        return None
+    seg = np.unique(seg[whole], return_inverse=True)[1]
+    return rank[whole], seg, start[whole].astype(np.float64), end[whole].astype(np.float64)
+
+
+def _anchors(rank: np.ndarray, seg: np.ndarray, known: np.ndarray, reference: int) -> np.ndarray:
+    """Per row, the row of its call's anchor: the reference, else the lowest member with
+    an offset (-1: none)."""
+    priority = np.where(rank == reference, -1.0, np.where(np.isnan(known), np.inf, rank.astype(np.float64)))
+    order = np.lexsort((priority, seg))
+    first = order[np.append(True, seg[order][1:] != seg[order][:-1])]  # per call, its best row
+    best = np.where(np.isfinite(priority[first]), first, -1)
+    return best[seg]
+
+
+def _per_rank(rank: np.ndarray, sample: np.ndarray, lo: np.ndarray, hi: np.ndarray):
+    """(rank, median sample, max lo, min hi) per rank of the rows."""
+    order = np.lexsort((sample, rank))
+    rank, s = rank[order], sample[order]
+    first = np.flatnonzero(np.append(True, rank[1:] != rank[:-1]))
+    count = np.diff(np.append(first, len(rank)))
+    med = (s[first + (count - 1) // 2] + s[first + count // 2]) / 2
+    low = np.maximum.reduceat(lo[order], first)
+    high = np.minimum.reduceat(hi[order], first)
+    return zip(rank[first].tolist(), med.tolist(), low.tolist(), high.tolist())
