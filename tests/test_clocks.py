@@ -3,6 +3,8 @@ calls whose true times and clock offsets are known."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -144,3 +146,145 @@ def _rows(calls):
     cols = calls.cols
     return [(names[n], names[g], s, q, b, a, z) for n, g, s, q, b, a, z in zip(
         *(cols[c].tolist() for c in ("name_idx", "group_idx", "group_size", "seq", "bytes", "start_ns", "end_ns")))]
+
+
+# -- end to end: Monitors whose clocks are shifted, a real broker, the processor ----------
+
+WORLD = 4
+E2E_STEPS = 10
+E2E_CALLS = 4
+SHIFTS = {0: 0, 1: 5 * MS, 2: -5 * MS, 3: 5 * MS}  # each rank's clock against true time
+
+
+def _true_run(seed: int = 11) -> dict[int, dict[int, list[tuple[int, int]]]]:
+    """step -> rank -> its calls' (start, end) on the true clock: rank step % WORLD arrives
+    2.5 ms after the others (who arrive within 0.5 ms), the data moves 1 ms, each rank's end
+    within 20 us of the others."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for step in range(E2E_STEPS):
+        calls: dict[int, list[tuple[int, int]]] = {r: [] for r in range(WORLD)}
+        for j in range(E2E_CALLS):
+            t0 = 10**18 + step * 100 * MS + 20 * MS + j * 15 * MS
+            start = {r: t0 + int(rng.uniform(0, 0.5 * MS)) + (int(2.5 * MS) if r == step % WORLD else 0)
+                     for r in range(WORLD)}
+            done = max(start.values()) + MS
+            for r in range(WORLD):
+                calls[r].append((start[r], done + int(rng.uniform(0, 20 * US))))
+        out[step] = calls
+    return out
+
+
+def _record_run(bootstrap: str, prefix: str, run_id: str, shifts: dict[int, int], truth, monkeypatch) -> None:
+    """The run recorded by one Monitor per rank, every time read on the rank's own clock:
+    the Monitor's clock source (``monitor._time_ns``) runs ``shifts[rank]`` from true time
+    while that rank records, and its collectives' times are taken on the same clock."""
+    from profstream import COMMUNICATION
+    from profstream.producers import monitor as monitor_module
+    from profstream.producers.monitor import Monitor
+
+    now = [0]  # true time
+    monitors = {r: Monitor(run_id=run_id, rank=r, world_size=WORLD, bootstrap=bootstrap, topic_prefix=prefix,
+                           host_sample_interval_s=0, control=False, device_interval_ms=0) for r in range(WORLD)}
+    try:
+        for step, calls in truth.items():
+            for r, mon in monitors.items():
+                monkeypatch.setattr(monitor_module, "_time_ns", lambda r=r: now[0] + shifts[r])
+                now[0] = 10**18 + step * 100 * MS
+                mon.begin_step(step)
+                for j, (start, end) in enumerate(calls[r]):
+                    at = start + shifts[r]
+                    mon.op("allreduce", at, end - start, COMMUNICATION)
+                    mon.collective("all_reduce", "0", step * E2E_CALLS + j, at, end - start, WORLD,
+                                   in_bytes=4096, out_bytes=4096, dtype="Float")
+                now[0] = 10**18 + (step + 1) * 100 * MS - MS
+                mon.end_step()
+    finally:
+        monkeypatch.setattr(monitor_module, "_time_ns", time.time_ns)
+        for mon in monitors.values():
+            assert mon.close(), "a Monitor could not deliver its batches"
+
+
+def _true_figures(calls: dict[int, list[tuple[int, int]]]) -> dict:
+    """Per rank (wait, transfer) summed over the step's calls, the late rank and how long
+    the one who waited longest for it waited: on the true clock, by direct arithmetic."""
+    last = [max(calls[r][j][0] for r in calls) for j in range(E2E_CALLS)]
+    ranks = {r: (sum(last[j] - calls[r][j][0] for j in range(E2E_CALLS)),
+                 sum(calls[r][j][1] - last[j] for j in range(E2E_CALLS))) for r in calls}
+    late = max(calls, key=lambda r: -ranks[r][0])  # the rank that never waited
+    return {"ranks": ranks, "late_rank": late, "held_ns": max(w for r, (w, _t) in ranks.items() if r != late)}
+
+
+def test_ranks_with_shifted_clocks_get_the_figures_of_the_unshifted_run(kafka_bootstrap, topics, monkeypatch):
+    """Two runs of the same calls, one whose ranks' clocks are 0, +5, -5 and +5 ms off true
+    time: every step's wait, transfer, late rank and held time equal the unshifted run's
+    (and the truth) within 0.1 ms, and the run says the offsets it found, each within its
+    error bound of the shift. Without the offsets the waits are 5-10 ms off."""
+    from tests.test_processor import RunningProcessor, _run_steps
+
+    truth = _true_run()
+    with RunningProcessor(kafka_bootstrap, topics, run_grace_s=30.0):
+        _record_run(kafka_bootstrap, topics.prefix, "plain", dict.fromkeys(SHIFTS, 0), truth, monkeypatch)
+        _record_run(kafka_bootstrap, topics.prefix, "shifted", SHIFTS, truth, monkeypatch)
+        plain = {r["step"]: r for r in _run_steps(kafka_bootstrap, topics, "plain", E2E_STEPS)}
+        shifted = {r["step"]: r for r in _run_steps(kafka_bootstrap, topics, "shifted", E2E_STEPS)}
+    assert sorted(plain) == sorted(shifted) == list(range(E2E_STEPS))
+    for step in range(E2E_STEPS):
+        want = _true_figures(truth[step])
+        for got in (plain[step], shifted[step]):
+            assert got["collectives_matched"] == E2E_CALLS and got["ranks_reported"] == WORLD
+            assert got["late_rank"] == want["late_rank"] == step % WORLD
+            assert abs(got["late_rank_held_ns"] - want["held_ns"]) < 0.1 * MS, (step, got["late_rank_held_ns"])
+            for x in got["collective_ranks"]:
+                wait, transfer = want["ranks"][x["rank"]]
+                assert abs(x["wait_ns"] - wait) < 0.1 * MS and abs(x["transfer_ns"] - transfer) < 0.1 * MS, (step, x)
+        offsets = {c["rank"]: c for c in shifted[step]["clock_offsets"]}
+        assert sorted(offsets) == list(range(WORLD))
+        for r, shift in SHIFTS.items():
+            assert abs(offsets[r]["offset_ns"] - shift) <= max(offsets[r]["error_ns"], 0), (step, offsets[r])
+            assert abs(offsets[r]["offset_ns"] - shift) < 0.1 * MS
+        assert all(abs(c["offset_ns"]) < 0.1 * MS for c in plain[step]["clock_offsets"])
+
+
+def test_a_restarted_run_stage_keeps_the_offsets_it_had_learned():
+    """Steps 0-5 teach rank 1's offset (+5 ms); the run stage restarts from its checkpoint;
+    step 6 has only a broadcast, which teaches nothing: its wait is still measured on the
+    run's clock, with the offset the stage had before its restart."""
+    from profstream.kafka.topics import Topics
+    from profstream.processors.collectives import pack_calls
+    from profstream.processors.health import StageCounts
+    from profstream.processors.runtime import RunStage
+    from profstream.schema.codec import decode
+    from tests.test_grafana_client import Feed, step_metrics
+
+    topics, feed = Topics(prefix="clk"), Feed()
+    shift = {0: 0, 1: 5 * MS}
+
+    def report(rank: int, step: int, name: str):
+        # rank 1 arrives 2 ms late (true time), the call ends 1 ms after
+        start = step * 100 * MS + (2 * MS if rank else 0)
+        call = CollectiveCall(name, "0", 2, step, 64, start + shift[rank], step * 100 * MS + 3 * MS + shift[rank])
+        return feed(topics.steps, "StepMetrics", {**step_metrics("c", rank, step, 100 * step), "op_count": 1,
+                                                   "collectives": pack_calls(calls_of([call]))})
+
+    def emitted(stage):
+        return {decode("RunStepMetrics", o.value)["step"]: decode("RunStepMetrics", o.value)
+                for o in stage.ready(0.0) if o.topic == topics.run}
+
+    first = RunStage(topics, StageCounts(keep_step_ends=False))
+    for step in range(6):
+        for rank in (0, 1):
+            first.fold(report(rank, step, "all_reduce"), 0.0)
+    before = emitted(first)
+    assert before[5]["clock_offsets"][1]["offset_ns"] == pytest.approx(5 * MS, abs=1)
+    checkpoint = first.changed_state()
+
+    restarted = RunStage(topics, StageCounts(keep_step_ends=False))
+    for out in checkpoint:
+        restarted.restore(out.partition, out.key, out.value, 0.0)
+    for rank in (0, 1):
+        restarted.fold(report(rank, 6, "broadcast"), 0.0)
+    after = emitted(restarted)[6]
+    assert after["clock_offsets"] == before[5]["clock_offsets"]
+    waits = {x["rank"]: x["wait_ns"] for x in after["collective_ranks"]}
+    assert waits == {0: 2 * MS, 1: 0} and after["late_rank"] == 1
