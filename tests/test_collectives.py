@@ -317,3 +317,32 @@ def test_a_collective_value_its_column_cannot_hold_drops_the_samples_counted_and
     assert batch.dropped_samples == 1  # the call, counted
     assert batch.n("steps") == 1  # the step's mark goes out: the step is still a step
     assert any("dropped 1 samples with invalid values" in r.getMessage() for r in caplog.records)
+
+
+def test_the_exporter_shows_each_ranks_clock_offset_and_its_error_bound():
+    """profstream_clock_offset_seconds{run, rank} from the newest step with collectives; a
+    rank without an offset has no series (not 0); with more ranks than --top-ranks, the
+    farthest off keep theirs."""
+    import time
+    from collections import namedtuple
+
+    from profstream.kafka.topics import Topics
+    from profstream.schema.codec import encode_run_step_metrics
+    from profstream.sinks.prometheus import ExporterState
+    from tests.test_prometheus_sink import Scrape
+
+    Rec = namedtuple("Rec", "topic partition offset timestamp value")
+    _steps, run = _hang_run()
+    clocked = {**run[0], "clock_offsets": [{"rank": 0, "offset_ns": 0, "error_ns": 0},
+                                           {"rank": 2, "offset_ns": -5_000_000, "error_ns": 800_000}]}
+    topics = Topics("clk")
+    state = ExporterState(topics, top_ranks=1)
+    state.handle([Rec(topics.run, 0, 0, time.time_ns() // 10**6, encode_run_step_metrics(clocked))])
+    s = Scrape(state.exposition().decode())
+    assert [(x.labels["rank"], x.value) for x in s.all("profstream_clock_offset_seconds", run="hang")] == [
+        ("2", pytest.approx(-0.005))]
+    assert s("profstream_clock_offset_error_seconds", run="hang", rank="2") == pytest.approx(0.0008)
+    state = ExporterState(topics)
+    state.handle([Rec(topics.run, 0, 0, time.time_ns() // 10**6, encode_run_step_metrics(clocked))])
+    s = Scrape(state.exposition().decode())
+    assert {x.labels["rank"] for x in s.all("profstream_clock_offset_seconds", run="hang")} == {"0", "2"}  # not 1
