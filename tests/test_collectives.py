@@ -346,3 +346,14 @@ def test_the_exporter_shows_each_ranks_clock_offset_and_its_error_bound():
     state.handle([Rec(topics.run, 0, 0, time.time_ns() // 10**6, encode_run_step_metrics(clocked))])
     s = Scrape(state.exposition().decode())
     assert {x.labels["rank"] for x in s.all("profstream_clock_offset_seconds", run="hang")} == {"0", "2"}  # not 1
+
+
+def test_the_report_lists_each_ranks_clock_offset_and_its_drift():
+    from profstream.offline.report_collectives import communication_section
+
+    _steps, run = _hang_run()
+    first = {**run[0], "clock_offsets": [{"rank": 1, "offset_ns": 5_000_000, "error_ns": 900_000}]}
+    later = {**run[0], "step": 9, "clock_offsets": [{"rank": 1, "offset_ns": 5_250_000, "error_ns": 700_000}]}
+    html = communication_section([first, later])
+    assert '<tr data-rank="1"><td>rank 1</td><td>+5.250</td><td>0.700</td><td>+0.250</td></tr>' in html
+    assert "No clock offsets" in communication_section([{**r, "clock_offsets": []} for r in run])  # before v4
