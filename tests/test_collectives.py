@@ -183,16 +183,17 @@ def test_ranks_with_the_same_calls_get_the_figures_of_the_general_matching(seed,
 
 # -- through the processors: raw batches -> StepMetrics -> RunStepMetrics --------------
 
-def _rank_batch(rank: int, steps: list[int], calls: list[tuple], world: int = 3, run_id: str = "hang") -> bytes:
+def _rank_batch(rank: int, steps: list[int], calls: list[tuple], world: int = 3, run_id: str = "hang",
+                shift_ms: float = 0.0) -> bytes:
     """One rank's batch: marks of ``steps`` (100 ms each from 0) and its collective rows
-    (collective, step, seq, start_ms, dur_ms)."""
+    (collective, step, seq, start_ms, dur_ms), every time read on a clock ``shift_ms`` off."""
     batch = EventBatch(run_id=run_id, rank=rank, world_size=world, producer_id=f"p{rank}", seq=0,
                        complete_through_step=max(steps))
-    batch.steps = {"step": np.array(steps), "start_ns": np.array([s * 100 * MS for s in steps]),
-                   "end_ns": np.array([(s + 1) * 100 * MS for s in steps]), "fp_start_ns": np.full(len(steps), -1),
-                   "bp_end_ns": np.full(len(steps), -1)}
+    batch.steps = {"step": np.array(steps), "start_ns": np.array([int((s * 100 + shift_ms) * MS) for s in steps]),
+                   "end_ns": np.array([int(((s + 1) * 100 + shift_ms) * MS) for s in steps]),
+                   "fp_start_ns": np.full(len(steps), -1), "bp_end_ns": np.full(len(steps), -1)}
     batch.collective_names, batch.collectives = collective_columns(
-        [(c, "0", "Float", step, seq, int(start * MS), int(dur * MS), 4000, 4000, world)
+        [(c, "0", "Float", step, seq, int((start + shift_ms) * MS), int(dur * MS), 4000, 4000, world)
          for c, step, seq, start, dur in calls])
     return encode_batch(batch)
 

@@ -232,7 +232,8 @@ def sink_timeline(
     boot, topics = connect(bootstrap, topic_prefix)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
-        sink = TimelineSink(out_dir, window_steps=window_steps, max_bytes=size, control_topic=topics.control)
+        sink = TimelineSink(out_dir, window_steps=window_steps, max_bytes=size, control_topic=topics.control,
+                            run_topic=topics.run)
     except ConfigError as e:
         fail(str(e))
     except OSError as e:
@@ -243,7 +244,7 @@ def sink_timeline(
                   highlight=False, soft_wrap=True)
 
     try:
-        run_sink(boot, [topics.raw, topics.control], group_id, sink, stop_on_signals(), ready=started,
+        run_sink(boot, [topics.raw, topics.control, topics.run], group_id, sink, stop_on_signals(), ready=started,
                  wait_topics_s=wait_topics_s)
     except RuntimeError as e:  # a topic missing
         fail(str(e))
