@@ -288,3 +288,23 @@ def test_a_restarted_run_stage_keeps_the_offsets_it_had_learned():
     assert after["clock_offsets"] == before[5]["clock_offsets"]
     waits = {x["rank"]: x["wait_ns"] for x in after["collective_ranks"]}
     assert waits == {0: 2 * MS, 1: 0} and after["late_rank"] == 1
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_packed_records_teach_what_their_calls_teach(seed):
+    """The run stage learns from StepMetrics' packed columns (rank x call matrices when
+    every rank made the same calls): the same offsets as from the calls themselves, and
+    from calls in another order on one rank (the rows path)."""
+    from profstream.processors.collectives import Calls, pack_calls
+
+    rng = np.random.default_rng(seed)
+    offsets = {0: 0.0, 1: 3 * MS, 2: -2 * MS}
+    by_calls, by_packed, shuffled = RunClocks(), RunClocks(), RunClocks()
+    for step in range(6):
+        calls, _ = synthetic_step(rng, step, offsets)
+        by_calls.learn(calls)
+        by_packed.learn_packed({r: pack_calls(c) for r, c in calls.items()})
+        perm = rng.permutation(len(calls[1]))
+        mixed = {**calls, 1: Calls(calls[1].names, {c: a[perm] for c, a in calls[1].cols.items()})}
+        shuffled.learn_packed({r: pack_calls(c) for r, c in mixed.items()})
+    assert by_packed.estimates() == by_calls.estimates() == shuffled.estimates()

@@ -29,7 +29,7 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-from profstream.processors.collectives import Calls
+from profstream.processors.collectives import Calls, same_calls, unpack_calls
 
 WINDOW_STEPS = 32  # steps of samples per rank: long enough to be robust, short enough to follow drift
 MAX_DRIFT = 100e-6  # the fastest a host clock runs apart from another (a free-running crystal's 100 ppm)
@@ -66,7 +66,20 @@ class RunClocks:
     def learn(self, calls: Mapping[int, Calls]) -> None:
         """Fold in one step's calls ``{rank: its calls}`` (matched ones of MUTUAL collectives
         count) and update every offset."""
-        rows = _mutual_rows(calls)
+        rows = _aligned_rows(calls)
+        self._learn_rows(rows if rows is not None else _mutual_rows(calls))
+
+    def learn_packed(self, records: Mapping[int, dict]) -> None:
+        """``learn`` from StepMetrics ``collectives`` records (``check_calls`` passed)."""
+        reporting = sorted(r for r, x in records.items() if x["count"])
+        same = same_calls(records, reporting) if len(reporting) > 1 else None
+        if same is None:
+            self.learn({r: unpack_calls(records[r]) for r in reporting})
+            return
+        cols, start, end, _ = same
+        self._learn_rows(_matrix_rows(records[reporting[0]]["names"], cols, start, end, reporting))
+
+    def _learn_rows(self, rows: tuple[np.ndarray, ...] | None) -> None:
         if rows is None:
             return
         rank, seg, start, end = rows
@@ -119,7 +132,7 @@ class RunClocks:
     def _estimate(self, rows: np.ndarray) -> None:
         """Offsets of ``rows`` from their windows: median clipped into [max lo, min hi], each
         step's bounds widened by the drift they may have seen since (MAX_DRIFT)."""
-        med = np.nanmedian(self._sample[rows], axis=1)
+        med = _nanmedian_rows(self._sample[rows])
         now = np.nanmax(self._time)
         widen = MAX_DRIFT * np.nan_to_num(now - self._time, nan=0.0)
         lo = np.nanmax(self._lo[rows] - widen, axis=1)
@@ -248,6 +261,39 @@ def _mutual_rows(calls: Mapping[int, Calls]) -> tuple[np.ndarray, ...] | None:
     return rank[whole], seg, start[whole].astype(np.float64), end[whole].astype(np.float64)
 
 
+def _aligned_rows(calls: Mapping[int, Calls]) -> tuple[np.ndarray, ...] | None:
+    """_mutual_rows where every rank made the same calls in the same order (the usual case),
+    from rank x call matrices; None where they did not."""
+    ranks = sorted(r for r, c in calls.items() if len(c))
+    if len(ranks) < 2:
+        return None
+    first = calls[ranks[0]]
+    group, seq = first.cols["group_idx"], first.cols["seq"]
+    if not all(calls[r].names == first.names and np.array_equal(calls[r].cols["seq"], seq)
+               and np.array_equal(calls[r].cols["group_idx"], group) for r in ranks[1:]):
+        return None
+    return _matrix_rows(first.names, first.cols, np.stack([calls[r].cols["start_ns"] for r in ranks]),
+                        np.stack([calls[r].cols["end_ns"] for r in ranks]), ranks)
+
+
+def _matrix_rows(names: list[str], cols: dict[str, np.ndarray], start: np.ndarray, end: np.ndarray,
+                 ranks: list[int]) -> tuple[np.ndarray, ...] | None:
+    """_mutual_rows of rank x call ``start`` and ``end`` matrices of the calls ``cols``
+    (every rank's)."""
+    group, seq = cols["group_idx"], cols["seq"]
+    mutual = np.array([n.lower() in MUTUAL for n in names], bool)[cols["name_idx"]]
+    key = group.astype(np.int64) * (1 << 40) + seq
+    uniq, count = np.unique(key, return_counts=True)
+    whole = mutual & (cols["group_size"] == len(ranks)) & (count[np.searchsorted(uniq, key)] == 1)  # every
+    k = int(whole.sum())  # member here, each call once
+    if not k:
+        return None
+    # rows by call, then rank (as _mutual_rows sorts them)
+    rank = np.tile(np.array(ranks, np.int64), k)
+    seg = np.repeat(np.arange(k), len(ranks))
+    return rank, seg, start[:, whole].T.ravel().astype(np.float64), end[:, whole].T.ravel().astype(np.float64)
+
+
 def _anchors(rank: np.ndarray, seg: np.ndarray, known: np.ndarray, reference: int) -> np.ndarray:
     """Per row, the row of its call's anchor: the reference, else the lowest member with
     an offset (-1: none)."""
@@ -260,6 +306,12 @@ def _anchors(rank: np.ndarray, seg: np.ndarray, known: np.ndarray, reference: in
 
 def _per_rank(rank: np.ndarray, sample: np.ndarray, lo: np.ndarray, hi: np.ndarray):
     """(rank, median sample, max lo, min hi) per rank of the rows."""
+    by_rank = np.argsort(rank, kind="stable")
+    ranks, count = np.unique(rank, return_counts=True)
+    if (count == count[0]).all():  # as many samples each (every rank in every call): a matrix
+        shape = (len(ranks), int(count[0]))
+        return zip(ranks.tolist(), np.median(sample[by_rank].reshape(shape), axis=1).tolist(),
+                   lo[by_rank].reshape(shape).max(axis=1).tolist(), hi[by_rank].reshape(shape).min(axis=1).tolist())
     order = np.lexsort((sample, rank))
     rank, s = rank[order], sample[order]
     first = np.flatnonzero(np.append(True, rank[1:] != rank[:-1]))
@@ -268,3 +320,11 @@ def _per_rank(rank: np.ndarray, sample: np.ndarray, lo: np.ndarray, hi: np.ndarr
     low = np.maximum.reduceat(lo[order], first)
     high = np.minimum.reduceat(hi[order], first)
     return zip(rank[first].tolist(), med.tolist(), low.tolist(), high.tolist())
+
+
+def _nanmedian_rows(a: np.ndarray) -> np.ndarray:
+    """np.nanmedian(a, axis=1) of rows with at least one value, without its masked arrays."""
+    s = np.sort(a, axis=1)  # NaN last
+    n = (~np.isnan(a)).sum(axis=1)
+    rows = np.arange(len(a))
+    return (s[rows, (n - 1) // 2] + s[rows, n // 2]) / 2

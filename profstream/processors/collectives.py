@@ -177,17 +177,29 @@ def _packed_step_collectives(records: Mapping[int, dict], ranks: Sequence[int],
     reporting = sorted(r for r, x in records.items() if x["count"])
     if not reporting:
         return dict(_NO_FIGURES)
-    first = records[reporting[0]]
-    if all(x["count"] == first["count"] and x["seq"] == first["seq"] and x["group_idx"] == first["group_idx"]
-           and x["names"] == first["names"] for x in (records[r] for r in reporting[1:])):
-        shape = (len(reporting), first["count"])
-        start, end, nbytes = (np.frombuffer(b"".join(records[r][c] for r in reporting), "<i8").reshape(shape)
-                              for c in ("start_ns", "end_ns", "bytes"))
-        figures = _aligned(first["names"], unpack_calls(first).cols, *_on_run_clock(start, end, reporting, offsets),
+    same = same_calls(records, reporting)
+    if same is not None:
+        cols, start, end, nbytes = same
+        figures = _aligned(records[reporting[0]]["names"], cols, *_on_run_clock(start, end, reporting, offsets),
                            nbytes, reporting, ranks)
         if figures is not None:
             return figures
     return _any_calls({r: unpack_calls(records[r]) for r in reporting}, reporting, ranks, offsets)
+
+
+def same_calls(records: Mapping[int, dict], reporting: list[int]) -> tuple[dict, np.ndarray, ...] | None:
+    """Where the StepMetrics ``collectives`` records of the ``reporting`` ranks hold the same
+    calls in the same order (names, groups and sequence numbers the same bytes): the first
+    rank's columns and the rank x call matrices of start_ns, end_ns and bytes, read straight
+    from the ranks' columns joined. None where they differ."""
+    first = records[reporting[0]]
+    if not all(x["count"] == first["count"] and x["seq"] == first["seq"] and x["group_idx"] == first["group_idx"]
+               and x["names"] == first["names"] for x in (records[r] for r in reporting[1:])):
+        return None
+    shape = (len(reporting), first["count"])
+    start, end, nbytes = (np.frombuffer(b"".join(records[r][c] for r in reporting), "<i8").reshape(shape)
+                          for c in ("start_ns", "end_ns", "bytes"))
+    return unpack_calls(first).cols, start, end, nbytes
 
 
 def _on_run_clock(start: np.ndarray, end: np.ndarray, reporting: list[int],

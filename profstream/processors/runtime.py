@@ -30,7 +30,7 @@ from profstream.processors.assembler import RankAssembler
 from profstream.processors.checkpoint import MAX_OUTAGE_S, Output, TransactionalLoop
 from profstream.processors.clocks import RunClocks
 from profstream.processors.close_schedule import CloseSchedule
-from profstream.processors.collectives import check_calls, packed_step_collectives, unpack_calls
+from profstream.processors.collectives import check_calls, packed_step_collectives
 from profstream.processors.figures import FigureOptions, RankFigures
 from profstream.processors.hangs import HANG_AFTER_S, HangWatch
 from profstream.processors.health import EVENT_FAMILIES, ProcessorHealth, StageCounts
@@ -470,7 +470,7 @@ class RunStage:
               everyone: Iterable[int], unmeasured: set[int], work: dict[int, tuple], clocks: RunClocks) -> Output:
         figures = rank_figures(step_times)
         if calls:  # the step's calls teach the offsets first, and are then compared on the run's clock
-            clocks.learn({r: unpack_calls(c) for r, c in calls.items()})
+            clocks.learn_packed(calls)
         record = {"run_id": run_id, "step": step, **figures,
                   "step_times_ns": {str(r): t for r, t in sorted(step_times.items())},
                   **packed_step_collectives(calls, list(everyone), unmeasured, clocks.offsets(calls)),
