@@ -6,7 +6,7 @@ group (the same (group, seq) on every rank, ranks' clocks 0 / +-5 ms off, ends w
 50 us), encoded as the step stage writes them. Timed: ``RunStage.fold`` over every record,
 then ``ready`` (which emits every step: matching, figures, encoding), ``before`` and
 ``after`` alternating. ``before`` is the same code with the estimator switched off
-(``RunClocks.learn`` does nothing, no offsets: the run stage as it was before it); ``after``
+(``RunClocks.learn_packed`` does nothing, no offsets: the run stage as it was before it); ``after``
 learns each step's calls and compares the ranks' times less their offsets. Also timed
 alone: ``RunClocks.learn_packed`` over the same calls. Every run step must come out with every
 call matched, and ``after`` with every rank's offset within 0.1 ms of its true value.
@@ -73,13 +73,13 @@ class _Off:
     """The estimator switched off (the run stage before it)."""
 
     def __enter__(self) -> None:
-        self.saved = RunClocks.learn, RunClocks.offsets, RunClocks.estimates
-        RunClocks.learn = lambda self, calls: None
+        self.saved = RunClocks.learn_packed, RunClocks.offsets, RunClocks.estimates
+        RunClocks.learn_packed = lambda self, records: None
         RunClocks.offsets = lambda self, ranks=None: {}
         RunClocks.estimates = lambda self, ranks=None: []
 
     def __exit__(self, *exc: object) -> None:
-        RunClocks.learn, RunClocks.offsets, RunClocks.estimates = self.saved
+        RunClocks.learn_packed, RunClocks.offsets, RunClocks.estimates = self.saved
 
 
 def run_stage(values: list[bytes], ranks: int, steps: int, calls: int, check_offsets: bool) -> float:

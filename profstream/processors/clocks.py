@@ -77,7 +77,29 @@ class RunClocks:
             self.learn({r: unpack_calls(records[r]) for r in reporting})
             return
         cols, start, end, _ = same
-        self._learn_rows(_matrix_rows(records[reporting[0]]["names"], cols, start, end, reporting))
+        names = records[reporting[0]]["names"]
+        if self.reference is None or self.reference in reporting:
+            self._learn_matrix(names, cols, start, end, reporting)
+        else:
+            self._learn_rows(_matrix_rows(names, cols, start, end, reporting))
+
+    def _learn_matrix(self, names: list[str], cols: dict[str, np.ndarray], start: np.ndarray, end: np.ndarray,
+                      ranks: list[int]) -> None:
+        """``_learn_rows`` where every rank, the reference among them, made every call: the
+        reference anchors them all, on rank x call matrices."""
+        whole = _whole_calls(names, cols, len(ranks))
+        if not whole.any():
+            return
+        if self.reference is None:
+            self.reference = ranks[0]
+        i = ranks.index(self.reference)
+        S = start[:, whole].astype(np.float64)
+        E = end[:, whole].astype(np.float64)
+        sample = np.median(E - E[i], axis=1)
+        lo = (S - E[i]).max(axis=1)
+        hi = (E - S[i]).min(axis=1)
+        sample[i] = lo[i] = hi[i] = 0.0
+        self._write(ranks, sample, lo, hi, float(E.max()))
 
     def _learn_rows(self, rows: tuple[np.ndarray, ...] | None) -> None:
         if rows is None:
@@ -113,20 +135,24 @@ class RunClocks:
         if ref in set(rank.tolist()):
             step_sample[ref], step_lo[ref], step_hi[ref] = 0.0, 0.0, 0.0
         if step_sample:
-            self._write(step_sample, step_lo, step_hi, float(end.max()))
+            ranks = list(step_sample)
+            self._write(ranks, np.array(list(step_sample.values())), np.array([step_lo[x] for x in ranks]),
+                        np.array([step_hi[x] for x in ranks]), float(end.max()))
 
-    def _write(self, sample: dict[int, float], lo: dict[int, float], hi: dict[int, float], at_ns: float) -> None:
-        for x in sample:
-            self._grow(x)
+    def _write(self, ranks: list[int], sample: np.ndarray, lo: np.ndarray, hi: np.ndarray, at_ns: float) -> None:
+        """One step's column of the window: per rank of ``ranks`` its sample and bounds."""
+        for x in ranks:
+            if x not in self._row:
+                self._grow(x)
         col = self._pos % self.window
         self._pos += 1
         for ring in (self._sample, self._lo, self._hi):
             ring[:, col] = np.nan
         self._time[col] = at_ns
-        rows = np.array([self._row[x] for x in sample])
-        self._sample[rows, col] = list(sample.values())
-        self._lo[rows, col] = [lo[x] for x in sample]
-        self._hi[rows, col] = [hi[x] for x in sample]
+        rows = self._lookup[np.array(ranks, np.int64)]
+        self._sample[rows, col] = sample
+        self._lo[rows, col] = lo
+        self._hi[rows, col] = hi
         self._estimate(rows)
 
     def _estimate(self, rows: np.ndarray) -> None:
@@ -218,9 +244,9 @@ class RunClocks:
             return clocks
         clocks.reference = state["reference"]
         if state["ranks"]:
-            clocks._write({x["rank"]: float(x["offset_ns"]) for x in state["ranks"]},
-                          {x["rank"]: float(x["lo_ns"]) for x in state["ranks"]},
-                          {x["rank"]: float(x["hi_ns"]) for x in state["ranks"]}, float(state["at_ns"]))
+            clocks._write([x["rank"] for x in state["ranks"]],
+                          *(np.array([float(x[k]) for x in state["ranks"]]) for k in ("offset_ns", "lo_ns", "hi_ns")),
+                          float(state["at_ns"]))
         return clocks
 
 
@@ -280,18 +306,23 @@ def _matrix_rows(names: list[str], cols: dict[str, np.ndarray], start: np.ndarra
                  ranks: list[int]) -> tuple[np.ndarray, ...] | None:
     """_mutual_rows of rank x call ``start`` and ``end`` matrices of the calls ``cols``
     (every rank's)."""
-    group, seq = cols["group_idx"], cols["seq"]
-    mutual = np.array([n.lower() in MUTUAL for n in names], bool)[cols["name_idx"]]
-    key = group.astype(np.int64) * (1 << 40) + seq
-    uniq, count = np.unique(key, return_counts=True)
-    whole = mutual & (cols["group_size"] == len(ranks)) & (count[np.searchsorted(uniq, key)] == 1)  # every
-    k = int(whole.sum())  # member here, each call once
+    whole = _whole_calls(names, cols, len(ranks))
+    k = int(whole.sum())
     if not k:
         return None
     # rows by call, then rank (as _mutual_rows sorts them)
     rank = np.tile(np.array(ranks, np.int64), k)
     seg = np.repeat(np.arange(k), len(ranks))
     return rank, seg, start[:, whole].T.ravel().astype(np.float64), end[:, whole].T.ravel().astype(np.float64)
+
+
+def _whole_calls(names: list[str], cols: dict[str, np.ndarray], ranks: int) -> np.ndarray:
+    """Which calls ``cols``, made by each of ``ranks`` ranks, teach: MUTUAL collectives
+    whose every member is here, each (group, seq) once."""
+    mutual = np.array([n.lower() in MUTUAL for n in names], bool)[cols["name_idx"]]
+    key = cols["group_idx"].astype(np.int64) * (1 << 40) + cols["seq"]
+    uniq, count = np.unique(key, return_counts=True)
+    return mutual & (cols["group_size"] == ranks) & (count[np.searchsorted(uniq, key)] == 1)
 
 
 def _anchors(rank: np.ndarray, seg: np.ndarray, known: np.ndarray, reference: int) -> np.ndarray:
