@@ -141,9 +141,9 @@ class RunClocks:
 
     def _write(self, ranks: list[int], sample: np.ndarray, lo: np.ndarray, hi: np.ndarray, at_ns: float) -> None:
         """One step's column of the window: per rank of ``ranks`` its sample and bounds."""
-        for x in ranks:
-            if x not in self._row:
-                self._grow(x)
+        new = [x for x in ranks if x not in self._row]
+        if new:
+            self._grow(new)
         col = self._pos % self.window
         self._pos += 1
         for ring in (self._sample, self._lo, self._hi):
@@ -177,21 +177,22 @@ class RunClocks:
                 return float(self._lo[row, col]), float(self._hi[row, col])
         return -np.inf, np.inf
 
-    def _grow(self, rank: int) -> None:
-        if rank in self._row:
-            return
-        self._row[rank] = len(self._ranks)
-        if rank >= len(self._lookup):
-            self._lookup = np.append(self._lookup, np.full(rank + 1 - len(self._lookup), -1, np.int64))
-        self._lookup[rank] = len(self._ranks)
-        self._ranks.append(rank)
-        blank = np.full((1, self.window), np.nan)
+    def _grow(self, ranks: list[int]) -> None:
+        """Rows for ``ranks`` (new ones), at once."""
+        n = len(ranks)
+        top = max(ranks)
+        if top >= len(self._lookup):
+            self._lookup = np.append(self._lookup, np.full(top + 1 - len(self._lookup), -1, np.int64))
+        for x in ranks:
+            self._row[x] = self._lookup[x] = len(self._ranks)
+            self._ranks.append(x)
+        blank = np.full((n, self.window), np.nan)
         self._sample = np.vstack([self._sample, blank])
         self._lo = np.vstack([self._lo, blank])
         self._hi = np.vstack([self._hi, blank])
-        self._offset = np.append(self._offset, np.nan)
-        self._error = np.append(self._error, np.nan)
-        self._bounds = np.vstack([self._bounds, [[np.nan, np.nan]]])
+        self._offset = np.append(self._offset, np.full(n, np.nan))
+        self._error = np.append(self._error, np.full(n, np.nan))
+        self._bounds = np.vstack([self._bounds, np.full((n, 2), np.nan)])
 
     def _offset_of(self, rank: np.ndarray) -> np.ndarray:
         """The current offset of each row's rank (the reference 0; NaN: none)."""

@@ -311,8 +311,10 @@ class _RunState:
 class RunStage:
     """steps -> RunStepMetrics: a step of a run is emitted once all its ranks reported it
     (the producers' world_size, else every rank seen in the run so far), or ``grace_s``
-    after its first report; steps are emitted in order. From the ranks' RankProgress it
-    tells a hang (``hangs.py``): TrainingHang alerts after ``hang_after_s`` in one step."""
+    after its first report; steps are emitted in order. Each step's calls teach the run's
+    rank clock offsets (``clocks.py``) before its collective figures compare the ranks'
+    times with them. From the ranks' RankProgress it tells a hang (``hangs.py``):
+    TrainingHang alerts after ``hang_after_s`` in one step."""
 
     name = "run"
 
