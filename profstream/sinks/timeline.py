@@ -692,6 +692,7 @@ class _RankTimeline:
     topic: str
     order: int  # when it entered the sink: time-based closes visit ranks in this order
     window: Window = field(default_factory=Window)
+    clock: tuple[int, int] | None = None  # the clock offset and error its newest step was drawn with
 
     @property
     def pending_offset(self) -> int | None:
@@ -911,7 +912,9 @@ class TimelineSink:
 
     def _add(self, ident: tuple[str, int], ev: StepEvents, first_offset: int) -> None:
         rank = self.ranks[ident]
-        p = rank.window.prepare(step_timeline(ev, self.arrivals.get(ident[0])))
+        arrivals = self.arrivals.get(ident[0])
+        p = rank.window.prepare(step_timeline(ev, arrivals))
+        clock = arrivals.clocks.get(ident[1]) if arrivals is not None else None
         capture = self._captures.get(ident)
         fits = None  # whether the window with this step fits in a file, once known
         if rank.window.steps:
@@ -920,6 +923,7 @@ class TimelineSink:
                 self._flush(ident)  # the size cap, or a capture's first step, closes the window before this step
                 fits = None
         rank.window.append(p, first_offset)
+        rank.clock = clock
         if capture is not None and ev.step >= capture[1]:
             del self._captures[ident]
             self._flush(ident)  # the capture's last step
@@ -936,10 +940,8 @@ class TimelineSink:
         asm = rank.assembler
         extra = {"late_events": asm.late_events, "orphan_events": asm.orphan_events,
                  "lost_batches": asm.lost_batches, "dropped_ops": asm.dropped_ops}
-        arrivals = self.arrivals.get(ident[0])
-        clock = arrivals.clocks.get(ident[1]) if arrivals is not None else None
-        if clock is not None:  # the offset of the newest one (each step has the one known when it closed)
-            extra["clock_offset_ns"], extra["clock_error_ns"] = clock
+        if rank.clock is not None:  # its newest step's (each step has the one known when it closed)
+            extra["clock_offset_ns"], extra["clock_error_ns"] = rank.clock
         try:
             self.writer.write_window(window, extra)
         except UnsafePath as e:  # a link planted under the output directory
