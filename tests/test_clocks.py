@@ -215,11 +215,14 @@ def _true_figures(calls: dict[int, list[tuple[int, int]]]) -> dict:
     return {"ranks": ranks, "late_rank": late, "held_ns": max(w for r, (w, _t) in ranks.items() if r != late)}
 
 
-def test_ranks_with_shifted_clocks_get_the_figures_of_the_unshifted_run(kafka_bootstrap, topics, monkeypatch):
+def test_ranks_with_shifted_clocks_get_the_figures_of_the_unshifted_run(kafka_bootstrap, topics, monkeypatch,
+                                                                         tmp_path):
     """Two runs of the same calls, one whose ranks' clocks are 0, +5, -5 and +5 ms off true
     time: every step's wait, transfer, late rank and held time equal the unshifted run's
     (and the truth) within 0.1 ms, and the run says the offsets it found, each within its
-    error bound of the shift. Without the offsets the waits are 5-10 ms off."""
+    error bound of the shift; the timeline files of both runs, written from what the broker
+    holds, show every rank's Steps and Collectives slices at the same times within 0.1 ms.
+    Without the offsets the waits are 5-10 ms off."""
     from tests.test_processor import RunningProcessor, _run_steps
 
     truth = _true_run()
@@ -229,6 +232,7 @@ def test_ranks_with_shifted_clocks_get_the_figures_of_the_unshifted_run(kafka_bo
         plain = {r["step"]: r for r in _run_steps(kafka_bootstrap, topics, "plain", E2E_STEPS)}
         shifted = {r["step"]: r for r in _run_steps(kafka_bootstrap, topics, "shifted", E2E_STEPS)}
     assert sorted(plain) == sorted(shifted) == list(range(E2E_STEPS))
+    _same_timelines(kafka_bootstrap, topics, tmp_path)
     for step in range(E2E_STEPS):
         want = _true_figures(truth[step])
         for got in (plain[step], shifted[step]):
@@ -308,3 +312,62 @@ def test_packed_records_teach_what_their_calls_teach(seed):
         mixed = {**calls, 1: Calls(calls[1].names, {c: a[perm] for c, a in calls[1].cols.items()})}
         shuffled.learn_packed({r: pack_calls(c) for r, c in mixed.items()})
     assert by_packed.estimates() == by_calls.estimates() == shuffled.estimates()
+
+
+def _topic_records(bootstrap: str, topic: str) -> list:
+    """Every committed record of ``topic``, each partition in order."""
+    from kafka import TopicPartition
+
+    from profstream.kafka.clients import make_consumer
+
+    consumer = make_consumer(bootstrap, group_id=None, enable_auto_commit=False)
+    try:
+        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)
+        ends = consumer.end_offsets(tps)
+        out: list = []
+        deadline = time.monotonic() + 30
+        while any(consumer.position(tp) < ends[tp] for tp in tps):
+            assert time.monotonic() < deadline, f"{topic} not read to its end within 30 s"
+            for records in consumer.poll(timeout_ms=200).values():
+                out.extend(records)
+        return out
+    finally:
+        consumer.close()
+
+
+def _same_timelines(bootstrap: str, topics, out) -> None:
+    """The timeline sink over the run topic (the offsets) and then the raw topic, as the
+    broker holds them: the shifted run's rank tracks equal the plain run's within 0.1 ms."""
+    import gzip
+    import json
+    from collections import namedtuple
+
+    from profstream.sinks.timeline import TID_STEPS, TimelineSink
+    from profstream.sinks.timeline_collectives import TID_COLLECTIVES
+
+    Rec = namedtuple("Rec", "topic partition offset key value")
+    sink = TimelineSink(out, window_steps=E2E_STEPS, run_topic=topics.run)
+    for topic in (topics.run, topics.raw):
+        sink.handle([Rec(r.topic, r.partition, r.offset, r.key, r.value) for r in _topic_records(bootstrap, topic)])
+    sink.close()
+    tracks: dict = {}
+    for run_id in ("plain", "shifted"):
+        for rank in range(WORLD):
+            paths = sorted((out / run_id / f"rank-{rank}").glob("*.json.gz"))
+            assert paths, f"no timeline of {run_id} rank {rank}"
+            got = []
+            for p in paths:
+                doc = json.loads(gzip.decompress(p.read_bytes()))
+                base = doc["otherData"]["base_time_ns"]
+                got += [(e["args"]["step"], e["name"], e["tid"], base + round(e["ts"] * 1000), round(e["dur"] * 1000))
+                        for e in doc["traceEvents"] if e["ph"] == "X" and e["tid"] in (TID_STEPS, TID_COLLECTIVES)]
+            tracks[(run_id, rank)] = sorted(got)
+    for rank in range(WORLD):
+        plain, shifted = tracks[("plain", rank)], tracks[("shifted", rank)]
+        assert [x[:3] for x in plain] == [x[:3] for x in shifted], rank  # the same slices, names included
+        assert any(x[2] == TID_COLLECTIVES for x in plain)
+        for a, b in zip(plain, shifted):
+            assert abs(a[3] - b[3]) < 0.1 * MS and abs(a[4] - b[4]) < 0.1 * MS, (rank, a, b)
+
