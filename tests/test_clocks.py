@@ -314,29 +314,6 @@ def test_packed_records_teach_what_their_calls_teach(seed):
     assert by_packed.estimates() == by_calls.estimates() == shuffled.estimates()
 
 
-def _topic_records(bootstrap: str, topic: str) -> list:
-    """Every committed record of ``topic``, each partition in order."""
-    from kafka import TopicPartition
-
-    from profstream.kafka.clients import make_consumer
-
-    consumer = make_consumer(bootstrap, group_id=None, enable_auto_commit=False)
-    try:
-        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
-        consumer.assign(tps)
-        consumer.seek_to_beginning(*tps)
-        ends = consumer.end_offsets(tps)
-        out: list = []
-        deadline = time.monotonic() + 30
-        while any(consumer.position(tp) < ends[tp] for tp in tps):
-            assert time.monotonic() < deadline, f"{topic} not read to its end within 30 s"
-            for records in consumer.poll(timeout_ms=200).values():
-                out.extend(records)
-        return out
-    finally:
-        consumer.close()
-
-
 def _same_timelines(bootstrap: str, topics, out) -> None:
     """The timeline sink over the run topic (the offsets) and then the raw topic, as the
     broker holds them: the shifted run's rank tracks equal the plain run's within 0.1 ms."""
@@ -346,11 +323,12 @@ def _same_timelines(bootstrap: str, topics, out) -> None:
 
     from profstream.sinks.timeline import TID_STEPS, TimelineSink
     from profstream.sinks.timeline_collectives import TID_COLLECTIVES
+    from tests.helpers import topic_records
 
     Rec = namedtuple("Rec", "topic partition offset key value")
     sink = TimelineSink(out, window_steps=E2E_STEPS, run_topic=topics.run)
     for topic in (topics.run, topics.raw):
-        sink.handle([Rec(r.topic, r.partition, r.offset, r.key, r.value) for r in _topic_records(bootstrap, topic)])
+        sink.handle([Rec(r.topic, r.partition, r.offset, r.key, r.value) for r in topic_records(bootstrap, topic)])
     sink.close()
     tracks: dict = {}
     for run_id in ("plain", "shifted"):
