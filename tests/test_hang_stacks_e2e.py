@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import textwrap
 import threading
 from html.parser import HTMLParser
 
@@ -30,35 +29,15 @@ from tests.helpers import wait_until
 from tests.test_autocapture import RunningService, _requests
 from tests.test_capture import RunningSink, control_records
 from tests.test_processor import RunningProcessor
+from tests.test_stacks import RANK_SCRIPT as STACKS_SCRIPT
 from tests.test_stacks import STUCK, WORLD, Ranks
 
 RUN = "hung-run"
 
-RANK_SCRIPT = textwrap.dedent('''
-    import sys, threading, time
-    from profstream.producers.monitor import Monitor
-
-    bootstrap, prefix, run_id, rank, world, stuck = sys.argv[1:4] + [int(a) for a in sys.argv[4:7]]
-    monitor = Monitor(bootstrap=bootstrap, topic_prefix=prefix, run_id=run_id, rank=rank, world_size=world,
-                      host=f"node-{rank}", host_sample_interval_s=0, progress_interval_s=1.0)
-    peers = threading.Event()
-
-    def wait_in_all_reduce():
-        peers.wait()
-
-    def stuck_in_data_loading():
-        time.sleep(600)
-
-    for step in range(3):
-        monitor.begin_step()
-        monitor.end_step()
-    monitor.begin_step()
-    print("entering", flush=True)
-    if rank == stuck:
-        stuck_in_data_loading()
-    else:
-        wait_in_all_reduce()
-''')
+# test_stacks.py's ranks (one asleep in stuck_in_data_loading, the others in
+# wait_in_all_reduce, all in step 3), telling where they are every second
+RANK_SCRIPT = STACKS_SCRIPT.replace("host_sample_interval_s=0)", "host_sample_interval_s=0, progress_interval_s=1.0)")
+assert RANK_SCRIPT != STACKS_SCRIPT
 
 
 class _Pre(HTMLParser):

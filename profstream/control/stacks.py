@@ -97,22 +97,25 @@ def ask_stacks(conn: Connection | str, topics: Topics, run_id: str, *, ranks: li
 def latest_answer(statuses: Iterable[dict], own_threads: bool = False) -> StacksAnswer | None:
     """The answers of the latest stacks request among the CaptureStatus records
     ``statuses`` (of one run; the one whose newest answer is newest), merged; None when
-    none answers a stacks request. Its request is what the statuses carry of it (id, run,
-    requester, reason; every rank asked: the world size says which ranks did not answer)."""
+    none answers a stacks request (its refusals are among its statuses too). Its request is
+    what the statuses carry of it (id, run, requester, reason; every rank asked: the world
+    size says which ranks did not answer)."""
+    statuses = [s for s in statuses if s["rank"] is not None]
     by_id: dict[str, list[dict]] = {}
     for status in statuses:
-        if status["rank"] is not None and status["threads"] is not None:
+        if status["threads"] is not None:
             by_id.setdefault(status["request_id"], []).append(status)
     if not by_id:
         return None
     answers = max(by_id.values(), key=lambda got: max(s["ts_ns"] for s in got))
     first = min(answers, key=lambda s: s["ts_ns"])
+    answers += [s for s in statuses if s["request_id"] == first["request_id"] and s["threads"] is None]  # refusals
     request = {"request_id": first["request_id"], "run_id": first["run_id"], "ranks": None,
                "requester": first["requester"], "reason": first["request_reason"], "requested_ns": first["ts_ns"]}
     progress = CaptureProgress(request)
     for status in answers:
         progress.add(status, now=0.0)
-    last_ns = max(s["ts_ns"] for s in answers)
+    last_ns = max(s["ts_ns"] for s in answers if s["threads"] is not None)
     answer = StacksAnswer(request, progress, (last_ns - first["ts_ns"]) / 1e9, read_back=True)
     answer.groups = group_ranks(answer.answered, own_threads)
     return answer

@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 
 from profstream.config import check_name
+from profstream.control.stacks import StacksAnswer
 from profstream.offline import charts
 from profstream.offline.archive import ArchiveError, Loss, Tally, archive_files
-from profstream.control.stacks import StacksAnswer
 from profstream.offline.captures import Capture, archived_control, render_captures
 from profstream.offline.replay import default_workers, replay_offline
 from profstream.offline.report_advice import advice_section
