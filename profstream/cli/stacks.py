@@ -33,7 +33,8 @@ def stacks(
     as_json: Annotated[bool, typer.Option("--json", help="print every rank's answer as JSON instead")] = False,
     latest: Annotated[bool, typer.Option("--latest", help="ask nothing: print the answers to the run's latest "
                                                           "stacks request, whoever sent it (autocapture asks on "
-                                                          "TrainingHang), read back from the control topic")] = False,
+                                                          "TrainingHang), read back from the control topic "
+                                                          "(--ranks, --timeout-s, --reason do not apply)")] = False,
     since_s: Annotated[float, typer.Option(min=1.0, help="with --latest: look this many seconds back")] = 86400.0,
     reason: Annotated[str, typer.Option(help="why, kept with the request")] = "",
     bootstrap: BootstrapOpt = None,
