@@ -188,6 +188,16 @@ def test_the_latest_answer_is_the_newest_request_s_merged_and_says_who_did_not_a
     assert "rank 3 refused: expired: late" in lines and lines[-1].startswith("rank 4 did not answer: the process")
     assert latest_answer([new_status(old, "armed", 0)]) is None
 
+    # a run that hung before its first step closed: the report has no step to show, but its stacks
+    import html
+    from pathlib import Path
+
+    from profstream.offline.report import ReportData, render
+
+    page = render(ReportData("r", Path("archive"), stacks=got), Path("report.html"))
+    text = html.unescape(page[page.index('<pre id="stacks">'):])
+    assert "No step of this run" in page and text.index("rank 2 (1 of 3)") < text.index("ranks 0-1 (2 of 3)")
+
 
 def test_many_threads_are_bounded_in_count_and_size():
     max_bytes = 4096

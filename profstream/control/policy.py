@@ -1,7 +1,7 @@
 """When an alert asks for a capture: ``CapturePolicy`` (one YAML file) and ``RateLimiter``.
 
-Every key of the policy file is optional; ``POLICY_KEYS`` documents each with its default
-(deploy/autocapture.yml is the same table as a file). A key the policy does not know, or
+Every key of the policy file is optional; ``CapturePolicy``'s fields are the keys with their
+defaults, and deploy/autocapture.yml documents each (a test holds the two equal). A key the policy does not know, or
 a value of the wrong kind, is a ``ConfigError`` naming it.
 """
 

@@ -391,7 +391,9 @@ def render(data: ReportData, out_path: Path) -> str:
     """The report page for ``data``, with links relative to ``out_path``'s directory."""
     title = f"profstream post-mortem: {data.run_id}"
     if not data.steps:
-        body = '<p class="warn">No step of this run could be computed from the archive.</p>'
+        body = ('<p class="warn">No step of this run could be computed from the archive.</p>'  # a run hung at once
+                + ("<h2>Stacks</h2>" + stacks_section(data.stacks, data.timeline_dir, data.run_id, out_path.parent)
+                   if data.stacks is not None else ""))
     else:
         start = min(s["start_ns"] for s in data.steps)
         end = max(s["end_ns"] for s in data.steps)
