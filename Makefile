@@ -75,9 +75,11 @@ test-cluster: jars
 
 # Real distributed jobs: torch.distributed (gloo, CPU) processes launched through
 # `profstream run`, their collectives matched across ranks (tests/test_multiproc.py, ~1 min);
-# `profstream stacks` of gloo ranks in all_reduce and one that never came (tests/test_stacks.py).
+# `profstream stacks` of gloo ranks in all_reduce and one that never came (tests/test_stacks.py);
+# a hang's stacks asked by autocapture and shown by `stacks --latest`, the timeline and the
+# report (tests/test_hang_stacks_e2e.py).
 test-multiproc: jars $(TORCH_STAMP)
-	$(call pytest_limited,10,-m multiproc tests/test_multiproc.py tests/test_stacks.py)
+	$(call pytest_limited,10,-m multiproc tests/test_multiproc.py tests/test_stacks.py tests/test_hang_stacks_e2e.py)
 
 # The GPU path on a machine with an NVIDIA GPU, from a fresh copy: builds the environment,
 # then a real bf16 training job under profstream run with its checks, the HTA comparison,

@@ -294,6 +294,47 @@ def test_automatic_requests_read_back_from_the_topic_count_against_the_limits():
     assert outcome.action == "skipped" and "60 s ago" in outcome.detail
 
 
+def test_a_hang_asks_every_rank_for_its_stacks_once_while_it_fires_and_not_when_it_resolved_first():
+    out, clock = Recorded(), Clock()
+    auto = AutoCapture(CapturePolicy(delay_s=5), out, clock)
+    auto.run_step(_run_step("hung", 9, {0: 100, 1: 900}))
+    assert auto.alert("RankStraggler", "hung", None, "firing", "Alertmanager").action == "delayed"
+    assert auto.alert("TrainingHang", "hung", None, "firing", "alerts topic").action == "delayed"
+    assert auto.alert("TrainingHang", "brief", None, "firing", "alerts topic").action == "delayed"
+    clock.t += 2
+    assert auto.alert("TrainingHang", "brief", None, "resolved", "alerts topic").detail == "resolved within delay_s"
+    clock.t += 3
+    straggler, hang = auto.tick()
+    assert (straggler.action, hang.action, hang.detail) == ("requested", "requested", "stacks of every rank")
+    ops, stacks = out.requests  # an op capture just before does not keep the hang's stacks from being asked
+    assert ops["kind"] == "ops" and stacks["kind"] == "stacks" and stacks["ranks"] is None
+    assert stacks["run_id"] == "hung" and stacks["requested_by"] == AUTO_BY
+    assert stacks["reason"] == "TrainingHang firing (alerts topic)" and decode_control(encode_request(stacks))[1] == stacks
+
+    clock.t += 3600  # past every interval: the same hang, told again (Alertmanager repeats; a restarted
+    again = auto.alert("TrainingHang", "hung", None, "firing", "Alertmanager")  # run stage fires it again)
+    clock.t += 5
+    assert again.action == "delayed" and auto.tick()[0].detail == "its stacks were asked for while it fires"
+    auto.alert("TrainingHang", "hung", None, "resolved", "alerts topic")
+    auto.alert("TrainingHang", "hung", None, "firing", "alerts topic")  # a new hang of the run, 10 s after
+    clock.t += 5
+    assert auto.tick()[0].action == "requested" and len(out.requests) == 3
+    clock.t += 60
+    auto.alert("TrainingHang", "hung", None, "resolved", "alerts topic")
+    auto.alert("TrainingHang", "hung", None, "firing", "alerts topic")  # a third, a minute later: rate limited
+    clock.t += 5
+    (limited,) = auto.tick()
+    assert "min_interval_s" in limited.detail and len(out.requests) == 3
+    # another service's automatic stacks request, read back from the topic, counts against stacks only
+    auto.control("CaptureRequest", {**new_request("other", requested_by=AUTO_BY, now_ns=int(clock.t * 1e9),
+                                                  kind="stacks"), "requester": None}, live=False)
+    auto.alert("TrainingHang", "other", None, "firing", "alerts topic")
+    clock.t += 5
+    assert "rate limit" in auto.tick()[0].detail
+    hang_off = AutoCapture(CapturePolicy(alerts=("TrainingHang",), stacks_alerts=()), Recorded(), clock)
+    assert "no straggler known" in hang_off.alert("TrainingHang", "x", None, "firing", "x").detail  # an op capture
+
+
 # -- Alertmanager's webhook payload ----------------------------------------------------------
 
 def test_alertmanager_notifications_give_each_alert_of_a_run():

@@ -421,6 +421,20 @@ def test_an_alerts_region_links_the_timeline_of_the_capture_it_asked_for(sinks):
     assert "captured" not in resolved["DataQueueStall"]["text"]
 
 
+def test_a_hang_s_annotation_names_the_command_that_prints_the_stacks_autocapture_asked_for(sinks):
+    feed = Feed()
+    t0 = 1_700_000_000_000
+    hang = {**alert("r1", 0, 40, "firing", t0), "name": "TrainingHang", "rank": None,
+            "summary": "run r1: ranks 0, 2 in step 40 for 65 s (past 60 s); rank 1 in step 39 for 66 s"}
+    with GrafanaDouble() as grafana:
+        sink = sinks(grafana.url, timeline_url="http://files:8080/timeline")
+        sink.handle([feed("p.alerts", "Alert", hang)])
+        (body,) = wait_until(grafana.annotation_bodies, 10, "the hang's annotation")
+    assert body["text"].startswith("TrainingHang firing at step 40: run r1: ranks 0, 2 in step 40")
+    assert body["text"].endswith("; every rank's stacks: profstream stacks --run r1 --latest "
+                                 '(<a href="http://files:8080/timeline/r1/stacks.json.gz">stacks timeline</a>)')
+
+
 def test_a_refused_token_warns_once_keeps_consuming_and_posts_everything_once_accepted(sinks, caplog):
     feed = Feed()
     t0 = 1_700_000_000_000

@@ -165,6 +165,40 @@ def test_a_deep_stack_is_cut_to_its_innermost_frames_and_says_so():
     assert decode_control(encode_status(status)) == ("CaptureStatus", status)
 
 
+def test_the_latest_answer_is_the_newest_request_s_merged_and_says_who_did_not_answer():
+    from profstream.control.stacks import latest_answer
+
+    def answer(request, rank, function, ts_ns):
+        threads = [{"name": "MainThread", "ident": 1, "native_id": 1, "daemon": False, "main": True, "own": False,
+                    "frames": [{"file": "train.py", "line": 9, "function": function, "code": ""}],
+                    "frames_omitted": 0}]
+        return new_status(request, FINISHED, rank, threads=threads, world_size=4, host=f"node-{rank}", ts_ns=ts_ns)
+
+    old = {**new_stacks_request("r", reason="by hand"), "requester": "alice"}
+    hang = {**new_stacks_request("r", reason="TrainingHang firing (alerts topic)"), "requester": "autocapture"}
+    statuses = [answer(old, 0, "step", 100), answer(hang, 2, "load", 2_000_000_000), answer(old, 1, "step", 150),
+                answer(hang, 0, "all_reduce", 2_100_000_000), answer(hang, 1, "all_reduce", 2_200_000_000),
+                new_status(hang, "refused", 3, reason="expired: late", world_size=5, ts_ns=2_150_000_000)]
+    got = latest_answer(statuses)
+    assert got.request["request_id"] == hang["request_id"] and sorted(got.answered) == [0, 1, 2]
+    assert [g.ranks for g in got.groups] == [[2], [0, 1]] and list(got.refused) == [3] and got.missing() == [4]
+    lines = stacks_lines(got)
+    assert lines[0].startswith("stacks of run r asked by autocapture (TrainingHang firing (alerts topic)): 3 of 5 "
+                               "ranks answered from 1970-01-01 00:00:02 UTC within 0.2 s, 2 distinct stacks"), lines[0]
+    assert "rank 3 refused: expired: late" in lines and lines[-1].startswith("rank 4 did not answer: the process")
+    assert latest_answer([new_status(old, "armed", 0)]) is None
+
+    # a run that hung before its first step closed: the report has no step to show, but its stacks
+    import html
+    from pathlib import Path
+
+    from profstream.offline.report import ReportData, render
+
+    page = render(ReportData("r", Path("archive"), stacks=got), Path("report.html"))
+    text = html.unescape(page[page.index('<pre id="stacks">'):])
+    assert "No step of this run" in page and text.index("rank 2 (1 of 3)") < text.index("ranks 0-1 (2 of 3)")
+
+
 def test_many_threads_are_bounded_in_count_and_size():
     max_bytes = 4096
     stop = threading.Event()

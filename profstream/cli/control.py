@@ -308,7 +308,8 @@ def autocapture(
     web_config: WebConfigOpt = None,
 ) -> None:
     """Ask for op captures when alerts fire (DataQueueStall from the alerts topic; with --webhook-port, every
-    alert Alertmanager sends), rate-limited per run; refuse requests for runs that do not exist."""
+    alert Alertmanager sends), rate-limited per run; on TrainingHang ask every rank for its stacks instead (once per
+    hang: `profstream stacks --run R --latest` prints them); refuse requests for runs that do not exist."""
     _serve(bootstrap, topic_prefix, policy, True, webhook_port, addr, token_file, web_config)
 
 

@@ -162,7 +162,8 @@ def report(
     workers: Annotated[int, typer.Option(min=0, help="processes (0: one per CPU, up to 4)")] = 0,
     progress: ProgressOpt = None,
 ) -> None:
-    """A self-contained HTML post-mortem of an archived run (no network needed to view it)."""
+    """A self-contained HTML post-mortem of an archived run (no network needed to view it), with its capture
+    requests and its latest stacks when the control topic is archived too."""
     from profstream.offline.archive import ArchiveError, archive_files
     from profstream.offline.report import ReportError, gather, write_report
 

@@ -220,7 +220,9 @@ def sink_timeline(
     wait_topics_s: WaitTopicsOpt = 60.0,
 ) -> None:
     """Write Perfetto / chrome://tracing timelines from the raw topic (<out>/<run>/rank-<r>/steps-<a>-<b>.json.gz);
-    the steps of a capture request get a file of their own."""
+    the steps of a capture request get a file of their own, and a run's latest stacks (profstream stacks, or
+    autocapture on TrainingHang) are <out>/<run>/stacks.json.gz. Ranks are drawn on the run's clock once the run
+    stage's clock offsets (run topic) are known."""
     from profstream.config import PARSERS
     from profstream.sinks.runner import run_sink
     from profstream.sinks.timeline import TimelineSink

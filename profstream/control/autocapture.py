@@ -9,6 +9,11 @@ returns through ``Outlet``.
   rank's next step, on the affected rank (the alert's, else the run's latest straggler)
   and ``healthy_ranks`` of the fastest other ranks for comparison, after ``delay_s`` (an
   alert resolved by then asks nothing), within the rate limits.
+- An alert of ``stacks_alerts`` (TrainingHang: a hung run starts no next step) asks every
+  rank of the run for its stacks instead, once per firing, after the same delay, within
+  rate limits of their own (an op capture a minute before does not keep the stacks of a
+  hang from being asked). The answers stay on the control topic (``profstream stacks
+  --latest``, the report, the timeline sink).
 - Guard: a request no rank can act on is refused for the whole request (``rank`` None):
   ``invalid`` at once, ``unknown_run`` when no rank answered within ``unknown_run_after_s``
   and the run topic has not shown the run for ``run_ttl_s``. Undecodable records go to
@@ -26,10 +31,13 @@ from typing import Protocol
 
 from profstream.control.policy import CapturePolicy, RateLimiter
 from profstream.control.records import (
+    OPS,
     REFUSED,
     REQUEST,
+    STACKS,
     check_request,
     new_request,
+    new_stacks_request,
     new_status,
     refusal,
 )
@@ -93,10 +101,11 @@ class AutoCapture:
     outcomes: Counter = field(default_factory=Counter)  # action -> count
 
     def __post_init__(self) -> None:
-        self.limiter = RateLimiter(self.policy)
+        self.limiters = {OPS: RateLimiter(self.policy), STACKS: RateLimiter(self.policy)}  # by request kind
         self._lock = threading.Lock()  # alerts come from the webhook's threads too
         self._pending: dict[tuple, _Pending] = {}
         self._firing: set[tuple] = set()
+        self._stacks_asked: set[tuple] = set()  # stacks alerts asked for while they fire: once per firing
         self._watched: dict[str, tuple[dict, float]] = {}  # request id -> (request, seen at): no rank answered yet
         self.guard_refusals = 0
 
@@ -110,6 +119,7 @@ class AutoCapture:
                 return self._count(Outcome(name, run_id, rank, "skipped", "not in the policy's alerts"))
             if state != FIRING:
                 self._firing.discard(key)
+                self._stacks_asked.discard(key)
                 if self._pending.pop(key, None) is not None:
                     return self._count(Outcome(name, run_id, rank, "skipped", "resolved within delay_s"))
                 return self._count(Outcome(name, run_id, rank, "skipped", "resolved"))
@@ -141,7 +151,8 @@ class AutoCapture:
                 # an automatic request counts only from our own request topic: another principal
                 # cannot write there, so it cannot use up our allowance by claiming to be us
                 if record["requested_by"] == AUTO_BY and record.get("requester") == self.requester:
-                    self.limiter.record(record["request_id"], record["run_id"], record["requested_ns"] / 1e9)
+                    self.limiters[record["kind"]].record(record["request_id"], record["run_id"],
+                                                         record["requested_ns"] / 1e9)
                 if live:
                     self._guard(record)
             elif record["rank"] is not None:
@@ -186,9 +197,18 @@ class AutoCapture:
     def _ask(self, name: str, run_id: str, rank: int | None, source: str, now: float) -> Outcome:
         if (name, run_id, rank) not in self._firing:
             return self._count(Outcome(name, run_id, rank, "skipped", "resolved within delay_s"))
-        why = self.limiter.refusal(run_id, now)
+        kind = STACKS if name in self.policy.stacks_alerts else OPS
+        if kind == STACKS and (name, run_id, rank) in self._stacks_asked:
+            return self._count(Outcome(name, run_id, rank, "skipped", "its stacks were asked for while it fires"))
+        why = self.limiters[kind].refusal(run_id, now)
         if why is not None:
             return self._count(Outcome(name, run_id, rank, "skipped", f"rate limit: {why}"))
+        reason = f"{name} firing" + (f" on rank {rank}" if rank is not None else "") + f" ({source})"
+        if kind == STACKS:
+            request = new_stacks_request(run_id, reason=reason, requested_by=AUTO_BY, expires_s=self.policy.expires_s,
+                                         now_ns=int(now * 1e9))
+            self._stacks_asked.add((name, run_id, rank))
+            return self._send(request, now, Outcome(name, run_id, rank, "requested", "stacks of every rank", request))
         ranks = self._ranks(name, run_id, rank)
         if ranks is None:
             return self._count(Outcome(name, run_id, rank, "skipped", "the alert names no rank and the run topic "
@@ -197,12 +217,14 @@ class AutoCapture:
         request = new_request(
             run_id, ranks=[{"first": r, "last": r} for r in ranks], steps=p.steps, activities=p.activities,
             record_shapes=p.record_shapes, profile_memory=p.profile_memory, with_stack=p.with_stack,
-            reason=f"{name} firing" + (f" on rank {rank}" if rank is not None else "") + f" ({source})",
-            requested_by=AUTO_BY, expires_s=p.expires_s, now_ns=int(now * 1e9))
-        self.limiter.record(request["request_id"], run_id, now)
+            reason=reason, requested_by=AUTO_BY, expires_s=p.expires_s, now_ns=int(now * 1e9))
+        return self._send(request, now, Outcome(name, run_id, rank, "requested", f"ranks {', '.join(map(str, ranks))}",
+                                                request))
+
+    def _send(self, request: dict, now: float, outcome: Outcome) -> Outcome:
+        self.limiters[request["kind"]].record(request["request_id"], request["run_id"], now)
         self.outlet.send_request(request)
-        return self._count(Outcome(name, run_id, rank, "requested", f"ranks {', '.join(map(str, ranks))}",
-                                   request))
+        return self._count(outcome)
 
     def _ranks(self, name: str, run_id: str, rank: int | None) -> list[int] | None:
         """The affected rank, then the fastest others (not firing the same alert)."""

@@ -276,25 +276,38 @@ def recent_requests(conn: Connection | str, topics: Topics, since_s: float, run_
     """The requests of the last ``since_s`` seconds (of ``run_id``, or of every run), oldest
     first, each with its statuses so far: from the request topics this client may read, and
     those of older clients on the control topic (their requester not authenticated)."""
-    consumer, ends = _control_consumer(conn, topics, run_id, int((time.time() - since_s) * 1000),
-                                       with_requests=True)
     by_id: dict[str, RequestSummary] = {}
     orphans: list[dict] = []
-    try:
-        deadline = time.monotonic() + 30.0
-        for got in _polls(consumer, run_id, topics):
-            for name, record in got:
-                if name == REQUEST:
-                    by_id.setdefault(record["request_id"], RequestSummary(record, CaptureProgress(record)))
-                else:
-                    orphans.append(record)
-            if time.monotonic() >= deadline or all(
-                    (position_by(consumer, tp, deadline) or 0) >= end for tp, end in ends.items()):
-                break  # a position Kafka could not confirm in time counts as still behind
-    finally:
-        consumer.close()
+    for name, record in _records_since(conn, topics, since_s, run_id, with_requests=True):
+        if name == REQUEST:
+            by_id.setdefault(record["request_id"], RequestSummary(record, CaptureProgress(record)))
+        else:
+            orphans.append(record)
     for status in orphans:
         summary = by_id.get(status["request_id"])
         if summary is not None:
             summary.progress.add(status, now=0.0)
     return sorted(by_id.values(), key=lambda s: s.request["requested_ns"])
+
+
+def _records_since(conn: Connection | str, topics: Topics, since_s: float, run_id: str | None,
+                   with_requests: bool = False, timeout: float = 30.0) -> Iterator[tuple[str, dict]]:
+    """The decodable control records (of ``run_id``, or of every run) of the last
+    ``since_s`` seconds up to the ends found at the start, read within ``timeout``."""
+    consumer, ends = _control_consumer(conn, topics, run_id, int((time.time() - since_s) * 1000),
+                                       with_requests=with_requests)
+    try:
+        deadline = time.monotonic() + timeout
+        for got in _polls(consumer, run_id, topics):
+            yield from got
+            if time.monotonic() >= deadline or all(
+                    (position_by(consumer, tp, deadline) or 0) >= end for tp, end in ends.items()):
+                break  # a position Kafka could not confirm in time counts as still behind
+    finally:
+        consumer.close()
+
+
+def recent_statuses(conn: Connection | str, topics: Topics, since_s: float, run_id: str) -> list[dict]:
+    """The CaptureStatus records of ``run_id`` on the control topic of the last ``since_s``
+    seconds, oldest first (every requester's: statuses are readable by all who ask)."""
+    return [record for name, record in _records_since(conn, topics, since_s, run_id) if name == STATUS]

@@ -1,7 +1,7 @@
 """When an alert asks for a capture: ``CapturePolicy`` (one YAML file) and ``RateLimiter``.
 
-Every key of the policy file is optional; ``POLICY_KEYS`` documents each with its default
-(deploy/autocapture.yml is the same table as a file). A key the policy does not know, or
+Every key of the policy file is optional; ``CapturePolicy``'s fields are the keys with their
+defaults, and deploy/autocapture.yml documents each (a test holds the two equal). A key the policy does not know, or
 a value of the wrong kind, is a ``ConfigError`` naming it.
 """
 
@@ -17,7 +17,8 @@ from typing import Any
 from profstream.config import ConfigError
 from profstream.control.records import ACTIVITIES
 
-ALERTS = ("StepTimeRegression", "RankStraggler", "DataQueueStall")
+ALERTS = ("StepTimeRegression", "RankStraggler", "DataQueueStall", "TrainingHang")
+STACKS_ALERTS = ("TrainingHang",)  # a hung run starts no next step to capture: its stacks say where it is
 DAY_S = 86_400.0
 
 
@@ -26,6 +27,7 @@ class CapturePolicy:
     """Which alerts ask for captures, of what, and how often."""
 
     alerts: tuple[str, ...] = ALERTS
+    stacks_alerts: tuple[str, ...] = STACKS_ALERTS
     steps: int = 20
     delay_s: float = 0.0
     healthy_ranks: int = 1
@@ -100,7 +102,8 @@ def _parse(key: str, value: Any, default: Any, source: str) -> Any:
 class RateLimiter:
     """At most one automatic request per run per ``min_interval_s``, ``max_per_run_per_day``
     per run and ``max_per_day`` in all, over the last 24 hours. Fed every automatic
-    request, ours and those other services sent (read back from the control topic)."""
+    request of one kind (AutoCapture keeps one limiter for op captures, one for stacks),
+    ours and those other services sent (read back from the control topic)."""
 
     def __init__(self, policy: CapturePolicy) -> None:
         self.policy = policy

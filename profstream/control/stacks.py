@@ -6,15 +6,22 @@ their threads, producers/stacks.py) until every rank it waits for has answered o
 deadline passes. ``group_ranks`` merges the ranks whose threads stand at the same frames
 and orders the groups smallest first: in a hang the odd one out is the rank to look at.
 ``stacks_lines`` writes it all for people, tracebacks as Python prints them.
+
+The answers stay on the control topic (finished CaptureStatus records with their
+``threads``, readable by every requester, and archived with it): ``latest_answer`` finds
+the run's latest stacks request among them, whoever asked (``profstream stacks --latest``
+after autocapture asked on TrainingHang; the report and the timeline sink from the same
+records).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 
-from profstream.control.client import CaptureProgress, follow, send_request
+from profstream.control.client import CaptureProgress, follow, recent_statuses, send_request
 from profstream.control.records import FINISHED, REFUSED, format_ranks, new_stacks_request
 from profstream.kafka.connection import Connection
 from profstream.kafka.topics import Topics
@@ -37,6 +44,7 @@ class StacksAnswer:
     progress: CaptureProgress
     waited_s: float
     groups: list[StackGroup] = field(default_factory=list)
+    read_back: bool = False  # read from the control topic afterwards (``latest_answer``), not waited for
 
     @property
     def answered(self) -> dict[int, dict]:
@@ -51,7 +59,8 @@ class StacksAnswer:
         return self.progress.missing()
 
 
-def _signature(threads: list[dict], own: bool) -> tuple:
+def stack_signature(threads: list[dict], own: bool) -> tuple:
+    """What makes two ranks' stacks the same: each thread's name and frames."""
     return tuple((t["name"], t["frames_omitted"], tuple((f["file"], f["line"], f["function"]) for f in t["frames"]))
                  for t in threads if own or not t["own"])
 
@@ -62,7 +71,7 @@ def group_ranks(answered: dict[int, dict], own_threads: bool = False) -> list[St
     by_sig: dict[tuple, StackGroup] = {}
     for rank, status in sorted(answered.items()):
         threads = [t for t in status["threads"] or () if own_threads or not t["own"]]
-        group = by_sig.setdefault(_signature(threads, own_threads), StackGroup([], [], threads))
+        group = by_sig.setdefault(stack_signature(threads, own_threads), StackGroup([], [], threads))
         group.ranks.append(rank)
         if status["host"] not in group.hosts:
             group.hosts.append(status["host"])
@@ -83,6 +92,40 @@ def ask_stacks(conn: Connection | str, topics: Topics, run_id: str, *, ranks: li
     answer = StacksAnswer(request, progress, time.monotonic() - started)
     answer.groups = group_ranks(answer.answered, own_threads)
     return answer
+
+
+def latest_answer(statuses: Iterable[dict], own_threads: bool = False) -> StacksAnswer | None:
+    """The answers of the latest stacks request among the CaptureStatus records
+    ``statuses`` (of one run; the one whose newest answer is newest), merged; None when
+    none answers a stacks request (its refusals are among its statuses too). Its request is
+    what the statuses carry of it (id, run, requester, reason; every rank asked: the world
+    size says which ranks did not answer)."""
+    statuses = [s for s in statuses if s["rank"] is not None]
+    by_id: dict[str, list[dict]] = {}
+    for status in statuses:
+        if status["threads"] is not None:
+            by_id.setdefault(status["request_id"], []).append(status)
+    if not by_id:
+        return None
+    answers = max(by_id.values(), key=lambda got: max(s["ts_ns"] for s in got))
+    first = min(answers, key=lambda s: s["ts_ns"])
+    answers += [s for s in statuses if s["request_id"] == first["request_id"] and s["threads"] is None]  # refusals
+    request = {"request_id": first["request_id"], "run_id": first["run_id"], "ranks": None,
+               "requester": first["requester"], "reason": first["request_reason"], "requested_ns": first["ts_ns"]}
+    progress = CaptureProgress(request)
+    for status in answers:
+        progress.add(status, now=0.0)
+    last_ns = max(s["ts_ns"] for s in answers if s["threads"] is not None)
+    answer = StacksAnswer(request, progress, (last_ns - first["ts_ns"]) / 1e9, read_back=True)
+    answer.groups = group_ranks(answer.answered, own_threads)
+    return answer
+
+
+def latest_stacks(conn: Connection | str, topics: Topics, run_id: str, since_s: float,
+                  own_threads: bool = False) -> StacksAnswer | None:
+    """``latest_answer`` of ``run_id``'s statuses of the last ``since_s`` seconds on the
+    control topic; LookupError (one line) when that topic cannot be read."""
+    return latest_answer(recent_statuses(conn, topics, since_s, run_id), own_threads)
 
 
 def format_ranks_list(ranks: list[int]) -> str:
@@ -120,8 +163,16 @@ def stacks_lines(answer: StacksAnswer) -> list[str]:
     answered = answer.answered
     expected = answer.progress.expected()
     of = f" of {len(expected)}" if expected is not None else ""
-    lines = [f"stacks of run {answer.request['run_id']}: {len(answered)}{of} ranks answered in "
-             f"{answer.waited_s:.1f} s, {len(answer.groups)} distinct stack{'s' if len(answer.groups) != 1 else ''}"]
+    distinct = f"{len(answer.groups)} distinct stack{'s' if len(answer.groups) != 1 else ''}"
+    if answer.read_back:
+        r = answer.request
+        when = datetime.fromtimestamp(r["requested_ns"] / 1e9, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+        lines = [f"stacks of run {r['run_id']} asked by {r['requester'] or '?'}"
+                 + (f" ({r['reason']})" if r["reason"] else "")
+                 + f": {len(answered)}{of} ranks answered from {when} within {answer.waited_s:.1f} s, {distinct}"]
+    else:
+        lines = [f"stacks of run {answer.request['run_id']}: {len(answered)}{of} ranks answered in "
+                 f"{answer.waited_s:.1f} s, {distinct}"]
     total = len(answered)
     for group in answer.groups:
         hosts = ", ".join(h or "?" for h in group.hosts)
@@ -143,6 +194,7 @@ def stacks_lines(answer: StacksAnswer) -> list[str]:
     missing = answer.missing()
     if missing and answered:
         lines.append("")
-        lines.append(f"{ranks_phrase(missing)} did not answer within {answer.waited_s:.0f} s: the process is gone, "
+        within = "" if answer.read_back else f" within {answer.waited_s:.0f} s"
+        lines.append(f"{ranks_phrase(missing)} did not answer{within}: the process is gone, "
                      "cut off from Kafka, or one of its threads holds the GIL")
     return lines

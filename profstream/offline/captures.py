@@ -1,5 +1,6 @@
 """The report's Captures section: the run's capture requests, from the archived control
-topic, and for each captured window its op types beside the run's baseline.
+topic, and for each captured window its op types beside the run's baseline (and, from
+the same records, the run's latest stacks: ``report_stacks.py``).
 
 The baseline of a captured window on a rank is that rank's steps with ops before the
 window and outside every requested window (the steps of the capture schedule, or an
@@ -23,6 +24,7 @@ from profstream.control.records import (
     request_from,
     who_asked,
 )
+from profstream.control.stacks import StacksAnswer, latest_answer
 from profstream.offline.archive import Loss, records, select_files
 from profstream.offline.archive import finished_files as archived_files
 from profstream.schema.codec import DecodeError
@@ -44,10 +46,16 @@ class Capture:
 
 
 def archived_captures(archive: Path, run_id: str, on_loss=None) -> list[Capture]:
+    """The capture requests of ``run_id`` (``archived_control``'s first part)."""
+    return archived_control(archive, run_id, on_loss)[0]
+
+
+def archived_control(archive: Path, run_id: str, on_loss=None) -> tuple[list[Capture], StacksAnswer | None]:
     """The capture requests of ``run_id`` in the archive's request topics (each with its
     authenticated requester) and control topic (statuses, and the requests of older
-    clients), oldest first (none when they are not archived: `profstream sink archive
-    --topics raw,steps,control,requests`)."""
+    clients), oldest first; and the answers to the run's latest stacks request, merged
+    (none of either when they are not archived: `profstream sink archive --topics
+    raw,steps,control,requests`)."""
     every = archived_files(archive)
     files = select_files(every, "control", None, run_id, archive, required=False)
     prefixes = {f.topic[:-len("control")] + "requests." for f in files}
@@ -81,7 +89,7 @@ def archived_captures(archive: Path, run_id: str, on_loss=None) -> list[Capture]
             previous = capture.statuses.get(status["rank"])
             if previous is None or previous["state"] not in (FINISHED, "refused"):
                 capture.statuses[status["rank"]] = status
-    return sorted(by_id.values(), key=lambda c: c.request["requested_ns"])
+    return sorted(by_id.values(), key=lambda c: c.request["requested_ns"]), latest_answer(statuses)
 
 
 def _per_step(steps: list[dict]) -> dict[str, float]:

@@ -22,13 +22,15 @@ from pathlib import Path
 import numpy as np
 
 from profstream.config import check_name
+from profstream.control.stacks import StacksAnswer
 from profstream.offline import charts
 from profstream.offline.archive import ArchiveError, Loss, Tally, archive_files
-from profstream.offline.captures import Capture, archived_captures, render_captures
+from profstream.offline.captures import Capture, archived_control, render_captures
 from profstream.offline.replay import default_workers, replay_offline
 from profstream.offline.report_advice import advice_section
 from profstream.offline.report_collectives import communication_section
 from profstream.offline.report_devices import device_counter_section
+from profstream.offline.report_stacks import stacks_section
 from profstream.offline.report_work import work_kpis, work_section
 from profstream.processors.stream import StreamOptions
 
@@ -53,6 +55,7 @@ class ReportData:
     timeline_dir: Path | None = None
     captures: list[Capture] = field(default_factory=list)  # capture requests of the run (archived control topic)
     ends: list[dict] = field(default_factory=list)  # RankEnd of each rank that ended normally
+    stacks: StacksAnswer | None = None  # the answers to the run's latest stacks request (archived control topic)
 
     @cached_property
     def by_rank(self) -> dict[int, list[dict]]:
@@ -90,7 +93,7 @@ def gather(archive: Path | str, run_id: str, timeline_dir: Path | None = None, w
     data.run_steps.sort(key=lambda r: r["step"])
     data.alerts.sort(key=lambda a: (a["ts_ns"], -1 if a["rank"] is None else a["rank"]))  # rank: None = the run
     data.losses, data.messages, data.events = list(result.losses), result.messages, result.events
-    data.captures = archived_captures(archive, run_id, on_loss)
+    data.captures, data.stacks = archived_control(archive, run_id, on_loss)
     if timeline_dir is not None:
         data.timeline_dir = Path(timeline_dir)
         root = Path(timeline_dir) / run_id
@@ -388,7 +391,9 @@ def render(data: ReportData, out_path: Path) -> str:
     """The report page for ``data``, with links relative to ``out_path``'s directory."""
     title = f"profstream post-mortem: {data.run_id}"
     if not data.steps:
-        body = '<p class="warn">No step of this run could be computed from the archive.</p>'
+        body = ('<p class="warn">No step of this run could be computed from the archive.</p>'  # a run hung at once
+                + ("<h2>Stacks</h2>" + stacks_section(data.stacks, data.timeline_dir, data.run_id, out_path.parent)
+                   if data.stacks is not None else ""))
     else:
         start = min(s["start_ns"] for s in data.steps)
         end = max(s["end_ns"] for s in data.steps)
@@ -437,6 +442,7 @@ def render(data: ReportData, out_path: Path) -> str:
             "<h2>Across ranks</h2>", _cross_rank(data),
             "<h2>Communication across ranks</h2>", communication_section(data.run_steps),
             "<h2>Alerts</h2>", _alerts(data),
+            "<h2>Stacks</h2>", stacks_section(data.stacks, data.timeline_dir, data.run_id, out_path.parent),
             "<h2>Captures</h2>", render_captures(data.captures, data.by_rank, data.timeline_dir, out_path.parent),
             "<h2>Timelines</h2>", _timelines(data, out_path.parent),
         ])

@@ -42,6 +42,7 @@ from grafana_client import GrafanaApi
 from grafana_client.client import GrafanaException
 
 from profstream.config import ConfigError, Option, resolve
+from profstream.processors.hangs import HANG_ALERT
 from profstream.schema.codec import DecodeError, decode_any
 
 log = logging.getLogger("profstream.sink.grafana")
@@ -336,6 +337,11 @@ class GrafanaAnnotationSink:
         evidence = ", ".join(f"{k}={v:g}" for k, v in sorted(a["evidence"].items()))
         text = f"{name} {state} at step {a['step']}: {a['summary']}" + (f" ({evidence})" if evidence else "")
         ts_ms, key = _ms(a["ts_ns"]), (run_id, rank, name)
+        if state == "firing" and name == HANG_ALERT:  # autocapture asks every rank for its stacks on it
+            text += f"; every rank's stacks: profstream stacks --run {run_id} --latest"
+            if self.timeline_url:
+                text += (f' (<a href="{html.escape(self.timeline_url)}/{html.escape(run_id)}/stacks.json.gz">stacks '
+                         'timeline</a>)')
         if state == "firing":
             _bounded_put(self._firing, key, ts_ms, 10_000)
             return Annotation(ts_ms, tags, text)

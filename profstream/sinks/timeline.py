@@ -13,7 +13,8 @@ Three layers, usable apart (replay and offline tools take the first two):
   not in a renamed file yet.
 
 Layout: ``<out>/<run_id>/rank-<rank>/steps-<first>-<last>.json.gz`` (a step too big for
-one file: ``steps-<k>-<k>.part<i>of<n>.json.gz``). Timestamps are microseconds since the
+one file: ``steps-<k>-<k>.part<i>of<n>.json.gz``), and ``<out>/<run_id>/stacks.json.gz``,
+the run's latest stacks (``timeline_stacks.py``). Timestamps are microseconds since the
 UTC midnight before the window's first step (``otherData.base_time_ns``), so that a
 float64 keeps every nanosecond; docs/timeline.md describes the tracks.
 """
@@ -57,6 +58,7 @@ from profstream.sinks.timeline_collectives import (
 )
 from profstream.sinks.timeline_devices import device_counter_events
 from profstream.sinks.timeline_host import host_counter_events
+from profstream.sinks.timeline_stacks import StacksFiles
 from profstream.sinks.timeline_work import work_counter_events
 
 try:  # ISA-L deflate: same gzip format, ~3x the speed of zlib at level 1
@@ -738,6 +740,7 @@ class TimelineSink:
         # Captures that started (docs/capture.md): their steps get a file of their own.
         self.control_topic = control_topic
         self._captures: dict[tuple[str, int], tuple[int, int]] = {}
+        self.stacks = StacksFiles(out_dir)  # the runs' latest stacks, from the same topic
         # The run stage's RunStepMetrics, for the ranks' clock offsets (rank tracks on the run's clock)
         self.run_topic = run_topic
 
@@ -762,8 +765,10 @@ class TimelineSink:
     def durable_offsets(self) -> dict[tuple[str, int], int]:
         """Per (topic, partition), the offset below which every event is in a file.
 
-        SinkLoop asks after every poll; time-based closes (grace, idle) happen here."""
+        SinkLoop asks after every poll; time-based closes (grace, idle) happen here, and
+        the stacks files of the runs whose stacks came are written."""
         self._tick(self.clock())
+        self.stacks.flush()
         at = self._pending_at
         for ident in self._pending_changed:
             where = self._pending_where.pop(ident, None)
@@ -782,6 +787,7 @@ class TimelineSink:
         """Write every window of closed steps (open steps are read again after a restart)."""
         for ident in list(self.ranks):
             self._flush(ident)
+        self.stacks.flush()
 
     def stats(self) -> dict[str, Any]:
         late = sum(r.assembler.late_events for r in self.ranks.values())
@@ -878,13 +884,16 @@ class TimelineSink:
             self.arrivals.pop(ident[0], None)
 
     def _capture_status(self, value: bytes) -> None:
-        """A capture that started on a rank: its steps first..last become a file of their own."""
+        """A capture that started on a rank: its steps first..last become a file of their own; a
+        rank's stacks: the run's stacks file."""
         from profstream.control.records import STARTED, STATUS, decode_control
 
         try:
             name, status = decode_control(value)
         except DecodeError:
             return  # the guard (profstream autocapture) dead-letters those
+        if name == STATUS:
+            self.stacks.add(status)
         if name == STATUS and status["state"] == STARTED and status["rank"] is not None:
             ident = (status["run_id"], status["rank"])
             first, last = status["first_step"], status["last_step"]

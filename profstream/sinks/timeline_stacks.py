@@ -1,0 +1,144 @@
+"""The timeline sink's stacks file: ``<out>/<run_id>/stacks.json.gz``, the run's latest
+stacks (``profstream stacks``, or autocapture when TrainingHang fired) as a Chrome trace.
+
+The ranks' answers (finished CaptureStatus records with their threads, on the control
+topic) are merged as ``profstream stacks`` merges them: ranks with the same stacks form
+a group, the odd one out first. Each rank is a process (pid rank + 1, as in its window
+files) with one instant event per Python thread at the time it answered, named by the
+thread and its innermost function; its arguments hold the group ("1 of 4 ranks: the odd
+one out") and the traceback. A newer stacks request of the run replaces the file. Only
+one thread list per distinct stack is kept, and at most ``MAX_RUNS`` runs.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import os
+import tempfile
+from collections import OrderedDict
+from pathlib import Path
+
+from profstream.config import ConfigError, check_name
+from profstream.control.stacks import StackGroup, ranks_phrase, stack_signature, traceback_lines
+
+log = logging.getLogger("profstream.sink.timeline")
+
+MAX_RUNS = 256
+FILE_NAME = "stacks.json.gz"
+
+
+class _RunStacks:
+    """The answers to one stacks request of a run, grouped."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.groups: dict[tuple, StackGroup] = {}
+        self.answered: dict[int, tuple[tuple, int]] = {}  # rank -> (its group's signature, ts_ns)
+        self.hosts: dict[int, str] = {}
+        self.reason = ""
+        self.requester = ""
+
+    def add(self, status: dict) -> None:
+        rank = status["rank"]
+        if rank in self.answered:
+            return
+        threads = [t for t in status["threads"] if not t["own"]]
+        sig = stack_signature(threads, False)
+        group = self.groups.setdefault(sig, StackGroup([], [], threads))
+        group.ranks.append(rank)
+        group.ranks.sort()
+        if status["host"] not in group.hosts:
+            group.hosts.append(status["host"])
+        self.answered[rank] = (sig, status["ts_ns"])
+        self.hosts[rank] = status["host"]
+        self.reason, self.requester = status["request_reason"], status["requester"]
+
+    def ordered(self) -> list[StackGroup]:
+        return sorted(self.groups.values(), key=lambda g: (len(g.ranks), g.ranks[0]))
+
+
+def stacks_trace(run_id: str, stacks: _RunStacks) -> dict:
+    """The Chrome trace of one run's latest stacks."""
+    base_ns = min(ts for _sig, ts in stacks.answered.values())
+    total = len(stacks.answered)
+    events: list[dict] = []
+    for index, group in enumerate(stacks.ordered()):
+        label = f"{len(group.ranks)} of {total} ranks" + (": the odd one out" if index == 0 and len(
+            stacks.groups) > 1 else "") + f" ({ranks_phrase(group.ranks)})"
+        for rank in group.ranks:
+            pid = rank + 1  # as the rank's window files (timeline.pid_of)
+            host = stacks.hosts.get(rank, "")
+            events.append({"ph": "M", "name": "process_name", "pid": pid,
+                           "args": {"name": f"{run_id} rank {rank}" + (f" ({host})" if host else "")}})
+            events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": index}})
+            ts_us = (stacks.answered[rank][1] - base_ns) / 1e3
+            for tid, thread in enumerate(group.threads, start=1):
+                inner = thread["frames"][-1]["function"] if thread["frames"] else "?"
+                events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
+                               "args": {"name": f"thread {thread['name']}"}})
+                events.append({"ph": "i", "s": "t", "name": f"{thread['name']}: in {inner}", "pid": pid, "tid": tid,
+                               "ts": ts_us, "args": {"group": label,
+                                                     "traceback": "\n".join(traceback_lines(thread, ""))}})
+    return {"displayTimeUnit": "ms", "traceEvents": events,
+            "otherData": {"run_id": run_id, "request_id": stacks.request_id, "reason": stacks.reason,
+                          "requester": stacks.requester, "base_time_ns": base_ns, "ranks": total,
+                          "groups": [g.ranks for g in stacks.ordered()]}}
+
+
+class StacksFiles:
+    """Folds stacks answers by run; ``flush`` writes the runs that changed."""
+
+    def __init__(self, out_dir: str | os.PathLike) -> None:
+        self.out_dir = Path(out_dir)
+        self.runs: OrderedDict[str, _RunStacks] = OrderedDict()
+        self._dirty: set[str] = set()
+        self.files_written = 0
+
+    def add(self, status: dict) -> None:
+        """A CaptureStatus; only a rank's answer to a stacks request counts."""
+        if status["rank"] is None or status["threads"] is None:
+            return
+        run_id = status["run_id"]
+        current = self.runs.get(run_id)
+        if current is None or current.request_id != status["request_id"]:
+            if current is not None and status["ts_ns"] < max(ts for _s, ts in current.answered.values()):
+                return  # an older request's answer, read late
+            current = self.runs[run_id] = _RunStacks(status["request_id"])
+        self.runs.move_to_end(run_id)
+        current.add(status)
+        self._dirty.add(run_id)
+        while len(self.runs) > MAX_RUNS:
+            old, _ = self.runs.popitem(last=False)
+            self._dirty.discard(old)
+
+    def flush(self) -> list[Path]:
+        """Write the file of each run whose stacks changed since the last flush."""
+        written = []
+        for run_id in sorted(self._dirty):
+            try:
+                written.append(self._write(run_id, stacks_trace(run_id, self.runs[run_id])))
+            except ConfigError as e:  # a run id no Monitor would send: nothing to write
+                log.warning("stacks of run %r not written: %s", run_id, e)
+        self._dirty.clear()
+        return written
+
+    def _write(self, run_id: str, trace: dict) -> Path:
+        check_name(run_id, "run id")
+        root = self.out_dir.resolve()
+        directory = (root / run_id).resolve()
+        if not directory.is_relative_to(root) or directory == root:
+            raise ConfigError(f"{directory} is outside the output directory {root}")
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{FILE_NAME}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f, gzip.GzipFile(fileobj=f, mode="wb", compresslevel=1) as gz:
+                gz.write(json.dumps(trace).encode())
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, directory / FILE_NAME)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        self.files_written += 1
+        return directory / FILE_NAME
