@@ -46,6 +46,28 @@ def step_records(bootstrap: str, topic: str, run_id: str, count: int, timeout: f
                 decode=lambda v: decode(name, v) if record_name(v) == name else None, **kw)
 
 
+def topic_records(bootstrap: str, topic: str, timeout: float = 60.0) -> list:
+    """Every committed record of ``topic`` (kafka-python's ConsumerRecords), each partition
+    in order; fails the test when they are not all read within ``timeout``."""
+    from kafka import TopicPartition
+
+    consumer = make_consumer(bootstrap, group_id=None, enable_auto_commit=False)
+    try:
+        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)
+        ends = consumer.end_offsets(tps)
+        out: list = []
+        deadline = time.monotonic() + timeout
+        while any(consumer.position(tp) < ends[tp] for tp in tps):
+            assert time.monotonic() < deadline, f"{topic} not read to its end within {timeout:g} s"
+            for records in consumer.poll(timeout_ms=500).values():
+                out.extend(records)
+        return out
+    finally:
+        consumer.close()
+
+
 def topic_size(bootstrap: str, topic: str) -> int:
     """Messages on a topic (sum of end offsets)."""
     from kafka import TopicPartition

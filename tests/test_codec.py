@@ -207,12 +207,12 @@ def test_processed_records_round_trip():
                               "algbw_bytes_per_s": 4e12, "busbw_bytes_per_s": 4e12}],
            "unmatched_collectives": [{"collective": "broadcast", "group": "0", "seq": 5, "arrived": [0],
                                       "missing": [1], "expected": 2}]}
-    assert decode("RunStepMetrics", encode("RunStepMetrics", run)) == {**run, "work": None}
+    assert decode("RunStepMetrics", encode("RunStepMetrics", run)) == {**run, "work": None, "clock_offsets": []}
     run_work = {**run, "work": {"ranks": 2, "tokens_per_s": 8e5, "samples_per_s": None, "flops_per_s": 3e14,
                                 "mean_mfu": 0.4, "min_mfu": 0.38, "min_mfu_rank": 1, "mfu_ranks": 2}}
     data = encode_run_step_metrics(run_work)
     assert data[:10] == VERSIONS[("RunStepMetrics", 3)].header
-    assert decode("RunStepMetrics", data) == run_work
+    assert decode("RunStepMetrics", data) == {**run_work, "clock_offsets": []}
     assert encode_run_step_metrics(run)[:10] == VERSIONS[("RunStepMetrics", 2)].header  # v2 readers read it
     alert = {"name": "DataQueueStall", "state": "firing", "run_id": "r", "rank": 0, "step": 24, "ts_ns": 5,
              "summary": "starved", "evidence": {"data_wait_ns": 3.0}}
@@ -573,3 +573,19 @@ def test_generated_writers_write_fastavros_bytes(monkeypatch, options):
     odd = next(dict(record) for name, record, version, _ in written if name == "StepMetrics")
     odd["op_count"] = np.int64(odd["op_count"])
     assert real("StepMetrics", odd) == _fastavro_bytes("StepMetrics", odd, None)
+
+
+def test_run_checkpoints_carry_clock_offsets_only_once_there_are_some():
+    """A run without offsets is checkpointed as RunCheckpoint v1 (an older processor
+    restores it whole); with offsets as v2; a v1 checkpoint reads with none."""
+    from profstream.schema.codec import encode_run_checkpoint
+
+    plain = {"run_id": "r", "floor": 3, "ranks": [0, 1]}
+    data = encode_run_checkpoint({**plain, "clocks": None})
+    assert data[:10] == VERSIONS[("RunCheckpoint", 1)].header
+    assert decode("RunCheckpoint", data) == {**plain, "clocks": None}
+    clocks = {"reference": 0, "at_ns": 10**18, "ranks": [{"rank": 1, "offset_ns": -5_000_000, "lo_ns": -5_400_000,
+                                                          "hi_ns": -4_600_000}]}
+    data = encode_run_checkpoint({**plain, "clocks": clocks})
+    assert data[:10] == VERSIONS[("RunCheckpoint", 2)].header
+    assert decode("RunCheckpoint", data) == {**plain, "clocks": clocks}

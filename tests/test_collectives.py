@@ -62,11 +62,12 @@ def test_only_records_with_collectives_are_written_as_the_new_versions():
     """Batches, steps and cross-rank steps without collectives keep the versions before
     them (older readers read them whole); with collectives they are EventBatch v6 (v8 when
     a mark carries work or losses), StepMetrics v5 (v6 only for steps without ops, v7 for
-    partial steps, v8 with work figures), RunStepMetrics v2 (v3 with work)."""
+    partial steps, v8 with work figures), RunStepMetrics v2 (v3 with work, v4 with clock
+    offsets)."""
     from profstream.schema.codec import VERSIONS, encode_run_step_metrics, encode_step_metrics
 
     assert (CURRENT["EventBatch"].version, CURRENT["StepMetrics"].version, CURRENT["RunStepMetrics"].version) == (
-        8, 8, 3)
+        8, 8, 4)
     data = encode_batch(random_batch(3, 10, losses=False, work=False))
     assert data[:10] == VERSIONS[("EventBatch", 6)].header and decode_batch(data).n("collectives") == 5
     assert encode_batch(random_batch(3, 10, collectives=False, losses=False, work=False))[:10] == \
@@ -80,6 +81,10 @@ def test_only_records_with_collectives_are_written_as_the_new_versions():
     run = decode("RunStepMetrics", (DATA / "runstepmetrics-v1.bin").read_bytes())
     assert encode_run_step_metrics(run) == (DATA / "runstepmetrics-v1.bin").read_bytes()
     assert encode_run_step_metrics({**run, "collectives_matched": 1})[:10] == VERSIONS[("RunStepMetrics", 2)].header
+    clocked = {**run, "collectives_matched": 1, "clock_offsets": [{"rank": 1, "offset_ns": -5_000_000,
+                                                                   "error_ns": 900_000}]}
+    assert encode_run_step_metrics(clocked)[:10] == VERSIONS[("RunStepMetrics", 4)].header
+    assert decode("RunStepMetrics", encode_run_step_metrics(clocked)) == clocked
 
 
 def test_shipped_step_metrics_v3_and_run_step_metrics_v1_decode_without_collectives():
@@ -178,16 +183,17 @@ def test_ranks_with_the_same_calls_get_the_figures_of_the_general_matching(seed,
 
 # -- through the processors: raw batches -> StepMetrics -> RunStepMetrics --------------
 
-def _rank_batch(rank: int, steps: list[int], calls: list[tuple], world: int = 3, run_id: str = "hang") -> bytes:
+def _rank_batch(rank: int, steps: list[int], calls: list[tuple], world: int = 3, run_id: str = "hang",
+                shift_ms: float = 0.0) -> bytes:
     """One rank's batch: marks of ``steps`` (100 ms each from 0) and its collective rows
-    (collective, step, seq, start_ms, dur_ms)."""
+    (collective, step, seq, start_ms, dur_ms), every time read on a clock ``shift_ms`` off."""
     batch = EventBatch(run_id=run_id, rank=rank, world_size=world, producer_id=f"p{rank}", seq=0,
                        complete_through_step=max(steps))
-    batch.steps = {"step": np.array(steps), "start_ns": np.array([s * 100 * MS for s in steps]),
-                   "end_ns": np.array([(s + 1) * 100 * MS for s in steps]), "fp_start_ns": np.full(len(steps), -1),
-                   "bp_end_ns": np.full(len(steps), -1)}
+    batch.steps = {"step": np.array(steps), "start_ns": np.array([int((s * 100 + shift_ms) * MS) for s in steps]),
+                   "end_ns": np.array([int(((s + 1) * 100 + shift_ms) * MS) for s in steps]),
+                   "fp_start_ns": np.full(len(steps), -1), "bp_end_ns": np.full(len(steps), -1)}
     batch.collective_names, batch.collectives = collective_columns(
-        [(c, "0", "Float", step, seq, int(start * MS), int(dur * MS), 4000, 4000, world)
+        [(c, "0", "Float", step, seq, int((start + shift_ms) * MS), int(dur * MS), 4000, 4000, world)
          for c, step, seq, start, dur in calls])
     return encode_batch(batch)
 
@@ -312,3 +318,43 @@ def test_a_collective_value_its_column_cannot_hold_drops_the_samples_counted_and
     assert batch.dropped_samples == 1  # the call, counted
     assert batch.n("steps") == 1  # the step's mark goes out: the step is still a step
     assert any("dropped 1 samples with invalid values" in r.getMessage() for r in caplog.records)
+
+
+def test_the_exporter_shows_each_ranks_clock_offset_and_its_error_bound():
+    """profstream_clock_offset_seconds{run, rank} from the newest step with collectives; a
+    rank without an offset has no series (not 0); with more ranks than --top-ranks, the
+    farthest off keep theirs."""
+    import time
+    from collections import namedtuple
+
+    from profstream.kafka.topics import Topics
+    from profstream.schema.codec import encode_run_step_metrics
+    from profstream.sinks.prometheus import ExporterState
+    from tests.test_prometheus_sink import Scrape
+
+    Rec = namedtuple("Rec", "topic partition offset timestamp value")
+    _steps, run = _hang_run()
+    clocked = {**run[0], "clock_offsets": [{"rank": 0, "offset_ns": 0, "error_ns": 0},
+                                           {"rank": 2, "offset_ns": -5_000_000, "error_ns": 800_000}]}
+    topics = Topics("clk")
+    state = ExporterState(topics, top_ranks=1)
+    state.handle([Rec(topics.run, 0, 0, time.time_ns() // 10**6, encode_run_step_metrics(clocked))])
+    s = Scrape(state.exposition().decode())
+    assert [(x.labels["rank"], x.value) for x in s.all("profstream_clock_offset_seconds", run="hang")] == [
+        ("2", pytest.approx(-0.005))]
+    assert s("profstream_clock_offset_error_seconds", run="hang", rank="2") == pytest.approx(0.0008)
+    state = ExporterState(topics)
+    state.handle([Rec(topics.run, 0, 0, time.time_ns() // 10**6, encode_run_step_metrics(clocked))])
+    s = Scrape(state.exposition().decode())
+    assert {x.labels["rank"] for x in s.all("profstream_clock_offset_seconds", run="hang")} == {"0", "2"}  # not 1
+
+
+def test_the_report_lists_each_ranks_clock_offset_and_its_drift():
+    from profstream.offline.report_collectives import communication_section
+
+    _steps, run = _hang_run()
+    first = {**run[0], "clock_offsets": [{"rank": 1, "offset_ns": 5_000_000, "error_ns": 900_000}]}
+    later = {**run[0], "step": 9, "clock_offsets": [{"rank": 1, "offset_ns": 5_250_000, "error_ns": 700_000}]}
+    html = communication_section([first, later])
+    assert '<tr data-rank="1"><td>rank 1</td><td>+5.250</td><td>0.700</td><td>+0.250</td></tr>' in html
+    assert "No clock offsets" in communication_section([{**r, "clock_offsets": []} for r in run])  # before v4

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from profstream.kafka.clients import make_consumer
 from profstream.processors.stream import STEPS, RawMessage, StreamOptions, figures
 from profstream.producers.spool import SEGMENT_MAGIC, Spool, decode_at, rank_dir
 from profstream.producers.spool_publish import publish_spool, show_spool
 from profstream.schema.codec import decode, record_name
 from profstream.simulate import SimConfig, expected, run_simulation
+from tests.helpers import topic_records
 
 NOWHERE = "127.0.0.1:1"  # no broker answers there: an outage from the start
 
@@ -40,21 +40,7 @@ def recording(request, monkeypatch):
 
 def raw_messages(bootstrap: str, topic: str) -> list[RawMessage]:
     """Everything on the raw topic, each partition in order."""
-    from kafka import TopicPartition
-
-    consumer = make_consumer(bootstrap, group_id=None, enable_auto_commit=False)
-    try:
-        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
-        consumer.assign(tps)
-        consumer.seek_to_beginning(*tps)
-        ends = consumer.end_offsets(tps)
-        out: list[RawMessage] = []
-        while any(consumer.position(tp) < ends[tp] for tp in tps):
-            for tp, records in consumer.poll(timeout_ms=500).items():
-                out += [RawMessage(r.timestamp / 1e3, tp.partition, r.offset, r.key, r.value) for r in records]
-        return out
-    finally:
-        consumer.close()
+    return [RawMessage(r.timestamp / 1e3, r.partition, r.offset, r.key, r.value) for r in topic_records(bootstrap, topic)]
 
 
 def step_counts(bootstrap: str, topic: str) -> tuple[Counter, dict]:

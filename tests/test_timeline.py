@@ -945,3 +945,43 @@ def test_a_call_not_yet_seen_on_every_rank_is_one_unsplit_slice(tmp_path):
                                                   if e["ph"] == "X" and e["tid"] == TID_COLLECTIVES]
              for p in files(tmp_path)}
     assert names == {0: ["all_reduce (not matched)"], 1: ["all_reduce"]}
+
+
+def test_rank_tracks_are_drawn_on_the_runs_clock_once_its_offsets_are_known(tmp_path):
+    """The calls of the test above, recorded on clocks 0, +5 and -5 ms off, with the run
+    stage's offsets read first from the run topic: every rank's Steps and Collectives
+    slices are those of the unshifted run (ns for ns, the offsets being exact here), and
+    each file says the offset it applied."""
+    from profstream.schema.codec import encode_run_step_metrics
+    from tests.test_collectives import _hang_run
+
+    calls = {0: [("all_reduce", 0, 1, 10, 50), ("broadcast", 0, 2, 70, 5), ("all_reduce", 1, 3, 110, 10)],
+             1: [("all_reduce", 0, 1, 20, 40), ("broadcast", 0, 2, 70, 5), ("all_reduce", 1, 3, 110, 10)],
+             2: [("all_reduce", 0, 1, 50, 10), ("all_reduce", 1, 3, 110, 10)]}
+    shifts = {0: 0.0, 1: 5.0, 2: -5.0}
+    ms = 1_000_000
+    run_step = {**_hang_run()[1][0], "run_id": "coll",
+                "clock_offsets": [{"rank": r, "offset_ns": int(s * ms), "error_ns": 100_000} for r, s in shifts.items()]}
+
+    def slices(out: Path, shifted: bool) -> dict:
+        sink = TimelineSink(out, run_topic="t.run")
+        if shifted:
+            sink.handle([Rec("t.run", 0, 0, None, encode_run_step_metrics(run_step))])
+        sink.handle([Rec(TOPIC, 0, r, None, _rank_batch(r, [0, 1], c, run_id="coll",
+                                                        shift_ms=shifts[r] if shifted else 0.0))
+                     for r, c in calls.items()])
+        sink.close()
+        got: dict = defaultdict(list)
+        for p in files(out):
+            doc = read_trace(p)
+            check_trace_format(doc)
+            rank, other = doc["otherData"]["rank"], doc["otherData"]
+            assert other.get("clock_offset_ns") == (int(shifts[rank] * ms) if shifted else None)
+            got[rank] += sorted((e["args"]["step"], e["name"], e["tid"], ns(e["ts"]) + other["base_time_ns"],
+                                 ns(e["dur"])) for e in doc["traceEvents"]
+                                if e["ph"] == "X" and e["tid"] in (TID_COLLECTIVES, TID_STEPS))
+        return got
+
+    plain, shifted = slices(tmp_path / "plain", False), slices(tmp_path / "shifted", True)
+    assert plain == shifted
+    assert (0, "wait for rank 2 (all_reduce)", TID_COLLECTIVES, 10 * ms, 40 * ms) in shifted[0]

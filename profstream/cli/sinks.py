@@ -221,7 +221,8 @@ def sink_timeline(
 ) -> None:
     """Write Perfetto / chrome://tracing timelines from the raw topic (<out>/<run>/rank-<r>/steps-<a>-<b>.json.gz);
     the steps of a capture request get a file of their own, and a run's latest stacks (profstream stacks, or
-    autocapture on TrainingHang) are <out>/<run>/stacks.json.gz."""
+    autocapture on TrainingHang) are <out>/<run>/stacks.json.gz. Ranks are drawn on the run's clock once the run
+    stage's clock offsets (run topic) are known."""
     from profstream.config import PARSERS
     from profstream.sinks.runner import run_sink
     from profstream.sinks.timeline import TimelineSink
@@ -233,7 +234,8 @@ def sink_timeline(
     boot, topics = connect(bootstrap, topic_prefix)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
-        sink = TimelineSink(out_dir, window_steps=window_steps, max_bytes=size, control_topic=topics.control)
+        sink = TimelineSink(out_dir, window_steps=window_steps, max_bytes=size, control_topic=topics.control,
+                            run_topic=topics.run)
     except ConfigError as e:
         fail(str(e))
     except OSError as e:
@@ -244,7 +246,7 @@ def sink_timeline(
                   highlight=False, soft_wrap=True)
 
     try:
-        run_sink(boot, [topics.raw, topics.control], group_id, sink, stop_on_signals(), ready=started,
+        run_sink(boot, [topics.raw, topics.control, topics.run], group_id, sink, stop_on_signals(), ready=started,
                  wait_topics_s=wait_topics_s)
     except RuntimeError as e:  # a topic missing
         fail(str(e))

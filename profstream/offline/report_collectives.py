@@ -1,4 +1,5 @@
-"""The report's communication section: collectives matched across ranks (RunStepMetrics v2)."""
+"""The report's communication section: collectives matched across ranks (RunStepMetrics v2)
+and the ranks' clock offsets they were compared with (v4)."""
 
 from __future__ import annotations
 
@@ -55,4 +56,23 @@ def communication_section(run_steps: list[dict]) -> str:
     un_table = ('<table id="unmatched-collectives"><tr><th>step</th><th>collective</th><th>group</th><th>seq</th>'
                 f'<th>arrived</th><th>missing</th></tr>{un_rows}</table>' if unmatched
                 else '<p class="sub" id="unmatched-collectives">Every collective call was matched on all ranks.</p>')
-    return chart + late_table + bw_table + un_table
+    return chart + late_table + bw_table + un_table + clocks_table(steps)
+
+
+def clocks_table(steps: list[dict]) -> str:
+    """Each rank's clock offset against the run's as of the newest step that had offsets
+    (with its error bound) and how far it moved over the run (drift)."""
+    first: dict[int, int] = {}
+    last: dict[int, dict] = {}
+    for r in steps:
+        for c in r.get("clock_offsets", ()):
+            first.setdefault(c["rank"], c["offset_ns"])
+            last[c["rank"]] = c
+    if not last:
+        return ('<p class="sub" id="clock-offsets">No clock offsets (no all_reduce-like call matched across ranks, '
+                'or records from before them): waits compare each rank\'s own clock.</p>')
+    rows = "".join(f'<tr data-rank="{rank}"><td>rank {rank}</td><td>{c["offset_ns"] / 1e6:+.3f}</td>'
+                   f'<td>{c["error_ns"] / 1e6:.3f}</td><td>{(c["offset_ns"] - first[rank]) / 1e6:+.3f}</td></tr>'
+                   for rank, c in sorted(last.items()))
+    return ('<table id="clock-offsets"><tr><th>rank</th><th>clock offset (ms)</th><th>± error (ms)</th>'
+            f'<th>moved over the run (ms)</th></tr>{rows}</table>')

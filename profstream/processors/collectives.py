@@ -16,6 +16,10 @@ unmatched: the ranks that arrived and, where the group is the whole run, those m
 A rank that reported the step without ops (its ops, collectives included, were not
 captured there) is not missing: a call the ranks without a capture could account for is
 left out, neither matched nor unmatched (not measured).
+
+Times of different ranks are compared on the run's clock: ``offsets`` (rank -> ns, from
+processors/clocks.py) is taken off each rank's starts and ends first; a rank without an
+offset keeps its own clock.
 """
 
 from __future__ import annotations
@@ -120,7 +124,8 @@ _NO_FIGURES = {"collectives_matched": 0, "collective_ranks": [], "by_collective"
                "late_rank_held_ns": 0, "unmatched_collectives": []}
 
 
-def step_collectives(calls: Mapping[int, Calls], ranks: Sequence[int]) -> dict:
+def step_collectives(calls: Mapping[int, Calls], ranks: Sequence[int],
+                     offsets: Mapping[int, int] | None = None) -> dict:
     """The collective figures of one step from ``{rank: its calls}``; ``ranks``: every rank
     of the run (those that did not report the step included). Fields as in
     RunStepMetrics (run_step_metrics.v2.avsc). Arithmetic on arrays over all ranks' calls:
@@ -133,20 +138,22 @@ def step_collectives(calls: Mapping[int, Calls], ranks: Sequence[int]) -> dict:
     if all(len(calls[r]) == len(first) and calls[r].names == first.names
            and np.array_equal(calls[r].cols["seq"], first.cols["seq"])
            and np.array_equal(calls[r].cols["group_idx"], first.cols["group_idx"]) for r in reporting[1:]):
-        figures = _aligned(first.names, first.cols, *(
-            np.stack([calls[r].cols[c] for r in reporting]) for c in ("start_ns", "end_ns", "bytes")), reporting, ranks)
+        figures = _aligned(first.names, first.cols, *_on_run_clock(*(
+            np.stack([calls[r].cols[c] for r in reporting]) for c in ("start_ns", "end_ns")), reporting, offsets),
+            np.stack([calls[r].cols["bytes"] for r in reporting]), reporting, ranks)
         if figures is not None:
             return figures
-    return _any_calls(calls, reporting, ranks)
+    return _any_calls(calls, reporting, ranks, offsets)
 
 
 def packed_step_collectives(records: Mapping[int, dict], ranks: Sequence[int],
-                            unmeasured: Collection[int] = ()) -> dict:
+                            unmeasured: Collection[int] = (), offsets: Mapping[int, int] | None = None) -> dict:
     """``step_collectives`` of StepMetrics ``collectives`` records (``check_calls`` passed):
     where every rank's names, groups and sequence numbers are the same bytes, the matrices
     are read straight from the ranks' columns joined; else each record is unpacked.
-    ``unmeasured``: ranks that reported the step without ops (``without_unmeasured``)."""
-    figures = _packed_step_collectives(records, ranks)
+    ``unmeasured``: ranks that reported the step without ops (``without_unmeasured``);
+    ``offsets``: each rank's clock against the run's (ns)."""
+    figures = _packed_step_collectives(records, ranks, offsets)
     if unmeasured and figures["unmatched_collectives"]:
         figures["unmatched_collectives"] = without_unmeasured(figures["unmatched_collectives"], unmeasured)
     return figures
@@ -165,20 +172,43 @@ def without_unmeasured(unmatched: list[dict], unmeasured: Collection[int]) -> li
     return out
 
 
-def _packed_step_collectives(records: Mapping[int, dict], ranks: Sequence[int]) -> dict:
+def _packed_step_collectives(records: Mapping[int, dict], ranks: Sequence[int],
+                             offsets: Mapping[int, int] | None) -> dict:
     reporting = sorted(r for r, x in records.items() if x["count"])
     if not reporting:
         return dict(_NO_FIGURES)
-    first = records[reporting[0]]
-    if all(x["count"] == first["count"] and x["seq"] == first["seq"] and x["group_idx"] == first["group_idx"]
-           and x["names"] == first["names"] for x in (records[r] for r in reporting[1:])):
-        shape = (len(reporting), first["count"])
-        figures = _aligned(first["names"], unpack_calls(first).cols, *(
-            np.frombuffer(b"".join(records[r][c] for r in reporting), "<i8").reshape(shape)
-            for c in ("start_ns", "end_ns", "bytes")), reporting, ranks)
+    same = same_calls(records, reporting)
+    if same is not None:
+        cols, start, end, nbytes = same
+        figures = _aligned(records[reporting[0]]["names"], cols, *_on_run_clock(start, end, reporting, offsets),
+                           nbytes, reporting, ranks)
         if figures is not None:
             return figures
-    return _any_calls({r: unpack_calls(records[r]) for r in reporting}, reporting, ranks)
+    return _any_calls({r: unpack_calls(records[r]) for r in reporting}, reporting, ranks, offsets)
+
+
+def same_calls(records: Mapping[int, dict], reporting: list[int]) -> tuple[dict, np.ndarray, ...] | None:
+    """Where the StepMetrics ``collectives`` records of the ``reporting`` ranks hold the same
+    calls in the same order (names, groups and sequence numbers the same bytes): the first
+    rank's columns and the rank x call matrices of start_ns, end_ns and bytes, read straight
+    from the ranks' columns joined. None where they differ."""
+    first = records[reporting[0]]
+    if not all(x["count"] == first["count"] and x["seq"] == first["seq"] and x["group_idx"] == first["group_idx"]
+               and x["names"] == first["names"] for x in (records[r] for r in reporting[1:])):
+        return None
+    shape = (len(reporting), first["count"])
+    start, end, nbytes = (np.frombuffer(b"".join(records[r][c] for r in reporting), "<i8").reshape(shape)
+                          for c in ("start_ns", "end_ns", "bytes"))
+    return unpack_calls(first).cols, start, end, nbytes
+
+
+def _on_run_clock(start: np.ndarray, end: np.ndarray, reporting: list[int],
+                  offsets: Mapping[int, int] | None) -> tuple[np.ndarray, np.ndarray]:
+    """Rank x call ``start`` and ``end`` less each rank's clock offset."""
+    if not offsets:
+        return start, end
+    shift = np.array([offsets.get(r, 0) for r in reporting], np.int64)[:, None]
+    return start - shift, end - shift
 
 
 def check_calls(record: dict) -> None:
@@ -230,7 +260,8 @@ def _aligned(names: list[str], cols: dict[str, np.ndarray], start: np.ndarray, e
                     k if all_matched else int(matched.sum()), unmatched, ranks)
 
 
-def _any_calls(calls: Mapping[int, Calls], reporting: list[int], ranks: Sequence[int]) -> dict:
+def _any_calls(calls: Mapping[int, Calls], reporting: list[int], ranks: Sequence[int],
+               offsets: Mapping[int, int] | None = None) -> dict:
     """step_collectives on the rows of every rank's calls, sorted by (group, seq, rank)."""
     # one dictionary for the names of every rank
     names: dict[str, int] = {}
@@ -243,6 +274,10 @@ def _any_calls(calls: Mapping[int, Calls], reporting: list[int], ranks: Sequence
     coll = np.concatenate([p[1] for p in parts])
     group = np.concatenate([p[2] for p in parts])
     col = {c: np.concatenate([p[3][c] for p in parts]).astype(np.int64) for c, _ in CALL_COLUMNS[2:]}
+    if offsets:
+        shift = np.array([offsets.get(r, 0) for r in reporting], np.int64)[np.searchsorted(reporting, rank)]
+        col["start_ns"] -= shift
+        col["end_ns"] -= shift
     order = np.lexsort((rank, col["seq"], group))
     rank, coll, group = rank[order], coll[order], group[order]
     col = {c: a[order] for c, a in col.items()}

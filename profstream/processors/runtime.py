@@ -28,6 +28,7 @@ from profstream.kafka.limits import DEAD_LETTER_ROOM_BYTES, MAX_MESSAGE_BYTES
 from profstream.kafka.topics import Topics
 from profstream.processors.assembler import RankAssembler
 from profstream.processors.checkpoint import MAX_OUTAGE_S, Output, TransactionalLoop
+from profstream.processors.clocks import RunClocks
 from profstream.processors.close_schedule import CloseSchedule
 from profstream.processors.collectives import check_calls, packed_step_collectives
 from profstream.processors.figures import FigureOptions, RankFigures
@@ -43,6 +44,7 @@ from profstream.schema.codec import (
     decode_any,
     encode,
     encode_rank_end,
+    encode_run_checkpoint,
     encode_run_step_metrics,
     encode_step_metrics,
     is_rank_progress,
@@ -303,13 +305,16 @@ class _RunState:
     first_seen: dict[int, float] = field(default_factory=dict)
     last_seen: float = 0.0
     hangs: HangWatch | None = None  # where its ranks are (RankProgress): in memory only (hangs.py)
+    clocks: RunClocks = field(default_factory=RunClocks)  # its ranks' clock offsets (clocks.py), checkpointed
 
 
 class RunStage:
     """steps -> RunStepMetrics: a step of a run is emitted once all its ranks reported it
     (the producers' world_size, else every rank seen in the run so far), or ``grace_s``
-    after its first report; steps are emitted in order. From the ranks' RankProgress it
-    tells a hang (``hangs.py``): TrainingHang alerts after ``hang_after_s`` in one step."""
+    after its first report; steps are emitted in order. Each step's calls teach the run's
+    rank clock offsets (``clocks.py``) before its collective figures compare the ranks'
+    times with them. From the ranks' RankProgress it tells a hang (``hangs.py``):
+    TrainingHang alerts after ``hang_after_s`` in one step."""
 
     name = "run"
 
@@ -333,15 +338,17 @@ class RunStage:
             self.runs.pop(run_id, None)
             return
         cp = decode("RunCheckpoint", value)
-        self.runs[run_id] = _RunState(partition, set(cp["ranks"]), floor=cp["floor"], last_seen=now)
+        self.runs[run_id] = _RunState(partition, set(cp["ranks"]), floor=cp["floor"], last_seen=now,
+                                      clocks=RunClocks.restore(cp["clocks"]))
 
     def changed_state(self) -> list[Output]:
         out = []
         for run_id in self._changed:
             run = self.runs.get(run_id)
             if run is not None:
-                cp = {"run_id": run_id, "floor": run.floor, "ranks": sorted(run.ranks)}
-                out.append(Output(self.state_topic, run_id.encode(), encode("RunCheckpoint", cp), run.partition))
+                cp = {"run_id": run_id, "floor": run.floor, "ranks": sorted(run.ranks),
+                      "clocks": run.clocks.snapshot() if run.clocks.reference is not None else None}
+                out.append(Output(self.state_topic, run_id.encode(), encode_run_checkpoint(cp), run.partition))
         self._changed.clear()
         return out
 
@@ -431,7 +438,7 @@ class RunStage:
                     break
                 everyone = range(run.world_size) if run.world_size else sorted(run.ranks)
                 out.append(self._emit(run_id, step, reported, run.calls.pop(step, {}), everyone,
-                                      run.unmeasured.pop(step, set()), run.work.pop(step, {})))
+                                      run.unmeasured.pop(step, set()), run.work.pop(step, {}), run.clocks))
                 del run.pending[step], run.first_offset[step], run.first_seen[step]
                 run.floor = step + 1
                 self._changed.add(run_id)
@@ -462,11 +469,14 @@ class RunStage:
         return "; ".join(parts) or "no runs"
 
     def _emit(self, run_id: str, step: int, step_times: dict[int, int], calls: dict[int, dict],
-              everyone: Iterable[int], unmeasured: set[int], work: dict[int, tuple]) -> Output:
+              everyone: Iterable[int], unmeasured: set[int], work: dict[int, tuple], clocks: RunClocks) -> Output:
         figures = rank_figures(step_times)
+        if calls:  # the step's calls teach the offsets first, and are then compared on the run's clock
+            clocks.learn_packed(calls)
         record = {"run_id": run_id, "step": step, **figures,
                   "step_times_ns": {str(r): t for r, t in sorted(step_times.items())},
-                  **packed_step_collectives(calls, list(everyone), unmeasured), "work": run_work_figures(work)}
+                  **packed_step_collectives(calls, list(everyone), unmeasured, clocks.offsets(calls)),
+                  "work": run_work_figures(work), "clock_offsets": clocks.estimates(calls)}
         self.counts.run_steps += 1
         return Output(self.topics.run, run_id.encode(), encode_run_step_metrics(record), None)
 

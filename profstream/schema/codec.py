@@ -175,12 +175,17 @@ def _step_metrics_v3_to_v8(record: dict) -> dict:
     return _step_metrics_v4_to_v8(_step_metrics_v3_to_v4(record))
 
 
-def _run_step_metrics_v2_to_v3(record: dict) -> dict:
-    return {**record, "work": None}
+def _run_step_metrics_v3_to_v4(record: dict) -> dict:
+    """A cross-rank step from before the clock offsets: none known (its ranks' own clocks)."""
+    return {**record, "clock_offsets": []}
 
 
-def _run_step_metrics_v1_to_v3(record: dict) -> dict:
-    return _run_step_metrics_v2_to_v3({
+def _run_step_metrics_v2_to_v4(record: dict) -> dict:
+    return _run_step_metrics_v3_to_v4({**record, "work": None})
+
+
+def _run_step_metrics_v1_to_v4(record: dict) -> dict:
+    return _run_step_metrics_v2_to_v4({
         **record, "collectives_matched": 0, "collective_ranks": [], "by_collective": [], "late_rank": None,
         "late_rank_held_ns": 0, "unmatched_collectives": []})
 
@@ -222,10 +227,10 @@ def _rank_checkpoint_v1_to_v3(record: dict) -> dict:
 _VERSIONS: list[SchemaVersion] = [
     _version(_load("event_batch.avsc"), 1, _then(_event_batch_v1_to_v4, _event_batch_v4_to_v6)),
     _version(_load("step_metrics.avsc"), 1, _then(_step_metrics_v1_to_v3, _step_metrics_v3_to_v8)),
-    _version(_load("run_step_metrics.avsc"), 1, _run_step_metrics_v1_to_v3),
+    _version(_load("run_step_metrics.avsc"), 1, _run_step_metrics_v1_to_v4),
     _version(_load("alert.avsc"), 1),
     _version(_load("rank_checkpoint.avsc"), 1, _rank_checkpoint_v1_to_v3),
-    _version(_load("run_checkpoint.avsc"), 1),
+    _version(_load("run_checkpoint.avsc"), 1, lambda record: {**record, "clocks": None}),
     _version(_load("event_batch.v2.avsc"), 2, _then(_event_batch_v2_to_v4, _event_batch_v4_to_v6)),  # + world_size
     _version(_load("step_metrics.v2.avsc"), 2, _then(_step_metrics_v2_to_v3, _step_metrics_v3_to_v8)),  # + world_size
     _version(_load("event_batch.v3.avsc"), 3, _then(_event_batch_v3_to_v4, _event_batch_v4_to_v6)),  # op_names blob
@@ -237,7 +242,7 @@ _VERSIONS: list[SchemaVersion] = [
     _version(_load("step_metrics.v4.avsc"), 4, _step_metrics_v4_to_v8),  # + devices
     _version(_load("event_batch.v6.avsc"), 6),  # + collectives, collective_names
     _version(_load("step_metrics.v5.avsc"), 5, _step_metrics_v5_to_v8),  # + collectives
-    _version(_load("run_step_metrics.v2.avsc"), 2, _run_step_metrics_v2_to_v3),  # + collectives matched across ranks
+    _version(_load("run_step_metrics.v2.avsc"), 2, _run_step_metrics_v2_to_v4),  # + collectives matched across ranks
     # the control topic (docs/capture.md)
     _version(_load("capture_request.avsc"), 1, lambda record: {**record, "kind": "ops"}),
     _version(_load("capture_status.avsc"), 1, _capture_status_v1_to_v3),
@@ -247,7 +252,7 @@ _VERSIONS: list[SchemaVersion] = [
     _version(_load("event_batch.v7.avsc"), 7),  # + steps.dropped_ops, dropped_samples, end_signal
     _version(_load("step_metrics.v7.avsc"), 7, _step_metrics_v7_to_v8),  # + what a partial step lost
     _version(_load("rank_end.v2.avsc"), 2),  # + end_signal (v1 reads as 0: default)
-    _version(_load("run_step_metrics.v3.avsc"), 3),  # + work across ranks
+    _version(_load("run_step_metrics.v3.avsc"), 3, _run_step_metrics_v3_to_v4),  # + work across ranks
     _version(_load("rank_checkpoint.v3.avsc"), 3),  # + the rolling window's work figures
     # v7 and older read with the work columns absent and no loader readings
     _version(_load("event_batch.v8.avsc"), 8),  # + the steps' work, loader_samples
@@ -258,6 +263,9 @@ _VERSIONS: list[SchemaVersion] = [
     _version(_load("capture_status.v3.avsc"), 3),  # + threads: a stacks request's answer
     # on the raw topic (a Monitor's control thread), passed on to the steps topic: where a rank is now
     _version(_load("rank_progress.avsc"), 1),
+    # cross-rank steps without clock offsets are still written as v3 or older (encode_run_step_metrics)
+    _version(_load("run_step_metrics.v4.avsc"), 4),  # + clock_offsets: the ranks' clocks against the run's
+    _version(_load("run_checkpoint.v2.avsc"), 2),  # + clocks (v1 for a run without offsets)
 ]
 
 SCHEMAS: dict[int, SchemaVersion] = {v.fingerprint: v for v in _VERSIONS}
@@ -322,6 +330,8 @@ STEP_METRICS_NOTHING_LOST_VERSION = 6  # v6 for a step that lost nothing: v7 say
 STEP_METRICS_LOSSES_VERSION = 7  # v7 for a partial step without work or host figures: v8 says those
 RUN_STEP_METRICS_WITHOUT_COLLECTIVES_VERSION = 1
 RUN_STEP_METRICS_WITHOUT_WORK_VERSION = 2
+RUN_STEP_METRICS_WITHOUT_CLOCKS_VERSION = 3
+RUN_CHECKPOINT_WITHOUT_CLOCKS_VERSION = 1
 
 
 def encode_step_metrics(record: dict) -> bytes:
@@ -350,13 +360,20 @@ def encode_rank_end(record: dict) -> bytes:
 
 
 def encode_run_step_metrics(record: dict) -> bytes:
-    """A RunStepMetrics record as its message: v3 with work figures, else v2 with
-    collectives, else v1."""
-    if record.get("work") is not None:
+    """A RunStepMetrics record as its message: v4 with clock offsets, else v3 with work
+    figures, else v2 with collectives, else v1."""
+    if record.get("clock_offsets"):
         return encode("RunStepMetrics", record)
+    if record.get("work") is not None:
+        return encode("RunStepMetrics", record, RUN_STEP_METRICS_WITHOUT_CLOCKS_VERSION)
     has = record.get("collectives_matched") or record.get("unmatched_collectives")
     return encode("RunStepMetrics", record, RUN_STEP_METRICS_WITHOUT_WORK_VERSION if has
                   else RUN_STEP_METRICS_WITHOUT_COLLECTIVES_VERSION)
+
+
+def encode_run_checkpoint(record: dict) -> bytes:
+    """A RunCheckpoint as its message: v2 with clocks, else v1."""
+    return encode("RunCheckpoint", record, None if record.get("clocks") else RUN_CHECKPOINT_WITHOUT_CLOCKS_VERSION)
 
 
 RANK_PROGRESS_HEADERS = frozenset(v.header for v in _VERSIONS if v.name == "RankProgress")

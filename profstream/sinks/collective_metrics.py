@@ -1,7 +1,10 @@
 """The exporter's collective series: ``profstream_collective_*{run, ...}``, from each run's
 newest RunStepMetrics that had collectives (processors/collectives.py). Labels stay
 bounded: rank (at most ``max_ranks`` per run: those that waited longest; every missing
-rank), and collective (at most ``MAX_COLLECTIVE_NAMES`` per run), never a call.
+rank), and collective (at most ``MAX_COLLECTIVE_NAMES`` per run), never a call. The
+ranks' clock offsets against the run's (processors/clocks.py) go out as
+``profstream_clock_offset_seconds{run, rank}`` and its error bound (at most ``max_ranks``
+ranks: the farthest off), for the ranks that have one.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ class RunCollectives:
     bandwidth: dict[str, tuple[float, float]]  # collective -> (algbw, busbw) bytes/s
     unmatched: int
     missing: list[int]
+    clocks: dict[int, tuple[float, float]]  # rank -> (clock offset s, its error bound s)
 
 
 def run_collectives(m: dict) -> RunCollectives | None:
@@ -37,7 +41,8 @@ def run_collectives(m: dict) -> RunCollectives | None:
         {r["rank"]: (r["wait_ns"] / 1e9, r["transfer_ns"] / 1e9) for r in m["collective_ranks"]},
         {c["collective"]: (c["algbw_bytes_per_s"], c["busbw_bytes_per_s"])
          for c in m["by_collective"][:MAX_COLLECTIVE_NAMES]},
-        len(m["unmatched_collectives"]), sorted({r for c in m["unmatched_collectives"] for r in c["missing"]}))
+        len(m["unmatched_collectives"]), sorted({r for c in m["unmatched_collectives"] for r in c["missing"]}),
+        {c["rank"]: (c["offset_ns"] / 1e9, c["error_ns"] / 1e9) for c in m["clock_offsets"]})
 
 
 def longest_waits(c: RunCollectives, max_ranks: int | None) -> dict[int, tuple[float, float]]:
@@ -46,6 +51,14 @@ def longest_waits(c: RunCollectives, max_ranks: int | None) -> dict[int, tuple[f
     if max_ranks is None or len(c.ranks) <= max_ranks:
         return c.ranks
     return dict(sorted(heapq.nsmallest(max_ranks, c.ranks.items(), key=lambda kv: (-kv[1][0], kv[0]))))
+
+
+def farthest_clocks(c: RunCollectives, max_ranks: int | None) -> dict[int, tuple[float, float]]:
+    """The ranks of ``c`` whose clock offsets get series: the ``max_ranks`` (None: all)
+    farthest from the run's clock, ties to the lower rank."""
+    if max_ranks is None or len(c.clocks) <= max_ranks:
+        return c.clocks
+    return dict(sorted(heapq.nsmallest(max_ranks, c.clocks.items(), key=lambda kv: (-abs(kv[1][0]), kv[0]))))
 
 
 def collective_lines(prefix: str, runs: list[tuple[str, RunCollectives | None]], esc: Callable[[str], str],
@@ -83,4 +96,10 @@ def collective_lines(prefix: str, runs: list[tuple[str, RunCollectives | None]],
     per_run("unmatched", "collective calls some rank of the group never made in that step", lambda c: c.unmatched)
     per_key("missing", "1 for each rank missing from an unmatched collective call of that step", "rank",
             lambda c: ((k, 1) for k in c.missing))
+    p = prefix + "clock_"  # the families below: profstream_clock_*
+    per_key("offset_seconds", "the rank's clock minus the run's clock (its reference rank's), learned from the "
+            "ends of its collectives; ranks without one: no series", "rank",
+            lambda c: ((k, v[0]) for k, v in farthest_clocks(c, max_ranks).items()))
+    per_key("offset_error_seconds", "error bound of profstream_clock_offset_seconds: the true offset lies "
+            "within it", "rank", lambda c: ((k, v[1]) for k, v in farthest_clocks(c, max_ranks).items()))
     return out

@@ -48,7 +48,7 @@ from profstream.processors.utilization import ops_measured
 from profstream.processors.window import Window as StepWindow
 from profstream.processors.window import intervals, step_window
 from profstream.schema.batch import COMMUNICATION, COMPUTE, KIND_NAMES, decode_batch
-from profstream.schema.codec import DecodeError, is_rank_progress
+from profstream.schema.codec import DecodeError, decode, is_rank_progress
 from profstream.sinks.timeline_collectives import (
     TID_COLLECTIVES,
     TRACK_NAME,
@@ -248,8 +248,12 @@ def step_timeline(ev: StepEvents, arrivals: Arrivals | None = None) -> StepTimel
     counters += work_counter_events(ev, pid, window, trace["step_time_ns"])
     counters += host_counter_events(ev, pid)
 
-    return StepTimeline(ev.run_id, ev.rank, step, S, heads, np.concatenate(heads_idx),
-                        np.concatenate(starts, dtype=np.int64), np.concatenate(durs, dtype=np.int64),
+    # on the run's clock: every time of the rank less its clock offset, where one is known
+    shift = arrivals.clock_offset(ev.rank) if arrivals is not None else 0
+    if shift:
+        counters = [(e, ts - shift) for e, ts in counters]
+    return StepTimeline(ev.run_id, ev.rank, step, S - shift, heads, np.concatenate(heads_idx),
+                        np.concatenate(starts, dtype=np.int64) - shift, np.concatenate(durs, dtype=np.int64),
                         counters, tids, n, op_heads, ev.host, ev.device)
 
 
@@ -690,6 +694,7 @@ class _RankTimeline:
     topic: str
     order: int  # when it entered the sink: time-based closes visit ranks in this order
     window: Window = field(default_factory=Window)
+    clock: tuple[int, int] | None = None  # the clock offset and error its newest step was drawn with
 
     @property
     def pending_offset(self) -> int | None:
@@ -705,7 +710,7 @@ class TimelineSink:
     def __init__(self, out_dir: str | os.PathLike, window_steps: int = DEFAULT_WINDOW_STEPS,
                  max_bytes: int = DEFAULT_MAX_BYTES, grace_s: float = 2.0, idle_timeout_s: float = 60.0,
                  compresslevel: int = DEFAULT_COMPRESSLEVEL, clock=time.monotonic,
-                 control_topic: str | None = None) -> None:
+                 control_topic: str | None = None, run_topic: str | None = None) -> None:
         if window_steps < 1:
             raise ConfigError(f"window_steps {window_steps}: use at least 1")
         self.writer = TimelineWriter(out_dir, max_bytes, compresslevel)
@@ -736,6 +741,8 @@ class TimelineSink:
         self.control_topic = control_topic
         self._captures: dict[tuple[str, int], tuple[int, int]] = {}
         self.stacks = StacksFiles(out_dir)  # the runs' latest stacks, from the same topic
+        # The run stage's RunStepMetrics, for the ranks' clock offsets (rank tracks on the run's clock)
+        self.run_topic = run_topic
 
     @property
     def files_written(self) -> int:
@@ -795,6 +802,9 @@ class TimelineSink:
         if rec.topic == self.control_topic:
             self._capture_status(rec.value)
             return None
+        if rec.topic == self.run_topic:
+            self._clock_offsets(rec.value)
+            return None
         if is_rank_progress(rec.value):  # where a rank is now: nothing to draw
             return None
         try:
@@ -825,6 +835,17 @@ class TimelineSink:
         if len(batch.collectives["step"]):
             self.arrivals.setdefault(batch.run_id, Arrivals()).add(batch)
         return ident
+
+    def _clock_offsets(self, value: bytes) -> None:
+        """The ranks' clock offsets of a RunStepMetrics: the steps closed from now on are drawn
+        on the run's clock."""
+        try:
+            m = decode("RunStepMetrics", value)
+        except DecodeError as e:
+            self.decode_errors[e.reason] += 1
+            return
+        if m["clock_offsets"]:
+            self.arrivals.setdefault(m["run_id"], Arrivals()).learned_offsets(m["clock_offsets"])
 
     def _close_ready(self, ident: tuple[str, int], now: float) -> None:
         rank = self.ranks[ident]
@@ -900,7 +921,9 @@ class TimelineSink:
 
     def _add(self, ident: tuple[str, int], ev: StepEvents, first_offset: int) -> None:
         rank = self.ranks[ident]
-        p = rank.window.prepare(step_timeline(ev, self.arrivals.get(ident[0])))
+        arrivals = self.arrivals.get(ident[0])
+        p = rank.window.prepare(step_timeline(ev, arrivals))
+        clock = arrivals.clocks.get(ident[1]) if arrivals is not None else None
         capture = self._captures.get(ident)
         fits = None  # whether the window with this step fits in a file, once known
         if rank.window.steps:
@@ -909,6 +932,7 @@ class TimelineSink:
                 self._flush(ident)  # the size cap, or a capture's first step, closes the window before this step
                 fits = None
         rank.window.append(p, first_offset)
+        rank.clock = clock
         if capture is not None and ev.step >= capture[1]:
             del self._captures[ident]
             self._flush(ident)  # the capture's last step
@@ -925,6 +949,8 @@ class TimelineSink:
         asm = rank.assembler
         extra = {"late_events": asm.late_events, "orphan_events": asm.orphan_events,
                  "lost_batches": asm.lost_batches, "dropped_ops": asm.dropped_ops}
+        if rank.clock is not None:  # its newest step's (each step has the one known when it closed)
+            extra["clock_offset_ns"], extra["clock_error_ns"] = rank.clock
         try:
             self.writer.write_window(window, extra)
         except UnsafePath as e:  # a link planted under the output directory

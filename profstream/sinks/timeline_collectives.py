@@ -8,6 +8,10 @@ step then gets, per call, ``wait for rank <late> (<collective>)`` from its own s
 the last rank's start, and ``<collective>`` from there to its end (the transfer, as
 processors/collectives.py splits it). A call some member had not reported when the step
 was written shows as one slice ``<collective> (not matched)`` over the whole call.
+
+Starts of different ranks are compared on the run's clock: ``Arrivals`` also holds the
+ranks' clock offsets the run stage learned (RunStepMetrics ``clock_offsets``,
+processors/clocks.py) and keeps each start less its rank's offset, as known when it came.
 """
 
 from __future__ import annotations
@@ -30,6 +34,17 @@ class Arrivals:
 
     calls: dict[int, dict[tuple[str, int], list]] = field(default_factory=dict)  # step -> key -> [start, rank, n]
     newest: int | None = None
+    clocks: dict[int, tuple[int, int]] = field(default_factory=dict)  # rank -> (clock offset, error bound) ns
+
+    def learned_offsets(self, offsets: list[dict]) -> None:
+        """RunStepMetrics ``clock_offsets``: each rank's clock against the run's."""
+        for c in offsets:
+            self.clocks[c["rank"]] = (c["offset_ns"], c["error_ns"])
+
+    def clock_offset(self, rank: int) -> int:
+        """The rank's clock offset (0 while none is known: its own clock)."""
+        clock = self.clocks.get(rank)
+        return clock[0] if clock is not None else 0
 
     def add(self, batch: EventBatch) -> None:
         """The collectives section of one raw batch (re-read batches included: a rank's
@@ -38,8 +53,10 @@ class Arrivals:
         if not len(c["step"]):
             return
         names = batch.collective_names
+        shift = self.clock_offset(batch.rank)
         for group, step, seq, start in zip(c["group_idx"].tolist(), c["step"].tolist(), c["seq"].tolist(),
                                            c["start_ns"].tolist()):
+            start -= shift
             calls = self.calls.setdefault(step, {})
             entry = calls.get((names[group], seq))
             if entry is None:
@@ -78,6 +95,7 @@ def collective_slices(ev: StepEvents, arrivals: Arrivals | None) -> list[tuple[s
             out.append((f"{collective} (not matched)", "collective", start, end))
             continue
         last_start, late = last
+        last_start += arrivals.clock_offset(ev.rank)  # on this rank's clock, as its other times
         if last_start > start:
             out.append((f"wait for rank {late} ({collective})", "collective_wait", start, last_start))
         out.append((collective, "collective_transfer", max(start, last_start), max(end, last_start)))
