@@ -16,7 +16,7 @@ from profstream.schema.batch import MACHINE
 
 # A step has a few readings (one a second): the figures are computed in one pass over Python
 # lists, about 9 us a step timed alone, where numpy's per-call overhead on so few values took
-# 37 (benchmarks.md, issue #34, sections 28 and 34).
+# 37 (benchmarks.md, issue #34, sections 28 and 36).
 
 _LOADER = ("worker", "cpu", "runnable", "interval_s", "batches", "ctx_switches_per_s", "cpu_count")
 
