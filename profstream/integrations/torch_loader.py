@@ -5,10 +5,12 @@ CPU as well, ``/proc/<pid>/schedstat``) and the machine's context switches, and 
 readings to the Monitor (EventBatch v8 ``loader_samples``, batches of their own). The
 training thread only counts which worker each batch came from (a dictionary read).
 
-``cpu`` is a worker's CPU time over the interval (of one core); ``runnable`` adds the time
-it waited to run: near 1 for a worker busy computing even on a crowded machine, low for one
-asleep (reading a file, waiting on the network, ``time.sleep``). Readings a process or the
-machine cannot give are NaN / -1, never 0.
+``cpu`` is a worker's CPU time over the interval (of one core, all its threads); ``runnable``
+adds the time it waited to run: near 1 for a worker busy computing even on a crowded
+machine, low for one asleep (reading a file, waiting on the network, ``time.sleep``). The
+wait is its main thread's (``/proc/<pid>/schedstat``): a worker whose threads do the work
+gets at least its CPU share, never less. Readings a process or the machine cannot give are
+NaN / -1, never 0.
 """
 
 from __future__ import annotations
@@ -141,8 +143,11 @@ class LoaderSampler:
             if prev is None:
                 continue
             dt = now - prev[0]
-            self.monitor.loader_sample((worker, pid, dt, (cpu - prev[1]) / dt, (runnable - prev[2]) / dt,
-                                        batches[worker] - prev[3], _NAN, -1), ts_ns=now_ns)
+            share, wanted = (cpu - prev[1]) / dt, (runnable - prev[2]) / dt
+            if wanted < share:  # schedstat is the main thread's: a worker busy in threads of its own
+                wanted = share  # wanted a CPU at least as long as it had one
+            self.monitor.loader_sample((worker, pid, dt, share, wanted, batches[worker] - prev[3], _NAN, -1),
+                                       ts_ns=now_ns)
         for pid in [p for p in last if p not in workers]:  # workers of an iterator gone
             del last[pid]
         ctx = _context_switches()

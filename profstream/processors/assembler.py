@@ -114,7 +114,9 @@ def _readings(recent: deque, start_ns: int, end_ns: int, section: str) -> dict[s
     for first, last, rows in reversed(recent):
         if last < start_ns:
             break
-        if first <= end_ns:
+        if first >= start_ns and last <= end_ns:  # the whole batch: no selection to make
+            parts.append(rows)
+        elif first <= end_ns:
             ts = rows["ts_ns"]
             sel = (ts >= start_ns) & (ts <= end_ns)
             if sel.any():
@@ -122,7 +124,7 @@ def _readings(recent: deque, start_ns: int, end_ns: int, section: str) -> dict[s
     if not parts:
         return empty_section(section)
     if len(parts) == 1:
-        return parts[0]
+        return dict(parts[0])  # a dict of its own, as empty_section's
     return {c: np.concatenate([p[c] for p in parts]) for c in parts[0]}
 
 
@@ -167,7 +169,7 @@ def _concat(parts: list[dict], names: tuple[str, ...], dtypes: dict) -> dict[str
             empty = _NO_COLUMNS[names] = {n: np.empty(0, dtypes[n]) for n in names}
         return empty.copy()  # a dict of its own; its zero-length arrays hold nothing to change
     if len(parts) == 1:
-        return parts[0]
+        return dict(parts[0])  # a dict of its own, as empty_section's
     return {n: np.concatenate([p[n] for p in parts]) for n in names}
 
 
@@ -288,7 +290,8 @@ class RankAssembler:
             rows = getattr(batch, section)
             ts = rows["ts_ns"]
             if len(ts) and fresh:  # kept by time: a step takes those of its [S, E] when it closes
-                recent.append((int(ts.min()), int(ts.max()), rows))
+                times = ts.tolist()  # a few readings: Python's min and max, not numpy's per-call cost
+                recent.append((min(times), max(times), rows))
         dev = batch.device_samples
         if len(dev["step"]):
             for step, part in _by_step(dev["step"], dev):

@@ -14,8 +14,11 @@ from __future__ import annotations
 from profstream.processors.model import StepEvents
 from profstream.schema.batch import MACHINE
 
-# A step has a few readings (one a second): the figures are computed on Python lists, about
-# 10 us a step where numpy's per-call overhead on so few values took 37 (benchmarks.md, issue #34).
+# A step has a few readings (one a second): the figures are computed in one pass over Python
+# lists, about 9 us a step timed alone, where numpy's per-call overhead on so few values took
+# 37 (benchmarks.md, issue #34, sections 28 and 36).
+
+_LOADER = ("worker", "cpu", "runnable", "interval_s", "batches", "ctx_switches_per_s", "cpu_count")
 
 
 def _mean(values: list[float]) -> float | None:
@@ -31,36 +34,49 @@ def _max(values: list[float]) -> float | None:
 def host_figures(ev: StepEvents) -> dict | None:
     """StepMetrics ``resources`` of a closed step (None: no reading in it)."""
     h, lo = ev.host_samples, ev.loader_samples
-    if not len(h["ts_ns"]) and not len(lo["ts_ns"]):
+    readings = len(h["ts_ns"])
+    if not readings and not len(lo["ts_ns"]):
         return None
-    ids = lo["worker"].tolist()
-    cpu, runnable, interval = lo["cpu"].tolist(), lo["runnable"].tolist(), lo["interval_s"].tolist()
-    batches = lo["batches"].tolist()
-    workers = [i for i, w in enumerate(ids) if w != MACHINE]
-    machine = [i for i, w in enumerate(ids) if w == MACHINE]
-    known = [i for i in workers if batches[i] >= 0]
-    total = sum(batches[i] for i in known) if known else None
-    produced = total is not None and total > 0
-    cpu_s = [cpu[i] * interval[i] for i in known]
-    cpu_known = [x for x in cpu_s if x == x]
+    ids: set[int] = set()
+    worker_cpu: list[float] = []
+    worker_runnable: list[float] = []
+    switches: list[float] = []
+    counts: list[int] = []
+    total = 0  # batches of the workers that counted theirs (batches >= 0)
+    counted = 0
+    busy_s = 0  # their readings' intervals, summed
+    cpu_s: list[float] = []  # their CPU seconds where known
+    for worker, cpu, runnable, interval, batches, ctx, count in zip(*(lo[c].tolist() for c in _LOADER)):
+        if worker == MACHINE:
+            switches.append(ctx)
+            counts.append(count)
+            continue
+        ids.add(worker)
+        worker_cpu.append(cpu)
+        worker_runnable.append(runnable)
+        if batches >= 0:
+            counted += 1
+            total += batches
+            busy_s += interval
+            cpu = cpu * interval
+            if cpu == cpu:
+                cpu_s.append(cpu)
+    produced = counted and total > 0
     rss = [x for x in h["rss_bytes"].tolist() if x > 0]
-    cpu_count = lo["cpu_count"].tolist()
-    count = max(cpu_count[i] for i in machine) if machine else -1
-    worker_cpu, worker_runnable = [cpu[i] for i in workers], [runnable[i] for i in workers]
-    ctx = lo["ctx_switches_per_s"].tolist()
+    count = max(counts) if counts else -1
     return {
-        "readings": len(h["ts_ns"]),
+        "readings": readings,
         "cpu_user": _mean(h["cpu_user"].tolist()), "cpu_system": _mean(h["cpu_system"].tolist()),
         "cpu_iowait": _mean(h["cpu_iowait"].tolist()), "cpu_idle": _mean(h["cpu_idle"].tolist()),
         "process_cpu": _mean(h["process_cpu"].tolist()), "rss_bytes": max(rss) if rss else None,
-        "loader_readings": len(workers),
-        "workers": len({ids[i] for i in workers}),
+        "loader_readings": len(worker_cpu),
+        "workers": len(ids),
         "worker_cpu_mean": _mean(worker_cpu), "worker_cpu_max": _max(worker_cpu),
         "worker_runnable_mean": _mean(worker_runnable), "worker_runnable_max": _max(worker_runnable),
-        "worker_batches": total,
+        "worker_batches": total if counted else None,
         # a worker makes its batches one at a time: its seconds (and CPU seconds) per batch
-        "worker_s_per_batch": sum(interval[i] for i in known) / total if produced else None,
-        "worker_cpu_s_per_batch": sum(cpu_known) / total if produced and cpu_known else None,
-        "ctx_switches_per_s": _mean([ctx[i] for i in machine]),
+        "worker_s_per_batch": busy_s / total if produced else None,
+        "worker_cpu_s_per_batch": sum(cpu_s) / total if produced and cpu_s else None,
+        "ctx_switches_per_s": _mean(switches),
         "cpu_count": int(count) if count > 0 else None,
     }

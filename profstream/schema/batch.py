@@ -271,14 +271,10 @@ def _unpack(section: str, record: dict) -> dict[str, np.ndarray]:
     count = record["count"]
     if count < 0:
         raise DecodeError("malformed", f"{section}.count is negative")
+    if not count and not any(record.values()):  # the count and every column (of its version) empty
+        return _EMPTY_SECTIONS[section].copy()  # most sections of most batches: no numpy calls
     spec = _UNPACK[section]
     get = record.get
-    if not count:
-        for col, _, _, _ in spec:
-            if get(col):
-                break
-        else:
-            return _EMPTY_SECTIONS[section].copy()  # most sections of most batches: no numpy calls
     out = {}
     for col, dtype, size, fill in spec:
         raw = get(col)

@@ -19,6 +19,7 @@ from typing import Any
 from fastavro import parse_schema, schemaless_reader, schemaless_writer
 from fastavro.schema import to_parsing_canonical_form
 
+from profstream.schema.sparse import sparse_reader
 from profstream.schema.writer import compile_writer
 
 MAGIC = b"\xc3\x01"
@@ -70,10 +71,16 @@ class SchemaVersion:
     upgrade: Callable[[dict], dict]  # record of this version -> record of the current one
     # (field, record name) of each field of type ["null", record]: encode names the branch
     named_unions: tuple[tuple[str, str], ...] = ()
+    # EventBatch: a reader that skips empty sections in one comparison (sparse.py), fastavro's
+    # second reading saying what is wrong with a body it does not take
+    sparse: Callable[[bytes, int], tuple[dict, int]] | None = None
 
 
 def _load(file: str) -> dict:
     return json.loads(resources.files("profstream.schema").joinpath(file).read_text())
+
+
+SPARSE_RECORDS = ("EventBatch",)  # read by sparse.py first: the raw topic's records, mostly empty sections
 
 
 def _version(schema: dict, version: int, upgrade: Callable[[dict], dict] | None = None) -> SchemaVersion:
@@ -89,6 +96,7 @@ def _version(schema: dict, version: int, upgrade: Callable[[dict], dict] | None 
         named_unions=tuple((f["name"], branch["name"]) for f in parsed["fields"]
                            if isinstance(f["type"], list) and len(f["type"]) == 2 and f["type"][0] == "null"
                            and isinstance(branch := f["type"][1], dict) and branch.get("type") == "record"),
+        sparse=sparse_reader(parsed) if schema["name"] in SPARSE_RECORDS else None,
     )
 
 
@@ -400,6 +408,22 @@ def decode_any(data: bytes) -> tuple[str, dict]:
     sv = SCHEMAS.get(fp)
     if sv is None:
         raise DecodeError("unknown_fingerprint", f"schema fingerprint {fp:016x} is not a profstream schema")
+    end = -1
+    if sv.sparse is not None and type(data) is bytes:
+        try:
+            record, end = sv.sparse(data, HEADER_LEN)
+        except Exception:  # noqa: BLE001 - not well formed: fastavro's reading says why
+            end = -1
+    if end != n:
+        record = _fastavro_read(data, sv)
+    try:
+        return sv.name, sv.upgrade(record)
+    except Exception as e:
+        raise DecodeError("malformed", f"cannot upgrade {sv.name} v{sv.version}: {e}") from None
+
+
+def _fastavro_read(data: bytes, sv: SchemaVersion) -> dict:
+    n = len(data)
     body = io.BytesIO(data)
     body.seek(HEADER_LEN)
     try:
@@ -410,10 +434,7 @@ def decode_any(data: bytes) -> tuple[str, dict]:
         raise DecodeError("malformed", f"{sv.name} v{sv.version}: {type(e).__name__}: {e}") from None
     if body.tell() != n:
         raise DecodeError("malformed", f"{n - body.tell()} trailing bytes after the {sv.name} body")
-    try:
-        return sv.name, sv.upgrade(record)
-    except Exception as e:
-        raise DecodeError("malformed", f"cannot upgrade {sv.name} v{sv.version}: {e}") from None
+    return record
 
 
 def record_name(data: bytes | None) -> str | None:
