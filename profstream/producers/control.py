@@ -262,10 +262,13 @@ class ControlReader(threading.Thread):
         opts = self.owner.options
         record = {"run_id": self.owner.run_id, "rank": self.owner.rank, "world_size": opts.get("world_size"),
                   "host": opts.get("host", ""), "step": step, "step_started_ns": started_ns,
-                  "last_step": last_step, "ts_ns": time.time_ns(), "interval_ms": int(self._progress_every * 1000),
-                  "collective": None if call is None else {"collective": call.collective, "group": call.group,
-                                                           "seq": call.seq, "since_ns": call.since_ns}}
-        if self._send(encode("RankProgress", record), self.owner.topics.raw, self._progress_key, self._on_progress):
+                  "last_step": last_step, "ts_ns": time.time_ns(), "interval_ms": int(self._progress_every * 1000)}
+        if call is None:  # v1, which processors older than v2 read too
+            value = encode("RankProgress", record, version=1)
+        else:
+            value = encode("RankProgress", {**record, "collective": {
+                "collective": call.collective, "group": call.group, "seq": call.seq, "since_ns": call.since_ns}})
+        if self._send(value, self.owner.topics.raw, self._progress_key, self._on_progress):
             self.progress_sent += 1
 
     def _on_progress(self, error: Exception | None) -> None:
