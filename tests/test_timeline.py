@@ -917,6 +917,25 @@ def test_each_collective_is_split_into_wait_and_transfer_on_the_collectives_trac
         assert sum(d for step, _, cat, _, d in got[rank] if cat == "collective_wait" and step == 0) == waits[rank]
 
 
+def test_calls_without_an_end_show_their_waits_and_no_transfer(tmp_path):
+    # gloo's always-on records keep no end (dur -1): rank 1 waits 30 ms for rank 0; no
+    # transfer slice, and an unmatched call is an instant, never a slice of negative length
+    calls = {0: [("all_reduce", 0, 1, 40, -1e-6)], 1: [("all_reduce", 0, 1, 10, -1e-6), ("broadcast", 0, 2, 60, -1e-6)]}
+    sink = TimelineSink(tmp_path)
+    sink.handle([Rec(TOPIC, 0, r, None, _rank_batch(r, [0], c, world=2, run_id="untimed")) for r, c in calls.items()])
+    sink.close()
+    got: dict = defaultdict(list)
+    for p in files(tmp_path):
+        doc = read_trace(p)
+        check_trace_format(doc)
+        rank, base = doc["otherData"]["rank"], doc["otherData"]["base_time_ns"]
+        got[rank] += [(e["name"], ns(e["ts"]) + base, ns(e["dur"])) for e in doc["traceEvents"]
+                      if e["ph"] == "X" and e["tid"] == TID_COLLECTIVES]
+    ms = 1_000_000
+    assert got[0] == []
+    assert sorted(got[1]) == [("broadcast (not matched)", 60 * ms, 0), ("wait for rank 0 (all_reduce)", 10 * ms, 30 * ms)]
+
+
 def test_a_run_whose_ranks_all_went_idle_leaves_no_collective_arrivals_behind(tmp_path):
     """A long-lived sink sees run after run: a run's record of collective arrivals goes
     when its last rank here goes idle, not before, and another run's stays."""
