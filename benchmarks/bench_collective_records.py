@@ -13,7 +13,9 @@ wait for):
   over rounds. Target: <= 2 µs.
 - ``reader``: one ``FlightReader.read()`` (the Monitor's thread; it holds the GIL, so the
   training thread's Python waits meanwhile) over a full ring of 2,000 entries of which
-  ``--new`` are new: ms per read and µs per entry in the ring, median of ``--reads``.
+  ``--new`` are new: ms per read and µs per entry in the ring, median of ``--reads``; and
+  ``other_thread_speed``: how fast a pure-Python loop on another thread (the training
+  thread's Python) runs during those reads, against the same loop idle for as long.
 
 Prints one JSON object on stdout; progress goes to stderr.
 """
@@ -26,6 +28,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 from _common import emit, envelope, note, summary
@@ -111,19 +114,36 @@ def reader(reads: int, new: int) -> dict:
     r = FlightReader(sink, interval_s=3600)
     r.read()  # every entry handed over once
     ms, per_entry = [], []
+    count, stop = [0], threading.Event()
+
+    def other_thread() -> None:
+        while not stop.is_set():
+            count[0] += 1
+
+    spinner = threading.Thread(target=other_thread, daemon=True)
+    spinner.start()
+    spins_reading = spins_idle = 0
     for _ in range(reads):
         for _ in range(new):
             dist.all_reduce(t)
+        c0 = count[0]
         t0 = time.perf_counter_ns()
         r.read()
         dt = time.perf_counter_ns() - t0
+        spins_reading += count[0] - c0
+        c0 = count[0]
+        time.sleep(dt / 1e9)
+        spins_idle += count[0] - c0
         ms.append(dt / 1e6)
         per_entry.append(dt / 1e3 / 2000)
+    stop.set()
+    spinner.join()
     dist.destroy_process_group()
     # the newest call may still be running when read: it is handed over at the next read
     assert new * reads <= sink.n - 2000 + 1, (sink.n, new * reads)
     return {"ring_entries": 2000, "new_per_read": new, "ms_per_read": summary(ms),
-            "us_per_ring_entry": statistics.median(per_entry), "calls_recorded": sink.n}
+            "us_per_ring_entry": statistics.median(per_entry), "calls_recorded": sink.n,
+            "other_thread_speed": spins_reading / max(spins_idle, 1)}
 
 
 def main() -> None:
@@ -133,8 +153,13 @@ def main() -> None:
     p.add_argument("--blocks", type=int, default=5)
     p.add_argument("--reads", type=int, default=20)
     p.add_argument("--new", type=int, default=100, help="new calls between two reads")
+    p.add_argument("--only", choices=("per_call", "reader"), help="one of the two figures")
     args = p.parse_args()
-    results = {"per_call": per_call(args.rounds, args.calls, args.blocks), "reader": reader(args.reads, args.new)}
+    results = {}
+    if args.only != "reader":
+        results["per_call"] = per_call(args.rounds, args.calls, args.blocks)
+    if args.only != "per_call":
+        results["reader"] = reader(args.reads, args.new)
     emit(envelope("bench_collective_records", args, results))
 
 
