@@ -71,6 +71,7 @@ SCRIPT = textwrap.dedent('''
     work.wait()
     mon.end_step()
     mon.begin_step()  # step 1 is complete once step 2 began
+    time.sleep(0.2)  # torch marks a call completed a moment after it returned
     reader.read()
     drained = mon.buffer.drain(10000)
     rows = [list(r) for r in drained.collectives]
@@ -85,13 +86,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_the_reader_records_every_group_with_members_sizes_and_the_open_call(tmp_path):
-    """Four gloo processes, pairs (0, 1) and (2, 3) besides the default group: each rank's
-    calls of a step come with their group (named with its members), sequence number,
-    sizes and start, in the step they were issued in; a call before the first step is in
-    none; rank 3, in its pair's all_reduce while rank 2 sleeps, has it as its open call."""
+def _run(tmp_path, text: str) -> dict[int, dict]:
+    """``text`` run by four gloo processes; each one's RESULT line."""
     script = tmp_path / "flight.py"
-    script.write_text(SCRIPT)
+    script.write_text(text)
     port = str(_free_port())
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     procs = [subprocess.Popen([sys.executable, str(script)], cwd=root, stdout=subprocess.PIPE,
@@ -111,6 +109,15 @@ def test_the_reader_records_every_group_with_members_sizes_and_the_open_call(tmp
         for p in procs:
             if p.poll() is None:
                 p.kill()
+    return results
+
+
+def test_the_reader_records_every_group_with_members_sizes_and_the_open_call(tmp_path):
+    """Four gloo processes, pairs (0, 1) and (2, 3) besides the default group: each rank's
+    calls of a step come with their group (named with its members), sequence number,
+    sizes and start, in the step they were issued in; a call before the first step is in
+    none; rank 3, in its pair's all_reduce while rank 2 sleeps, has it as its open call."""
+    results = _run(tmp_path, SCRIPT)
     for r, got in results.items():
         pair = "1@0,1" if r < 2 else "2@2,3"
         # (collective, group, dtype, step, seq, start_ns, dur_ns, in_bytes, out_bytes, group_size)
@@ -122,3 +129,46 @@ def test_the_reader_records_every_group_with_members_sizes_and_the_open_call(tmp
         assert got["watermark"] == 1, got
     assert results[3]["open"][:3] == ["all_reduce", "2@2,3", 2], results[3]
     assert results[2]["open"] is None  # it had not entered it when read (it slept)
+
+
+FSDP_SCRIPT = textwrap.dedent('''
+    import json, time
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from tests.test_collectives import _monitor_without_sender_thread
+    from profstream.integrations.torch_flight import FlightReader
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    mon, sender = _monitor_without_sender_thread()
+    reader = FlightReader(mon, interval_s=3600)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
+    fully_shard(model, mesh=mesh["dp"])
+    with mon.step():
+        model(torch.randn(4, 16)).sum().backward()
+        t = torch.ones(4)
+        dist.all_reduce(t, group=mesh["tp"].get_group())
+    mon.begin_step()
+    time.sleep(0.2)  # torch marks a call completed a moment after it returned
+    reader.read()
+    rows = [[r[0], r[1], r[3], r[9]] for r in mon.buffer.drain(10000).collectives]
+    print("RESULT", json.dumps({"rows": rows}))
+    dist.destroy_process_group()
+''')
+
+
+def test_fsdp_on_a_device_mesh_is_recorded_in_the_mesh_groups(tmp_path):
+    """FSDP2 (``fully_shard``) on the "dp" dimension of a 2 x 2 DeviceMesh and a user call on
+    "tp": FSDP's parameter all_gather and its gradient reduction (an all_reduce: gloo has no
+    reduce_scatter) come in the dp group, the user's all_reduce in the tp group, each group
+    named with its members."""
+    results = _run(tmp_path, FSDP_SCRIPT)
+    for r, got in results.items():
+        dp = "@" + ("0,2" if r % 2 == 0 else "1,3")
+        tp = "@" + ("0,1" if r < 2 else "2,3")
+        calls = {(c[0], c[1].partition("@")[1] + c[1].partition("@")[2], c[2], c[3]) for c in got["rows"]}
+        assert ("all_gather", dp, 0, 2) in calls, (r, got)
+        assert ("all_reduce", dp, 0, 2) in calls, (r, got)
+        assert ("all_reduce", tp, 0, 2) in calls, (r, got)

@@ -35,6 +35,7 @@ from profstream.schema.groups import group_label
 log = logging.getLogger("profstream.torch")
 
 SOURCE = "collectives"  # the watermark this reader holds (Monitor.hold_watermark)
+FINAL_TRIES, FINAL_WAIT_S = 10, 0.05  # at stop: reads while a call is still open (0.5 s at most)
 _ITEM_BYTES = {"float": 4, "double": 8, "half": 2, "bfloat16": 2, "int": 4, "long": 8, "short": 2, "char": 1,
                "byte": 1, "bool": 1, "complexfloat": 8, "complexdouble": 16, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
@@ -137,6 +138,13 @@ class FlightReader(threading.Thread):
     def run(self) -> None:
         while not self._stopping.wait(self.interval_s):
             self._read_safely()
+        # the last calls: torch marks a call completed a moment after it returned, so a call
+        # still open is read again a few times before the last read lets the watermark go
+        for _ in range(FINAL_TRIES):
+            self._read_safely()
+            if self.open_call is None or self.failed is not None:
+                break
+            time.sleep(FINAL_WAIT_S)
         self._read_safely(final=True)
 
     def stop(self, timeout: float) -> None:
