@@ -74,8 +74,9 @@ test-cluster: jars
 	$(call pytest_limited,20,-m cluster tests/faults)
 
 # Real distributed jobs: torch.distributed (gloo, CPU) processes launched through
-# `profstream run`, their collectives matched across ranks (tests/test_multiproc.py, ~1 min);
-# `profstream stacks` of gloo ranks in all_reduce and one that never came (tests/test_stacks.py);
+# `profstream run`, their collectives matched across ranks, with op capture and without it on
+# a 2 x 2 "TP" x "DP" mesh (tests/test_multiproc.py, ~2 min); `profstream stacks` of gloo ranks in
+# all_reduce and one that never came, and the hang alert naming that call (tests/test_stacks.py);
 # a hang's stacks asked by autocapture and shown by `stacks --latest`, the timeline and the
 # report (tests/test_hang_stacks_e2e.py).
 test-multiproc: jars $(TORCH_STAMP)

@@ -13,6 +13,14 @@ run stage then matches the calls), ``off`` and ``on`` alternating. ops/s = op ev
 (both stages' wall time). Every run step must come out once; with calls, every call must
 be matched. The same per CPU second of this process (``ops_per_cpu_s``, ``cpu_cost``) is
 reported beside it: on a shared machine it is closer to what one dedicated core would do.
+``us_per_call_row``: the extra wall time of ``on`` per collective row (one rank's part in
+one call), both stages.
+
+``--groups mesh``: the calls as torch's Flight Recorder gives them with capture off
+(issue #32): two groups per rank, "TP" pairs (0, 1), (2, 3)... and "DP" groups of every
+other rank, named with their members (schema/groups.py), calls alternating between the
+two, no end (gloo keeps none): the matching takes the general path (the ranks' calls
+differ), as it does for every run with sub-groups.
 
 Prints one JSON object on stdout; progress goes to stderr.
 """
@@ -36,13 +44,24 @@ from profstream.processors.runtime import RunStage, StepStage
 from profstream.producers.sender import collective_columns
 from profstream.schema.batch import decode_batch, encode_batch
 from profstream.schema.codec import decode
+from profstream.schema.groups import group_label
 from profstream.simulate import SimConfig
 
 Record = namedtuple("Record", "topic partition offset key value")
 TARGET_COST = 0.15
 
 
-def with_collectives(messages: list[tuple[bytes, bytes]], every: int = 10) -> list[tuple[bytes, bytes]]:
+def _mesh_group(rank: int, ranks: int, call: int) -> tuple[str, int]:
+    """(label, size) of a rank's ``call``-th call's group in the mesh: TP pair, then DP."""
+    if call % 2 == 0:
+        first = rank - rank % 2
+        return group_label(str(1 + rank // 2), [first, first + 1], ranks), 2
+    members = list(range(rank % 2, ranks, 2))
+    return group_label(str(1000 + rank % 2), members, ranks), len(members)
+
+
+def with_collectives(messages: list[tuple[bytes, bytes]], every: int = 10, mesh: bool = False,
+                     ranks: int = 8) -> list[tuple[bytes, bytes]]:
     """The batches with every ``every``-th op of each step also sent as a collective call;
     a call's seq numbers the calls of its step from step x 1,000,000 (the same on every rank)."""
     seen: dict[tuple[bytes, int], int] = {}  # (rank key, step) -> ops of the step so far
@@ -50,10 +69,15 @@ def with_collectives(messages: list[tuple[bytes, bytes]], every: int = 10) -> li
     for key, value in messages:
         b = decode_batch(value)
         rows = []
+        rank = int(key.decode().rpartition("/")[2])
         for i, step in enumerate(b.ops["step"].tolist()):
             k = seen.get((key, step), 0)
             seen[(key, step)] = k + 1
-            if k % every == 0:
+            if k % every == 0 and mesh:
+                group, size = _mesh_group(rank, ranks, k // every)
+                rows.append(("all_reduce", group, "Float", step, step * 1_000_000 + k // every,
+                             int(b.ops["start_ns"][i]), -1, 4 << 20, 4 << 20, size))
+            elif k % every == 0:
                 rows.append(("all_reduce", "0", "Float", step, step * 1_000_000 + k // every,
                              int(b.ops["start_ns"][i]), int(b.ops["dur_ns"][i]), 4 << 20, 4 << 20, 8))
         if rows:
@@ -94,7 +118,8 @@ def check(label: str, run_steps: list[bytes], expect_calls: int) -> dict[str, in
 def measure(inputs: dict[str, tuple[list, int]], total_ops: int, repeats: int) -> dict[str, dict[str, Any]]:
     """Each repeat times ``off`` then ``on`` (alternating, so that both see the same load)."""
     topics = Topics("bench-coll")
-    runs: dict[str, dict[str, list]] = {k: {"rates": [], "cpu": [], "step": [], "run": []} for k in inputs}
+    runs: dict[str, dict[str, list]] = {k: {"rates": [], "cpu": [], "step": [], "run": [], "wall": []}
+                                        for k in inputs}
     checks: dict[str, dict] = {}
     for r in range(repeats):
         for label, (records, expect_calls) in inputs.items():
@@ -106,11 +131,13 @@ def measure(inputs: dict[str, tuple[list, int]], total_ops: int, repeats: int) -
             m["cpu"].append(total_ops / res["cpu_s"])
             m["step"].append(res["step_stage_s"])
             m["run"].append(res["run_stage_s"])
+            m["wall"].append(res["elapsed_s"])
             note(f"{label} repeat {r + 1}/{repeats}: {m['rates'][-1] / 1e6:.3f} M ops/s (step stage "
                  f"{res['step_stage_s']:.3f} s, run stage {res['run_stage_s']:.3f} s)")
     return {label: {"ops_per_s": m["rates"], "summary": summary(m["rates"]), "ops_per_cpu_s": m["cpu"],
                     "cpu_summary": summary(m["cpu"]), "median_step_stage_s": statistics.median(m["step"]),
-                    "median_run_stage_s": statistics.median(m["run"]), "check": checks[label]}
+                    "median_run_stage_s": statistics.median(m["run"]), "elapsed_s": m["wall"],
+                    "check": checks[label]}
             for label, m in runs.items()}
 
 
@@ -120,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=50, help="steps per rank")
     p.add_argument("--ops-per-step", type=int, default=1000)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--groups", choices=("default", "mesh"), default="default",
+                   help="the calls' groups: the default group, timed; or a TP x DP mesh without ends (always-on)")
     p.add_argument("--input", type=Path, help="the input batches as a pickle: read where the file exists, else "
                    "built and written there (for --count)")
     p.add_argument("--count", choices=("none", "off", "on"), help="one pass of both stages over that input and "
@@ -132,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = SimConfig(run_id="bench-coll", ranks=args.ranks, steps=args.steps, ops_per_step=args.ops_per_step,
                         step_time_ms=50.0)
         messages, _ = monitor_messages(cfg)
-        coll = with_collectives(messages)
+        coll = with_collectives(messages, mesh=args.groups == "mesh", ranks=args.ranks)
         if args.input is not None:
             args.input.write_bytes(pickle.dumps((messages, coll)))
     if args.count is not None:
@@ -141,15 +170,20 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     total_ops = args.ranks * args.steps * args.ops_per_step
     calls = sum(decode_batch(v).n("collectives") for _, v in coll)
-    note(f"{len(messages)} messages, {total_ops} ops, {calls} collective rows ({calls // args.ranks} calls)")
+    distinct = len({(b.collective_names[g], q) for b in (decode_batch(v) for _, v in coll)
+                    for g, q in zip(b.collectives["group_idx"].tolist(), b.collectives["seq"].tolist())})
+    note(f"{len(messages)} messages, {total_ops} ops, {calls} collective rows ({distinct} calls)")
     got = measure({"off": (as_records("bench-coll.raw", messages), 0),
-                   "on": (as_records("bench-coll.raw", coll), calls // args.ranks)}, total_ops, args.repeats)
+                   "on": (as_records("bench-coll.raw", coll), distinct)}, total_ops, args.repeats)
     off, on = got["off"], got["on"]
     cost = 1 - on["summary"]["median"] / off["summary"]["median"]
     cpu_cost = 1 - on["cpu_summary"]["median"] / off["cpu_summary"]["median"]
+    extra = [a - b for a, b in zip(on["elapsed_s"], off["elapsed_s"])]  # per repeat, both alternating
+    us_per_row = statistics.median(extra) / calls * 1e6
     emit(envelope("bench_collectives", args, {
         "metric": "op events/s through StepStage + RunStage (fold + ready), one thread, no Kafka",
         "collective_rows": calls, "off": off, "on": on, "cost": cost, "cpu_cost": cpu_cost,
+        "us_per_call_row": us_per_row,
         "target_cost": TARGET_COST, "met": cost <= TARGET_COST, "cpu_met": cpu_cost <= TARGET_COST}))
     return 0
 

@@ -124,6 +124,28 @@ def test_broadcasts_and_unmatched_calls_teach_nothing():
     assert clocks.offsets() == {} and clocks.estimates() == []
 
 
+def test_calls_without_an_end_teach_nothing_and_timed_ones_still_do():
+    """gloo's always-on records keep no end (end before start): their ends would make the
+    arrival spread an offset. They teach nothing, on both paths (matrices and rows); the
+    timed calls beside them still do."""
+    from profstream.processors.collectives import pack_calls
+
+    rng = np.random.default_rng(3)
+    offsets = {0: 0.0, 1: 4 * MS}
+    timed, _truth = synthetic_step(rng, 0, offsets)
+    untimed = {r: calls_of([CollectiveCall("all_reduce", "0", 2, 100 + j, 8, s, s - 1)
+                            for j, s in enumerate([10 * MS + r * 3 * MS, 30 * MS + r * 2 * MS])])
+               for r in offsets}
+    for learn in ("learn", "learn_packed"):
+        clocks = RunClocks()
+        given = untimed if learn == "learn" else {r: pack_calls(c) for r, c in untimed.items()}
+        getattr(clocks, learn)(given)
+        assert clocks.offsets() == {}, learn
+        clocks.learn({r: calls_of([CollectiveCall(*row) for row in [*_rows(timed[r]), *_rows(untimed[r])]])
+                      for r in offsets})
+        assert abs(clocks.offsets()[1] - 4 * MS) < 0.1 * MS, learn
+
+
 def test_a_restored_estimate_gives_the_same_offsets_until_new_steps_come():
     rng = np.random.default_rng(5)
     offsets = {0: 0.0, 1: -5 * MS, 2: 5 * MS}

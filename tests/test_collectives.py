@@ -358,3 +358,85 @@ def test_the_report_lists_each_ranks_clock_offset_and_its_drift():
     html = communication_section([first, later])
     assert '<tr data-rank="1"><td>rank 1</td><td>+5.250</td><td>0.700</td><td>+0.250</td></tr>' in html
     assert "No clock offsets" in communication_section([{**r, "clock_offsets": []} for r in run])  # before v4
+
+
+# -- always-on records (torch's Flight Recorder): groups with members, calls without an end --
+
+
+def test_a_call_missing_from_a_member_of_a_subgroup_names_that_rank():
+    # two "TP" groups of two ranks, named with their members (schema/groups.py): rank 3 never
+    # made the second call of its group, rank 2 did
+    calls = {0: [_call("all_reduce", 1, 0, 10, group="1@0,1", n=2)],
+             1: [_call("all_reduce", 1, 2, 10, group="1@0,1", n=2)],
+             2: [_call("all_reduce", 1, 0, 10, group="2@2,3", n=2), _call("all_reduce", 2, 20, 30, group="2@2,3", n=2)],
+             3: [_call("all_reduce", 1, 1, 10, group="2@2,3", n=2)]}
+    f = step_collectives({r: calls_of(c) for r, c in calls.items()}, range(4))
+    assert f["collectives_matched"] == 2
+    assert f["unmatched_collectives"] == [{"collective": "all_reduce", "group": "2@2,3", "seq": 2, "arrived": [2],
+                                           "missing": [3], "expected": 2}]
+
+
+def test_group_labels_name_their_members_and_read_back():
+    from profstream.schema.groups import group_label, group_members
+
+    assert group_label("0", range(8), 8) == "0"  # the default group: every rank, its plain name
+    assert group_label("3", [1, 3, 5, 7], 8) == "3@1-7/2" and group_members("3@1-7/2") == [1, 3, 5, 7]
+    assert group_label("4", [4, 5, 6, 7], 8) == "4@4-7" and group_members("4@4-7") == [4, 5, 6, 7]
+    assert group_label("5", [0, 2, 7], 8) == "5@0,2,7" and group_members("5@0,2,7") == [0, 2, 7]
+    assert group_label("6", [0, 4], 8) == "6@0,4" and group_members("6@0,4") == [0, 4]
+    assert group_members("0") is None and group_members("x@y") is None
+
+
+def test_calls_without_an_end_give_waits_and_the_late_rank_and_no_transfer():
+    # gloo's Flight Recorder keeps no end: end before start. Waits and the late rank come
+    # from the starts; transfer and bandwidth only from calls every rank timed
+    untimed = {r: [CollectiveCall("all_reduce", "0", 3, 1, 4000, start * MS, start * MS - 1)]
+               for r, start in ((0, 0), (1, 10), (2, 30))}
+    f = step_collectives({r: calls_of(c) for r, c in untimed.items()}, range(3))
+    ranks = {r["rank"]: r for r in f["collective_ranks"]}
+    assert [ranks[r]["wait_ns"] for r in range(3)] == [30 * MS, 20 * MS, 0]
+    assert f["late_rank"] == 2 and f["late_rank_held_ns"] == 30 * MS
+    assert all(r["transfer_ns"] == 0 for r in ranks.values())
+    (ar,) = f["by_collective"]
+    assert ar["calls"] == 1 and ar["transfer_ns"] == 0 and ar["algbw_bytes_per_s"] == 0.0
+    # one timed call beside an untimed one: the bandwidth is the timed call's bytes over its transfer
+    mixed = {r: calls_of([_call("all_reduce", 1, 0, 40), CollectiveCall("all_reduce", "0", 3, 2, 4000, 50 * MS,
+                                                                           50 * MS - 1)]) for r in range(3)}
+    (ar,) = step_collectives(mixed, range(3))["by_collective"]
+    assert ar["calls"] == 2 and ar["bytes"] == 2 * 3 * 4000
+    assert ar["algbw_bytes_per_s"] == pytest.approx(3 * 4000 / 0.120)
+
+
+def test_a_call_recorded_by_capture_and_by_the_flight_recorder_counts_once_with_its_end():
+    """A captured step on a rank whose Flight Recorder is read too: the same (group, seq)
+    twice in its batch; the step's StepMetrics hold it once, op capture's timed row."""
+    from profstream.processors.stream import RUN, STEPS, RawMessage, StreamOptions, figures
+
+    batches = [_rank_batch(r, [0], [("all_reduce", 0, 1, 10 * (r + 1), 50 - 10 * r),  # capture: timed
+                                     ("all_reduce", 0, 1, 10 * (r + 1), -1e-6)])  # the recorder's: no end
+               for r in range(3)]
+    messages = [RawMessage(1.0, r, 0, f"hang/{r}".encode(), b) for r, b in enumerate(batches)]
+    out = list(figures(messages, StreamOptions(grace_s=0.1, run_grace_s=1.0)))
+    steps = [decode("StepMetrics", f.value) for f in out if f.kind == STEPS]
+    assert [s["collectives"]["count"] for s in steps] == [1, 1, 1]
+    (run,) = [decode("RunStepMetrics", f.value) for f in out if f.kind == RUN]
+    (ar,) = run["by_collective"]
+    assert run["collectives_matched"] == 1 and ar["calls"] == 1
+    assert ar["transfer_ns"] == 3 * 30 * MS  # each rank ends at 60 ms, the last arrived at 30 ms
+
+
+def test_a_rank_that_records_collectives_without_capture_is_missing_from_a_call_it_did_not_make():
+    """Ranks whose collectives come without ops (always on): rank 2 reported step 1 without
+    its broadcast. It is not 'not measured' (before, a step without ops left the call out):
+    the broadcast is unmatched with rank 2 missing."""
+    from profstream.processors.stream import RUN, RawMessage, StreamOptions, figures
+
+    batches = [_rank_batch(0, [0, 1], [("all_reduce", 0, 1, 10, 50), ("broadcast", 1, 2, 110, 5)]),
+               _rank_batch(1, [0, 1], [("all_reduce", 0, 1, 20, 40), ("broadcast", 1, 2, 111, 5)]),
+               _rank_batch(2, [0, 1], [("all_reduce", 0, 1, 40, 20)])]
+    messages = [RawMessage(1.0, rank, 0, f"hang/{rank}".encode(), b) for rank, b in enumerate(batches)]
+    run = {r["step"]: r for r in (decode("RunStepMetrics", f.value) for f in figures(
+        messages, StreamOptions(grace_s=0.1, run_grace_s=1.0)) if f.kind == RUN)}
+    assert run[1]["ranks_reported"] == 3
+    assert run[1]["unmatched_collectives"] == [{"collective": "broadcast", "group": "0", "seq": 2, "arrived": [0, 1],
+                                                "missing": [2], "expected": 3}]

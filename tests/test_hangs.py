@@ -185,3 +185,57 @@ def test_the_exporter_shows_a_firing_hang_per_run_skips_progress_and_a_restart_k
     state.handle([Msg(topics.alerts, 0, 1, now_ms, encode("Alert", resolved))])
     text = state.exposition().decode()
     assert 'profstream_training_hang{run="hang-run"} 0' in text and "profstream_hang_step{" not in text
+
+
+def _in_call(rank: int, step: int, ts_ns: int, call: tuple | None) -> bytes:
+    """A RankProgress v2: in ``step`` since T0, in collective ``call`` (op, group, seq, since s) or none."""
+    collective = None if call is None else {"collective": call[0], "group": call[1], "seq": call[2],
+                                            "since_ns": T0 + int(call[3] * S)}
+    return encode("RankProgress", {"run_id": "hang-run", "rank": rank, "world_size": 4, "host": HOSTS[rank],
+                                   "step": step, "step_started_ns": T0, "last_step": step - 1, "ts_ns": ts_ns,
+                                   "interval_ms": 5000, "collective": collective})
+
+
+def test_the_hang_names_the_collective_and_the_rank_that_has_not_entered_it():
+    """Ranks 0, 1, 3 sit in step 7's all_reduce (default group, call 12) since 1 s into the
+    step; rank 2 sleeps in step 7 before it: the alert names the call, its ranks, and rank 2
+    as not entered, with its host and where it is."""
+    run = Run()
+    fired = []
+    for t in range(0, 70, 5):
+        ts = T0 + t * S
+        fired += run.feed(t, *(_in_call(r, 7, ts, None if r == 2 else ("all_reduce", "0", 12, 1.0))
+                               for r in range(4)))
+    (alert,) = fired
+    assert alert["step"] == 7
+    summary = alert["summary"]
+    assert "ranks 0, 1, 3 (hosts node-a, node-b) in all_reduce of group 0, seq 12 for 64 s" in summary, summary
+    assert summary.endswith("not entered: rank 2 (host node-b) in step 7, in no collective"), summary
+    ev = alert["evidence"]
+    assert ev["collective_seq"] == 12 and ev["ranks_not_entered"] == 1 and ev["rank.2.not_entered"] == 1
+
+
+def test_a_subgroup_call_names_only_its_members_not_entered():
+    """Group "5@0-2" (ranks 0, 1, 2): ranks 0 and 1 sit in its call 3, rank 2 is in no
+    collective; rank 3, no member, sits in a call of its own group and is not named."""
+    run = Run()
+    fired = []
+    calls = {0: ("all_gather", "5@0-2", 3, 0.0), 1: ("all_gather", "5@0-2", 3, 0.0), 2: None,
+             3: ("all_reduce", "6@3", 2, 0.0)}
+    for t in range(0, 70, 5):
+        fired += run.feed(t, *(_in_call(r, 7, T0 + t * S, calls[r]) for r in range(4)))
+    (alert,) = fired
+    summary = alert["summary"]
+    assert "ranks 0, 1 (host node-a) in all_gather of group 5@0-2, seq 3 for 65 s; not entered: rank 2 (host " \
+           "node-b) in step 7, in no collective" in summary, summary
+    assert alert["evidence"]["ranks_not_entered"] == 1 and "rank.3.not_entered" not in alert["evidence"]
+
+
+def test_a_version_1_progress_record_reads_without_a_collective():
+    from profstream.schema.codec import VERSIONS
+
+    old = {"run_id": "r", "rank": 1, "world_size": 2, "host": "h", "step": 3, "step_started_ns": T0, "last_step": 2,
+           "ts_ns": T0 + S, "interval_ms": 5000}
+    name, record = decode_any(encode("RankProgress", old, version=1))
+    assert name == "RankProgress" and record["collective"] is None and record["step"] == 3
+    assert VERSIONS[("RankProgress", 2)].fingerprint != VERSIONS[("RankProgress", 1)].fingerprint

@@ -77,14 +77,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_ranks(kafka_bootstrap, topics, tmp_path, run_id: str) -> None:
-    script = tmp_path / "ddp.py"
-    script.write_text(SCRIPT)
+def _run_ranks(kafka_bootstrap, topics, tmp_path, run_id: str, script_text: str = SCRIPT, world: int = WORLD,
+               options: dict | None = None) -> None:
+    script = tmp_path / f"{run_id}.py"
+    script.write_text(script_text)
     port = str(_free_port())
     procs = []
-    for rank in range(WORLD):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(WORLD), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": port, "PROFSTREAM_OPTIONS": json.dumps({"host_sample_interval_s": 0}),
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": port, "PROFSTREAM_OPTIONS": json.dumps({"host_sample_interval_s": 0, **(options or {})}),
                "OMP_NUM_THREADS": "1"}
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "profstream.cli", "run", "--bootstrap", kafka_bootstrap, "--run-id", run_id,
@@ -111,9 +112,9 @@ def _run_ranks(kafka_bootstrap, topics, tmp_path, run_id: str) -> None:
                 ranks.add(b.rank)
             return new
 
-        calls = read_full(kafka_bootstrap, topics.raw, first_of_rank, WORLD, 60, decode=decode_batch,
+        calls = read_full(kafka_bootstrap, topics.raw, first_of_rank, world, 60, decode=decode_batch,
                           what="ranks' collective batches")
-        assert {b.rank for b in calls} == set(range(WORLD)), [(b.rank, b.producer_id) for b in calls]
+        assert {b.rank for b in calls} == set(range(world)), [(b.rank, b.producer_id) for b in calls]
 
 
 def test_a_late_rank_is_named_and_the_others_wait_for_it(kafka_bootstrap, topics, tmp_path):
@@ -160,3 +161,76 @@ def test_a_late_rank_is_named_and_the_others_wait_for_it(kafka_bootstrap, topics
         assert sorted(offsets) == list(range(WORLD)), where
         for c in offsets.values():
             assert abs(c["offset_ns"]) <= c["error_ns"] < TOLERANCE * delay_ns, where
+
+
+# -- every collective of every process group, op capture off: torch's Flight Recorder ------
+
+MESH_WORLD = 4
+MESH_STEPS = 6
+MESH_SLOW = (3,)
+MESH_SCRIPT = textwrap.dedent(f'''
+    import time
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    # a 2 x 2 mesh: "TP" pairs (0, 1), (2, 3); "DP" pairs (0, 2), (1, 3). Every rank makes every group
+    tp = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
+    dp = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(16 * {MESH_STEPS}, 32), torch.randn(16 * {MESH_STEPS}, 4))
+    loader = torch.utils.data.DataLoader(data, batch_size=16)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(32, 4), process_group=dp)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step, (x, y) in enumerate(loader):
+        if rank == 1 and step in {MESH_SLOW}:
+            time.sleep({DELAY_S})  # late to its TP group's all_reduce
+        optimizer.zero_grad()
+        h = x.clone()
+        dist.all_reduce(h, group=tp)  # "TP": the activations summed over the pair
+        ((model(h) - y) ** 2).mean().backward()  # "DP": DDP's bucket all_reduced over the other pair
+        optimizer.step()
+    dist.destroy_process_group()
+''')
+
+
+def _mesh_run(kafka_bootstrap, topics, tmp_path, run_id: str, capture: bool) -> dict[int, dict]:
+    _run_ranks(kafka_bootstrap, topics, tmp_path, run_id, MESH_SCRIPT, MESH_WORLD,
+               {"scheduled_capture": capture})
+    with RunningProcessor(kafka_bootstrap, topics, run_grace_s=20.0):
+        steps = read_full(kafka_bootstrap, topics.run, lambda r: r["run_id"] == run_id, MESH_STEPS, 120,
+                          decode=lambda v: decode("RunStepMetrics", v), what="RunStepMetrics")
+    return {s["step"]: s for s in steps}
+
+
+def test_every_collective_of_two_process_groups_is_matched_with_capture_off(kafka_bootstrap, topics, tmp_path):
+    """Four ranks, two groups each (2 x 2 "TP" x "DP") and DDP on the "DP" group, ops not
+    captured: each step's four all_reduces (one per TP pair, one DDP bucket per DP pair)
+    are matched across their members; rank 1, late to its TP pair on a slowed step, is the
+    late rank and rank 0, its partner, waited for it. A run with op capture on gives the
+    same figures (its calls come from the same recorder: op capture numbers none of a run
+    with more than one group). gloo's recorder keeps no end: no transfer figures."""
+    off = _mesh_run(kafka_bootstrap, topics, tmp_path, "mesh-off", capture=False)
+    on = _mesh_run(kafka_bootstrap, topics, tmp_path, "mesh-on", capture=True)
+    delay_ns = DELAY_S * 1e9
+    for figures in (off, on):
+        assert sorted(figures) == list(range(MESH_STEPS))
+        for step, s in figures.items():
+            where = f"step {step}: {s}"
+            assert s["ranks_reported"] == MESH_WORLD and s["unmatched_collectives"] == [], where
+            by = {c["collective"]: c for c in s["by_collective"]}
+            # DDP broadcasts in its first steps besides
+            assert by["all_reduce"]["calls"] == 4, where
+            assert s["collectives_matched"] == sum(c["calls"] for c in by.values()), where
+            waits = {r["rank"]: r["wait_ns"] for r in s["collective_ranks"]}
+            assert sorted(waits) == list(range(MESH_WORLD)), where
+            if step in MESH_SLOW:
+                assert s["late_rank"] == 1, where
+                assert abs(waits[0] - delay_ns) < TOLERANCE * delay_ns, where
+                assert waits[1] < TOLERANCE * delay_ns, where
+    for step in MESH_SLOW:  # the capture-on run's figures within timing noise of the capture-off run's
+        w_off = {r["rank"]: r["wait_ns"] for r in off[step]["collective_ranks"]}
+        w_on = {r["rank"]: r["wait_ns"] for r in on[step]["collective_ranks"]}
+        assert abs(w_off[0] - w_on[0]) < TOLERANCE * delay_ns, (off[step], on[step])
+        assert off[step]["late_rank"] == on[step]["late_rank"] == 1

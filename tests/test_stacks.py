@@ -26,8 +26,11 @@ from profstream.control.records import (
     new_status,
 )
 from profstream.control.stacks import ask_stacks, group_ranks, stacks_lines, traceback_lines
+from profstream.processors.hangs import HANG_ALERT
 from profstream.producers.stacks import thread_stacks
-from tests.helpers import wait_until
+from profstream.schema.codec import decode
+from tests.helpers import read_full, wait_until
+from tests.test_processor import RunningProcessor
 
 WORLD = 3
 STUCK = 1
@@ -238,6 +241,7 @@ TORCH_SCRIPT = textwrap.dedent('''
     import sys, time
     import torch
     import torch.distributed as dist
+    from profstream.integrations.torch_flight import start_flight_reader
     from profstream.producers.monitor import Monitor
 
     bootstrap, prefix, run_id = sys.argv[1:4]
@@ -245,7 +249,9 @@ TORCH_SCRIPT = textwrap.dedent('''
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     monitor = Monitor(bootstrap=bootstrap, topic_prefix=prefix, run_id=run_id, rank=rank, world_size=world,
-                      host=f"node-{rank}", host_sample_interval_s=0)
+                      host=f"node-{rank}", host_sample_interval_s=0, progress_interval_s=1.0)
+    # the torch producer's reader of collectives (instrument() starts it): the call a rank sits in
+    monitor.collective_reader = start_flight_reader(monitor, 0.5)
     grads = torch.ones(4)
     dist.all_reduce(grads)  # every rank is in the job
 
@@ -263,7 +269,8 @@ TORCH_SCRIPT = textwrap.dedent('''
 @pytest.mark.multiproc
 def test_stacks_show_the_ranks_in_a_gloo_all_reduce_and_the_one_that_never_came(kafka_bootstrap, topics, tmp_path):
     """The issue's case: torch.distributed (gloo) ranks wait in all_reduce, inside C++ with
-    the GIL released, for a rank that sleeps before it."""
+    the GIL released, for a rank that sleeps before it. The hang alert names the call (the
+    default group's second) and the rank that has not entered it, with its host."""
     pytest.importorskip("torch")
     import os
     import socket
@@ -273,8 +280,17 @@ def test_stacks_show_the_ranks_in_a_gloo_all_reduce_and_the_one_that_never_came(
         port = s.getsockname()[1]
     env = {**os.environ, "WORLD_SIZE": str(WORLD), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
            "OMP_NUM_THREADS": "1"}
-    with Ranks(kafka_bootstrap, topics, "gloo-run", tmp_path, TORCH_SCRIPT, env) as ranks:
+    with RunningProcessor(kafka_bootstrap, topics, hang_after_s=3.0), \
+            Ranks(kafka_bootstrap, topics, "gloo-run", tmp_path, TORCH_SCRIPT, env) as ranks:
         wait_until(ranks.entered, 120, "every rank to reach its blocking call")
+        [firing] = read_full(kafka_bootstrap, topics.alerts,
+                             lambda a: a["run_id"] == "gloo-run" and a["name"] == HANG_ALERT, 1, 60,
+                             decode=lambda v: decode("Alert", v), what="TrainingHang alerts")
+        others = [r for r in range(WORLD) if r != STUCK]
+        summary = firing["summary"]
+        assert f"ranks {', '.join(map(str, others))} (hosts {', '.join(f'node-{r}' for r in others)}) in " \
+               f"all_reduce of group 0, seq 2 for" in summary, summary
+        assert summary.endswith(f"not entered: rank {STUCK} (host node-{STUCK}) in step 0, in no collective"), summary
         answer = ask_stacks(kafka_bootstrap, topics, "gloo-run", timeout_s=30)
         assert answer.missing() == [] and len(answer.groups) == 2, stacks_lines(answer)
         odd, rest = answer.groups

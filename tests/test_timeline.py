@@ -887,19 +887,8 @@ def test_each_collective_is_split_into_wait_and_transfer_on_the_collectives_trac
     calls = {0: [("all_reduce", 0, 1, 10, 50), ("broadcast", 0, 2, 70, 5), ("all_reduce", 1, 3, 110, 10)],
              1: [("all_reduce", 0, 1, 20, 40), ("broadcast", 0, 2, 70, 5), ("all_reduce", 1, 3, 110, 10)],
              2: [("all_reduce", 0, 1, 50, 10), ("all_reduce", 1, 3, 110, 10)]}
-    sink = TimelineSink(tmp_path)
-    sink.handle([Rec(TOPIC, 0, r, None, _rank_batch(r, [0, 1], c, run_id="coll")) for r, c in calls.items()])
-    sink.close()
-    got: dict = defaultdict(list)
-    for p in files(tmp_path):
-        doc = read_trace(p)
-        check_trace_format(doc)
-        rank, base = doc["otherData"]["rank"], doc["otherData"]["base_time_ns"]
-        assert {"ph": "M", "name": "thread_name", "pid": rank + 1, "tid": TID_COLLECTIVES,
-                "args": {"name": "Collectives: wait / transfer"}} in doc["traceEvents"]
-        for e in doc["traceEvents"]:
-            if e["ph"] == "X" and e["tid"] == TID_COLLECTIVES:
-                got[rank].append((e["args"]["step"], e["name"], e["cat"], ns(e["ts"]) + base, ns(e["dur"])))
+    got = {r: [(e["args"]["step"], e["name"], e["cat"], e["ts_ns"], ns(e["dur"])) for e in events]
+           for r, events in _collective_track(tmp_path, calls, [0, 1], 3, "coll").items()}
     ms = 1_000_000
     assert sorted(got[0]) == [(0, "all_reduce", "collective_transfer", 50 * ms, 10 * ms),
                               (0, "broadcast (not matched)", "collective", 70 * ms, 5 * ms),
@@ -915,6 +904,38 @@ def test_each_collective_is_split_into_wait_and_transfer_on_the_collectives_trac
     waits = {r["rank"]: r["wait_ns"] for r in figures["collective_ranks"]}
     for rank in range(3):
         assert sum(d for step, _, cat, _, d in got[rank] if cat == "collective_wait" and step == 0) == waits[rank]
+
+
+def _collective_track(tmp_path, calls: dict, steps: list[int], world: int, run_id: str) -> dict[int, list[dict]]:
+    """The Collectives track's slices per rank, of ranks' batches of ``calls`` through a sink
+    (every file checked for the trace format), their ``ts`` made absolute in ns."""
+    sink = TimelineSink(tmp_path)
+    sink.handle([Rec(TOPIC, 0, r, None, _rank_batch(r, steps, c, world=world, run_id=run_id))
+                 for r, c in calls.items()])
+    sink.close()
+    got: dict = defaultdict(list)
+    for p in files(tmp_path):
+        doc = read_trace(p)
+        check_trace_format(doc)
+        rank, base = doc["otherData"]["rank"], doc["otherData"]["base_time_ns"]
+        events = [{**e, "ts_ns": ns(e["ts"]) + base} for e in doc["traceEvents"]
+                  if e["ph"] == "X" and e["tid"] == TID_COLLECTIVES]
+        if events:  # a named track
+            assert {"ph": "M", "name": "thread_name", "pid": rank + 1, "tid": TID_COLLECTIVES,
+                    "args": {"name": "Collectives: wait / transfer"}} in doc["traceEvents"]
+        got[rank] += events
+    return got
+
+
+def test_calls_without_an_end_show_their_waits_and_no_transfer(tmp_path):
+    # gloo's always-on records keep no end (dur -1): rank 1 waits 30 ms for rank 0; no
+    # transfer slice, and an unmatched call is an instant, never a slice of negative length
+    calls = {0: [("all_reduce", 0, 1, 40, -1e-6)], 1: [("all_reduce", 0, 1, 10, -1e-6), ("broadcast", 0, 2, 60, -1e-6)]}
+    got = {r: [(e["name"], e["ts_ns"], ns(e["dur"])) for e in events]
+           for r, events in _collective_track(tmp_path, calls, [0], 2, "untimed").items()}
+    ms = 1_000_000
+    assert got.get(0, []) == []
+    assert sorted(got[1]) == [("broadcast (not matched)", 60 * ms, 0), ("wait for rank 0 (all_reduce)", 10 * ms, 30 * ms)]
 
 
 def test_a_run_whose_ranks_all_went_idle_leaves_no_collective_arrivals_behind(tmp_path):

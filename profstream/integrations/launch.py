@@ -194,7 +194,8 @@ def instrument_from_environment() -> Any:
                                                      if k != "PROFSTREAM_OPTIONS"})
         handle = TorchInstrumentation(None, {}, torch_opts["capture_ops"], mark_steps=True, lazy=True,
                                       compiled_walk=torch_opts["compiled_walk"], work_figures=torch_opts["work_figures"],
-                                      count_flops=torch_opts["count_flops"])
+                                      count_flops=torch_opts["count_flops"],
+                                      collectives_interval_s=torch_opts["collectives_interval_s"])
         handle.attach(None, None, None)
         close_at_exit(handle)
         _handle = handle

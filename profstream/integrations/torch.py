@@ -52,6 +52,10 @@ TORCH_OPTIONS: tuple[Option, ...] = (
            "read captured CPU-only traces with the compiled walk (built in the background at first use)"),
     Option("work_figures", "bool", True,
            "find each step's tokens and samples in its batches and its model FLOPs, for throughput and MFU"),
+    Option("collectives_interval_s", "float", 1.0,
+           "seconds between two reads of torch's Flight Recorder: every collective of every process group "
+           "recorded whether ops are captured or not (integrations/torch_flight.py; 0: off)",
+           lambda v: v == 0 or 0.05 <= v <= 60, "0 (off) or 0.05..60"),
     Option("count_flops", "bool", True,
            "count the model FLOPs with torch's FlopCounterMode once per input shape (false: take those torch.profiler "
            "counts on captured steps)"),
@@ -84,7 +88,8 @@ def instrument(model: Any = None, optimizer: Any = None, loader: Any = None, mon
                           "give them to Monitor(...) or leave out monitor=")
     inst = TorchInstrumentation(monitor, monitor_opts, torch_opts["capture_ops"], mark_steps,
                                 compiled_walk=torch_opts["compiled_walk"], work_figures=torch_opts["work_figures"],
-                                count_flops=torch_opts["count_flops"])
+                                count_flops=torch_opts["count_flops"],
+                                collectives_interval_s=torch_opts["collectives_interval_s"])
     if inst.active:  # a disabled Monitor: no hooks at all, the loop runs as without profstream
         inst.attach(model, optimizer, loader)
     close_at_exit(inst)
@@ -134,7 +139,7 @@ class TorchInstrumentation:
 
     def __init__(self, monitor: Any, monitor_options: dict, capture_ops: bool, mark_steps: bool,
                  lazy: bool = False, compiled_walk: bool = True, work_figures: bool = True,
-                 count_flops: bool = True) -> None:
+                 count_flops: bool = True, collectives_interval_s: float = 0.0) -> None:
         import torch
 
         self._torch = torch
@@ -143,6 +148,7 @@ class TorchInstrumentation:
         self.work = StepWork(torch, count_flops) if work_figures and mark_steps else None
         self.work_figures = work_figures
         self.count_flops = count_flops
+        self.collectives_interval_s = collectives_interval_s
         self._peak_set = False
         self._loader: Any = None  # LoaderSampler of the multi-worker DataLoader (False: readings off)
         self.cuda = torch.cuda.is_available()
@@ -202,6 +208,11 @@ class TorchInstrumentation:
                                      with_flops=self.work_figures and not self.count_flops)
         elif getattr(monitor, "capture_plan", None) is not None:
             monitor.capture_plan.unavailable = "op capture is off in this process (capture_ops=False)"
+        if self.collectives_interval_s and getattr(monitor, "collective_reader", False) is None:
+            from profstream.integrations.torch_flight import start_flight_reader
+
+            # every collective of every process group, captured or not: a thread of its own
+            monitor.collective_reader = start_flight_reader(monitor, self.collectives_interval_s)
         if not self.cuda:
             self._rss = RssReader()
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from profstream.processors.collectives import CALL_COLUMNS, Calls
+from profstream.processors.collectives import CALL_COLUMNS, Calls, one_per_call
 from profstream.processors.model import StepEvents
 from profstream.processors.window import (
     CLOCK_SKEW_NS,
@@ -506,7 +506,7 @@ class RankAssembler:
             loader_samples=_readings(self.recent_loader, S, E, "loader_samples"),
             queue_names=self.queue_names, carried_compute=self.carry[0], carried_comm=self.carry[1],
             prev_device_end_ns=prev, ahead_kind=ahead[0], ahead_start_ns=ahead[1], ahead_end_ns=ahead[2],
-            collectives=Calls(self.collective_names, _concat(entry.collectives, _CALL_COLS, _CALL_DTYPES)),
+            collectives=one_per_call(Calls(self.collective_names, _concat(entry.collectives, _CALL_COLS, _CALL_DTYPES))),
             device_samples=dev, dropped_ops=entry.lost[0], dropped_samples=entry.lost[1],
             work=_merged_work(entry.work, entry.late_work),
         )

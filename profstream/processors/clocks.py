@@ -18,7 +18,9 @@ median of its samples goes into a window of the last ``WINDOW_STEPS`` steps; the
 the median of the window, clipped into the window's causality interval [lo, hi] (its
 tightest bounds), and its error bound the distance to the farther end of the interval: the
 true offset lies inside it whenever the calls are real barriers and the clock did not
-drift across the window. A rank without such a call has no offset (absent, never 0).
+drift across the window. A rank without such a call has no offset (absent, never 0). A call some member did not
+time (its end unknown: gloo's always-on records, end before start) teaches nothing: with
+op capture off on gloo, ranks have no offsets and keep their own clocks.
 
 A time t of rank r is t - offset_r on the run's clock.
 """
@@ -87,7 +89,7 @@ class RunClocks:
                       ranks: list[int]) -> None:
         """``_learn_rows`` where every rank, the reference among them, made every call: the
         reference anchors them all, on rank x call matrices."""
-        whole = _whole_calls(names, cols, len(ranks))
+        whole = _whole_calls(names, cols, len(ranks)) & (end >= start).all(axis=0)
         if not whole.any():
             return
         if self.reference is None:
@@ -261,7 +263,7 @@ def _mutual_rows(calls: Mapping[int, Calls]) -> tuple[np.ndarray, ...] | None:
         if not len(c):
             continue
         mutual = np.array([n.lower() in MUTUAL for n in c.names], bool)
-        keep = mutual[c.cols["name_idx"]]
+        keep = mutual[c.cols["name_idx"]] & (c.cols["end_ns"] >= c.cols["start_ns"])  # timed: no end, no sample
         if not keep.any():
             continue
         remap = np.array([names.setdefault(n, len(names)) for n in c.names], np.int64)
@@ -307,7 +309,7 @@ def _matrix_rows(names: list[str], cols: dict[str, np.ndarray], start: np.ndarra
                  ranks: list[int]) -> tuple[np.ndarray, ...] | None:
     """_mutual_rows of rank x call ``start`` and ``end`` matrices of the calls ``cols``
     (every rank's)."""
-    whole = _whole_calls(names, cols, len(ranks))
+    whole = _whole_calls(names, cols, len(ranks)) & (end >= start).all(axis=0)
     k = int(whole.sum())
     if not k:
         return None

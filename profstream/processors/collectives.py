@@ -12,10 +12,17 @@ Per step: per rank the total wait and transfer and its slowest call; the late ra
 one the others waited for most (summing, over the calls where it arrived last, each other
 rank's wait), and ``held_ns`` the longest any one other rank waited for it in the step.
 A call not every member of its group reported by the time the step is emitted is
-unmatched: the ranks that arrived and, where the group is the whole run, those missing.
+unmatched: the ranks that arrived and those missing, where the group's members are known
+(the whole run, or a group named with its ranks: schema/groups.py).
 A rank that reported the step without ops (its ops, collectives included, were not
 captured there) is not missing: a call the ranks without a capture could account for is
-left out, neither matched nor unmatched (not measured).
+left out, neither matched nor unmatched (not measured). A rank that records every call
+whether ops are captured or not (torch's Flight Recorder) is always measured.
+
+A call whose end a rank did not record (its backend keeps none: gloo's Flight Recorder;
+end before start) has no transfer there: it adds nothing to transfer, and bandwidths are
+over the calls every rank timed. Two records of one call by one rank (op capture and the
+Flight Recorder) count once: ``one_per_call`` keeps the timed one.
 
 Times of different ranks are compared on the run's clock: ``offsets`` (rank -> ns, from
 processors/clocks.py) is taken off each rank's starts and ends first; a rank without an
@@ -31,6 +38,7 @@ from typing import NamedTuple
 import numpy as np
 
 from profstream.schema.codec import NO_COLLECTIVE_CALLS
+from profstream.schema.groups import group_members
 
 # NCCL-tests' bus bandwidth factors (doc/PERFORMANCE.md of nccl-tests), n = group size
 _RING_TWICE = ("all_reduce", "allreduce")
@@ -118,6 +126,25 @@ def calls_of(rows: Sequence[CollectiveCall]) -> Calls:
     cols = {"name_idx": np.array(code[0::2], np.int32), "group_idx": np.array(code[1::2], np.int32),
             **{c: np.array([getattr(r, c) for r in rows], d) for c, d in CALL_COLUMNS[2:]}}
     return Calls(list(names), cols)
+
+
+def one_per_call(calls: Calls) -> Calls:
+    """``calls`` with one row per (group, seq): where a call was recorded twice, the row
+    with a known end (op capture's) is kept, else the first."""
+    cols = calls.cols
+    n = len(cols["seq"])
+    if n < 2:
+        return calls
+    group, seq = cols["group_idx"], cols["seq"]
+    unknown = cols["end_ns"] < cols["start_ns"]
+    order = np.lexsort((np.arange(n), unknown, seq, group))  # per call: timed rows first
+    g, q = group[order], seq[order]
+    first = np.ones(n, bool)
+    first[1:] = (g[1:] != g[:-1]) | (q[1:] != q[:-1])
+    if first.all():
+        return calls
+    keep = np.sort(order[first])
+    return Calls(calls.names, {c: a[keep] for c, a in cols.items()})
 
 
 _NO_FIGURES = {"collectives_matched": 0, "collective_ranks": [], "by_collective": [], "late_rank": None,
@@ -241,6 +268,7 @@ def _aligned(names: list[str], cols: dict[str, np.ndarray], start: np.ndarray, e
     late = start.argmax(axis=0)  # the lowest rank on ties
     wait = last_start - start
     transfer = np.maximum(end - last_start, 0)
+    timed = (end >= start).all(axis=0)  # every rank knows the call's end
     all_matched = bool(matched.all())
     if not all_matched:
         wait *= matched
@@ -256,7 +284,7 @@ def _aligned(names: list[str], cols: dict[str, np.ndarray], start: np.ndarray, e
         for j in np.flatnonzero(~matched).tolist()]  # every reporting rank arrived
     return _figures(names, reporting, wait.sum(axis=1), transfer.sum(axis=1),
                     (dur[rows, longest], coll[longest]), held_pairs,
-                    _by_collective(names, coll, group_size, matched, size, np.full(k, nr), transfer.sum(axis=0)),
+                    _by_collective(names, coll, group_size, matched, size, np.full(k, nr), transfer.sum(axis=0), timed),
                     k if all_matched else int(matched.sum()), unmatched, ranks)
 
 
@@ -308,33 +336,39 @@ def _any_calls(calls: Mapping[int, Calls], reporting: list[int], ranks: Sequence
     by_dur = np.lexsort((-dur, rank_i))  # the first longest in (group, seq) order
     first_of_rank = by_dur[np.append(True, rank_i[by_dur][1:] != rank_i[by_dur][:-1])]
     size = np.maximum.reduceat(col["bytes"], first)
+    timed = np.minimum.reduceat((end >= start).astype(np.int8), first).astype(bool)
     unmatched = [(int(coll[a]), int(group[a]), int(seq[a]), sorted(rank[a:a + n].tolist()), int(col["group_size"][a]))
                  for a, n in zip(first[~matched].tolist(), count[~matched].tolist())]
     return _figures(list(names), reporting, np.bincount(rank_i, wait, nr), np.bincount(rank_i, transfer, nr),
                     (dur[first_of_rank], coll[first_of_rank]), held_pairs,
                     _by_collective(list(names), coll[first], col["group_size"][first], matched, size, count,
-                                   np.bincount(seg, transfer, len(first))),
+                                   np.bincount(seg, transfer, len(first)), timed),
                     int(matched.sum()), unmatched, ranks)
 
 
 def _by_collective(name_of: list[str], coll: np.ndarray, group_size: np.ndarray, matched: np.ndarray,
-                   size: np.ndarray, count: np.ndarray, transfer: np.ndarray) -> list[dict]:
+                   size: np.ndarray, count: np.ndarray, transfer: np.ndarray, timed: np.ndarray) -> list[dict]:
     """Per collective name, over the matched calls (one entry of each argument per call):
-    calls; bytes, transfer and bus bytes summed over the ranks' parts."""
+    calls; bytes, transfer and bus bytes summed over the ranks' parts; bandwidths over the
+    ``timed`` calls only (every rank knows their end)."""
     moved = size * count
     kinds = []
     for c in sorted(set(coll[matched].tolist()), key=lambda c: name_of[c]):
         sel = matched & (coll == c)
-        sizes = group_size[sel]
         nbytes = int(moved[sel].sum())
         t = int(transfer[sel].sum())
-        if (sizes == sizes[0]).all():  # one group size: one factor
-            bus = nbytes * bus_factor(name_of[c], int(sizes[0]))
+        sel_t = sel & timed
+        timed_bytes = moved[sel_t]
+        sizes = group_size[sel_t]
+        if not len(sizes):
+            bus = 0.0
+        elif (sizes == sizes[0]).all():  # one group size: one factor
+            bus = float(timed_bytes.sum()) * bus_factor(name_of[c], int(sizes[0]))
         else:
             n, n_of = np.unique(sizes, return_inverse=True)
-            bus = float((moved[sel] * np.array([bus_factor(name_of[c], x) for x in n.tolist()])[n_of]).sum())
+            bus = float((timed_bytes * np.array([bus_factor(name_of[c], x) for x in n.tolist()])[n_of]).sum())
         kinds.append({"collective": name_of[c], "calls": int(sel.sum()), "bytes": nbytes, "transfer_ns": t,
-                      "algbw_bytes_per_s": nbytes / t * 1e9 if t > 0 else 0.0,
+                      "algbw_bytes_per_s": float(timed_bytes.sum()) / t * 1e9 if t > 0 else 0.0,
                       "busbw_bytes_per_s": bus / t * 1e9 if t > 0 else 0.0})
     return kinds
 
@@ -362,7 +396,15 @@ def _figures(name_of: list[str], reporting: list[int], wait_by: np.ndarray, tran
         "late_rank_held_ns": int(held_pairs[reporting.index(late_rank)].max()) if late_rank is not None else 0,
         "unmatched_collectives": [
             {"collective": name_of[c], "group": name_of[g], "seq": q, "arrived": arrived,
-             "missing": [r for r in everyone if r not in arrived] if expected == len(everyone) else [],
-             "expected": expected}
+             "missing": _missing(name_of[g], arrived, expected, everyone), "expected": expected}
             for c, g, q, arrived, expected in unmatched],
     }
+
+
+def _missing(group: str, arrived: list[int], expected: int, everyone: list[int]) -> list[int]:
+    """The members of ``group`` that did not report its call: known for a group named with
+    its ranks and for one of every rank of the run; else none named."""
+    members = group_members(group)
+    if members is None:
+        members = everyone if expected == len(everyone) else []
+    return [r for r in members if r not in arrived]

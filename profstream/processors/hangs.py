@@ -12,6 +12,12 @@ their hosts, and the ranks that are elsewhere: in another step, between steps, s
 of (below the producers' world_size). It fires once when the hang starts and resolves
 when no reporting rank sits in any step past the threshold any more.
 
+Where the ranks say which collective they sit in (RankProgress v2, torch's Flight
+Recorder), the alert also names the call most of the hung ranks sit in (op, group,
+sequence number, how long) and the members of its group that have not entered it (those
+not in that call: the group's ranks from its name, schema/groups.py, else every rank of
+the run), with their hosts and where they are instead.
+
 The state lives in memory only: a restarted run stage learns every rank's place again
 within one progress interval, and fires again for a hang still going on.
 """
@@ -23,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from profstream.processors.stalls import FIRING, RESOLVED
+from profstream.schema.groups import group_members
 
 HANG_ALERT = "TrainingHang"
 HANG_AFTER_S = 60.0
@@ -42,6 +49,7 @@ class RankPlace:
     ts_ns: int
     interval_s: float
     seen: float  # the processor's clock when the record was read
+    collective: tuple[str, str, int, int] | None = None  # (op, group, seq, since_ns) it sits in; None: none known
 
     def in_step_s(self) -> float | None:
         """How long it had been in its open step when it reported (its clock); None: none open."""
@@ -74,8 +82,11 @@ class HangWatch:
             return  # an older record read late (a resend)
         if m["world_size"] is not None:
             self.world_size = m["world_size"]
+        call = m.get("collective")
         self.places[m["rank"]] = RankPlace(m["host"], m["step"], m["step_started_ns"], m["last_step"], m["ts_ns"],
-                                           max(m["interval_ms"], 1) / 1000, now)
+                                           max(m["interval_ms"], 1) / 1000, now,
+                                           None if call is None else (call["collective"], call["group"], call["seq"],
+                                                                      call["since_ns"]))
 
     def forget(self, rank: int) -> None:
         """A rank that ended: it is no longer anywhere."""
@@ -152,9 +163,55 @@ class HangWatch:
         summary = (f"run {run_id}: {_ranks_text(sorted(hung), places)} in step {step} for "
                    f"{_span(hung.values())} (past {self.hang_after_s:g} s)")
         summary += "; " + "; ".join(elsewhere) if elsewhere else "; no rank elsewhere"
+        summary += self._collective(hung, now, evidence)
         ts_ns = max(places[r].ts_ns for r in hung)
         return {"name": HANG_ALERT, "state": FIRING, "run_id": run_id, "rank": None, "step": step, "ts_ns": ts_ns,
                 "summary": summary, "evidence": evidence}
+
+    def _collective(self, hung: Mapping[int, float], now: float, evidence: dict[str, float]) -> str:
+        """'; ranks .. in all_reduce of group g, seq q for t s; not entered: rank r (host h) in
+        step s': the call most hung ranks sit in (the oldest on ties) and the members of its
+        group not in it; '' where no hung rank said it sits in one."""
+        places = self.places
+        inside = {r: places[r].collective for r in hung if places[r].collective is not None}
+        if not inside:
+            return ""
+        calls: dict[tuple[str, int], list[int]] = {}
+        for r, (_op, group, seq, _since) in inside.items():
+            calls.setdefault((group, seq), []).append(r)
+        group, seq = max(calls, key=lambda k: (len(calls[k]), -min(inside[r][3] for r in calls[k])))
+        in_call = sorted(calls[(group, seq)])
+        op = inside[in_call[0]][0]
+        members = group_members(group)
+        if members is None:
+            members = range(self.world_size) if self.world_size else sorted(places)
+        not_entered = [r for r in members if r not in in_call]
+        held = [(places[r].ts_ns - inside[r][3]) / 1e9 for r in in_call]
+        evidence.update({"collective_seq": float(seq), "collective_s": max(held),
+                         "ranks_in_collective": float(len(in_call)), "ranks_not_entered": float(len(not_entered))})
+        text = (f"; {_ranks_text(in_call, places)} in {op} of group {group}, seq {seq} for {_span(held)}; ")
+        if not not_entered:
+            return text + "every member of its group entered it"
+        wheres: dict[str, list[int]] = {}
+        for r in not_entered:
+            evidence[f"rank.{r}.not_entered"] = 1.0
+            wheres.setdefault(self._where(r, now), []).append(r)
+        return text + "not entered: " + "; ".join(f"{_ranks_text(ranks, places)} {where}"
+                                                   for where, ranks in wheres.items())
+
+    def _where(self, rank: int, now: float) -> str:
+        """Where a rank that has not entered a call is, in a few words."""
+        p = self.places.get(rank)
+        if p is None:
+            return "never reported"
+        if p.silent_s(now) is not None:
+            return f"silent for {p.silent_s(now):.0f} s"
+        if p.collective is not None:
+            op, group, seq, _since = p.collective
+            return f"in {op} of group {group}, seq {seq}"
+        if p.step is None:
+            return "between steps"
+        return f"in step {p.step}, in no collective"
 
     def _resolved(self, run_id: str) -> dict:
         step = self.firing_step

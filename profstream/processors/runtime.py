@@ -299,6 +299,8 @@ class _RunState:
     pending: dict[int, dict[int, int]] = field(default_factory=dict)  # step -> rank -> step_time_ns
     calls: dict[int, dict[int, dict]] = field(default_factory=dict)  # step -> rank -> its collective calls (packed)
     unmeasured: dict[int, set[int]] = field(default_factory=dict)  # step -> ranks that reported it without ops
+    # ranks that sent collectives in a step without ops: they record every call, captured or not
+    always_on: set[int] = field(default_factory=set)
     work: dict[int, dict[int, tuple]] = field(default_factory=dict)  # step -> rank -> its throughput and MFU
     ended: dict[int, int | None] = field(default_factory=dict)  # rank -> its last step, from its RankEnd
     first_offset: dict[int, int] = field(default_factory=dict)  # step -> input offset
@@ -397,7 +399,9 @@ class RunStage:
         if work is not None:
             run.work.setdefault(step, {})[m["rank"]] = (work["tokens_per_s"], work["samples_per_s"],
                                                          work["flops_per_s"], work["mfu"])
-        if not m["op_count"]:  # its ops (collectives too) were not captured on that rank
+        if not m["op_count"] and m["collectives"]["count"]:  # collectives recorded without a capture
+            run.always_on.add(m["rank"])
+        if not m["op_count"]:  # its ops (collectives too, unless always on) were not captured on that rank
             run.unmeasured.setdefault(step, set()).add(m["rank"])
         if m["collectives"]["count"]:
             try:
@@ -438,7 +442,8 @@ class RunStage:
                     break
                 everyone = range(run.world_size) if run.world_size else sorted(run.ranks)
                 out.append(self._emit(run_id, step, reported, run.calls.pop(step, {}), everyone,
-                                      run.unmeasured.pop(step, set()), run.work.pop(step, {}), run.clocks))
+                                      run.unmeasured.pop(step, set()) - run.always_on, run.work.pop(step, {}),
+                                      run.clocks))
                 del run.pending[step], run.first_offset[step], run.first_seen[step]
                 run.floor = step + 1
                 self._changed.add(run_id)

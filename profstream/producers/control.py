@@ -13,8 +13,9 @@ first status. A stacks request is answered here, at once, on this thread: every 
 thread's stack (``stacks.py``), the training thread's included, in one finished status.
 Every ``progress_interval_s`` this thread also sends a RankProgress to the raw topic (the
 rank's key, so its EventBatches' partition): the step the training thread is in and since
-when, read from the Monitor without a lock (``Monitor.where``), so that the processors see
-a hang while no step ends (docs/figures.md, Hangs); only while Kafka answers.
+when, read from the Monitor without a lock (``Monitor.where``), and the collective it sits
+in when a reader of collectives runs (``Monitor.open_collective``), so that the processors
+see a hang while no step ends (docs/figures.md, Hangs); only while Kafka answers.
 Nothing here runs on the training thread; a broker outage means no
 captures, counted in ``Monitor.stats()`` (``control_connected``, ``control_outages``) and
 logged at INFO level (the Sender already warns once per outage).
@@ -72,6 +73,8 @@ class Owner(Protocol):
     topics: Topics
 
     def where(self) -> tuple[int | None, int | None, int | None]: ...
+
+    def open_collective(self) -> Any: ...
 
 
 class ControlReader(threading.Thread):
@@ -254,11 +257,18 @@ class ControlReader(threading.Thread):
             return
         self._next_progress = now + self._progress_every
         step, started_ns, last_step = self.owner.where()
+        open_collective = getattr(self.owner, "open_collective", None)  # an owner of its own may have none
+        call = open_collective() if open_collective is not None else None
         opts = self.owner.options
         record = {"run_id": self.owner.run_id, "rank": self.owner.rank, "world_size": opts.get("world_size"),
                   "host": opts.get("host", ""), "step": step, "step_started_ns": started_ns,
                   "last_step": last_step, "ts_ns": time.time_ns(), "interval_ms": int(self._progress_every * 1000)}
-        if self._send(encode("RankProgress", record), self.owner.topics.raw, self._progress_key, self._on_progress):
+        if call is None:  # v1, which processors older than v2 read too
+            value = encode("RankProgress", record, version=1)
+        else:
+            value = encode("RankProgress", {**record, "collective": {
+                "collective": call.collective, "group": call.group, "seq": call.seq, "since_ns": call.since_ns}})
+        if self._send(value, self.owner.topics.raw, self._progress_key, self._on_progress):
             self.progress_sent += 1
 
     def _on_progress(self, error: Exception | None) -> None:

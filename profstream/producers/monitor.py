@@ -15,12 +15,14 @@ builds and sends with the GIL released) where the extension loads, else the pure
 from __future__ import annotations
 
 import atexit
+import bisect
 import logging
 import os
 import sys
 import time
 import uuid
 import weakref
+from collections import deque
 from typing import Any
 
 from profstream.config import MONITOR_OPTIONS, check_monitor_options, option_given, resolve
@@ -40,6 +42,8 @@ from profstream.schema.batch import (
 log = logging.getLogger("profstream.monitor")
 
 _time_ns = time.time_ns
+
+_MAX_STEP = 2**63
 
 _live_monitors: weakref.WeakSet[Monitor] = weakref.WeakSet()
 _said: set[str] = set()
@@ -87,6 +91,7 @@ def _close_all_at_exit() -> None:
 
 
 _NAN = float("nan")
+STEP_HISTORY = 4096  # step starts kept for step_at(): a reader of calls this many steps late finds their step
 
 
 def _count(value: Any) -> int | None:
@@ -220,6 +225,10 @@ class Monitor:
         self._fp_start = NO_VALUE
         self._bp_end = NO_VALUE
         self._drops_at_start = (0, 0)  # the buffer's drop counts when the open step began
+        self._began: deque[tuple[int, int]] = deque(maxlen=STEP_HISTORY)  # (start_ns, step) of the latest steps
+        self._through: int | None = None  # the watermark of the steps and ops (auto, or complete_through)
+        self._held: dict[str, int | None] = {}  # watermarks of other sources (hold_watermark)
+        self.collective_reader: Any = None  # the producer's reader of always-on collectives, if any
         self._end_signal = 0  # the signal that ends this process, once one arrived (its end mark says so)
         self.partial_steps = 0  # steps whose mark says they lost events
         # The open step's work (docs/figures.md, "Throughput and MFU"): what the user gave,
@@ -322,6 +331,7 @@ class Monitor:
         self._step = step
         self._next_step = step + 1
         self._step_start = _time_ns() if ts_ns is None else ts_ns
+        self._began.append((self._step_start, step))
         self._fp_start = self._bp_end = NO_VALUE
         self._drops_at_start = self.buffer.drop_counts()
         self._tokens = self._samples = self._flops = self._counted = None
@@ -353,7 +363,8 @@ class Monitor:
         if self._counting is not None:
             self._requested_step_ended(end_ns)
         if self._auto_watermark:
-            buf.watermark = self._step
+            self._through = self._step
+            self._set_watermark()
         # the step is complete (or its ops follow and complete_through rings): send it at the
         # end of the batch interval rather than wait for more (producers/sender.py: IDLE_SEND_S)
         self._wake.set()
@@ -376,6 +387,8 @@ class Monitor:
         if self._step_start is None:
             return
         self._step_start = None
+        if self._began and self._began[-1][1] == self._step:
+            self._began.pop()
         self._step, self._next_step = self._step_before, self._step
         self._sync_recorder()
 
@@ -482,13 +495,57 @@ class Monitor:
         if self._step_start is not None:
             self._bp_end = _time_ns() if ts_ns is None else ts_ns
 
-    def complete_through(self, step: int) -> None:
+    def complete_through(self, step: int, source: str | None = None) -> None:
         """Watermark: every event of every step <= ``step`` has been recorded.
 
         Only needed with ``auto_watermark=False``, when a step's ops are recorded after
-        the step ended (for example from a profiler's buffer)."""
-        self.buffer.watermark = step
+        the step ended (for example from a profiler's buffer), or for a ``source`` that
+        holds the watermark (``hold_watermark``): the watermark sent is the lowest of all."""
+        if source is None:
+            self._through = step
+        elif source in self._held:
+            self._held[source] = step
+        self._set_watermark()
         self._wake.set()
+
+    def hold_watermark(self, source: str) -> None:
+        """A second writer of steps' events (a reader of collectives, on a thread of its
+        own): the watermark moves no further than ``complete_through(step, source)`` says."""
+        self._held[source] = None
+
+    def release_watermark(self, source: str) -> None:
+        """``source`` has nothing more to record: it holds the watermark no longer."""
+        if self._held.pop(source, 0) != 0:
+            self._set_watermark()
+            self._wake.set()
+
+    def _set_watermark(self) -> None:
+        through = self._through
+        for held in list(self._held.values()):
+            if held is None:
+                return  # a source that has said nothing yet
+            through = held if through is None else min(through, held)
+        if through is not None:
+            self.buffer.watermark = through
+
+    def step_at(self, ts_ns: int) -> int | None:
+        """The step open (or last begun) at ``ts_ns``; None before the first step kept."""
+        began = list(self._began)
+        i = bisect.bisect_right(began, (ts_ns, _MAX_STEP))
+        return began[i - 1][1] if i else None
+
+    def complete_before(self, ts_ns: int) -> int | None:
+        """The last step of those followed by a step begun at or before ``ts_ns``: a step
+        whose events were all issued before ``ts_ns``; None where there is none."""
+        began = list(self._began)
+        i = bisect.bisect_right(began, (ts_ns, _MAX_STEP))
+        return began[i - 2][1] if i >= 2 else None
+
+    def open_collective(self) -> Any:
+        """The collective this rank sits in now (``torch_flight.OpenCall``), None where
+        none is or no reader of collectives runs (read by the control thread)."""
+        reader = self.collective_reader
+        return None if reader is None else reader.open_call
 
     def defer_ops(self) -> None:
         """For producers that record a step's ops after the step ended (from a profiler's
@@ -567,8 +624,9 @@ class Monitor:
         """Record this rank's part in a collective call (all_reduce, all_gather...): its
         process group, the call's sequence number in that group, and its message sizes.
         The processors match the call across the run's ranks by (group, seq); record the
-        op itself with ``op``/``ops`` as usual (kind communication)."""
-        if self._capturing:
+        op itself with ``op``/``ops`` as usual (kind communication). Recorded whether ops
+        are captured or not (any thread; ``dur_ns`` -1: the end is not known)."""
+        if self._enabled and not self._closed:
             self.buffer.add_collective((
                 collective, group, dtype, self._step if step is None else step, seq, start_ns, dur_ns, in_bytes,
                 out_bytes, group_size))
@@ -655,6 +713,8 @@ class Monitor:
 
         if self._step_start is not None:
             self.end_step()
+        if self.collective_reader is not None:  # its last calls before the end mark
+            self.collective_reader.stop(min(left(), 5.0))
         if ended and self._enabled:
             now = _time_ns()
             self.buffer.add_mark((END_MARK, now, now, NO_VALUE, NO_VALUE, 0, 0, self._end_signal))
@@ -704,6 +764,8 @@ class Monitor:
                "buffered_samples": self.buffer.buffered_samples}
         if self._device_sampler is not None:
             out.update(self._device_sampler.stats())
+        if self.collective_reader is not None:
+            out.update(self.collective_reader.stats())
         if self._control is not None:
             out.update(self._control.stats())
         if self._sender is not None:

@@ -270,10 +270,11 @@ _VERSIONS: list[SchemaVersion] = [
     _version(_load("capture_request.v2.avsc"), 2),  # + kind: ops or stacks
     _version(_load("capture_status.v3.avsc"), 3),  # + threads: a stacks request's answer
     # on the raw topic (a Monitor's control thread), passed on to the steps topic: where a rank is now
-    _version(_load("rank_progress.avsc"), 1),
+    _version(_load("rank_progress.avsc"), 1, lambda record: {**record, "collective": None}),
     # cross-rank steps without clock offsets are still written as v3 or older (encode_run_step_metrics)
     _version(_load("run_step_metrics.v4.avsc"), 4),  # + clock_offsets: the ranks' clocks against the run's
     _version(_load("run_checkpoint.v2.avsc"), 2),  # + clocks (v1 for a run without offsets)
+    _version(_load("rank_progress.v2.avsc"), 2),  # + collective: the call the rank sits in
 ]
 
 SCHEMAS: dict[int, SchemaVersion] = {v.fingerprint: v for v in _VERSIONS}

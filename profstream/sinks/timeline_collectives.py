@@ -90,15 +90,17 @@ def collective_slices(ev: StepEvents, arrivals: Arrivals | None) -> list[tuple[s
     for name, group, size, seq, start, end in zip(*(cols[c].tolist() for c in (
             "name_idx", "group_idx", "group_size", "seq", "start_ns", "end_ns"))):
         collective = names[name]
+        timed = end >= start  # gloo's Flight Recorder keeps no end: no transfer slice, an instant
         last = arrivals.last(ev.step, names[group], seq, size) if arrivals is not None else None
         if last is None:
-            out.append((f"{collective} (not matched)", "collective", start, end))
+            out.append((f"{collective} (not matched)", "collective", start, end if timed else start))
             continue
         last_start, late = last
         last_start += arrivals.clock_offset(ev.rank)  # on this rank's clock, as its other times
         if last_start > start:
             out.append((f"wait for rank {late} ({collective})", "collective_wait", start, last_start))
-        out.append((collective, "collective_transfer", max(start, last_start), max(end, last_start)))
+        if timed:
+            out.append((collective, "collective_transfer", max(start, last_start), max(end, last_start)))
     return out
 
 
