@@ -16,7 +16,14 @@ from profstream.processors.collectives import (
 )
 from profstream.producers.sender import collective_columns
 from profstream.schema.batch import EventBatch, decode_batch, encode_batch
-from profstream.schema.codec import CURRENT, DecodeError, decode
+from profstream.schema.codec import (
+    CURRENT,
+    DecodeError,
+    decode,
+    decode_any,
+    encode_run_step_metrics,
+)
+from profstream.sinks.collective_metrics import collective_lines, run_collectives
 from tests.test_codec import assert_same_batch, random_batch
 
 DATA = Path(__file__).parent / "data"
@@ -389,16 +396,33 @@ def test_group_labels_name_their_members_and_read_back():
 
 def test_calls_without_an_end_give_waits_and_the_late_rank_and_no_transfer():
     # gloo's Flight Recorder keeps no end: end before start. Waits and the late rank come
-    # from the starts; transfer and bandwidth only from calls every rank timed
+    # from the starts; transfer, slowest call and bandwidth are absent (None), not 0, and
+    # travel as such (RunStepMetrics v4) to the exporter, which writes no series for them
     untimed = {r: [CollectiveCall("all_reduce", "0", 3, 1, 4000, start * MS, start * MS - 1)]
                for r, start in ((0, 0), (1, 10), (2, 30))}
-    f = step_collectives({r: calls_of(c) for r, c in untimed.items()}, range(3))
-    ranks = {r["rank"]: r for r in f["collective_ranks"]}
-    assert [ranks[r]["wait_ns"] for r in range(3)] == [30 * MS, 20 * MS, 0]
-    assert f["late_rank"] == 2 and f["late_rank_held_ns"] == 30 * MS
-    assert all(r["transfer_ns"] == 0 for r in ranks.values())
-    (ar,) = f["by_collective"]
-    assert ar["calls"] == 1 and ar["transfer_ns"] == 0 and ar["algbw_bytes_per_s"] == 0.0
+    for reorder in (False, True):  # the aligned path and the row path
+        calls = {r: calls_of(c) for r, c in untimed.items()}
+        if reorder:
+            calls[1] = calls_of(untimed[1] + [CollectiveCall("all_gather", "0", 3, 2, 4000, 60 * MS, 60 * MS - 1)])
+        f = step_collectives(calls, range(3))
+        ranks = {r["rank"]: r for r in f["collective_ranks"]}
+        assert [ranks[r]["wait_ns"] for r in range(3)] == [30 * MS, 20 * MS, 0]
+        assert f["late_rank"] == 2 and f["late_rank_held_ns"] == 30 * MS
+        assert all(r["transfer_ns"] is None and r["slowest_ns"] is None and r["slowest_collective"] is None
+                   for r in ranks.values())
+        ar = {c["collective"]: c for c in f["by_collective"]}["all_reduce"]
+        assert ar["calls"] == 1 and ar["transfer_ns"] is None and ar["algbw_bytes_per_s"] is None
+    record = {"run_id": "r", "step": 7, "ranks_reported": 3, "min_step_time_ns": 10, "median_step_time_ns": 12.0,
+              "max_step_time_ns": 14, "skew": 0.1, "straggler_rank": 1, "step_times_ns": {"0": 10, "1": 14, "2": 12},
+              "work": None, "clock_offsets": [],
+              **step_collectives({r: calls_of(c) for r, c in untimed.items()}, range(3))}
+    kind, back = decode_any(encode_run_step_metrics(record))
+    assert kind == "RunStepMetrics"
+    assert back["collective_ranks"] == record["collective_ranks"] and back["by_collective"] == record["by_collective"]
+    c = run_collectives(back)
+    text = "".join(collective_lines("profstream_", [("r", c)], str, repr))
+    assert 'collective_wait_seconds{run="r",rank="2"}' in text and "collective_transfer_seconds{" not in text
+    assert "algbw_bytes_per_second{" not in text
     # one timed call beside an untimed one: the bandwidth is the timed call's bytes over its transfer
     mixed = {r: calls_of([_call("all_reduce", 1, 0, 40), CollectiveCall("all_reduce", "0", 3, 2, 4000, 50 * MS,
                                                                            50 * MS - 1)]) for r in range(3)}

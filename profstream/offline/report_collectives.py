@@ -35,18 +35,24 @@ def communication_section(run_steps: list[dict]) -> str:
                         f'<td>{np.median(held[rank]):.1f}</td></tr>' for rank, n in late.most_common(10))
     late_table = ('<table id="late-ranks"><tr><th>late rank</th><th>steps</th><th>share of steps</th>'
                   f'<th>median held (ms)</th></tr>{late_rows}</table>')
-    totals: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0, 0.0])
+    totals: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0, 0.0, 0])
     for r in steps:
         for c in r["by_collective"]:
             t = totals[c["collective"]]
             t[0] += c["calls"]
             t[1] += c["bytes"]
-            t[2] += c["transfer_ns"]
-            t[3] += c["busbw_bytes_per_s"] * c["transfer_ns"]  # transfer-weighted
+            if c["transfer_ns"] is not None:  # None: no call of it timed (no ends recorded): no bandwidth
+                t[2] += c["transfer_ns"]
+                t[3] += c["busbw_bytes_per_s"] * c["transfer_ns"]  # transfer-weighted
+                t[4] += c["bytes"]
+
+    def per_s(nbytes: float, transfer_ns: float) -> str:
+        return f"{nbytes / transfer_ns * 1e9 / 2**20:.1f}" if transfer_ns else "—"
+
     bw_rows = "".join(
         f'<tr data-collective="{escape(name)}"><td>{escape(name)}</td><td>{int(t[0])}</td>'
-        f'<td>{t[1] / 2**20:.1f}</td><td>{t[1] / t[2] * 1e9 / 2**20 if t[2] else 0:.1f}</td>'
-        f'<td>{t[3] / t[2] / 2**20 if t[2] else 0:.1f}</td></tr>' for name, t in sorted(totals.items()))
+        f'<td>{t[1] / 2**20:.1f}</td><td>{per_s(t[4], t[2])}</td>'
+        f'<td>{per_s(t[3] / 1e9, t[2])}</td></tr>' for name, t in sorted(totals.items()))
     bw_table = ('<table id="collective-bandwidth"><tr><th>collective</th><th>calls</th><th>MiB (over ranks)</th>'
                 f'<th>algbw MiB/s</th><th>busbw MiB/s</th></tr>{bw_rows}</table>')
     unmatched = [(r["step"], u) for r in steps for u in r["unmatched_collectives"]]

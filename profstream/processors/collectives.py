@@ -282,7 +282,7 @@ def _aligned(names: list[str], cols: dict[str, np.ndarray], start: np.ndarray, e
     unmatched = [] if all_matched else [
         (int(coll[j]), int(group[j]), int(seq[j]), list(reporting), int(group_size[j]))
         for j in np.flatnonzero(~matched).tolist()]  # every reporting rank arrived
-    return _figures(names, reporting, wait.sum(axis=1), transfer.sum(axis=1),
+    return _figures(names, reporting, wait.sum(axis=1), transfer.sum(axis=1), (end >= start).any(axis=1),
                     (dur[rows, longest], coll[longest]), held_pairs,
                     _by_collective(names, coll, group_size, matched, size, np.full(k, nr), transfer.sum(axis=0), timed),
                     k if all_matched else int(matched.sum()), unmatched, ranks)
@@ -340,7 +340,7 @@ def _any_calls(calls: Mapping[int, Calls], reporting: list[int], ranks: Sequence
     unmatched = [(int(coll[a]), int(group[a]), int(seq[a]), sorted(rank[a:a + n].tolist()), int(col["group_size"][a]))
                  for a, n in zip(first[~matched].tolist(), count[~matched].tolist())]
     return _figures(list(names), reporting, np.bincount(rank_i, wait, nr), np.bincount(rank_i, transfer, nr),
-                    (dur[first_of_rank], coll[first_of_rank]), held_pairs,
+                    np.bincount(rank_i, end >= start, nr) > 0, (dur[first_of_rank], coll[first_of_rank]), held_pairs,
                     _by_collective(list(names), coll[first], col["group_size"][first], matched, size, count,
                                    np.bincount(seg, transfer, len(first)), timed),
                     int(matched.sum()), unmatched, ranks)
@@ -360,9 +360,11 @@ def _by_collective(name_of: list[str], coll: np.ndarray, group_size: np.ndarray,
         sel_t = sel & timed
         timed_bytes = moved[sel_t]
         sizes = group_size[sel_t]
-        if not len(sizes):
-            bus = 0.0
-        elif (sizes == sizes[0]).all():  # one group size: one factor
+        if not len(sizes):  # no call of it timed on every rank: no transfer measured
+            kinds.append({"collective": name_of[c], "calls": int(sel.sum()), "bytes": nbytes, "transfer_ns": None,
+                          "algbw_bytes_per_s": None, "busbw_bytes_per_s": None})
+            continue
+        if (sizes == sizes[0]).all():  # one group size: one factor
             bus = float(timed_bytes.sum()) * bus_factor(name_of[c], int(sizes[0]))
         else:
             n, n_of = np.unique(sizes, return_inverse=True)
@@ -374,11 +376,12 @@ def _by_collective(name_of: list[str], coll: np.ndarray, group_size: np.ndarray,
 
 
 def _figures(name_of: list[str], reporting: list[int], wait_by: np.ndarray, transfer_by: np.ndarray,
-             slowest: tuple[np.ndarray, np.ndarray], held_pairs: np.ndarray, kinds: list[dict], matched: int,
-             unmatched: list[tuple], ranks: Sequence[int]) -> dict:
+             timed_by: np.ndarray, slowest: tuple[np.ndarray, np.ndarray], held_pairs: np.ndarray, kinds: list[dict],
+             matched: int, unmatched: list[tuple], ranks: Sequence[int]) -> dict:
     """The RunStepMetrics fields from per-rank arrays (in ``reporting`` order); unmatched:
     (collective, group, seq, arrived ranks, expected) per call; ``ranks``: every rank of
-    the run."""
+    the run; ``timed_by``: whether the rank knows the end of any of its calls (its transfer
+    and slowest call are None, not measured, where it knows none)."""
     everyone = sorted(set(ranks) | set(reporting))
     late_rank = None
     held = held_pairs.sum(axis=1)
@@ -388,9 +391,11 @@ def _figures(name_of: list[str], reporting: list[int], wait_by: np.ndarray, tran
     return {
         "collectives_matched": matched,
         "collective_ranks": [{"rank": r, "wait_ns": int(w), "transfer_ns": int(t),
-                              "slowest_collective": name_of[c], "slowest_ns": int(d)}
-                             for r, w, t, d, c in zip(reporting, wait_by.tolist(), transfer_by.tolist(),
-                                                      slowest_ns, slowest_coll)],
+                              "slowest_collective": name_of[c], "slowest_ns": int(d)} if timed else
+                             {"rank": r, "wait_ns": int(w), "transfer_ns": None, "slowest_collective": None,
+                              "slowest_ns": None}
+                             for r, w, t, d, c, timed in zip(reporting, wait_by.tolist(), transfer_by.tolist(),
+                                                             slowest_ns, slowest_coll, timed_by.tolist())],
         "by_collective": kinds,
         "late_rank": late_rank,
         "late_rank_held_ns": int(held_pairs[reporting.index(late_rank)].max()) if late_rank is not None else 0,

@@ -369,15 +369,23 @@ def encode_rank_end(record: dict) -> bytes:
 
 
 def encode_run_step_metrics(record: dict) -> bytes:
-    """A RunStepMetrics record as its message: v4 with clock offsets, else v3 with work
-    figures, else v2 with collectives, else v1."""
-    if record.get("clock_offsets"):
+    """A RunStepMetrics record as its message: v4 with clock offsets or with collective
+    figures that were not measured (null: calls without ends), else v3 with work figures,
+    else v2 with collectives, else v1."""
+    if record.get("clock_offsets") or _untimed_collectives(record):
         return encode("RunStepMetrics", record)
     if record.get("work") is not None:
         return encode("RunStepMetrics", record, RUN_STEP_METRICS_WITHOUT_CLOCKS_VERSION)
     has = record.get("collectives_matched") or record.get("unmatched_collectives")
     return encode("RunStepMetrics", record, RUN_STEP_METRICS_WITHOUT_WORK_VERSION if has
                   else RUN_STEP_METRICS_WITHOUT_COLLECTIVES_VERSION)
+
+
+def _untimed_collectives(record: dict) -> bool:
+    """Whether a RunStepMetrics record has a collective figure that was not measured (None),
+    which only v4 can carry."""
+    return any(r["transfer_ns"] is None for r in record.get("collective_ranks", ())) or any(
+        c["transfer_ns"] is None for c in record.get("by_collective", ()))
 
 
 def encode_run_checkpoint(record: dict) -> bytes:

@@ -23,8 +23,8 @@ class RunCollectives:
     late_rank: int  # -1: none waited
     held_s: float
     held_ratio: float  # held / median step time
-    ranks: dict[int, tuple[float, float]]  # rank -> (wait s, transfer s)
-    bandwidth: dict[str, tuple[float, float]]  # collective -> (algbw, busbw) bytes/s
+    ranks: dict[int, tuple[float, float | None]]  # rank -> (wait s, transfer s or None: no call timed)
+    bandwidth: dict[str, tuple[float, float]]  # collective -> (algbw, busbw) bytes/s, those with a timed call
     unmatched: int
     missing: list[int]
     clocks: dict[int, tuple[float, float]]  # rank -> (clock offset s, its error bound s)
@@ -38,9 +38,10 @@ def run_collectives(m: dict) -> RunCollectives | None:
     held = m["late_rank_held_ns"]
     return RunCollectives(
         -1 if m["late_rank"] is None else m["late_rank"], held / 1e9, held / median if median > 0 else 0.0,
-        {r["rank"]: (r["wait_ns"] / 1e9, r["transfer_ns"] / 1e9) for r in m["collective_ranks"]},
+        {r["rank"]: (r["wait_ns"] / 1e9, None if r["transfer_ns"] is None else r["transfer_ns"] / 1e9)
+         for r in m["collective_ranks"]},
         {c["collective"]: (c["algbw_bytes_per_s"], c["busbw_bytes_per_s"])
-         for c in m["by_collective"][:MAX_COLLECTIVE_NAMES]},
+         for c in m["by_collective"][:MAX_COLLECTIVE_NAMES] if c["transfer_ns"] is not None},
         len(m["unmatched_collectives"]), sorted({r for c in m["unmatched_collectives"] for r in c["missing"]}),
         {c["rank"]: (c["offset_ns"] / 1e9, c["error_ns"] / 1e9) for c in m["clock_offsets"]})
 
@@ -83,7 +84,8 @@ def collective_lines(prefix: str, runs: list[tuple[str, RunCollectives | None]],
     per_key("wait_seconds", "time the rank waited in collectives for the last rank to arrive, latest step "
             "with collectives", "rank", lambda c: ((k, v[0]) for k, v in longest_waits(c, max_ranks).items()))
     per_key("transfer_seconds", "time the rank's collectives ran once every rank had arrived, latest step "
-            "with collectives", "rank", lambda c: ((k, v[1]) for k, v in longest_waits(c, max_ranks).items()))
+            "with collectives (no series for a rank that timed none of its calls)", "rank",
+            lambda c: ((k, v[1]) for k, v in longest_waits(c, max_ranks).items() if v[1] is not None))
     per_key("algbw_bytes_per_second", "algorithm bandwidth (bytes / transfer time) by collective",
             "collective", lambda c: ((k, v[0]) for k, v in c.bandwidth.items()))
     per_key("busbw_bytes_per_second", "bus bandwidth (algbw x NCCL's factor) by collective",
