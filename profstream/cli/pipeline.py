@@ -21,6 +21,7 @@ from profstream.cli.common import (
     step_progress,
 )
 from profstream.config import check_name
+from profstream.processors.hangs import HANG_AFTER_S
 
 
 def sim_config(run_id, ranks, steps, ops_per_step, step_time_ms, comm_share, seed, stall, straggler,
@@ -131,7 +132,7 @@ def process(
     hang_after_s: Annotated[float, typer.Option(min=0.5, help="TrainingHang fires when a rank still reporting has "
                                                               "been inside one step this long, on its own clock "
                                                               "(its RankProgress records; docs/figures.md, "
-                                                              "Hangs)")] = 60.0,
+                                                              "Hangs)")] = HANG_AFTER_S,
     commit_interval_ms: Annotated[float, typer.Option(min=1.0, help="transaction commit interval")] = 100.0,
     stall_ratio: Annotated[float, typer.Option(min=0.0, max=1.0, help="data_wait/step_time of a starved step")] = 0.3,
     stall_steps: Annotated[int, typer.Option(min=1, help="consecutive starved steps that fire DataQueueStall")] = 5,

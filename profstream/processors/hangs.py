@@ -32,7 +32,7 @@ from profstream.processors.stalls import FIRING, RESOLVED
 from profstream.schema.groups import group_members
 
 HANG_ALERT = "TrainingHang"
-HANG_AFTER_S = 60.0
+HANG_AFTER_S = 50.0  # + a progress interval (5 s) + a check (0.5 s): alerted within 60 s of the hang
 SILENT_INTERVALS = 3  # progress intervals without a record: a rank went silent
 CHECK_EVERY_S = 0.5  # a run's ranks are looked over at most this often
 NAMED_RANKS = 16  # ranks named per group in a summary; the rest counted
