@@ -175,6 +175,7 @@ class FlightReader(threading.Thread):
         open_call = None
         handed = 0
         mon = self.monitor
+        ready = []  # the completed calls not handed over yet
         for e in entries:
             rid = e["record_id"]
             if rid <= self._floor or rid in self._done or e.get("is_p2p"):
@@ -186,12 +187,12 @@ class FlightReader(threading.Thread):
                     open_call = OpenCall(e["profiling_name"].rpartition(":")[2], label, int(e["collective_seq_id"]),
                                          int(e["time_created_ns"]))
                 continue
-            call = entry_call(e, label, size)
-            step = mon.step_at(call.start_ns)
+            ready.append(entry_call(e, label, size))
+            self._done.add(rid)
+        for call, step in zip(ready, mon.steps_at([c.start_ns for c in ready])):
             if step is not None:  # issued before the first step: in no step
                 mon.collective(*call, step=step)
                 handed += 1
-            self._done.add(rid)
         if entries:
             oldest = entries[0]["record_id"]
             if oldest > self._floor + 1 and self.reads:

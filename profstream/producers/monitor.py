@@ -530,9 +530,17 @@ class Monitor:
 
     def step_at(self, ts_ns: int) -> int | None:
         """The step open (or last begun) at ``ts_ns``; None before the first step kept."""
+        return self.steps_at([ts_ns])[0]
+
+    def steps_at(self, times_ns: list[int]) -> list[int | None]:
+        """``step_at`` of each time, the kept step starts copied once (a reader's batch of
+        calls: up to STEP_HISTORY entries copied per read, not per call)."""
         began = list(self._began)
-        i = bisect.bisect_right(began, (ts_ns, _MAX_STEP))
-        return began[i - 1][1] if i else None
+        out: list[int | None] = []
+        for ts_ns in times_ns:
+            i = bisect.bisect_right(began, (ts_ns, _MAX_STEP))
+            out.append(began[i - 1][1] if i else None)
+        return out
 
     def complete_before(self, ts_ns: int) -> int | None:
         """The last step of those followed by a step begun at or before ``ts_ns``: a step
