@@ -56,6 +56,23 @@ def test_each_starving_signature_gets_its_advice_and_no_other(fault):
             assert all(a["evidence"][f"{line['rule']}.{k}"] == v for k, v in line["figures"].items())
 
 
+def test_busy_workers_on_a_thrashing_machine_are_told_fewer_threads_not_more_workers():
+    """Workers wait for a CPU on a machine that thrashes: runnable, so they look busy, but more
+    of them would make it worse. The advice says too many threads and not the opposite."""
+    from types import SimpleNamespace
+
+    from profstream.processors.advice import step_advice
+
+    record = {"starved": True, "step_time_ns": 100 * 10**6, "data_wait_ns": 60 * 10**6, "tail_ns": 0,
+              "pure_comm_ns": None}
+    no_queue = SimpleNamespace(queue_names=[])
+    busy = {"workers": 4, "worker_runnable_mean": 0.95, "worker_s_per_batch": 0.2, "cpu_count": 8}
+    calm = {**busy, "cpu_system": 0.05, "ctx_switches_per_s": 8 * 1000.0}
+    thrashing = {**busy, "cpu_system": 0.45, "ctx_switches_per_s": 8 * 60000.0}
+    assert [a["rule"] for a in step_advice(record, no_queue, calm)] == ["more_workers"]
+    assert [a["rule"] for a in step_advice(record, no_queue, thrashing)] == ["threads"]
+
+
 def test_a_step_without_readings_of_its_own_uses_the_ranks_latest_for_ten_seconds():
     """Readings come every second: a short step often has none of its own. Its advice reads
     the rank's latest (its resources stay null: not measured in it), for 10 s at most."""

@@ -4,7 +4,8 @@ rule it comes from (MindSpore's data preparation and CPU utilization analysis, A
 GPU, and its step trace: ``seeds/`` of the design).
 
 A starved step (stalls.py) gets at most two lines, in this order: too many threads, the
-transfer to the device, more workers, the input's reads; a step whose tail is mostly
+transfer to the device, more workers (not with too many threads: it would contradict it),
+the input's reads; a step whose tail is mostly
 communication gets the all-reduce line. A starved step no rule explains gets none: the
 figures do not say why. Host figures older than ``HOST_MAX_AGE_NS`` (a reading every second
 by default: a short step often has none of its own) are not used.
@@ -85,8 +86,11 @@ def _starved(record: dict, ev: StepEvents, host: dict | None, step_ms: float) ->
     wait_ms = record["data_wait_ns"] / 1e6
     h = host or {}
     system, switches, cores = h.get("cpu_system"), h.get("ctx_switches_per_s"), h.get("cpu_count")
-    if system is not None and switches is not None and cores and system >= HIGH_SYSTEM_CPU \
-            and switches / cores >= HIGH_SWITCHES_PER_CORE:
+    # a thrashing machine: workers wait for a CPU (runnable, not running), so their being
+    # busy does not ask for more of them, which would make it worse: no more_workers line
+    thrashing = system is not None and switches is not None and bool(cores) and system >= HIGH_SYSTEM_CPU \
+        and switches / cores >= HIGH_SWITCHES_PER_CORE
+    if thrashing:
         out.append(_line("threads",
                          f"too many threads: the machine spends {_pct(system)} of its CPU in the kernel with "
                          f"{switches / cores:,.0f} context switches a second per CPU: lower num_workers, and the "
@@ -112,7 +116,7 @@ def _starved(record: dict, ev: StepEvents, host: dict | None, step_ms: float) ->
         if per_batch is not None:
             figures["worker_s_per_batch"] = per_batch
         each = f"; each makes a batch in {per_batch:.2f} s" if per_batch is not None else ""
-        if workers and busy is not None and busy >= BUSY_WORKERS:
+        if workers and busy is not None and busy >= BUSY_WORKERS and not thrashing:
             out.append(_line("more_workers",
                              f"raise num_workers: the loader's {workers} worker{'s' if workers > 1 else ''} "
                              f"want{'' if workers > 1 else 's'} a CPU {_pct(busy)} of the time and its queue was "
