@@ -31,9 +31,10 @@ log = logging.getLogger("profstream.torch")
 # the annotation a backend puts around a collective as it runs: "gloo:all_reduce", "nccl:all_gather"
 _RUNNING_CALL = re.compile(r"^(gloo|nccl):([a-z_]+)$")
 _GATHERS = ("all_gather", "allgather", "gather")
-_ITEM_BYTES = {"float": 4, "double": 8, "half": 2, "c10::half": 2, "bfloat16": 2, "c10::bfloat16": 2, "int": 4,
+ITEM_BYTES = {"float": 4, "double": 8, "half": 2, "c10::half": 2, "bfloat16": 2, "c10::bfloat16": 2, "int": 4,
                "long": 8, "short": 2, "char": 1, "byte": 1, "signed char": 1, "unsigned char": 1, "bool": 1,
-               "complexfloat": 8, "c10::complex<float>": 8, "complexdouble": 16, "c10::complex<double>": 16}
+               "complexfloat": 8, "c10::complex<float>": 8, "complexdouble": 16, "c10::complex<double>": 16,
+               "float8_e4m3fn": 1, "float8_e5m2": 1}  # the profiler's and the Flight Recorder's dtype names
 
 
 class GroupCount(NamedTuple):
@@ -78,11 +79,14 @@ def _warn_once(message: str) -> None:
 
 
 class CollectiveRow(NamedTuple):
+    """One collective call of this rank, as Monitor.collective takes it (from a captured
+    step's annotations here, or from torch's Flight Recorder: torch_flight.py)."""
+
     collective: str
     group: str
     seq: int
     start_ns: int
-    dur_ns: int
+    dur_ns: int  # -1: the backend records no end
     group_size: int
     in_bytes: int
     out_bytes: int
@@ -118,7 +122,7 @@ def message_sizes(events: list[Any]) -> list[tuple[int, str]]:
         shapes, dtypes = e.shapes(), e.dtypes()
         size, dtype = 0, ""
         for shape, dt in zip(shapes, dtypes):
-            item = _ITEM_BYTES.get(dt.lower()) if dt else None
+            item = ITEM_BYTES.get(dt.lower()) if dt else None
             if item is None:
                 continue
             size += item * math.prod(shape)

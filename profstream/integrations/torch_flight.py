@@ -30,28 +30,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+from profstream.integrations.torch_collectives import ITEM_BYTES
+from profstream.integrations.torch_collectives import CollectiveRow as Call  # one completed call
 from profstream.schema.groups import group_label
 
 log = logging.getLogger("profstream.torch")
 
 SOURCE = "collectives"  # the watermark this reader holds (Monitor.hold_watermark)
 FINAL_TRIES, FINAL_WAIT_S = 10, 0.05  # at stop: reads while a call is still open (0.5 s at most)
-_ITEM_BYTES = {"float": 4, "double": 8, "half": 2, "bfloat16": 2, "int": 4, "long": 8, "short": 2, "char": 1,
-               "byte": 1, "bool": 1, "complexfloat": 8, "complexdouble": 16, "float8_e4m3fn": 1, "float8_e5m2": 1}
-
-
-class Call(NamedTuple):
-    """One completed collective of this rank, as Monitor.collective takes it."""
-
-    collective: str
-    group: str
-    seq: int
-    start_ns: int
-    dur_ns: int  # -1: the backend records no end
-    group_size: int
-    in_bytes: int
-    out_bytes: int
-    dtype: str
 
 
 class OpenCall(NamedTuple):
@@ -66,7 +52,7 @@ class OpenCall(NamedTuple):
 def _bytes(sizes: Sequence[Sequence[int]], dtypes: Sequence[str]) -> tuple[int, str]:
     total, first = 0, ""
     for shape, dt in zip(sizes, dtypes):
-        item = _ITEM_BYTES.get(dt.lower())
+        item = ITEM_BYTES.get(dt.lower())
         if item is None:
             return -1, dt
         total += item * math.prod(shape)
