@@ -16,6 +16,7 @@ records).
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -59,23 +60,40 @@ class StacksAnswer:
         return self.progress.missing()
 
 
-def stack_signature(threads: list[dict], own: bool) -> tuple:
+def _signature(threads: list[dict], own: bool) -> tuple:
     """What makes two ranks' stacks the same: each thread's name and frames."""
     return tuple((t["name"], t["frames_omitted"], tuple((f["file"], f["line"], f["function"]) for f in t["frames"]))
                  for t in threads if own or not t["own"])
 
 
+class StackGrouper:
+    """Ranks grouped by identical stacks, one answer at a time (the timeline sink folds them
+    as they come): a group keeps the threads of the first rank added to it only."""
+
+    def __init__(self, own_threads: bool = False) -> None:
+        self.own_threads = own_threads
+        self._by_sig: dict[tuple, StackGroup] = {}
+
+    def add(self, rank: int, status: dict) -> None:
+        """A rank's finished status, with its threads."""
+        threads = [t for t in status["threads"] or () if self.own_threads or not t["own"]]
+        group = self._by_sig.setdefault(_signature(threads, self.own_threads), StackGroup([], [], threads))
+        bisect.insort(group.ranks, rank)
+        if status["host"] not in group.hosts:
+            group.hosts.append(status["host"])
+
+    def groups(self) -> list[StackGroup]:
+        """The groups, the smallest first (then by first rank)."""
+        return sorted(self._by_sig.values(), key=lambda g: (len(g.ranks), g.ranks[0]))
+
+
 def group_ranks(answered: dict[int, dict], own_threads: bool = False) -> list[StackGroup]:
     """The ranks of ``answered`` (rank -> its finished status) grouped by identical stacks,
     the smallest group first (then by first rank)."""
-    by_sig: dict[tuple, StackGroup] = {}
+    grouper = StackGrouper(own_threads)
     for rank, status in sorted(answered.items()):
-        threads = [t for t in status["threads"] or () if own_threads or not t["own"]]
-        group = by_sig.setdefault(stack_signature(threads, own_threads), StackGroup([], [], threads))
-        group.ranks.append(rank)
-        if status["host"] not in group.hosts:
-            group.hosts.append(status["host"])
-    return sorted(by_sig.values(), key=lambda g: (len(g.ranks), g.ranks[0]))
+        grouper.add(rank, status)
+    return grouper.groups()
 
 
 def ask_stacks(conn: Connection | str, topics: Topics, run_id: str, *, ranks: list[dict] | None = None,

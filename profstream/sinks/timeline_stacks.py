@@ -21,7 +21,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from profstream.config import ConfigError, check_name
-from profstream.control.stacks import StackGroup, ranks_phrase, stack_signature, traceback_lines
+from profstream.control.stacks import StackGrouper, ranks_phrase, traceback_lines
 
 log = logging.getLogger("profstream.sink.timeline")
 
@@ -34,8 +34,8 @@ class _RunStacks:
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
-        self.groups: dict[tuple, StackGroup] = {}
-        self.answered: dict[int, tuple[tuple, int]] = {}  # rank -> (its group's signature, ts_ns)
+        self.grouper = StackGrouper()
+        self.answered: dict[int, int] = {}  # rank -> when it answered (ts_ns)
         self.hosts: dict[int, str] = {}
         self.reason = ""
         self.requester = ""
@@ -44,36 +44,28 @@ class _RunStacks:
         rank = status["rank"]
         if rank in self.answered:
             return
-        threads = [t for t in status["threads"] if not t["own"]]
-        sig = stack_signature(threads, False)
-        group = self.groups.setdefault(sig, StackGroup([], [], threads))
-        group.ranks.append(rank)
-        group.ranks.sort()
-        if status["host"] not in group.hosts:
-            group.hosts.append(status["host"])
-        self.answered[rank] = (sig, status["ts_ns"])
+        self.grouper.add(rank, status)
+        self.answered[rank] = status["ts_ns"]
         self.hosts[rank] = status["host"]
         self.reason, self.requester = status["request_reason"], status["requester"]
-
-    def ordered(self) -> list[StackGroup]:
-        return sorted(self.groups.values(), key=lambda g: (len(g.ranks), g.ranks[0]))
 
 
 def stacks_trace(run_id: str, stacks: _RunStacks) -> dict:
     """The Chrome trace of one run's latest stacks."""
-    base_ns = min(ts for _sig, ts in stacks.answered.values())
+    base_ns = min(stacks.answered.values())
     total = len(stacks.answered)
+    groups = stacks.grouper.groups()
     events: list[dict] = []
-    for index, group in enumerate(stacks.ordered()):
+    for index, group in enumerate(groups):
         label = f"{len(group.ranks)} of {total} ranks" + (": the odd one out" if index == 0 and len(
-            stacks.groups) > 1 else "") + f" ({ranks_phrase(group.ranks)})"
+            groups) > 1 else "") + f" ({ranks_phrase(group.ranks)})"
         for rank in group.ranks:
             pid = rank + 1  # as the rank's window files (timeline.pid_of)
             host = stacks.hosts.get(rank, "")
             events.append({"ph": "M", "name": "process_name", "pid": pid,
                            "args": {"name": f"{run_id} rank {rank}" + (f" ({host})" if host else "")}})
             events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": index}})
-            ts_us = (stacks.answered[rank][1] - base_ns) / 1e3
+            ts_us = (stacks.answered[rank] - base_ns) / 1e3
             for tid, thread in enumerate(group.threads, start=1):
                 inner = thread["frames"][-1]["function"] if thread["frames"] else "?"
                 events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
@@ -84,7 +76,7 @@ def stacks_trace(run_id: str, stacks: _RunStacks) -> dict:
     return {"displayTimeUnit": "ms", "traceEvents": events,
             "otherData": {"run_id": run_id, "request_id": stacks.request_id, "reason": stacks.reason,
                           "requester": stacks.requester, "base_time_ns": base_ns, "ranks": total,
-                          "groups": [g.ranks for g in stacks.ordered()]}}
+                          "groups": [g.ranks for g in groups]}}
 
 
 class StacksFiles:
@@ -103,7 +95,7 @@ class StacksFiles:
         run_id = status["run_id"]
         current = self.runs.get(run_id)
         if current is None or current.request_id != status["request_id"]:
-            if current is not None and status["ts_ns"] < max(ts for _s, ts in current.answered.values()):
+            if current is not None and status["ts_ns"] < max(current.answered.values()):
                 return  # an older request's answer, read late
             current = self.runs[run_id] = _RunStacks(status["request_id"])
         self.runs.move_to_end(run_id)
