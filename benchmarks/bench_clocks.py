@@ -74,7 +74,7 @@ class _Off:
 
     def __enter__(self) -> None:
         self.saved = RunClocks.learn_packed, RunClocks.offsets, RunClocks.estimates
-        RunClocks.learn_packed = lambda self, records: None
+        RunClocks.learn_packed = lambda self, records, joined=None: None
         RunClocks.offsets = lambda self, ranks=None: {}
         RunClocks.estimates = lambda self, ranks=None: []
 

@@ -31,7 +31,7 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-from profstream.processors.collectives import Calls, same_calls, unpack_calls
+from profstream.processors.collectives import Calls, JoinedCalls, join_calls, unpack_calls
 
 WINDOW_STEPS = 32  # steps of samples per rank: long enough to be robust, short enough to follow drift
 MAX_DRIFT = 100e-6  # the fastest a host clock runs apart from another (a free-running crystal's 100 ppm)
@@ -71,10 +71,12 @@ class RunClocks:
         rows = _aligned_rows(calls)
         self._learn_rows(rows if rows is not None else _mutual_rows(calls))
 
-    def learn_packed(self, records: Mapping[int, dict]) -> None:
-        """``learn`` from StepMetrics ``collectives`` records (``check_calls`` passed)."""
-        reporting = sorted(r for r, x in records.items() if x["count"])
-        same = same_calls(records, reporting) if len(reporting) > 1 else None
+    def learn_packed(self, records: Mapping[int, dict], joined: JoinedCalls | None = None) -> None:
+        """``learn`` from StepMetrics ``collectives`` records (``check_calls`` passed);
+        ``joined``: their ``join_calls``, where the caller has it already."""
+        reporting, same = joined or join_calls(records)
+        if len(reporting) < 2:
+            same = None
         if same is None:
             self.learn({r: unpack_calls(records[r]) for r in reporting})
             return

@@ -173,14 +173,30 @@ def step_collectives(calls: Mapping[int, Calls], ranks: Sequence[int],
     return _any_calls(calls, reporting, ranks, offsets)
 
 
+class JoinedCalls(NamedTuple):
+    """A step's StepMetrics ``collectives`` records read once for both of their readers (the
+    run's clocks, then the step's figures): the ranks with calls, and ``same_calls`` of them."""
+
+    reporting: list[int]
+    same: tuple | None
+
+
+def join_calls(records: Mapping[int, dict]) -> JoinedCalls:
+    """``JoinedCalls`` of ``records`` (``check_calls`` passed)."""
+    reporting = sorted(r for r, x in records.items() if x["count"])
+    return JoinedCalls(reporting, same_calls(records, reporting) if reporting else None)
+
+
 def packed_step_collectives(records: Mapping[int, dict], ranks: Sequence[int],
-                            unmeasured: Collection[int] = (), offsets: Mapping[int, int] | None = None) -> dict:
+                            unmeasured: Collection[int] = (), offsets: Mapping[int, int] | None = None,
+                            joined: JoinedCalls | None = None) -> dict:
     """``step_collectives`` of StepMetrics ``collectives`` records (``check_calls`` passed):
     where every rank's names, groups and sequence numbers are the same bytes, the matrices
     are read straight from the ranks' columns joined; else each record is unpacked.
     ``unmeasured``: ranks that reported the step without ops (``without_unmeasured``);
-    ``offsets``: each rank's clock against the run's (ns)."""
-    figures = _packed_step_collectives(records, ranks, offsets)
+    ``offsets``: each rank's clock against the run's (ns); ``joined``: ``join_calls`` of
+    ``records``, where the caller has it already."""
+    figures = _packed_step_collectives(records, ranks, offsets, joined or join_calls(records))
     if unmeasured and figures["unmatched_collectives"]:
         figures["unmatched_collectives"] = without_unmeasured(figures["unmatched_collectives"], unmeasured)
     return figures
@@ -200,11 +216,10 @@ def without_unmeasured(unmatched: list[dict], unmeasured: Collection[int]) -> li
 
 
 def _packed_step_collectives(records: Mapping[int, dict], ranks: Sequence[int],
-                             offsets: Mapping[int, int] | None) -> dict:
-    reporting = sorted(r for r, x in records.items() if x["count"])
+                             offsets: Mapping[int, int] | None, joined: JoinedCalls) -> dict:
+    reporting, same = joined
     if not reporting:
         return dict(_NO_FIGURES)
-    same = same_calls(records, reporting)
     if same is not None:
         cols, start, end, nbytes = same
         figures = _aligned(records[reporting[0]]["names"], cols, *_on_run_clock(start, end, reporting, offsets),
@@ -268,7 +283,8 @@ def _aligned(names: list[str], cols: dict[str, np.ndarray], start: np.ndarray, e
     late = start.argmax(axis=0)  # the lowest rank on ties
     wait = last_start - start
     transfer = np.maximum(end - last_start, 0)
-    timed = (end >= start).all(axis=0)  # every rank knows the call's end
+    known = end >= start  # the rank recorded the call's end
+    timed = known.all(axis=0)  # every rank knows the call's end
     all_matched = bool(matched.all())
     if not all_matched:
         wait *= matched
@@ -282,7 +298,7 @@ def _aligned(names: list[str], cols: dict[str, np.ndarray], start: np.ndarray, e
     unmatched = [] if all_matched else [
         (int(coll[j]), int(group[j]), int(seq[j]), list(reporting), int(group_size[j]))
         for j in np.flatnonzero(~matched).tolist()]  # every reporting rank arrived
-    return _figures(names, reporting, wait.sum(axis=1), transfer.sum(axis=1), (end >= start).any(axis=1),
+    return _figures(names, reporting, wait.sum(axis=1), transfer.sum(axis=1), known.any(axis=1),
                     (dur[rows, longest], coll[longest]), held_pairs,
                     _by_collective(names, coll, group_size, matched, size, np.full(k, nr), transfer.sum(axis=0), timed),
                     k if all_matched else int(matched.sum()), unmatched, ranks)
@@ -336,11 +352,12 @@ def _any_calls(calls: Mapping[int, Calls], reporting: list[int], ranks: Sequence
     by_dur = np.lexsort((-dur, rank_i))  # the first longest in (group, seq) order
     first_of_rank = by_dur[np.append(True, rank_i[by_dur][1:] != rank_i[by_dur][:-1])]
     size = np.maximum.reduceat(col["bytes"], first)
-    timed = np.minimum.reduceat((end >= start).astype(np.int8), first).astype(bool)
+    known = end >= start  # the rank recorded the call's end
+    timed = np.minimum.reduceat(known.astype(np.int8), first).astype(bool)
     unmatched = [(int(coll[a]), int(group[a]), int(seq[a]), sorted(rank[a:a + n].tolist()), int(col["group_size"][a]))
                  for a, n in zip(first[~matched].tolist(), count[~matched].tolist())]
     return _figures(list(names), reporting, np.bincount(rank_i, wait, nr), np.bincount(rank_i, transfer, nr),
-                    np.bincount(rank_i, end >= start, nr) > 0, (dur[first_of_rank], coll[first_of_rank]), held_pairs,
+                    np.bincount(rank_i, known, nr) > 0, (dur[first_of_rank], coll[first_of_rank]), held_pairs,
                     _by_collective(list(names), coll[first], col["group_size"][first], matched, size, count,
                                    np.bincount(seg, transfer, len(first)), timed),
                     int(matched.sum()), unmatched, ranks)

@@ -30,7 +30,7 @@ from profstream.processors.assembler import RankAssembler
 from profstream.processors.checkpoint import MAX_OUTAGE_S, Output, TransactionalLoop
 from profstream.processors.clocks import RunClocks
 from profstream.processors.close_schedule import CloseSchedule
-from profstream.processors.collectives import check_calls, packed_step_collectives
+from profstream.processors.collectives import check_calls, join_calls, packed_step_collectives
 from profstream.processors.figures import FigureOptions, RankFigures
 from profstream.processors.hangs import HANG_AFTER_S, HangWatch
 from profstream.processors.health import EVENT_FAMILIES, ProcessorHealth, StageCounts
@@ -476,11 +476,12 @@ class RunStage:
     def _emit(self, run_id: str, step: int, step_times: dict[int, int], calls: dict[int, dict],
               everyone: Iterable[int], unmeasured: set[int], work: dict[int, tuple], clocks: RunClocks) -> Output:
         figures = rank_figures(step_times)
+        joined = join_calls(calls)  # read once for the clocks and the figures
         if calls:  # the step's calls teach the offsets first, and are then compared on the run's clock
-            clocks.learn_packed(calls)
+            clocks.learn_packed(calls, joined)
         record = {"run_id": run_id, "step": step, **figures,
                   "step_times_ns": {str(r): t for r, t in sorted(step_times.items())},
-                  **packed_step_collectives(calls, list(everyone), unmeasured, clocks.offsets(calls)),
+                  **packed_step_collectives(calls, list(everyone), unmeasured, clocks.offsets(calls), joined),
                   "work": run_work_figures(work), "clock_offsets": clocks.estimates(calls)}
         self.counts.run_steps += 1
         return Output(self.topics.run, run_id.encode(), encode_run_step_metrics(record), None)
