@@ -7,7 +7,9 @@ Two stages, each a consumer group run exactly-once by ``checkpoint.Transactional
   ``RankFigures`` per (run, rank), and turns closed steps into StepMetrics. StepMetrics
   are keyed ``<run>/<rank>`` but partitioned by run, so that
 - ``RunStage`` (steps -> run) sees every rank of a run and computes the cross-rank
-  figures per step, wherever the ranks were processed.
+  figures per step, wherever the ranks were processed. It reads the StepPartials the step
+  stage writes beside the StepMetrics (``partials.py``: per run step, the ranks one
+  ``ready`` closed as columns), not each rank's StepMetrics.
 
 This module knows Kafka records and nothing of how figures are computed.
 """
@@ -23,6 +25,8 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from profstream.kafka.connection import Connection
 from profstream.kafka.limits import DEAD_LETTER_ROOM_BYTES, MAX_MESSAGE_BYTES
 from profstream.kafka.topics import Topics
@@ -30,12 +34,20 @@ from profstream.processors.assembler import RankAssembler
 from profstream.processors.checkpoint import MAX_OUTAGE_S, Output, TransactionalLoop
 from profstream.processors.clocks import RunClocks
 from profstream.processors.close_schedule import CloseSchedule
-from profstream.processors.collectives import check_calls, join_calls, packed_step_collectives
+from profstream.processors.collectives import packed_step_collectives
 from profstream.processors.figures import FigureOptions, RankFigures
 from profstream.processors.hangs import HANG_AFTER_S, HangWatch
 from profstream.processors.health import EVENT_FAMILIES, ProcessorHealth, StageCounts
 from profstream.processors.lag import LagProbe
-from profstream.processors.ranks import rank_figures, run_work_figures
+from profstream.processors.partials import (
+    PartialBuilder,
+    StepReports,
+    StepRows,
+    checked_calls,
+    merge,
+    rows_of_partial,
+)
+from profstream.processors.ranks import rank_figures_of, run_work_of
 from profstream.processors.stalls import stall_alert
 from profstream.schema.batch import END_MARK, decode_batch
 from profstream.schema.codec import (
@@ -100,7 +112,7 @@ class StepStage:
 
     def __init__(self, topics: Topics, steps_partitions: int, counts: StageCounts,
                  grace_s: float = 2.0, idle_timeout_s: float = 60.0,
-                 figure_options: FigureOptions | None = None) -> None:
+                 figure_options: FigureOptions | None = None, partials: bool = True) -> None:
         self.topics = topics
         self.input_topic = topics.raw
         self.state_topic = topics.state
@@ -119,6 +131,9 @@ class StepStage:
         self._changed: set[tuple[str, int]] = set()
         self._orders = itertools.count()
         self.schedule = CloseSchedule(grace_s, idle_timeout_s)
+        # the closed steps' cross-rank fields, per run step, sent at commit (``changed_state``);
+        # None: no run stage reads this stage's output (the offline replay's RunFigures reads StepMetrics)
+        self._partials = PartialBuilder() if partials else None
 
     # -- checkpoint -------------------------------------------------------------------
 
@@ -131,6 +146,10 @@ class StepStage:
         cp = decode("RankCheckpoint", value)
         self._add_rank(ident, _Rank(RankAssembler.restore(cp, self.grace_s, partition, now),
                                     RankFigures.restore(self.figure_options, cp)))
+
+    def transaction_outputs(self) -> list[Output]:
+        """The StepPartials of the steps closed in this transaction (``_partial_outputs``)."""
+        return self._partial_outputs()
 
     def changed_state(self) -> list[Output]:
         out = []
@@ -153,6 +172,8 @@ class StepStage:
             self._forget(ident)
         for ident in [i for i, (part, _) in self._retired.items() if part in parts]:
             del self._retired[ident]
+        if self._partials is not None:
+            self._partials.drop_partitions(parts)
 
     def _add_rank(self, ident: tuple[str, int], rank: _Rank) -> _Rank:
         """Put a new or restored rank in (a restored one in its old place) and schedule it."""
@@ -230,6 +251,7 @@ class StepStage:
 
     def ready(self, now: float) -> list[Output]:
         out: list[Output] = []
+        ends: list[Output] = []
         for ident in self._due(now):
             rank = self.ranks[ident]
             asm = rank.assembler
@@ -248,9 +270,21 @@ class StepStage:
                 out.extend(self._step_outputs(rank, ev, reason))
             if idle or asm.finished:
                 if asm.ended_ns is not None:  # after its last StepMetrics, on the same partition
-                    out.append(self._rank_end(asm))
+                    ends.append(self._rank_end(asm))
                 out.append(Output(self.state_topic, f"{ident[0]}/{ident[1]}".encode(), None, asm.partition))
+        if ends:  # after the partials of their ranks' last steps: the run stage may end the run on them
+            out += self._partial_outputs() + ends
         return out
+
+    def _partial_outputs(self) -> list[Output]:
+        """The StepPartials of the steps closed since the last call, in their runs' partitions
+        of the steps topic: one per run step and input partition a transaction (not per
+        ``ready``, which may close one rank at a time)."""
+        if self._partials is None or not len(self._partials):
+            return []
+        steps = self.topics.steps
+        return [Output(steps, p["run_id"].encode(), encode("StepPartial", p),
+                       run_partition(p["run_id"], self.steps_partitions)) for p in self._partials.records()]
 
     def _rank_end(self, asm: RankAssembler) -> Output:
         record = {"run_id": asm.run_id, "rank": asm.rank, "world_size": asm.world_size, "host": asm.host,
@@ -270,6 +304,8 @@ class StepStage:
         key = f"{ev.run_id}/{ev.rank}".encode()
         part = run_partition(ev.run_id, self.steps_partitions)
         out = [Output(self.topics.steps, key, encode_step_metrics(record), part)]
+        if self._partials is not None:
+            self._partials.add(record, rank.assembler.partition)
         self.counts.step_closed(record)
         if transition is not None:
             self.counts.alerts += 1
@@ -294,14 +330,13 @@ class StepStage:
 class _RunState:
     partition: int
     ranks: set[int] = field(default_factory=set)
+    rank_array: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # ``ranks``, sorted
     world_size: int | None = None  # from the producers, when they know it
     floor: int | None = None  # every step below has been emitted
-    pending: dict[int, dict[int, int]] = field(default_factory=dict)  # step -> rank -> step_time_ns
-    calls: dict[int, dict[int, dict]] = field(default_factory=dict)  # step -> rank -> its collective calls (packed)
-    unmeasured: dict[int, set[int]] = field(default_factory=dict)  # step -> ranks that reported it without ops
+    pending: dict[int, StepReports] = field(default_factory=dict)  # step -> its reports
     # ranks that sent collectives in a step without ops: they record every call, captured or not
     always_on: set[int] = field(default_factory=set)
-    work: dict[int, dict[int, tuple]] = field(default_factory=dict)  # step -> rank -> its throughput and MFU
+    partials: bool = False  # StepPartials come for the run: its StepMetrics are not read
     ended: dict[int, int | None] = field(default_factory=dict)  # rank -> its last step, from its RankEnd
     first_offset: dict[int, int] = field(default_factory=dict)  # step -> input offset
     first_seen: dict[int, float] = field(default_factory=dict)
@@ -340,8 +375,11 @@ class RunStage:
             self.runs.pop(run_id, None)
             return
         cp = decode("RunCheckpoint", value)
-        self.runs[run_id] = _RunState(partition, set(cp["ranks"]), floor=cp["floor"], last_seen=now,
-                                      clocks=RunClocks.restore(cp["clocks"]))
+        self.runs[run_id] = _RunState(partition, set(cp["ranks"]), np.array(sorted(cp["ranks"]), np.int64),
+                                      floor=cp["floor"], last_seen=now, clocks=RunClocks.restore(cp["clocks"]))
+
+    def transaction_outputs(self) -> list[Output]:
+        return []
 
     def changed_state(self) -> list[Output]:
         out = []
@@ -373,43 +411,78 @@ class RunStage:
             if name == "RankProgress":
                 self._rank_progress(m, rec.partition, now)
                 return []
-            if name != "StepMetrics":
-                raise DecodeError("wrong_type", f"expected StepMetrics, RankEnd or RankProgress, got {name}")
+            if name == "StepPartial":
+                rows = rows_of_partial(m)
+            elif name == "StepMetrics":
+                run = self.runs.get(m["run_id"])
+                if run is not None and run.partials:
+                    return []  # the run's StepPartials bring what the run stage reads of it
+                rows = None
+            else:
+                raise DecodeError("wrong_type",
+                                  f"expected StepPartial, StepMetrics, RankEnd or RankProgress, got {name}")
         except DecodeError as e:
             self.counts.decode_errors[e.reason] += 1
+            return []
+        except ValueError:  # a StepPartial whose columns do not fit together: no step stage of ours wrote it
+            self.counts.decode_errors["malformed"] += 1
             return []
         run = self.runs.get(m["run_id"])
         if run is None:
             run = self.runs[m["run_id"]] = _RunState(rec.partition)
         run.last_seen = now
+        if rows is None:
+            self._fold_step_metrics(run, m, rec, now)
+        else:
+            run.partials = True
+            self._fold_partial(run, m, rows, rec, now)
+        return []
+
+    def _fold_partial(self, run: _RunState, m: dict, rows: StepRows, rec, now: float) -> None:
+        known = rows.world_size[rows.world_size >= 0]
+        if len(known):
+            run.world_size = int(known[-1])
+        new = np.setdiff1d(rows.rank, run.rank_array)
+        if len(new):
+            run.ranks.update(new.tolist())
+            run.rank_array = np.union1d(run.rank_array, new)
+            self._changed.add(m["run_id"])
+        pending = self._pending(run, m["step"], rec, now)
+        if pending is not None:
+            pending.add(rows)
+            if rows.always_on.any():  # collectives recorded without a capture
+                run.always_on.update(rows.rank[rows.always_on].tolist())
+
+    def _fold_step_metrics(self, run: _RunState, m: dict, rec, now: float) -> None:
+        """One rank's StepMetrics, where the run has no StepPartials (an older step stage, a
+        replay of StepMetrics): its fields join the step's reports as a partial would."""
         if m["world_size"] is not None:
             run.world_size = m["world_size"]
         if m["rank"] not in run.ranks:
             run.ranks.add(m["rank"])
+            run.rank_array = np.union1d(run.rank_array, [m["rank"]])
             self._changed.add(m["run_id"])
-        step = m["step"]
+        pending = self._pending(run, m["step"], rec, now)
+        if pending is None:
+            return
+        m, calls_ok = checked_calls(m)
+        if not calls_ok:  # a StepMetrics of another writer: its step counts, its calls do not
+            self.counts.decode_errors["malformed"] += 1
+        if not m["op_count"] and (m["collectives"]["count"] or not calls_ok):  # collectives without a capture
+            run.always_on.add(m["rank"])
+        pending.add_step_metrics(m)
+
+    def _pending(self, run: _RunState, step: int, rec, now: float) -> StepReports | None:
+        """The reports of ``step`` so far (new ones from ``rec``); None: already emitted (a
+        re-read after restart, or a rank far behind)."""
         if run.floor is not None and step < run.floor:
-            return []  # already emitted (a re-read after restart, or a rank far behind)
-        if step not in run.pending:
-            run.pending[step] = {}
+            return None
+        pending = run.pending.get(step)
+        if pending is None:
+            pending = run.pending[step] = StepReports()
             run.first_offset[step] = rec.offset
             run.first_seen[step] = now
-        run.pending[step][m["rank"]] = m["step_time_ns"]
-        work = m["work"]
-        if work is not None:
-            run.work.setdefault(step, {})[m["rank"]] = (work["tokens_per_s"], work["samples_per_s"],
-                                                         work["flops_per_s"], work["mfu"])
-        if not m["op_count"] and m["collectives"]["count"]:  # collectives recorded without a capture
-            run.always_on.add(m["rank"])
-        if not m["op_count"]:  # its ops (collectives too, unless always on) were not captured on that rank
-            run.unmeasured.setdefault(step, set()).add(m["rank"])
-        if m["collectives"]["count"]:
-            try:
-                check_calls(m["collectives"])
-                run.calls.setdefault(step, {})[m["rank"]] = m["collectives"]
-            except ValueError:  # a StepMetrics of another writer: its step counts, its calls do not
-                self.counts.decode_errors["malformed"] += 1
-        return []
+        return pending
 
     def _rank_ended(self, end: dict) -> None:
         run = self.runs.get(end["run_id"])
@@ -436,14 +509,12 @@ class RunStage:
         for run_id, run in list(self.runs.items()):
             expected = run.world_size or len(run.ranks)
             for step in sorted(run.pending):
-                reported = run.pending[step]
-                gone = sum(1 for r, last in run.ended.items() if r not in reported and (last is None or last < step))
-                if len(reported) < expected - gone and now - run.first_seen[step] < self.grace_s:
+                pending = run.pending[step]
+                if pending.count < expected - _gone(run.ended, pending, step) and \
+                        now - run.first_seen[step] < self.grace_s:
                     break
-                everyone = range(run.world_size) if run.world_size else sorted(run.ranks)
-                out.append(self._emit(run_id, step, reported, run.calls.pop(step, {}), everyone,
-                                      run.unmeasured.pop(step, set()) - run.always_on, run.work.pop(step, {}),
-                                      run.clocks))
+                everyone = range(run.world_size) if run.world_size else run.rank_array.tolist()
+                out.append(self._emit(run_id, step, pending.rows, everyone, run.always_on, run.clocks))
                 del run.pending[step], run.first_offset[step], run.first_seen[step]
                 run.floor = step + 1
                 self._changed.add(run_id)
@@ -468,23 +539,34 @@ class RunStage:
                 parts.append(f"{run_id} floor {run.floor}, nothing pending")
                 continue
             everyone = set(range(run.world_size)) if run.world_size else run.ranks
-            missing = sorted(everyone - run.pending[low].keys())
+            missing = sorted(everyone - set(run.pending[low].reported.tolist()))
             parts.append(f"{run_id} floor {run.floor}, {len(run.pending)} steps pending from {low} (missing ranks "
                          f"{missing[:16]}, first seen {time.monotonic() - run.first_seen[low]:.0f} s ago)")
         return "; ".join(parts) or "no runs"
 
-    def _emit(self, run_id: str, step: int, step_times: dict[int, int], calls: dict[int, dict],
-              everyone: Iterable[int], unmeasured: set[int], work: dict[int, tuple], clocks: RunClocks) -> Output:
-        figures = rank_figures(step_times)
-        joined = join_calls(calls)  # read once for the clocks and the figures
+    def _emit(self, run_id: str, step: int, reports: list[StepRows], everyone: Iterable[int], always_on: set[int],
+              clocks: RunClocks) -> Output:
+        step_ = merge(reports)  # every rank's last report, by rank
+        calls = step_.calls
+        joined = calls.joined()  # read once for the clocks and the figures
         if calls:  # the step's calls teach the offsets first, and are then compared on the run's clock
             clocks.learn_packed(calls, joined)
-        record = {"run_id": run_id, "step": step, **figures,
-                  "step_times_ns": {str(r): t for r, t in sorted(step_times.items())},
-                  **packed_step_collectives(calls, list(everyone), unmeasured, clocks.offsets(calls), joined),
-                  "work": run_work_figures(work), "clock_offsets": clocks.estimates(calls)}
+        record = {"run_id": run_id, "step": step, **rank_figures_of(step_.ranks, step_.step_time_ns),
+                  "step_times_ns": dict(zip(map(str, step_.ranks.tolist()), step_.step_time_ns.tolist())),
+                  **packed_step_collectives(calls, list(everyone), step_.unmeasured - always_on,
+                                            clocks.offsets(calls), joined),
+                  "work": run_work_of(step_.work_ranks, step_.work, step_.work_present),
+                  "clock_offsets": clocks.estimates(calls)}
         self.counts.run_steps += 1
         return Output(self.topics.run, run_id.encode(), encode_run_step_metrics(record), None)
+
+
+def _gone(ended: dict[int, int | None], pending: StepReports, step: int) -> int:
+    """How many ranks that did not report ``step`` ended before it (or without a step)."""
+    if not ended:
+        return 0
+    before = [r for r, last in ended.items() if last is None or last < step]
+    return int((~np.isin(np.array(before, np.int64), pending.reported)).sum()) if before else 0
 
 
 _PROCESSOR_ACLS = "`profstream acl show --role processor` lists a processor's ACLs"
