@@ -179,7 +179,49 @@ def checked_calls(m: dict) -> tuple[dict, bool]:
     return m, True
 
 
-_RANKS_IN_BITMAP = 1 << 22  # ranks below: told apart by a bitmap of the step; others (none in practice) by a set
+_RANKS_IN_BITMAP = 1 << 22  # ranks below: told apart by a bitmap; others (none in practice) by a set
+
+
+class RankSet:
+    """A set of ranks that takes arrays: ``add`` costs the ranks added, not those held."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._seen = np.zeros(0, bool)
+        self._other: set[int] = set()
+
+    def __contains__(self, rank: int) -> bool:
+        return bool(0 <= rank < len(self._seen) and self._seen[rank]) or rank in self._other
+
+    def add(self, r: np.ndarray) -> np.ndarray:
+        """Put ``r`` in; the ranks of it that were not in yet (sorted)."""
+        if not len(r):
+            return r
+        fresh_other = np.zeros(0, np.int64)
+        inside = (r >= 0) & (r < _RANKS_IN_BITMAP)
+        if not inside.all():
+            fresh = set(r[~inside].tolist()) - self._other
+            self._other |= fresh
+            fresh_other = np.array(sorted(fresh), np.int64)
+            r = r[inside]
+        if len(r) > 1 and not (r[1:] > r[:-1]).all():
+            r = np.unique(r)
+        if len(r):
+            top = int(r[-1]) + 1
+            if top > len(self._seen):
+                grown = np.zeros(max(top, 2 * len(self._seen)), bool)
+                grown[:len(self._seen)] = self._seen
+                self._seen = grown
+            r = r[~self._seen[r]]
+            self._seen[r] = True
+        new = np.union1d(r, fresh_other) if len(fresh_other) else r
+        self.count += len(new)
+        return new
+
+    def sorted(self) -> np.ndarray:
+        """Every rank, sorted."""
+        ranks = np.flatnonzero(self._seen)
+        return np.union1d(ranks, np.array(sorted(self._other), np.int64)) if self._other else ranks
 
 
 class StepReports:
@@ -189,16 +231,14 @@ class StepReports:
 
     def __init__(self) -> None:
         self._rows: list[StepRows] = []
-        self._count = 0  # ranks in the bitmap and the set
-        self._seen = np.zeros(0, bool)
-        self._other: set[int] = set()
+        self._ranks = RankSet()
         self._loose: PartialBuilder | None = None  # StepMetrics not joined yet
         self._loose_ranks: set[int] = set()  # their ranks, where not counted yet
 
     @property
     def count(self) -> int:
         """How many ranks reported the step."""
-        return self._count + len(self._loose_ranks)
+        return self._ranks.count + len(self._loose_ranks)
 
     @property
     def rows(self) -> list[StepRows]:
@@ -210,23 +250,21 @@ class StepReports:
     def reported(self) -> np.ndarray:
         """The ranks that reported the step, sorted."""
         self._join()
-        ranks = np.flatnonzero(self._seen)
-        return np.union1d(ranks, np.array(sorted(self._other), np.int64)) if self._other else ranks
+        return self._ranks.sorted()
 
     def add(self, rows: StepRows) -> None:
         """One StepPartial's rows."""
         self._join()
         self._rows.append(rows)
-        self._mark(rows.rank)
+        self._ranks.add(rows.rank)
 
     def add_step_metrics(self, m: dict) -> None:
         """One rank's StepMetrics (``checked_calls`` passed)."""
         if self._loose is None:
             self._loose = PartialBuilder()
         self._loose.add(m, 0)
-        r = m["rank"]
-        if not (0 <= r < len(self._seen) and self._seen[r]) and r not in self._other:
-            self._loose_ranks.add(r)
+        if m["rank"] not in self._ranks:
+            self._loose_ranks.add(m["rank"])
 
     def _join(self) -> None:
         if self._loose is None:
@@ -236,27 +274,7 @@ class StepReports:
         for record in loose.records():
             rows = rows_of_partial(record)
             self._rows.append(rows)
-            self._mark(rows.rank)
-
-    def _mark(self, r: np.ndarray) -> None:
-        if not len(r):
-            return
-        inside = (r >= 0) & (r < _RANKS_IN_BITMAP)
-        if not inside.all():
-            fresh = set(r[~inside].tolist()) - self._other
-            self._count += len(fresh)
-            self._other |= fresh
-            r = r[inside]
-        if len(r) > 1:
-            r = np.unique(r)
-        if len(r):
-            top = int(r[-1]) + 1
-            if top > len(self._seen):
-                grown = np.zeros(max(top, 2 * len(self._seen)), bool)
-                grown[:len(self._seen)] = self._seen
-                self._seen = grown
-            self._count += int(np.count_nonzero(~self._seen[r]))
-            self._seen[r] = True
+            self._ranks.add(rows.rank)
 
 
 class MergedStep(NamedTuple):
@@ -305,8 +323,13 @@ def _last_of_rank(rank: np.ndarray, keep: np.ndarray) -> tuple[np.ndarray, np.nd
     if not len(rows):
         return np.zeros(0, np.int64), rows
     r = rank[rows]
-    if len(r) == 1 or (r[1:] > r[:-1]).all():  # each rank once, in order: the usual case
+    if len(r) == 1 or (r[1:] > r[:-1]).all():  # each rank once, in order: one partial
         return r, rows
+    if r.min() >= 0 and r.max() < _RANKS_IN_BITMAP:  # partials of several partitions: a scatter, no sort
+        last = np.full(int(r.max()) + 1, -1, np.int64)
+        np.maximum.at(last, r, rows)  # the last report of a rank that came twice
+        ranks = np.flatnonzero(last >= 0)
+        return ranks, last[ranks]
     backwards = rows[::-1]
     ranks, first = np.unique(rank[backwards], return_index=True)
     return ranks, backwards[first]

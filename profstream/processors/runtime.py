@@ -41,6 +41,7 @@ from profstream.processors.health import EVENT_FAMILIES, ProcessorHealth, StageC
 from profstream.processors.lag import LagProbe
 from profstream.processors.partials import (
     PartialBuilder,
+    RankSet,
     StepReports,
     StepRows,
     checked_calls,
@@ -330,7 +331,7 @@ class StepStage:
 class _RunState:
     partition: int
     ranks: set[int] = field(default_factory=set)
-    rank_array: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # ``ranks``, sorted
+    rank_set: RankSet = field(default_factory=RankSet)  # ``ranks``, for arrays of them
     world_size: int | None = None  # from the producers, when they know it
     floor: int | None = None  # every step below has been emitted
     pending: dict[int, StepReports] = field(default_factory=dict)  # step -> its reports
@@ -375,8 +376,9 @@ class RunStage:
             self.runs.pop(run_id, None)
             return
         cp = decode("RunCheckpoint", value)
-        self.runs[run_id] = _RunState(partition, set(cp["ranks"]), np.array(sorted(cp["ranks"]), np.int64),
-                                      floor=cp["floor"], last_seen=now, clocks=RunClocks.restore(cp["clocks"]))
+        run = self.runs[run_id] = _RunState(partition, set(cp["ranks"]), floor=cp["floor"], last_seen=now,
+                                            clocks=RunClocks.restore(cp["clocks"]))
+        run.rank_set.add(np.array(cp["ranks"], np.int64))
 
     def transaction_outputs(self) -> list[Output]:
         return []
@@ -442,10 +444,9 @@ class RunStage:
         known = rows.world_size[rows.world_size >= 0]
         if len(known):
             run.world_size = int(known[-1])
-        new = np.setdiff1d(rows.rank, run.rank_array)
+        new = run.rank_set.add(rows.rank)
         if len(new):
             run.ranks.update(new.tolist())
-            run.rank_array = np.union1d(run.rank_array, new)
             self._changed.add(m["run_id"])
         pending = self._pending(run, m["step"], rec, now)
         if pending is not None:
@@ -460,7 +461,7 @@ class RunStage:
             run.world_size = m["world_size"]
         if m["rank"] not in run.ranks:
             run.ranks.add(m["rank"])
-            run.rank_array = np.union1d(run.rank_array, [m["rank"]])
+            run.rank_set.add(np.array([m["rank"]], np.int64))
             self._changed.add(m["run_id"])
         pending = self._pending(run, m["step"], rec, now)
         if pending is None:
@@ -513,7 +514,7 @@ class RunStage:
                 if pending.count < expected - _gone(run.ended, pending, step) and \
                         now - run.first_seen[step] < self.grace_s:
                     break
-                everyone = range(run.world_size) if run.world_size else run.rank_array.tolist()
+                everyone = range(run.world_size) if run.world_size else run.rank_set.sorted().tolist()
                 out.append(self._emit(run_id, step, pending.rows, everyone, run.always_on, run.clocks))
                 del run.pending[step], run.first_offset[step], run.first_seen[step]
                 run.floor = step + 1
@@ -554,9 +555,9 @@ class RunStage:
         record = {"run_id": run_id, "step": step, **rank_figures_of(step_.ranks, step_.step_time_ns),
                   "step_times_ns": dict(zip(map(str, step_.ranks.tolist()), step_.step_time_ns.tolist())),
                   **packed_step_collectives(calls, list(everyone), step_.unmeasured - always_on,
-                                            clocks.offsets(calls), joined),
+                                            clocks.offsets(calls.ranks), joined),
                   "work": run_work_of(step_.work_ranks, step_.work, step_.work_present),
-                  "clock_offsets": clocks.estimates(calls)}
+                  "clock_offsets": clocks.estimates(calls.ranks)}
         self.counts.run_steps += 1
         return Output(self.topics.run, run_id.encode(), encode_run_step_metrics(record), None)
 
