@@ -38,24 +38,12 @@ def rank_figures_of(ranks: np.ndarray, times: np.ndarray) -> dict[str, int | flo
     }
 
 
-RankWork = tuple  # (tokens_per_s, samples_per_s, flops_per_s, mfu) of one rank's step, None where absent
-
-
-def run_work_figures(work: Mapping[int, RankWork]) -> dict | None:
-    """RunStepMetrics ``work`` from ``{rank: (tokens_per_s, samples_per_s, flops_per_s, mfu)}``
-    of the ranks whose step had work figures (None when none had): throughputs summed over
-    the ranks that have them, MFU's mean and minimum and the rank with the lowest (the
-    lowest rank on ties). A figure no rank had is None."""
-    ranks = sorted(work)
-    values = np.array([[0.0 if v is None else v for v in work[r]] for r in ranks], np.float64).reshape(len(ranks), 4)
-    present = np.array([[v is not None for v in work[r]] for r in ranks], bool).reshape(len(ranks), 4)
-    return run_work_of(np.array(ranks, np.int64), values, present)
-
-
 def run_work_of(ranks: np.ndarray, values: np.ndarray, present: np.ndarray) -> dict | None:
-    """``run_work_figures`` of ``ranks`` (sorted, each once) and their figures as arrays:
-    ``values`` and ``present`` (not None) are rows x (tokens_per_s, samples_per_s,
-    flops_per_s, mfu). Sums add in rank order, as Python's ``sum`` of the same values."""
+    """RunStepMetrics ``work`` of the ranks whose step had work figures, ``ranks`` (sorted,
+    each once; None when none had): ``values`` and ``present`` (not None) are rows x
+    (tokens_per_s, samples_per_s, flops_per_s, mfu). Throughputs summed over the ranks
+    that have them (in rank order, as Python's ``sum``), MFU's mean and minimum and the rank
+    with the lowest (the lowest rank on ties). A figure no rank had is None."""
     if not len(ranks):
         return None
 

@@ -9,7 +9,7 @@ Two stages, each a consumer group run exactly-once by ``checkpoint.Transactional
 - ``RunStage`` (steps -> run) sees every rank of a run and computes the cross-rank
   figures per step, wherever the ranks were processed. It reads the StepPartials the step
   stage writes beside the StepMetrics (``partials.py``: per run step, the ranks one
-  ``ready`` closed as columns), not each rank's StepMetrics.
+  transaction closed, as columns), not each rank's StepMetrics.
 
 This module knows Kafka records and nothing of how figures are computed.
 """
@@ -132,7 +132,7 @@ class StepStage:
         self._changed: set[tuple[str, int]] = set()
         self._orders = itertools.count()
         self.schedule = CloseSchedule(grace_s, idle_timeout_s)
-        # the closed steps' cross-rank fields, per run step, sent at commit (``changed_state``);
+        # the closed steps' cross-rank fields, per run step, sent at commit (``transaction_outputs``);
         # None: no run stage reads this stage's output (the offline replay's RunFigures reads StepMetrics)
         self._partials = PartialBuilder() if partials else None
 
@@ -547,16 +547,16 @@ class RunStage:
 
     def _emit(self, run_id: str, step: int, reports: list[StepRows], everyone: Iterable[int], always_on: set[int],
               clocks: RunClocks) -> Output:
-        step_ = merge(reports)  # every rank's last report, by rank
-        calls = step_.calls
+        merged = merge(reports)  # every rank's last report, by rank
+        calls = merged.calls
         joined = calls.joined()  # read once for the clocks and the figures
         if calls:  # the step's calls teach the offsets first, and are then compared on the run's clock
             clocks.learn_packed(calls, joined)
-        record = {"run_id": run_id, "step": step, **rank_figures_of(step_.ranks, step_.step_time_ns),
-                  "step_times_ns": dict(zip(map(str, step_.ranks.tolist()), step_.step_time_ns.tolist())),
-                  **packed_step_collectives(calls, list(everyone), step_.unmeasured - always_on,
+        record = {"run_id": run_id, "step": step, **rank_figures_of(merged.ranks, merged.step_time_ns),
+                  "step_times_ns": dict(zip(map(str, merged.ranks.tolist()), merged.step_time_ns.tolist())),
+                  **packed_step_collectives(calls, list(everyone), merged.unmeasured - always_on,
                                             clocks.offsets(calls.ranks), joined),
-                  "work": run_work_of(step_.work_ranks, step_.work, step_.work_present),
+                  "work": run_work_of(merged.work_ranks, merged.work, merged.work_present),
                   "clock_offsets": clocks.estimates(calls.ranks)}
         self.counts.run_steps += 1
         return Output(self.topics.run, run_id.encode(), encode_run_step_metrics(record), None)
