@@ -12,7 +12,8 @@ message again with fastavro, whose error says what is wrong.
 Where the compiled Monitor's extension is built, the same reading runs compiled
 (``producers/csrc/reader.cpp``, ``BodyReader``): ``body_plan`` describes the schema to it
 as nested tuples, and it reads every body (full sections too) into the same dict, about
-four times faster than fastavro. ``PROFSTREAM_PURE_READER=1`` keeps the Python reader.
+four times faster than fastavro. ``PROFSTREAM_PURE_PROCESSORS=1`` keeps the Python reader
+(processors/kernels.py).
 """
 
 from __future__ import annotations
@@ -195,9 +196,9 @@ def compiled_reader(schema: dict) -> Reader | None:
 def sparse_reader(schema: dict, compiled: bool | None = None) -> Reader | None:
     """A reader of a body of ``schema`` (a record: ``(record, position after it)``), or None
     where the schema has a type it does not read: the compiled one where it is built (and
-    ``compiled`` is not False, nor PROFSTREAM_PURE_READER set), else the Python one."""
+    ``compiled`` is not False, nor PROFSTREAM_PURE_PROCESSORS set), else the Python one."""
     if compiled is None:
-        compiled = os.environ.get("PROFSTREAM_PURE_READER", "") in ("", "0")
+        compiled = os.environ.get("PROFSTREAM_PURE_PROCESSORS", "") in ("", "0")
     reader = compiled_reader(schema) if compiled else None
     if reader is not None:
         return reader
