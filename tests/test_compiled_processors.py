@@ -15,8 +15,8 @@ from profstream.processors import kernels
 from profstream.processors.model import StepEvents
 from profstream.processors.optypes import device_kind_costs, op_type_costs
 from profstream.processors.utilization import utilization
-from profstream.processors.window import Window
-from profstream.schema import codec, sparse
+from profstream.processors.window import Window, carry_past_end
+from profstream.schema import codec, sparse, writer
 
 S, E = 1_000, 2_000
 TYPES = ["AllReduce", "Conv2D", "MatMul", "Softmax", "b", "a"]
@@ -61,13 +61,28 @@ def test_compiled_utilization_and_costs_equal_the_numpy_path(step, top_k):
     ev, window = step
     native = kernels.NATIVE
     assert native is not None
-    compiled = (utilization(ev, window), op_type_costs(ev, top_k, window), device_kind_costs(ev, window))
+
+    def figures() -> tuple:
+        carried = carry_past_end(ev)  # what the step carries into the next (arrays: compared as lists)
+        assert all(a.dtype == np.int64 for kind in carried for a in kind)
+        return (utilization(ev, window), op_type_costs(ev, top_k, window), device_kind_costs(ev, window),
+                [[a.tolist() for a in kind] for kind in carried])
+
+    compiled = figures()
     kernels.NATIVE = None
     try:
-        numpy_path = (utilization(ev, window), op_type_costs(ev, top_k, window), device_kind_costs(ev, window))
+        numpy_path = figures()
     finally:
         kernels.NATIVE = native
     assert compiled == numpy_path
+
+
+def test_the_compiled_varint_writes_the_python_writers_bytes():
+    """The generated Avro writers call the compiled zigzag varint: every long the same bytes."""
+    assert writer.VARINT is not writer._varint
+    values = [*range(-300, 300), *(s * 2**k + d for k in range(6, 63) for s in (1, -1) for d in (-1, 0, 1)),
+              2**63 - 1, -(2**63)]
+    assert [writer.VARINT(v) for v in values] == [writer._varint(v) for v in values]
 
 
 def test_a_column_the_kernels_do_not_take_falls_back_to_numpy():

@@ -162,11 +162,61 @@ PyObject* sums_by_code(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return out;
 }
 
+PyObject* packed(const Intervals& iv, bool ends) {
+  std::vector<int64_t> values;
+  values.reserve(iv.size());
+  for (const auto& p : iv) values.push_back(ends ? p.second : p.first);
+  return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(values.data()),
+                                   static_cast<Py_ssize_t>(values.size() * sizeof(int64_t)));
+}
+
+// past_end(kind, start, dur, end, a, b, a_start, a_end, b_start, b_end)
+//   -> (A starts, A ends, B starts, B ends) as int64 bytes, or None
+// A: the union of the parts after ``end`` of the ops of kind a and of the intervals
+// [a_start, a_end) (window.carry_past_end: what a host step carries into the next); B likewise.
+PyObject* past_end(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 10) {
+    PyErr_SetString(PyExc_TypeError, "past_end takes 10 arguments");
+    return nullptr;
+  }
+  Column kind, start, dur, as, ae, bs, be;
+  if (!kind.take(args[0]) || !start.take(args[1]) || !dur.take(args[2]) || !as.take(args[6]) ||
+      !ae.take(args[7]) || !bs.take(args[8]) || !be.take(args[9]))
+    Py_RETURN_NONE;
+  if (start.width != 8 || dur.width != 8 || as.width != 8 || ae.width != 8 || bs.width != 8 || be.width != 8 ||
+      kind.n != start.n || dur.n != start.n || as.n != ae.n || bs.n != be.n)
+    Py_RETURN_NONE;
+  int64_t end = PyLong_AsLongLong(args[3]);
+  long ka = PyLong_AsLong(args[4]), kb = PyLong_AsLong(args[5]);
+  if (PyErr_Occurred()) return nullptr;
+  const int64_t far = INT64_MAX;
+  Intervals a, b;
+  for (Py_ssize_t i = 0; i < start.n; ++i) {
+    int64_t k = kind[i], e = start[i] + dur[i];
+    if (e <= end) continue;
+    if (k == ka) clip_into(a, start[i], e, end, far);
+    else if (k == kb) clip_into(b, start[i], e, end, far);
+  }
+  for (Py_ssize_t i = 0; i < as.n; ++i)
+    if (ae[i] > end) clip_into(a, as[i], ae[i], end, far);
+  for (Py_ssize_t i = 0; i < bs.n; ++i)
+    if (be[i] > end) clip_into(b, bs[i], be[i], end, far);
+  merge(a);
+  merge(b);
+  PyObject* parts[4] = {packed(a, false), packed(a, true), packed(b, false), packed(b, true)};
+  PyObject* out = (parts[0] && parts[1] && parts[2] && parts[3]) ? PyTuple_Pack(4, parts[0], parts[1], parts[2], parts[3])
+                                                                  : nullptr;
+  for (PyObject* p : parts) Py_XDECREF(p);
+  return out;
+}
+
 PyMethodDef kernel_functions[] = {
     {"kind_overlap", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(kind_overlap)), METH_FASTCALL,
      "kind_overlap(kind, start, dur, lo, hi, a, b, a_start, a_end, b_start, b_end) -> (|A|, |B|, |A & B|) or None"},
     {"sums_by_code", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(sums_by_code)), METH_FASTCALL,
      "sums_by_code(code, start, dur, lo, hi) -> [(code, summed dur, count)] of the rows starting in [lo, hi)"},
+    {"past_end", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(past_end)), METH_FASTCALL,
+     "past_end(kind, start, dur, end, a, b, a_start, a_end, b_start, b_end) -> the unions past end, as int64 bytes"},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

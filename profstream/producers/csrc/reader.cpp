@@ -1,5 +1,5 @@
 // BodyReader: schema/sparse.py's reader of Avro bodies, compiled (the processors' EventBatch
-// decode). It knows no schema: sparse.body_plan() walks one and gives a plan of nested
+// decode); and zigzag_varint, the long that schema/writer.py's generated writers write most. It knows no schema: sparse.body_plan() walks one and gives a plan of nested
 // tuples, compiled here once into a tree of nodes; read(data, pos) returns the record
 // (the dict fastavro reads) and the position after it. It takes well-formed bodies only:
 // on anything else it raises ValueError, and codec.decode_any reads the message again with
@@ -298,6 +298,25 @@ PyMethodDef BodyReader_methods[] = {
 
 PyTypeObject BodyReaderType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
+// zigzag_varint(n) -> the Avro long's bytes (n within 64 bits: the writer checks the range)
+PyObject* zigzag_varint(PyObject*, PyObject* arg) {
+  long long n = PyLong_AsLongLong(arg);
+  if (n == -1 && PyErr_Occurred()) return nullptr;
+  uint64_t z = (static_cast<uint64_t>(n) << 1) ^ static_cast<uint64_t>(n >> 63);
+  char out[10];
+  Py_ssize_t len = 0;
+  while (z >= 0x80) {
+    out[len++] = static_cast<char>((z & 0x7F) | 0x80);
+    z >>= 7;
+  }
+  out[len++] = static_cast<char>(z);
+  return PyBytes_FromStringAndSize(out, len);
+}
+
+PyMethodDef reader_functions[] = {
+    {"zigzag_varint", zigzag_varint, METH_O, "zigzag_varint(n) -> the Avro encoding of long n"},
+    {nullptr, nullptr, 0, nullptr}};
+
 }  // namespace
 
 bool init_reader_type(PyObject* module) {
@@ -311,7 +330,8 @@ bool init_reader_type(PyObject* module) {
   BodyReaderType.tp_methods = BodyReader_methods;
   if (PyType_Ready(&BodyReaderType) < 0) return false;
   Py_INCREF(&BodyReaderType);
-  return PyModule_AddObject(module, "BodyReader", reinterpret_cast<PyObject*>(&BodyReaderType)) == 0;
+  return PyModule_AddObject(module, "BodyReader", reinterpret_cast<PyObject*>(&BodyReaderType)) == 0 &&
+         PyModule_AddFunctions(module, reader_functions) == 0;
 }
 
 }  // namespace ps
