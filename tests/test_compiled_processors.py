@@ -12,8 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from profstream.processors import kernels
+from profstream.processors.memory import memory_figures
 from profstream.processors.model import StepEvents
 from profstream.processors.optypes import device_kind_costs, op_type_costs
+from profstream.processors.queues import queue_figures
 from profstream.processors.utilization import utilization
 from profstream.processors.window import Window, carry_past_end
 from profstream.schema import codec, sparse, writer
@@ -43,12 +45,21 @@ def steps(draw) -> tuple[StepEvents, Window]:
     carried = [_intervals(draw, draw(st.integers(0, 4))) for _ in range(2)]
     ahead_n = draw(st.integers(0, 6))
     ahead_start, ahead_end = _intervals(draw, ahead_n)
+    samples = draw(st.integers(0, 12))  # queue and memory samples, unsorted, with equal times
+    sample_ts = np.array(draw(st.lists(st.sampled_from([500, 999, S, 1_500, 1_500, E, 2_001]), min_size=samples,
+                                       max_size=samples)), np.int64)
+    sizes = np.array(draw(st.lists(st.integers(-1, 4), min_size=samples, max_size=samples)), np.int64)
+    codes = np.array(draw(st.lists(st.integers(0, 2), min_size=samples, max_size=samples)), np.int32)
     ev = StepEvents(run_id="r", rank=0, step=1, start_ns=S, end_ns=E, op_kind=kinds, op_type=types,
                     op_stream=np.zeros(n, np.int32), op_start_ns=start, op_dur_ns=end - start,
                     type_names=TYPES, carried_compute=carried[0], carried_comm=carried[1],
                     ahead_kind=np.array(draw(st.lists(st.integers(0, 5), min_size=ahead_n, max_size=ahead_n)),
                                         np.uint8),
-                    ahead_start_ns=ahead_start, ahead_end_ns=ahead_end)
+                    ahead_start_ns=ahead_start, ahead_end_ns=ahead_end,
+                    queue=codes, queue_ts_ns=sample_ts, queue_size=sizes, queue_names=["q2", "q0", "q1"],
+                    queue_capacity=np.full(samples, -1, np.int64), mem_ts_ns=sample_ts[::-1].copy(),
+                    mem_peak=np.where(sizes > 2, -1, sizes * 100), mem_allocated=(codes * 7 + sizes) * 10,
+                    mem_reserved=sizes * 1000)
     if draw(st.booleans()):  # a device window: the numpy path takes its ops whole, with the ahead ones
         lo = draw(st.integers(500, 1_500))
         return ev, Window(True, lo, lo + draw(st.integers(0, 1_000)))
@@ -57,7 +68,7 @@ def steps(draw) -> tuple[StepEvents, Window]:
 
 @settings(max_examples=300, deadline=None)
 @given(steps(), st.integers(0, 8))
-def test_compiled_utilization_and_costs_equal_the_numpy_path(step, top_k):
+def test_compiled_figures_equal_the_numpy_path(step, top_k):
     ev, window = step
     native = kernels.NATIVE
     assert native is not None
@@ -66,7 +77,7 @@ def test_compiled_utilization_and_costs_equal_the_numpy_path(step, top_k):
         carried = carry_past_end(ev)  # what the step carries into the next (arrays: compared as lists)
         assert all(a.dtype == np.int64 for kind in carried for a in kind)
         return (utilization(ev, window), op_type_costs(ev, top_k, window), device_kind_costs(ev, window),
-                [[a.tolist() for a in kind] for kind in carried])
+                [[a.tolist() for a in kind] for kind in carried], queue_figures(ev), memory_figures(ev))
 
     compiled = figures()
     kernels.NATIVE = None
@@ -86,16 +97,22 @@ def test_the_compiled_varint_writes_the_python_writers_bytes():
 
 
 def test_a_column_the_kernels_do_not_take_falls_back_to_numpy():
-    """A column of another type (int16 kinds, float starts) gets None from the kernel, and
-    the figure comes from the numpy path, the same."""
+    """A column of another type (int16 kinds, float starts) or a queue size whose sums a
+    double might not hold exactly gets None from the kernel, and the figure comes from the
+    numpy path."""
     kinds, start, dur = np.array([0, 1], np.int16), np.array([10.0, 20.0]), np.array([5, 5], np.int64)
     empty = np.empty(0, np.int64)
     assert kernels.NATIVE.kind_overlap(kinds, start.astype(np.int64), dur, 0, 100, 0, 1, empty, empty, empty,
                                        empty) is None
     assert kernels.NATIVE.sums_by_code(np.array([0, 1], np.int32), start, dur, 0, 100) is None
+    big = np.array([2**40, 3], np.int64)
+    assert kernels.NATIVE.queue_sizes(np.zeros(2, np.int32), np.array([1, 2], np.int64), big, 0, 10) is None
     ev = StepEvents(run_id="r", rank=0, step=1, start_ns=0, end_ns=100, op_kind=np.array([0, 1], np.uint8),
                     op_type=np.array([0, 1], np.int16), op_start_ns=np.array([10, 20], np.int64), op_dur_ns=dur,
-                    type_names=["x", "y"])
+                    type_names=["x", "y"], queue=np.zeros(2, np.int32), queue_ts_ns=np.array([1, 2], np.int64),
+                    queue_size=big, queue_names=["q"])
+    assert queue_figures(ev) == [{"queue": "q", "min": 3, "mean": float(np.mean(big)), "last": 3, "at_start": None,
+                                  "empty_ratio": 0.0}]
     assert op_type_costs(ev) == [{"op_type": "x", "total_ns": 5, "count": 1}, {"op_type": "y", "total_ns": 5,
                                                                                 "count": 1}]
 

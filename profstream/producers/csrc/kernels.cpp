@@ -210,6 +210,98 @@ PyObject* past_end(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return out;
 }
 
+// queue_sizes(queue, ts, size, lo, hi) -> [(queue, min, sum, count, last, at_start, zeros)] by
+// queue code, or None: queues.queue_figures' figures of each queue with samples in [lo, hi],
+// samples taken by time, then as received; at_start: the size of the last sample at or
+// before lo (None: none). None also where a sum might not be exact in a double (a size of
+// 2**31 or more), so that sum / count is numpy's mean to the bit.
+PyObject* queue_sizes(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 5) {
+    PyErr_SetString(PyExc_TypeError, "queue_sizes takes 5 arguments");
+    return nullptr;
+  }
+  Column queue, ts, size;
+  if (!queue.take(args[0]) || !ts.take(args[1]) || !size.take(args[2])) Py_RETURN_NONE;
+  if (ts.width != 8 || size.width != 8 || queue.n != ts.n || size.n != ts.n || ts.n >= (1 << 20)) Py_RETURN_NONE;
+  int64_t lo = PyLong_AsLongLong(args[3]), hi = PyLong_AsLongLong(args[4]);
+  if (PyErr_Occurred()) return nullptr;
+  std::vector<Py_ssize_t> order(static_cast<size_t>(ts.n));
+  for (Py_ssize_t i = 0; i < ts.n; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](Py_ssize_t a, Py_ssize_t b) { return ts[a] < ts[b]; });
+  struct Figures {
+    int64_t min = 0, sum = 0, count = 0, last = 0, at_start = 0, zeros = 0;
+    bool started = false;
+  };
+  std::map<int64_t, Figures> by_queue;  // every queue seen, with or without samples inside
+  for (Py_ssize_t i : order) {
+    int64_t v = size[i], t = ts[i];
+    if (v >= (int64_t{1} << 31) || v <= -(int64_t{1} << 31)) Py_RETURN_NONE;
+    auto& f = by_queue[queue[i]];
+    if (t <= lo) {
+      f.at_start = v;
+      f.started = true;
+    }
+    if (t < lo || t > hi) continue;
+    f.min = f.count ? std::min(f.min, v) : v;
+    f.sum += v;
+    f.count += 1;
+    f.last = v;
+    f.zeros += v == 0;
+  }
+  PyObject* out = PyList_New(0);
+  if (out == nullptr) return nullptr;
+  for (const auto& [code, f] : by_queue) {
+    if (!f.count) continue;
+    PyObject* row = f.started ? Py_BuildValue("(LLLLLLL)", static_cast<long long>(code), static_cast<long long>(f.min),
+                                              static_cast<long long>(f.sum), static_cast<long long>(f.count),
+                                              static_cast<long long>(f.last), static_cast<long long>(f.at_start),
+                                              static_cast<long long>(f.zeros))
+                              : Py_BuildValue("(LLLLLOL)", static_cast<long long>(code), static_cast<long long>(f.min),
+                                              static_cast<long long>(f.sum), static_cast<long long>(f.count),
+                                              static_cast<long long>(f.last), Py_None, static_cast<long long>(f.zeros));
+    if (row == nullptr || PyList_Append(out, row) < 0) {
+      Py_XDECREF(row);
+      Py_DECREF(out);
+      return nullptr;
+    }
+    Py_DECREF(row);
+  }
+  return out;
+}
+
+// memory_at(ts, peak, allocated, reserved, lo, hi) -> (peak, allocated, reserved), False
+// (no sample in [lo, hi]) or None (columns it does not take): memory.memory_figures
+PyObject* memory_at(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 6) {
+    PyErr_SetString(PyExc_TypeError, "memory_at takes 6 arguments");
+    return nullptr;
+  }
+  Column ts, peak, allocated, reserved;
+  if (!ts.take(args[0]) || !peak.take(args[1]) || !allocated.take(args[2]) || !reserved.take(args[3])) Py_RETURN_NONE;
+  if (ts.width != 8 || peak.width != 8 || allocated.width != 8 || reserved.width != 8 || peak.n != ts.n ||
+      allocated.n != ts.n || reserved.n != ts.n)
+    Py_RETURN_NONE;
+  int64_t lo = PyLong_AsLongLong(args[4]), hi = PyLong_AsLongLong(args[5]);
+  if (PyErr_Occurred()) return nullptr;
+  Py_ssize_t last = -1;
+  bool reported = false;
+  int64_t max_reported = 0, max_allocated = 0;
+  for (Py_ssize_t i = 0; i < ts.n; ++i) {
+    int64_t t = ts[i];
+    if (t < lo || t > hi) continue;
+    int64_t p = peak[i], a = allocated[i];
+    if (p >= 0) {
+      max_reported = reported ? std::max(max_reported, p) : p;
+      reported = true;
+    }
+    max_allocated = last < 0 ? a : std::max(max_allocated, a);
+    if (last < 0 || t >= ts[last]) last = i;  // the greatest ts; of equal ones the last received
+  }
+  if (last < 0) Py_RETURN_FALSE;
+  return Py_BuildValue("(LLL)", static_cast<long long>(reported ? max_reported : max_allocated),
+                       static_cast<long long>(allocated[last]), static_cast<long long>(reserved[last]));
+}
+
 PyMethodDef kernel_functions[] = {
     {"kind_overlap", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(kind_overlap)), METH_FASTCALL,
      "kind_overlap(kind, start, dur, lo, hi, a, b, a_start, a_end, b_start, b_end) -> (|A|, |B|, |A & B|) or None"},
@@ -217,6 +309,10 @@ PyMethodDef kernel_functions[] = {
      "sums_by_code(code, start, dur, lo, hi) -> [(code, summed dur, count)] of the rows starting in [lo, hi)"},
     {"past_end", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(past_end)), METH_FASTCALL,
      "past_end(kind, start, dur, end, a, b, a_start, a_end, b_start, b_end) -> the unions past end, as int64 bytes"},
+    {"queue_sizes", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(queue_sizes)), METH_FASTCALL,
+     "queue_sizes(queue, ts, size, lo, hi) -> [(queue, min, sum, count, last, at_start, zeros)] or None"},
+    {"memory_at", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(memory_at)), METH_FASTCALL,
+     "memory_at(ts, peak, allocated, reserved, lo, hi) -> (peak, allocated, reserved), False or None"},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace
