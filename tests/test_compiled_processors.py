@@ -1,6 +1,6 @@
 """The processors' compiled parts (producers/csrc/reader.cpp and kernels.cpp, built with the
 compiled Monitor) give the figures of their Python and numpy paths to the bit; those paths
-still run where the extension is not built (processors/kernels.py, schema/sparse.py)."""
+still run where the extension is not built (profstream/compiled.py, schema/sparse.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from profstream.processors import kernels
+from profstream import compiled
 from profstream.processors.memory import memory_figures
 from profstream.processors.model import StepEvents
 from profstream.processors.optypes import device_kind_costs, op_type_costs
@@ -25,7 +25,7 @@ TYPES = ["AllReduce", "Conv2D", "MatMul", "Softmax", "b", "a"]
 
 
 def test_the_kernels_are_built_with_the_compiled_monitor():
-    assert kernels.NATIVE is not None, "the compiled Monitor's extension is not built (or PROFSTREAM_PURE_PROCESSORS)"
+    assert compiled.NATIVE is not None, "the compiled Monitor's extension is not built (or PROFSTREAM_PURE_PROCESSORS)"
 
 
 def _intervals(draw, n: int, lo: int = 500, hi: int = 2_500) -> tuple[np.ndarray, np.ndarray]:
@@ -70,7 +70,7 @@ def steps(draw) -> tuple[StepEvents, Window]:
 @given(steps(), st.integers(0, 8))
 def test_compiled_figures_equal_the_numpy_path(step, top_k):
     ev, window = step
-    native = kernels.NATIVE
+    native = compiled.NATIVE
     assert native is not None
 
     def figures() -> tuple:
@@ -79,13 +79,13 @@ def test_compiled_figures_equal_the_numpy_path(step, top_k):
         return (utilization(ev, window), op_type_costs(ev, top_k, window), device_kind_costs(ev, window),
                 [[a.tolist() for a in kind] for kind in carried], queue_figures(ev), memory_figures(ev))
 
-    compiled = figures()
-    kernels.NATIVE = None
+    with_kernels = figures()
+    compiled.NATIVE = None
     try:
         numpy_path = figures()
     finally:
-        kernels.NATIVE = native
-    assert compiled == numpy_path
+        compiled.NATIVE = native
+    assert with_kernels == numpy_path
 
 
 def test_the_compiled_varint_writes_the_python_writers_bytes():
@@ -102,11 +102,11 @@ def test_a_column_the_kernels_do_not_take_falls_back_to_numpy():
     numpy path."""
     kinds, start, dur = np.array([0, 1], np.int16), np.array([10.0, 20.0]), np.array([5, 5], np.int64)
     empty = np.empty(0, np.int64)
-    assert kernels.NATIVE.kind_overlap(kinds, start.astype(np.int64), dur, 0, 100, 0, 1, empty, empty, empty,
+    assert compiled.NATIVE.kind_overlap(kinds, start.astype(np.int64), dur, 0, 100, 0, 1, empty, empty, empty,
                                        empty) is None
-    assert kernels.NATIVE.sums_by_code(np.array([0, 1], np.int32), start, dur, 0, 100) is None
+    assert compiled.NATIVE.sums_by_code(np.array([0, 1], np.int32), start, dur, 0, 100) is None
     big = np.array([2**40, 3], np.int64)
-    assert kernels.NATIVE.queue_sizes(np.zeros(2, np.int32), np.array([1, 2], np.int64), big, 0, 10) is None
+    assert compiled.NATIVE.queue_sizes(np.zeros(2, np.int32), np.array([1, 2], np.int64), big, 0, 10) is None
     ev = StepEvents(run_id="r", rank=0, step=1, start_ns=0, end_ns=100, op_kind=np.array([0, 1], np.uint8),
                     op_type=np.array([0, 1], np.int16), op_start_ns=np.array([10, 20], np.int64), op_dur_ns=dur,
                     type_names=["x", "y"], queue=np.zeros(2, np.int32), queue_ts_ns=np.array([1, 2], np.int64),
@@ -133,14 +133,14 @@ def test_compiled_and_python_processors_write_the_same_bytes(monkeypatch, option
     messages = simulated_messages(cfg)
     monkeypatch.setattr("profstream.processors.figures.time.time_ns", lambda: 1_800_000_000_000_000_000)  # closed_ns
     batches = [sv for sv in codec.SCHEMAS.values() if sv.name == "EventBatch"]
-    native = kernels.NATIVE
+    native = compiled.NATIVE
     outputs = {}
-    for compiled in (True, False):
+    for on in (True, False):
         for sv in batches:
-            reader = sparse.sparse_reader(sv.parsed, compiled=compiled)
-            assert (type(reader).__name__ == "builtin_function_or_method") == compiled
+            reader = sparse.sparse_reader(sv.parsed, compiled=on)
+            assert (type(reader).__name__ == "builtin_function_or_method") == on
             monkeypatch.setitem(codec.SCHEMAS, sv.fingerprint, dataclasses.replace(sv, sparse=reader))
-        monkeypatch.setattr(kernels, "NATIVE", native if compiled else None)
-        outputs[compiled] = [(f.kind, f.value) for f in figures(messages)]
+        monkeypatch.setattr(compiled, "NATIVE", native if on else None)
+        outputs[on] = [(f.kind, f.value) for f in figures(messages)]
     assert sum(kind == "steps" for kind, _ in outputs[True]) >= 3 * 10
     assert outputs[True] == outputs[False]

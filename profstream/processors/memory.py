@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from profstream.processors import kernels
+from profstream import compiled
 from profstream.processors.model import StepEvents
 
 
@@ -17,8 +17,8 @@ def memory_figures(ev: StepEvents) -> dict[str, int] | None:
     no sample lies in the step.
     """
     ts = ev.mem_ts_ns
-    if kernels.NATIVE is not None:
-        got = kernels.NATIVE.memory_at(ts, ev.mem_peak, ev.mem_allocated, ev.mem_reserved, ev.start_ns, ev.end_ns)
+    if compiled.NATIVE is not None:
+        got = compiled.NATIVE.memory_at(ts, ev.mem_peak, ev.mem_allocated, ev.mem_reserved, ev.start_ns, ev.end_ns)
         if got is not None:
             return {"peak": got[0], "allocated": got[1], "reserved": got[2]} if got else None
     inside = np.flatnonzero((ts >= ev.start_ns) & (ts <= ev.end_ns))

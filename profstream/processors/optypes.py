@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from profstream.processors import kernels
+from profstream import compiled
 from profstream.processors.model import StepEvents
 from profstream.processors.window import DEVICE_KINDS, Window, device_ops, step_window
 from profstream.schema.batch import KIND_NAMES
@@ -73,8 +73,8 @@ def op_type_costs(ev: StepEvents, top_k: int = 10, window: Window | None = None)
     are summed into one entry named "other".
     """
     device = (window or step_window(ev)).device
-    if not device and kernels.NATIVE is not None:
-        sums = kernels.NATIVE.sums_by_code(ev.op_type, ev.op_start_ns, ev.op_dur_ns, ev.start_ns, ev.end_ns)
+    if not device and compiled.NATIVE is not None:
+        sums = compiled.NATIVE.sums_by_code(ev.op_type, ev.op_start_ns, ev.op_dur_ns, ev.start_ns, ev.end_ns)
         if sums is not None:
             return _compiled_costs(ev, sums, top_k)
     sel = _in_host_step(ev)
@@ -111,8 +111,8 @@ def device_kind_costs(ev: StepEvents, window: Window | None = None) -> list[dict
     (compute, communication, memcpy, memset; kinds without ops left out). On a device
     window, its device ops; on a host window, the ops of those kinds that start in [S, E)."""
     device = (window or step_window(ev)).device
-    if not device and kernels.NATIVE is not None:
-        sums = kernels.NATIVE.sums_by_code(ev.op_kind, ev.op_start_ns, ev.op_dur_ns, ev.start_ns, ev.end_ns)
+    if not device and compiled.NATIVE is not None:
+        sums = compiled.NATIVE.sums_by_code(ev.op_kind, ev.op_start_ns, ev.op_dur_ns, ev.start_ns, ev.end_ns)
         if sums is not None:
             by_kind = {kind: (total, count) for kind, total, count in sums}
             return [{"kind": KIND_NAMES[k], "total_ns": by_kind[k][0], "count": by_kind[k][1]}

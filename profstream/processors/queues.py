@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from profstream.processors import kernels
+from profstream import compiled
 from profstream.processors.model import StepEvents
 
 
@@ -18,8 +18,8 @@ def queue_figures(ev: StepEvents) -> list[dict[str, int | float | str | None]]:
     in the order received.
     """
     ts, size, codes = ev.queue_ts_ns, ev.queue_size, ev.queue
-    if kernels.NATIVE is not None:
-        rows = kernels.NATIVE.queue_sizes(codes, ts, size, ev.start_ns, ev.end_ns)
+    if compiled.NATIVE is not None:
+        rows = compiled.NATIVE.queue_sizes(codes, ts, size, ev.start_ns, ev.end_ns)
         if rows is not None:  # the sums are exact: sum / count is numpy's mean to the bit
             figures = [{"queue": ev.queue_names[code], "min": low, "mean": total / n, "last": last,
                         "at_start": at_start, "empty_ratio": zeros / n}

@@ -18,7 +18,7 @@ then, never 0.
 
 from __future__ import annotations
 
-from profstream.processors import kernels
+from profstream import compiled
 from profstream.processors.intervals import total, union, union_intersection_length
 from profstream.processors.model import StepEvents
 from profstream.processors.window import Window, busy_intervals, intervals, step_window
@@ -40,7 +40,7 @@ def utilization(ev: StepEvents, window: Window | None = None) -> dict[str, int |
         return NOT_MEASURED
     w = window or step_window(ev)
     step_time = w.length_ns
-    lengths = _compiled_lengths(ev, w) if kernels.NATIVE is not None else None
+    lengths = _compiled_lengths(ev, w) if compiled.NATIVE is not None else None
     if lengths is not None:
         compute_ns, comm_ns, overlap_ns = lengths
     else:
@@ -73,5 +73,5 @@ def _compiled_lengths(ev: StepEvents, w: Window) -> tuple[int, int, int] | None:
                       ev.ahead_end_ns[ev.ahead_kind == COMMUNICATION])
     else:  # what earlier steps carried past their end
         extra_compute, extra_comm = ev.carried_compute, ev.carried_comm
-    return kernels.NATIVE.kind_overlap(ev.op_kind, ev.op_start_ns, ev.op_dur_ns, w.start_ns, w.end_ns, COMPUTE,
+    return compiled.NATIVE.kind_overlap(ev.op_kind, ev.op_start_ns, ev.op_dur_ns, w.start_ns, w.end_ns, COMPUTE,
                                        COMMUNICATION, *extra_compute, *extra_comm)

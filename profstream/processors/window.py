@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from profstream.processors import kernels
+from profstream import compiled
 from profstream.processors.intervals import union
 from profstream.processors.model import StepEvents
 from profstream.schema.batch import COMMUNICATION, COMPUTE, MEMCPY, MEMSET, NO_VALUE
@@ -196,8 +196,8 @@ def carry_past_end(ev: StepEvents) -> tuple[tuple[np.ndarray, np.ndarray], tuple
     if ev.launched.any():
         return empty, empty
     E = ev.end_ns
-    if kernels.NATIVE is not None:
-        past = kernels.NATIVE.past_end(ev.op_kind, ev.op_start_ns, ev.op_dur_ns, E, COMPUTE, COMMUNICATION,
+    if compiled.NATIVE is not None:
+        past = compiled.NATIVE.past_end(ev.op_kind, ev.op_start_ns, ev.op_dur_ns, E, COMPUTE, COMMUNICATION,
                                        *ev.carried_compute, *ev.carried_comm)
         if past is not None:  # (the union's starts, its ends) of each kind, as int64 bytes
             return tuple((np.frombuffer(past[i], _I64), np.frombuffer(past[i + 1], _I64)) if past[i] else empty

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from profstream import compiled
 from profstream.schema.codec import DecodeError, decode, encode
 from profstream.schema.codec import names_blob as _names_blob
 from profstream.schema.names import NAME_RULE, is_valid_name
@@ -348,6 +349,17 @@ def _check_name(what: str, value, may_be_empty: bool) -> None:
     _VALID_NAMES.add(value)
 
 
+def _below(index: np.ndarray, size: int) -> bool:
+    """Whether every index of an int32 dictionary-index column is in its dictionary of
+    ``size``: a negative index is a large unsigned one, so one max says both (compiled
+    where it is built: ~0.1 against ~1.2 us)."""
+    if compiled.NATIVE is not None:
+        inside = compiled.NATIVE.below(index, size)
+        if inside is not None:
+            return inside
+    return bool(index.view(np.uint32).max() < size)
+
+
 def decode_batch(data: bytes) -> EventBatch:
     """Decode a raw-topic message; raises DecodeError (and only that) on bad input."""
     record = decode("EventBatch", data)
@@ -362,12 +374,11 @@ def decode_batch(data: bytes) -> EventBatch:
                        record["send_latency_ns"], OpNames(blob), record["op_types"], record["queue_names"],
                        record["collective_names"], **sections)
     ops = batch.ops
-    # a negative index is a large unsigned one: one max per column says both
-    if len(ops["name_idx"]) and (ops["name_idx"].view(np.uint32).max() >= len(batch.op_names)
-                                 or ops["type_idx"].view(np.uint32).max() >= len(batch.op_types)):
+    if len(ops["name_idx"]) and not (_below(ops["name_idx"], len(batch.op_names))
+                                     and _below(ops["type_idx"], len(batch.op_types))):
         raise DecodeError("malformed", "op name/type index outside its dictionary")
     q = batch.queues["name_idx"]
-    if len(q) and q.view(np.uint32).max() >= len(batch.queue_names):
+    if len(q) and not _below(q, len(batch.queue_names)):
         raise DecodeError("malformed", "queue name index outside its dictionary")
     c = batch.collectives
     if len(c["step"]):  # the three index one dictionary; a negative index is a large unsigned one

@@ -13,15 +13,16 @@ Where the compiled Monitor's extension is built, the same reading runs compiled
 (``producers/csrc/reader.cpp``, ``BodyReader``): ``body_plan`` describes the schema to it
 as nested tuples, and it reads every body (full sections too) into the same dict, about
 four times faster than fastavro. ``PROFSTREAM_PURE_PROCESSORS=1`` keeps the Python reader
-(processors/kernels.py).
+(``profstream.compiled``).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from struct import unpack_from
 from typing import Any
+
+from profstream import compiled as _compiled
 
 Reader = Callable[[bytes, int], tuple[Any, int]]
 
@@ -182,13 +183,12 @@ def _reader(plan: Any) -> Reader:
 
 def compiled_reader(schema: dict) -> Reader | None:
     """The compiled reader of a body of ``schema`` (``BodyReader.read``), or None where the
-    extension is not built or the schema has a type it does not read."""
-    try:
-        from profstream.producers._native import BodyReader
-    except ImportError:
+    extension is not built (or PROFSTREAM_PURE_PROCESSORS is set) or the schema has a type
+    it does not read."""
+    if _compiled.NATIVE is None:
         return None
     try:
-        return BodyReader(body_plan(schema)).read
+        return _compiled.NATIVE.BodyReader(body_plan(schema)).read
     except NotRead:
         return None
 
@@ -196,10 +196,8 @@ def compiled_reader(schema: dict) -> Reader | None:
 def sparse_reader(schema: dict, compiled: bool | None = None) -> Reader | None:
     """A reader of a body of ``schema`` (a record: ``(record, position after it)``), or None
     where the schema has a type it does not read: the compiled one where it is built (and
-    ``compiled`` is not False, nor PROFSTREAM_PURE_PROCESSORS set), else the Python one."""
-    if compiled is None:
-        compiled = os.environ.get("PROFSTREAM_PURE_PROCESSORS", "") in ("", "0")
-    reader = compiled_reader(schema) if compiled else None
+    ``compiled`` is not False), else the Python one."""
+    reader = compiled_reader(schema) if compiled is not False else None
     if reader is not None:
         return reader
     try:

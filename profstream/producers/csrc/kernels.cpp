@@ -302,6 +302,39 @@ PyObject* memory_at(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
                        static_cast<long long>(allocated[last]), static_cast<long long>(reserved[last]));
 }
 
+// uniform(column) -> its one value where every row holds it, else None (None for no rows
+// too, and for a column of another type): the assembler's "a batch within one step"
+PyObject* uniform(PyObject*, PyObject* arg) {
+  Column col;
+  if (!col.take(arg) || col.n == 0) Py_RETURN_NONE;
+  int64_t first = col[0];
+  for (Py_ssize_t i = 1; i < col.n; ++i)
+    if (col[i] != first) Py_RETURN_NONE;
+  return PyLong_FromLongLong(first);
+}
+
+// below(column, n) -> whether every value, read as unsigned, is below n (a dictionary index
+// column against its dictionary's size: a negative index is a large unsigned one); None
+// for a column of another type
+PyObject* below(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2) {
+    PyErr_SetString(PyExc_TypeError, "below takes 2 arguments");
+    return nullptr;
+  }
+  Column col;
+  if (!col.take(args[0])) Py_RETURN_NONE;
+  long long n = PyLong_AsLongLong(args[1]);
+  if (n == -1 && PyErr_Occurred()) return nullptr;
+  if (n <= 0) return PyBool_FromLong(col.n == 0);
+  uint64_t limit = static_cast<uint64_t>(n);
+  for (Py_ssize_t i = 0; i < col.n; ++i) {
+    int64_t v = col[i];
+    uint64_t u = col.width == 4 ? static_cast<uint32_t>(static_cast<int32_t>(v)) : static_cast<uint64_t>(v);
+    if (u >= limit) Py_RETURN_FALSE;
+  }
+  Py_RETURN_TRUE;
+}
+
 PyMethodDef kernel_functions[] = {
     {"kind_overlap", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(kind_overlap)), METH_FASTCALL,
      "kind_overlap(kind, start, dur, lo, hi, a, b, a_start, a_end, b_start, b_end) -> (|A|, |B|, |A & B|) or None"},
@@ -313,6 +346,9 @@ PyMethodDef kernel_functions[] = {
      "queue_sizes(queue, ts, size, lo, hi) -> [(queue, min, sum, count, last, at_start, zeros)] or None"},
     {"memory_at", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(memory_at)), METH_FASTCALL,
      "memory_at(ts, peak, allocated, reserved, lo, hi) -> (peak, allocated, reserved), False or None"},
+    {"uniform", uniform, METH_O, "uniform(column) -> the value every row holds, else None"},
+    {"below", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(below)), METH_FASTCALL,
+     "below(column, n) -> whether every value, read as unsigned, is below n (None: a column of another type)"},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace
