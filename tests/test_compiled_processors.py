@@ -16,8 +16,9 @@ from profstream.processors.memory import memory_figures
 from profstream.processors.model import StepEvents
 from profstream.processors.optypes import device_kind_costs, op_type_costs
 from profstream.processors.queues import queue_figures
+from profstream.processors.rolling import RollingWindow
 from profstream.processors.utilization import utilization
-from profstream.processors.window import Window, carry_past_end
+from profstream.processors.window import Window, carry_past_end, step_window
 from profstream.schema import codec, sparse, writer
 
 S, E = 1_000, 2_000
@@ -61,6 +62,8 @@ def steps(draw) -> tuple[StepEvents, Window]:
                     mem_peak=np.where(sizes > 2, -1, sizes * 100), mem_allocated=(codes * 7 + sizes) * 10,
                     mem_reserved=sizes * 1000)
     if draw(st.booleans()):  # a device window: the numpy path takes its ops whole, with the ahead ones
+        ev.op_launch_ns = np.array(draw(st.lists(st.sampled_from([-1, -1, 900, 1_200]), min_size=n, max_size=n)),
+                                   np.int64)
         lo = draw(st.integers(500, 1_500))
         return ev, Window(True, lo, lo + draw(st.integers(0, 1_000)))
     return ev, Window(False, S, E)
@@ -77,7 +80,8 @@ def test_compiled_figures_equal_the_numpy_path(step, top_k):
         carried = carry_past_end(ev)  # what the step carries into the next (arrays: compared as lists)
         assert all(a.dtype == np.int64 for kind in carried for a in kind)
         return (utilization(ev, window), op_type_costs(ev, top_k, window), device_kind_costs(ev, window),
-                [[a.tolist() for a in kind] for kind in carried], queue_figures(ev), memory_figures(ev))
+                [[a.tolist() for a in kind] for kind in carried], queue_figures(ev), memory_figures(ev),
+                step_window(ev), ev.any_launched())
 
     with_kernels = figures()
     compiled.NATIVE = None
@@ -86,6 +90,24 @@ def test_compiled_figures_equal_the_numpy_path(step, top_k):
     finally:
         compiled.NATIVE = native
     assert with_kernels == numpy_path
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 12), st.lists(st.tuples(st.integers(0, 10**12), st.integers(-5, 10**9),
+                                              st.one_of(st.none(), st.floats(0, 1))), min_size=1, max_size=30))
+def test_compiled_rolling_figures_equal_the_numpy_path(n, steps):
+    """The rolling window's step-time mean, percentiles and data-wait share, as the window
+    fills and wraps: the same floats on both paths."""
+    window = RollingWindow(n)
+    native = compiled.NATIVE
+    for step_time, data_wait, util in steps:
+        window.add(step_time, data_wait, util)
+        with_kernels = window.figures()
+        compiled.NATIVE = None
+        try:
+            assert window.figures() == with_kernels
+        finally:
+            compiled.NATIVE = native
 
 
 def test_the_compiled_varint_writes_the_python_writers_bytes():

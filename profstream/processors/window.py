@@ -112,6 +112,9 @@ def device_window_end(kind: np.ndarray, start: np.ndarray, dur: np.ndarray, laun
     step's compute and communication ops bound it); None when no op carries a launch time
     (a host window). The assembler decides with it when a step may close; ``step_window``
     gives the same end."""
+    some = compiled.NATIVE.any_launched(launch) if compiled.NATIVE is not None else None
+    if some is False:
+        return None
     launched = launch >= 0
     if not launched.any():
         return None
@@ -131,8 +134,7 @@ def ahead_ops(kind: np.ndarray, start: np.ndarray, dur: np.ndarray, launch: np.n
 
 def step_window(ev: StepEvents) -> Window:
     """The window of ``ev`` (see the module docstring)."""
-    launched = ev.launched
-    if not launched.any():
+    if not ev.any_launched():
         return Window(False, ev.start_ns, ev.end_ns)
     dev = _bounding_ops(ev)
     start = ev.op_start_ns[dev]
@@ -193,7 +195,7 @@ def carry_past_end(ev: StepEvents) -> tuple[tuple[np.ndarray, np.ndarray], tuple
     what the next steps count. Nothing for a device window (its ops count in the windows
     they ran in)."""
     empty = (np.empty(0, _I64), np.empty(0, _I64))
-    if ev.launched.any():
+    if ev.any_launched():
         return empty, empty
     E = ev.end_ns
     if compiled.NATIVE is not None:

@@ -335,6 +335,58 @@ PyObject* below(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_TRUE;
 }
 
+// any_launched(launch) -> whether a value is >= 0 (an op that carries its launch time:
+// a device window), or None for a column of another type
+PyObject* any_launched(PyObject*, PyObject* arg) {
+  Column col;
+  if (!col.take(arg) || col.width != 8) Py_RETURN_NONE;
+  for (Py_ssize_t i = 0; i < col.n; ++i)
+    if (col[i] >= 0) Py_RETURN_TRUE;
+  Py_RETURN_FALSE;
+}
+
+// rolling_sums(step_time, data_wait, count, ranks) -> (sum of step_time, sum of data_wait,
+// [the values of step_time at each rank of its sorted order]) of the first count rows, or
+// None (a column of another type, or values whose sums a double might not hold exactly)
+PyObject* rolling_sums(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 4) {
+    PyErr_SetString(PyExc_TypeError, "rolling_sums takes 4 arguments");
+    return nullptr;
+  }
+  Column step_time, data_wait;
+  if (!step_time.take(args[0]) || !data_wait.take(args[1]) || step_time.width != 8 || data_wait.width != 8)
+    Py_RETURN_NONE;
+  Py_ssize_t count = PyLong_AsSsize_t(args[2]);
+  if (count == -1 && PyErr_Occurred()) return nullptr;
+  if (count < 1 || count > step_time.n || count > data_wait.n || count > 1024 || !PyTuple_Check(args[3]))
+    Py_RETURN_NONE;
+  const int64_t bound = int64_t{1} << 42;  // 1024 values below 2**42: every partial sum below 2**52
+  std::vector<int64_t> sorted(static_cast<size_t>(count));
+  int64_t step_sum = 0, wait_sum = 0;
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    int64_t t = step_time[i], w = data_wait[i];
+    if (t >= bound || t <= -bound || w >= bound || w <= -bound) Py_RETURN_NONE;
+    sorted[i] = t;
+    step_sum += t;
+    wait_sum += w;
+  }
+  std::sort(sorted.begin(), sorted.end());
+  PyObject* ranks = args[3];
+  PyObject* at = PyTuple_New(PyTuple_GET_SIZE(ranks));
+  if (at == nullptr) return nullptr;
+  for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(ranks); ++k) {
+    Py_ssize_t r = PyLong_AsSsize_t(PyTuple_GET_ITEM(ranks, k));
+    if (r < 0 || r >= count) {
+      Py_DECREF(at);
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_IndexError, "rolling_sums: rank outside the window");
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(at, k, PyLong_FromLongLong(sorted[r]));
+  }
+  PyObject* out = Py_BuildValue("(LLN)", static_cast<long long>(step_sum), static_cast<long long>(wait_sum), at);
+  return out;
+}
+
 PyMethodDef kernel_functions[] = {
     {"kind_overlap", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(kind_overlap)), METH_FASTCALL,
      "kind_overlap(kind, start, dur, lo, hi, a, b, a_start, a_end, b_start, b_end) -> (|A|, |B|, |A & B|) or None"},
@@ -349,6 +401,9 @@ PyMethodDef kernel_functions[] = {
     {"uniform", uniform, METH_O, "uniform(column) -> the value every row holds, else None"},
     {"below", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(below)), METH_FASTCALL,
      "below(column, n) -> whether every value, read as unsigned, is below n (None: a column of another type)"},
+    {"any_launched", any_launched, METH_O, "any_launched(launch) -> whether a value is >= 0 (None: another type)"},
+    {"rolling_sums", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(rolling_sums)), METH_FASTCALL,
+     "rolling_sums(step_time, data_wait, count, ranks) -> (step sum, wait sum, sorted step times at ranks) or None"},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace
