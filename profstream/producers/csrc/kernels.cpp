@@ -96,32 +96,46 @@ int64_t intersection(const Intervals& a, const Intervals& b) {
   return total;
 }
 
+// The intervals of two op kinds, from args (kind, start, dur, ..., a, b, a_start, a_end,
+// b_start, b_end: the kinds at args[kinds_at], the extra intervals in the last four):
+// A holds the ops of kind a, [start, start + dur), and [a_start, a_end); B likewise with
+// kind b; each interval as clip(out, start, end) adds it. 1: done, 0: a column it does not
+// take (no error set), -1: an error.
+template <typename Clip>
+int two_kinds(PyObject* const* args, Py_ssize_t nargs, Py_ssize_t kinds_at, Clip clip, Intervals& a, Intervals& b) {
+  Column kind, start, dur, as, ae, bs, be;
+  if (!kind.take(args[0]) || !start.take(args[1]) || !dur.take(args[2]) || !as.take(args[nargs - 4]) ||
+      !ae.take(args[nargs - 3]) || !bs.take(args[nargs - 2]) || !be.take(args[nargs - 1]))
+    return 0;
+  if (start.width != 8 || dur.width != 8 || kind.n != start.n || dur.n != start.n || as.n != ae.n || bs.n != be.n)
+    return 0;
+  long ka = PyLong_AsLong(args[kinds_at]), kb = PyLong_AsLong(args[kinds_at + 1]);
+  if (PyErr_Occurred()) return -1;
+  for (Py_ssize_t i = 0; i < start.n; ++i) {
+    int64_t k = kind[i];
+    if (k == ka) clip(a, start[i], start[i] + dur[i]);
+    else if (k == kb) clip(b, start[i], start[i] + dur[i]);
+  }
+  for (Py_ssize_t i = 0; i < as.n; ++i) clip(a, as[i], ae[i]);
+  for (Py_ssize_t i = 0; i < bs.n; ++i) clip(b, bs[i], be[i]);
+  return 1;
+}
+
 // kind_overlap(kind, start, dur, lo, hi, a, b, a_start, a_end, b_start, b_end)
-//   -> (|A|, |B|, |A ∩ B|) or None
-// A: the ops of kind a, [start, start + dur), and the intervals [a_start, a_end), each
-// clipped to [lo, hi] (empty ones left out); B likewise with kind b.
+//   -> (|A|, |B|, |A ∩ B|) or None, A and B (two_kinds) clipped to [lo, hi] (empty ones
+// left out): utilization's compute and communication
 PyObject* kind_overlap(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 11) {
     PyErr_SetString(PyExc_TypeError, "kind_overlap takes 11 arguments");
     return nullptr;
   }
-  Column kind, start, dur, as, ae, bs, be;
-  if (!kind.take(args[0]) || !start.take(args[1]) || !dur.take(args[2]) || !as.take(args[7]) ||
-      !ae.take(args[8]) || !bs.take(args[9]) || !be.take(args[10]))
-    Py_RETURN_NONE;
-  if (start.width != 8 || dur.width != 8 || kind.n != start.n || dur.n != start.n || as.n != ae.n || bs.n != be.n)
-    Py_RETURN_NONE;
   int64_t lo = PyLong_AsLongLong(args[3]), hi = PyLong_AsLongLong(args[4]);
-  long ka = PyLong_AsLong(args[5]), kb = PyLong_AsLong(args[6]);
   if (PyErr_Occurred()) return nullptr;
   Intervals a, b;
-  for (Py_ssize_t i = 0; i < start.n; ++i) {
-    int64_t k = kind[i];
-    if (k == ka) clip_into(a, start[i], start[i] + dur[i], lo, hi);
-    else if (k == kb) clip_into(b, start[i], start[i] + dur[i], lo, hi);
-  }
-  for (Py_ssize_t i = 0; i < as.n; ++i) clip_into(a, as[i], ae[i], lo, hi);
-  for (Py_ssize_t i = 0; i < bs.n; ++i) clip_into(b, bs[i], be[i], lo, hi);
+  int got = two_kinds(args, nargs, 5, [&](Intervals& out, int64_t s, int64_t e) { clip_into(out, s, e, lo, hi); },
+                      a, b);
+  if (got < 0) return nullptr;
+  if (got == 0) Py_RETURN_NONE;
   int64_t a_ns = merge(a), b_ns = merge(b);
   return Py_BuildValue("(LLL)", static_cast<long long>(a_ns), static_cast<long long>(b_ns),
                        static_cast<long long>(intersection(a, b)));
@@ -171,36 +185,25 @@ PyObject* packed(const Intervals& iv, bool ends) {
 }
 
 // past_end(kind, start, dur, end, a, b, a_start, a_end, b_start, b_end)
-//   -> (A starts, A ends, B starts, B ends) as int64 bytes, or None
-// A: the union of the parts after ``end`` of the ops of kind a and of the intervals
-// [a_start, a_end) (window.carry_past_end: what a host step carries into the next); B likewise.
+//   -> (A starts, A ends, B starts, B ends) as int64 bytes, or None: the unions of the parts
+// after ``end`` of A and B (two_kinds; window.carry_past_end: what a host step carries
+// into the next)
 PyObject* past_end(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 10) {
     PyErr_SetString(PyExc_TypeError, "past_end takes 10 arguments");
     return nullptr;
   }
-  Column kind, start, dur, as, ae, bs, be;
-  if (!kind.take(args[0]) || !start.take(args[1]) || !dur.take(args[2]) || !as.take(args[6]) ||
-      !ae.take(args[7]) || !bs.take(args[8]) || !be.take(args[9]))
-    Py_RETURN_NONE;
-  if (start.width != 8 || dur.width != 8 || as.width != 8 || ae.width != 8 || bs.width != 8 || be.width != 8 ||
-      kind.n != start.n || dur.n != start.n || as.n != ae.n || bs.n != be.n)
-    Py_RETURN_NONE;
   int64_t end = PyLong_AsLongLong(args[3]);
-  long ka = PyLong_AsLong(args[4]), kb = PyLong_AsLong(args[5]);
   if (PyErr_Occurred()) return nullptr;
-  const int64_t far = INT64_MAX;
   Intervals a, b;
-  for (Py_ssize_t i = 0; i < start.n; ++i) {
-    int64_t k = kind[i], e = start[i] + dur[i];
-    if (e <= end) continue;
-    if (k == ka) clip_into(a, start[i], e, end, far);
-    else if (k == kb) clip_into(b, start[i], e, end, far);
-  }
-  for (Py_ssize_t i = 0; i < as.n; ++i)
-    if (ae[i] > end) clip_into(a, as[i], ae[i], end, far);
-  for (Py_ssize_t i = 0; i < bs.n; ++i)
-    if (be[i] > end) clip_into(b, bs[i], be[i], end, far);
+  int got = two_kinds(
+      args, nargs, 4,
+      [&](Intervals& out, int64_t s, int64_t e) {
+        if (e > end) clip_into(out, s, e, end, INT64_MAX);
+      },
+      a, b);
+  if (got < 0) return nullptr;
+  if (got == 0) Py_RETURN_NONE;
   merge(a);
   merge(b);
   PyObject* parts[4] = {packed(a, false), packed(a, true), packed(b, false), packed(b, true)};
@@ -252,13 +255,12 @@ PyObject* queue_sizes(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (out == nullptr) return nullptr;
   for (const auto& [code, f] : by_queue) {
     if (!f.count) continue;
-    PyObject* row = f.started ? Py_BuildValue("(LLLLLLL)", static_cast<long long>(code), static_cast<long long>(f.min),
-                                              static_cast<long long>(f.sum), static_cast<long long>(f.count),
-                                              static_cast<long long>(f.last), static_cast<long long>(f.at_start),
-                                              static_cast<long long>(f.zeros))
-                              : Py_BuildValue("(LLLLLOL)", static_cast<long long>(code), static_cast<long long>(f.min),
-                                              static_cast<long long>(f.sum), static_cast<long long>(f.count),
-                                              static_cast<long long>(f.last), Py_None, static_cast<long long>(f.zeros));
+    PyObject* at_start = f.started ? PyLong_FromLongLong(f.at_start) : Py_NewRef(Py_None);
+    PyObject* row = at_start == nullptr ? nullptr
+                                        : Py_BuildValue("(LLLLLNL)", static_cast<long long>(code),
+                                                        static_cast<long long>(f.min), static_cast<long long>(f.sum),
+                                                        static_cast<long long>(f.count), static_cast<long long>(f.last),
+                                                        at_start, static_cast<long long>(f.zeros));
     if (row == nullptr || PyList_Append(out, row) < 0) {
       Py_XDECREF(row);
       Py_DECREF(out);
