@@ -10,6 +10,7 @@ from fastavro.schema import fingerprint, to_parsing_canonical_form
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from profstream import compiled as _compiled
 from profstream.schema import (
     COLUMN_FILL,
     CURRENT,
@@ -23,6 +24,7 @@ from profstream.schema import (
     decode_batch,
     encode,
     encode_batch,
+    sparse,
 )
 from profstream.schema.batch import LOSS_COLUMNS, STEP_MARK_V1_COLUMNS, WORK_COLUMNS
 from profstream.schema.codec import VERSIONS, encode_run_step_metrics, encode_step_metrics
@@ -493,20 +495,28 @@ def test_fuzz_corrupted_messages_decode_or_raise_decode_error(good, data):
         assert e.reason in DecodeError.REASONS
 
 
-def _both_readings(data: bytes) -> tuple:
-    """(sparse reader's record or None where it refuses, fastavro's record or its DecodeError)."""
+def _readings(data: bytes) -> tuple:
+    """(the compiled reader's record, the Python sparse reader's, each None where it refuses;
+    fastavro's record or its DecodeError)."""
     sv = codec.SCHEMAS[int.from_bytes(data[2:10], "little")]
+
+    def read(reader) -> dict | None:
+        try:
+            record, end = reader(data, 10)
+            return record if end == len(data) else None
+        except Exception:  # noqa: BLE001 - refused: decode_any reads it with fastavro
+            return None
+
+    compiled = read(_COMPILED.setdefault(sv.fingerprint, sparse.compiled_reader(sv.parsed)))
+    python = read(_PYTHON.setdefault(sv.fingerprint, sparse.sparse_reader(sv.parsed, compiled=False)))
     try:
-        record, end = sv.sparse(data, 10)
-        sparse = record if end == len(data) else None
-    except Exception:  # noqa: BLE001 - refused: decode_any reads it with fastavro
-        sparse = None
-    try:
-        return sparse, codec._fastavro_read(data, sv)
+        return compiled, python, codec._fastavro_read(data, sv)
     except DecodeError as e:
-        return sparse, e
+        return compiled, python, e
 
 
+_COMPILED: dict = {}
+_PYTHON: dict = {}
 _SIDE_BATCH = encode_batch(EventBatch(run_id="run-1", rank=3, host="node7", device="cuda:3", producer_id="p.loader",
                                       seq=0, sent_ns=1, loader_samples=random_batch(5, loader=True).loader_samples))
 _EVENT_BATCHES = [GOLDEN.read_bytes(), GOLDEN_V2.read_bytes(), GOLDEN_V3.read_bytes(), GOLDEN_V4.read_bytes(),
@@ -514,30 +524,43 @@ _EVENT_BATCHES = [GOLDEN.read_bytes(), GOLDEN_V2.read_bytes(), GOLDEN_V3.read_by
                   *(encode_batch(random_batch(s, n, loader=True)) for s, n in ((1, 0), (2, 1), (3, 500)))]
 
 
+@pytest.mark.skipif(_compiled.pure(), reason="PROFSTREAM_PURE_PROCESSORS=1: the compiled reader is off")
+def test_event_batches_are_read_by_the_compiled_reader_where_it_is_built():
+    """The processors read EventBatch bodies with the compiled reader (csrc/reader.cpp), built
+    with the compiled Monitor; PROFSTREAM_PURE_PROCESSORS=1 or an install without the extension
+    reads them in Python."""
+    sv = codec.CURRENT["EventBatch"]
+    assert sparse.compiled_reader(sv.parsed) is not None, "the compiled Monitor's extension is not built"
+    assert type(sv.sparse).__name__ == "builtin_function_or_method"
+    assert type(sparse.sparse_reader(sv.parsed, compiled=False)).__name__ == "function"
+
+
 @pytest.mark.parametrize("i", range(len(_EVENT_BATCHES)))
-def test_the_sparse_reader_reads_every_event_batch_version_as_fastavro_does(i):
-    """EventBatches are read by schema/sparse.py first (a side batch of loader readings in a
-    third of fastavro's time): every shipped version and every section, full or empty, reads
-    into the very record fastavro reads."""
+def test_the_sparse_readers_read_every_event_batch_version_as_fastavro_does(i):
+    """EventBatches are read by the compiled reader (or schema/sparse.py's) first: every
+    shipped version and every section, full or empty, reads into the very record fastavro
+    reads, in both."""
     data = _EVENT_BATCHES[i]
-    sparse, fastavro = _both_readings(data)
-    assert sparse is not None and sparse == fastavro
+    compiled, python, fastavro = _readings(data)
+    assert python is not None and python == fastavro
+    assert (compiled is not None and compiled == fastavro) or _compiled.pure()
     assert codec.SCHEMAS[int.from_bytes(data[2:10], "little")].version in {1, 2, 3, 4, 6, 8}
 
 
 @_fuzz
 @given(st.sampled_from(_EVENT_BATCHES), st.data())
-def test_fuzz_what_the_sparse_reader_takes_fastavro_reads_the_same(good, data):
-    """A corrupted body the sparse reader takes is one fastavro reads into the same record
+def test_fuzz_what_the_sparse_readers_take_fastavro_reads_the_same(good, data):
+    """A corrupted body either sparse reader takes is one fastavro reads into the same record
     (any other goes to fastavro, whose DecodeError says why)."""
     raw = bytearray(good)
     for _ in range(data.draw(st.integers(1, 8))):
         i = data.draw(st.integers(10, len(raw) - 1))
         raw[i] = data.draw(st.integers(0, 255))
     cut = data.draw(st.integers(10, len(raw)))
-    sparse, fastavro = _both_readings(bytes(raw[:cut]))
-    if sparse is not None:
-        assert sparse == fastavro
+    compiled, python, fastavro = _readings(bytes(raw[:cut]))
+    for record in (compiled, python):
+        if record is not None:
+            assert record == fastavro
 
 
 def test_a_capture_status_v1_still_decodes_without_a_requester():

@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import profstream.sinks.gzfile as gzfile
 import profstream.sinks.timeline as timeline
 from profstream.config import ConfigError
 from profstream.control.records import STARTED, control_key, encode_status, new_request, new_status
@@ -646,7 +647,7 @@ def test_a_failed_write_leaves_no_file_and_no_temporary(tmp_path, monkeypatch):
     cfg = SimConfig(run_id="full", ranks=1, steps=3, ops_per_step=20, seed=7)
     records = sim_records(cfg)
     sink = TimelineSink(tmp_path, window_steps=2)
-    monkeypatch.setattr(timeline, "_deflate", BrokenDeflate)
+    monkeypatch.setattr(gzfile, "_deflate", BrokenDeflate)
     with pytest.raises(OSError, match="No space"):
         feed(sink, records, chunk=len(records))
     assert [p.name for p in (tmp_path / "full" / "rank-0").iterdir()] == []

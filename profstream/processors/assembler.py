@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from profstream import compiled
 from profstream.processors.collectives import CALL_COLUMNS, Calls, one_per_call
 from profstream.processors.model import StepEvents
 from profstream.processors.window import (
@@ -146,8 +147,12 @@ def _by_step(steps: np.ndarray, columns: dict[str, np.ndarray]):
     """Yield (step, columns of that step) for a section of a batch."""
     if len(steps) == 0:
         return
+    one = compiled.NATIVE.uniform(steps) if compiled.NATIVE is not None else None
+    if one is not None:  # the common case: a batch within one step (compiled, ~0.1 against ~1.5 us)
+        yield one, columns
+        return
     first = steps[0]
-    if (steps == first).all():  # the common case: a batch within one step
+    if (steps == first).all():
         yield int(first), columns
         return
     order = np.argsort(steps, kind="stable")

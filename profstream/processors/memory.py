@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from profstream import compiled
 from profstream.processors.model import StepEvents
 
 
@@ -16,6 +17,10 @@ def memory_figures(ev: StepEvents) -> dict[str, int] | None:
     no sample lies in the step.
     """
     ts = ev.mem_ts_ns
+    if compiled.NATIVE is not None:
+        got = compiled.NATIVE.memory_at(ts, ev.mem_peak, ev.mem_allocated, ev.mem_reserved, ev.start_ns, ev.end_ns)
+        if got is not None:
+            return {"peak": got[0], "allocated": got[1], "reserved": got[2]} if got else None
     inside = np.flatnonzero((ts >= ev.start_ns) & (ts <= ev.end_ns))
     if len(inside) == 0:
         return None

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from profstream import compiled
 from profstream.schema.batch import NO_VALUE, empty_section
 
 _I64 = np.int64
@@ -91,6 +92,17 @@ class StepEvents:
         """Per op: whether it carries its launch time (a device op of a device run)."""
         launch = self.op_launch_ns
         return launch >= 0 if len(launch) == len(self.op_kind) else np.zeros(len(self.op_kind), bool)
+
+    def any_launched(self) -> bool:
+        """Whether an op carries its launch time (``launched.any()``; compiled where built)."""
+        launch = self.op_launch_ns
+        if len(launch) != len(self.op_kind):
+            return False
+        if compiled.NATIVE is not None:
+            got = compiled.NATIVE.any_launched(launch)
+            if got is not None:
+                return got
+        return bool((launch >= 0).any())
 
     def clipped_ops(self, kind: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(start, end) of ops (of ``kind``) clipped to [S, E]; ops outside are left out."""

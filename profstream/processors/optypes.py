@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from profstream import compiled
 from profstream.processors.model import StepEvents
 from profstream.processors.window import DEVICE_KINDS, Window, device_ops, step_window
 from profstream.schema.batch import KIND_NAMES
@@ -71,10 +72,30 @@ def op_type_costs(ev: StepEvents, top_k: int = 10, window: Window | None = None)
     ``top_k`` types with the largest total (ties: by name) are listed; the rest, if any,
     are summed into one entry named "other".
     """
+    device = (window or step_window(ev)).device
+    if not device and compiled.NATIVE is not None:
+        sums = compiled.NATIVE.sums_by_code(ev.op_type, ev.op_start_ns, ev.op_dur_ns, ev.start_ns, ev.end_ns)
+        if sums is not None:
+            return _compiled_costs(ev, sums, top_k)
     sel = _in_host_step(ev)
-    if (window or step_window(ev)).device:
+    if device:
         sel &= ~device_ops(ev)
     return _costs(ev, sel, top_k)
+
+
+def _compiled_costs(ev: StepEvents, sums: list[tuple[int, int, int]], top_k: int) -> list[dict[str, int | str]]:
+    """``_costs`` of the kernel's (type code, total, count) sums, in code order: the same
+    list (sorted by total, then name; the sort is stable as ``np.lexsort``)."""
+    if top_k < 0:
+        raise ValueError("top_k must be >= 0")
+    names = ev.type_names
+    rows = sorted(((names[code], total, count) for code, total, count in sums), key=lambda r: (-r[1], r[0]))
+    costs: list[dict[str, int | str]] = [{"op_type": name, "total_ns": total, "count": count}
+                                         for name, total, count in rows[:top_k]]
+    rest = rows[top_k:]
+    if rest:
+        costs.append({"op_type": OTHER, "total_ns": sum(r[1] for r in rest), "count": sum(r[2] for r in rest)})
+    return costs
 
 
 def kernel_type_costs(ev: StepEvents, top_k: int = 10, window: Window | None = None) -> list[dict[str, int | str]]:
@@ -89,7 +110,14 @@ def device_kind_costs(ev: StepEvents, window: Window | None = None) -> list[dict
     """``[{kind, total_ns, count}]``: summed durations of the step's device ops per kind
     (compute, communication, memcpy, memset; kinds without ops left out). On a device
     window, its device ops; on a host window, the ops of those kinds that start in [S, E)."""
-    sel = device_ops(ev) if (window or step_window(ev)).device else _in_host_step(ev)
+    device = (window or step_window(ev)).device
+    if not device and compiled.NATIVE is not None:
+        sums = compiled.NATIVE.sums_by_code(ev.op_kind, ev.op_start_ns, ev.op_dur_ns, ev.start_ns, ev.end_ns)
+        if sums is not None:
+            by_kind = {kind: (total, count) for kind, total, count in sums}
+            return [{"kind": KIND_NAMES[k], "total_ns": by_kind[k][0], "count": by_kind[k][1]}
+                    for k in DEVICE_KINDS if k in by_kind]
+    sel = device_ops(ev) if device else _in_host_step(ev)
     kinds = ev.op_kind[sel]
     counts = np.bincount(kinds, minlength=len(KIND_NAMES))
     # float64 weights: exact for sums below 2**53 ns (104 days), as op_type_costs

@@ -6,6 +6,8 @@ from bisect import bisect_left, insort
 
 import numpy as np
 
+from profstream import compiled
+
 WINDOW_STEPS = 100
 _NOT_MEASURED = float("nan")
 _NO_WORK = {f"{q}_{name}": None for name in ("tokens_per_s", "samples_per_s", "mfu") for q in ("p50", "p95")}
@@ -109,16 +111,25 @@ class RollingWindow:
         if count == 0:
             return {"window": 0, "mean_step_time_ns": 0.0, "p50_step_time_ns": 0.0,
                     "p95_step_time_ns": 0.0, "data_wait_share": 0.0, "mean_utilization": None, **_NO_WORK}
-        step_time = self._step_time[:count]
-        ordered = np.sort(step_time)
-        p50, p95 = _linear_percentile(ordered, 0.50), _linear_percentile(ordered, 0.95)
-        step_sum = int(step_time.sum())
-        wait_sum = int(self._data_wait[:count].sum())
+        p50_ranks, p95_ranks = _ranks(count, 0.50), _ranks(count, 0.95)
+        sums = (compiled.NATIVE.rolling_sums(self._step_time, self._data_wait, count, (*p50_ranks[:2], *p95_ranks[:2]))
+                if compiled.NATIVE is not None else None)
+        if sums is not None:  # integer sums, exact in a double: sum / count is numpy's mean to the bit
+            step_sum, wait_sum, at = sums
+            p50, p95 = _interpolate(at[0], at[1], p50_ranks[2]), _interpolate(at[2], at[3], p95_ranks[2])
+            mean_step_time = step_sum / count
+        else:
+            step_time = self._step_time[:count]
+            ordered = np.sort(step_time)
+            p50, p95 = _linear_percentile(ordered, 0.50), _linear_percentile(ordered, 0.95)
+            step_sum = int(step_time.sum())
+            wait_sum = int(self._data_wait[:count].sum())
+            mean_step_time = float(step_time.mean())
         util = self._utilization[:count]
         measured = util[util == util]  # NaN: not measured
         return {
             "window": count,
-            "mean_step_time_ns": float(step_time.mean()),
+            "mean_step_time_ns": mean_step_time,
             "p50_step_time_ns": float(p50),
             "p95_step_time_ns": float(p95),
             "data_wait_share": wait_sum / step_sum if step_sum > 0 else 0.0,
@@ -138,11 +149,19 @@ def _linear_percentile(ordered, q: float, cast=int) -> float:
     """``np.percentile(values, 100 * q)`` (default 'linear' method), bit for bit, of sorted
     int64 values (``cast=float``: floats), without numpy's per-call machinery (~50 us,
     once per step and rank)."""
-    index = (len(ordered) - 1) * q
+    lo, hi, t = _ranks(len(ordered), q)
+    return _interpolate(cast(ordered[lo]), cast(ordered[hi]), t)
+
+
+def _ranks(n: int, q: float) -> tuple[int, int, float]:
+    """The two ranks of n sorted values that the q-quantile lies between, and how far."""
+    index = (n - 1) * q
     lo = int(index)
-    t = index - lo
-    a = cast(ordered[lo])
-    b = cast(ordered[min(lo + 1, len(ordered) - 1)])
+    return lo, min(lo + 1, n - 1), index - lo
+
+
+def _interpolate(a, b, t: float) -> float:
+    """numpy's linear interpolation between a and b (the values at the two ranks)."""
     d = b - a
     return float(b) - d * (1 - t) if t >= 0.5 else float(a) + d * t
 

@@ -50,7 +50,7 @@ from profstream.processors.partials import (
 )
 from profstream.processors.ranks import rank_figures_of, run_work_of
 from profstream.processors.stalls import stall_alert
-from profstream.schema.batch import END_MARK, decode_batch
+from profstream.schema.batch import END_MARK, SECTIONS, decode_batch
 from profstream.schema.codec import (
     DecodeError,
     decode,
@@ -66,6 +66,8 @@ from profstream.schema.codec import (
 # How many finished ranks a stage remembers to drop late copies of their batches (a few
 # hundred bytes each): a day of jobs of 1,024 ranks restarting every hour.
 RETIRED_RANKS = 65536
+# (family, its section's first column): a batch's events of each family, counted per batch
+_FAMILY_ROWS = tuple((section, SECTIONS[section][0][0]) for section in EVENT_FAMILIES)
 
 log = logging.getLogger("profstream.processor")
 
@@ -225,8 +227,9 @@ class StepStage:
             self._changed.add(ident)
             h = self.counts
             h.batches += 1
-            for section in EVENT_FAMILIES:
-                h.events[section] += batch.n(section)
+            events = h.events
+            for section, first in _FAMILY_ROWS:
+                events[section] += len(getattr(batch, section)[first])
             if batch.n("steps") and END_MARK in batch.steps["step"]:  # an end mark is no step
                 h.events["steps"] -= 1
             h.late_events += asm.late_events - before[0]

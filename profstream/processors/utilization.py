@@ -18,6 +18,7 @@ then, never 0.
 
 from __future__ import annotations
 
+from profstream import compiled
 from profstream.processors.intervals import total, union, union_intersection_length
 from profstream.processors.model import StepEvents
 from profstream.processors.window import Window, busy_intervals, intervals, step_window
@@ -39,11 +40,15 @@ def utilization(ev: StepEvents, window: Window | None = None) -> dict[str, int |
         return NOT_MEASURED
     w = window or step_window(ev)
     step_time = w.length_ns
-    compute = union(*intervals(ev, COMPUTE, w))
-    comm = union(*intervals(ev, COMMUNICATION, w))
-    compute_ns = int((compute[1] - compute[0]).sum())
-    comm_ns = int((comm[1] - comm[0]).sum())
-    overlap_ns = union_intersection_length(*compute, *comm)
+    lengths = _compiled_lengths(ev, w) if compiled.NATIVE is not None else None
+    if lengths is not None:
+        compute_ns, comm_ns, overlap_ns = lengths
+    else:
+        compute = union(*intervals(ev, COMPUTE, w))
+        comm = union(*intervals(ev, COMMUNICATION, w))
+        compute_ns = int((compute[1] - compute[0]).sum())
+        comm_ns = int((comm[1] - comm[0]).sum())
+        overlap_ns = union_intersection_length(*compute, *comm)
     if w.device:
         busy_ns = total(*busy_intervals(ev, w))
     else:
@@ -57,3 +62,16 @@ def utilization(ev: StepEvents, window: Window | None = None) -> dict[str, int |
         "utilization": compute_ns / step_time if step_time > 0 else 0.0,
         "overlap_ratio": overlap_ns / comm_ns if comm_ns > 0 else 0.0,
     }
+
+
+def _compiled_lengths(ev: StepEvents, w: Window) -> tuple[int, int, int] | None:
+    """(|compute|, |comm|, |compute ∩ comm|) of ``intervals`` on ``w``, by the compiled
+    kernel (None where it does not take the columns: the numpy path then)."""
+    if w.device:  # the ahead ops of each kind, beside the step's own
+        extra_compute = (ev.ahead_start_ns[ev.ahead_kind == COMPUTE], ev.ahead_end_ns[ev.ahead_kind == COMPUTE])
+        extra_comm = (ev.ahead_start_ns[ev.ahead_kind == COMMUNICATION],
+                      ev.ahead_end_ns[ev.ahead_kind == COMMUNICATION])
+    else:  # what earlier steps carried past their end
+        extra_compute, extra_comm = ev.carried_compute, ev.carried_comm
+    return compiled.NATIVE.kind_overlap(ev.op_kind, ev.op_start_ns, ev.op_dur_ns, w.start_ns, w.end_ns, COMPUTE,
+                                       COMMUNICATION, *extra_compute, *extra_comm)

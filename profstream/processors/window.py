@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from profstream import compiled
 from profstream.processors.intervals import union
 from profstream.processors.model import StepEvents
 from profstream.schema.batch import COMMUNICATION, COMPUTE, MEMCPY, MEMSET, NO_VALUE
@@ -111,6 +112,9 @@ def device_window_end(kind: np.ndarray, start: np.ndarray, dur: np.ndarray, laun
     step's compute and communication ops bound it); None when no op carries a launch time
     (a host window). The assembler decides with it when a step may close; ``step_window``
     gives the same end."""
+    some = compiled.NATIVE.any_launched(launch) if compiled.NATIVE is not None else None
+    if some is False:
+        return None
     launched = launch >= 0
     if not launched.any():
         return None
@@ -130,8 +134,7 @@ def ahead_ops(kind: np.ndarray, start: np.ndarray, dur: np.ndarray, launch: np.n
 
 def step_window(ev: StepEvents) -> Window:
     """The window of ``ev`` (see the module docstring)."""
-    launched = ev.launched
-    if not launched.any():
+    if not ev.any_launched():
         return Window(False, ev.start_ns, ev.end_ns)
     dev = _bounding_ops(ev)
     start = ev.op_start_ns[dev]
@@ -192,9 +195,15 @@ def carry_past_end(ev: StepEvents) -> tuple[tuple[np.ndarray, np.ndarray], tuple
     what the next steps count. Nothing for a device window (its ops count in the windows
     they ran in)."""
     empty = (np.empty(0, _I64), np.empty(0, _I64))
-    if ev.launched.any():
+    if ev.any_launched():
         return empty, empty
     E = ev.end_ns
+    if compiled.NATIVE is not None:
+        past = compiled.NATIVE.past_end(ev.op_kind, ev.op_start_ns, ev.op_dur_ns, E, COMPUTE, COMMUNICATION,
+                                       *ev.carried_compute, *ev.carried_comm)
+        if past is not None:  # (the union's starts, its ends) of each kind, as int64 bytes
+            return tuple((np.frombuffer(past[i], _I64), np.frombuffer(past[i + 1], _I64)) if past[i] else empty
+                         for i in (0, 2))
     past = np.flatnonzero(ev.op_start_ns + ev.op_dur_ns > E)  # usually none: one pass over the ops
     kinds = ev.op_kind[past]
     out = []

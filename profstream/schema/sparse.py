@@ -8,6 +8,12 @@ count 0 and every column empty is exactly one zero byte per field, skipped in on
 comparison; the rest is read as fastavro reads it, into the same dict. The reader takes
 well-formed bodies only: on anything else it raises, and ``codec.decode_any`` reads the
 message again with fastavro, whose error says what is wrong.
+
+Where the compiled Monitor's extension is built, the same reading runs compiled
+(``producers/csrc/reader.cpp``, ``BodyReader``): ``body_plan`` describes the schema to it
+as nested tuples, and it reads every body (full sections too) into the same dict, about
+four times faster than fastavro. ``PROFSTREAM_PURE_PROCESSORS=1`` keeps the Python reader
+(``profstream.compiled``).
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from struct import unpack_from
 from typing import Any
+
+from profstream import compiled as _compiled
 
 Reader = Callable[[bytes, int], tuple[Any, int]]
 
@@ -59,10 +67,6 @@ def _string(data: bytes, pos: int) -> tuple[str, int]:
 
 def _double(data: bytes, pos: int) -> tuple[float, int]:
     return unpack_from("<d", data, pos)[0], pos + 8
-
-
-_PRIMITIVES: dict[str, Reader] = {"int": _long, "long": _long, "bytes": _bytes, "string": _string,
-                                  "double": _double}
 
 
 def _array(items: Reader) -> Reader:
@@ -130,32 +134,73 @@ def _section(names: list[str]) -> Reader:
     return read
 
 
-def _reader(schema: Any) -> Reader:
+# body_plan's codes: csrc/reader.cpp's Kind
+PLAN_LONG, PLAN_STRING, PLAN_BYTES, PLAN_DOUBLE, PLAN_OPTIONAL, PLAN_ARRAY, PLAN_RECORD, PLAN_SECTION = range(8)
+_PLAN_PRIMITIVES = {"int": PLAN_LONG, "long": PLAN_LONG, "string": PLAN_STRING, "bytes": PLAN_BYTES,
+                    "double": PLAN_DOUBLE}
+_PRIMITIVES: dict[int, Reader] = {PLAN_LONG: _long, PLAN_STRING: _string, PLAN_BYTES: _bytes, PLAN_DOUBLE: _double}
+
+
+def body_plan(schema: Any) -> Any:
+    """The compiled reader's description of ``schema``, the types ``_reader`` takes: an int
+    for a primitive, ``(PLAN_OPTIONAL, plan)``, ``(PLAN_ARRAY, plan)``, ``(PLAN_RECORD,
+    names, plans)``, ``(PLAN_SECTION, names)``; NotRead where it has another type."""
     if isinstance(schema, str):
-        if schema not in _PRIMITIVES:
+        if schema not in _PLAN_PRIMITIVES:
             raise NotRead(f"type {schema}")
-        return _PRIMITIVES[schema]
+        return _PLAN_PRIMITIVES[schema]
     if isinstance(schema, list):
         if len(schema) != 2 or schema[0] != "null":
             raise NotRead("union other than [null, T]")
-        return _optional(_reader(schema[1]))
+        return (PLAN_OPTIONAL, body_plan(schema[1]))
     kind = schema.get("type")
     if kind == "array":
-        return _array(_reader(schema["items"]))
+        return (PLAN_ARRAY, body_plan(schema["items"]))
     if kind == "record":
+        names = tuple(f["name"] for f in schema["fields"])
         types = [f["type"] for f in schema["fields"]]
         if len(types) > 1 and types[0] == "int" and all(t == "bytes" for t in types[1:]):
-            return _section([f["name"] for f in schema["fields"]])
-        return _record([(f["name"], _reader(f["type"])) for f in schema["fields"]])
+            return (PLAN_SECTION, names)
+        return (PLAN_RECORD, names, tuple(body_plan(t) for t in types))
     if isinstance(kind, (str, list, dict)):
-        return _reader(kind)
+        return body_plan(kind)
     raise NotRead(f"type {kind}")
 
 
-def sparse_reader(schema: dict) -> Reader | None:
-    """A reader of a body of ``schema`` (a record: ``(record, position after it)``), or None
-    where the schema has a type it does not read."""
+def _reader(plan: Any) -> Reader:
+    """The Python reader of a body_plan."""
+    if isinstance(plan, int):
+        return _PRIMITIVES[plan]
+    kind = plan[0]
+    if kind == PLAN_OPTIONAL:
+        return _optional(_reader(plan[1]))
+    if kind == PLAN_ARRAY:
+        return _array(_reader(plan[1]))
+    if kind == PLAN_SECTION:
+        return _section(list(plan[1]))
+    return _record([(name, _reader(item)) for name, item in zip(plan[1], plan[2])])
+
+
+def compiled_reader(schema: dict) -> Reader | None:
+    """The compiled reader of a body of ``schema`` (``BodyReader.read``), or None where the
+    extension is not built (or PROFSTREAM_PURE_PROCESSORS is set) or the schema has a type
+    it does not read."""
+    if _compiled.NATIVE is None:
+        return None
     try:
-        return _reader(schema)
+        return _compiled.NATIVE.BodyReader(body_plan(schema)).read
+    except NotRead:
+        return None
+
+
+def sparse_reader(schema: dict, compiled: bool | None = None) -> Reader | None:
+    """A reader of a body of ``schema`` (a record: ``(record, position after it)``), or None
+    where the schema has a type it does not read: the compiled one where it is built (and
+    ``compiled`` is not False), else the Python one."""
+    reader = compiled_reader(schema) if compiled is not False else None
+    if reader is not None:
+        return reader
+    try:
+        return _reader(body_plan(schema))
     except NotRead:
         return None

@@ -16,6 +16,8 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 
+from profstream import compiled
+
 _DOUBLE = struct.Struct("<d").pack
 _FLOAT = struct.Struct("<f").pack
 _LONG_MIN, _LONG_MAX = -(1 << 63), (1 << 63) - 1
@@ -39,6 +41,11 @@ def _varint(n: int) -> bytes:
         z >>= 7
     append(z)
     return bytes(out)
+
+
+# What the generated writers call: ``_varint`` compiled (``profstream.compiled``), ~10x
+# faster, where it is built; a StepMetrics writes ~70 longs.
+VARINT = compiled.NATIVE.zigzag_varint if compiled.NATIVE is not None else _varint
 
 
 class _Gen:
@@ -149,14 +156,15 @@ class _Gen:
             raise NotImplementedError(f"Avro type {kind}")
 
 
-def compile_writer(schema: dict) -> Callable[[dict], bytes]:
+def compile_writer(schema: dict, varint: Callable[[int], bytes] | None = None) -> Callable[[dict], bytes]:
     """A function record -> its Avro body (what ``schemaless_writer`` writes), raising
-    ``Unsupported`` for a record it does not take (module docstring)."""
+    ``Unsupported`` for a record it does not take (module docstring); ``varint``: the long
+    writer it calls (default ``VARINT``)."""
     gen = _Gen(schema.get("namespace", ""))
     top = gen.record_fn(schema, schema.get("namespace", ""))
     source = "\n\n".join("\n".join(f) for f in gen.functions)
     source += f"\n\ndef write(r):\n    parts = []\n    {top}(r, parts.append)\n    return b''.join(parts)\n"
-    scope = {"Unsupported": Unsupported, "_varint": _varint, "_DOUBLE": _DOUBLE, "_FLOAT": _FLOAT,
+    scope = {"Unsupported": Unsupported, "_varint": varint or VARINT, "_DOUBLE": _DOUBLE, "_FLOAT": _FLOAT,
              "_LONG_MIN": _LONG_MIN, "_LONG_MAX": _LONG_MAX, "_INT_MIN": _INT_MIN, "_INT_MAX": _INT_MAX,
              **gen.consts}
     exec(compile(source, f"<avro writer {schema.get('name')}>", "exec"), scope)  # noqa: S102 - our own schemas

@@ -12,16 +12,15 @@ one thread list per distinct stack is kept, and at most ``MAX_RUNS`` runs.
 
 from __future__ import annotations
 
-import gzip
 import json
 import logging
 import os
-import tempfile
 from collections import OrderedDict
 from pathlib import Path
 
 from profstream.config import ConfigError, check_name
 from profstream.control.stacks import StackGrouper, ranks_phrase, traceback_lines
+from profstream.sinks.gzfile import write_gzip_atomic
 
 log = logging.getLogger("profstream.sink.timeline")
 
@@ -123,14 +122,6 @@ class StacksFiles:
         if not directory.is_relative_to(root) or directory == root:
             raise ConfigError(f"{directory} is outside the output directory {root}")
         directory.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{FILE_NAME}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f, gzip.GzipFile(fileobj=f, mode="wb", compresslevel=1) as gz:
-                gz.write(json.dumps(trace).encode())
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, directory / FILE_NAME)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_gzip_atomic(directory / FILE_NAME, (json.dumps(trace).encode(),))
         self.files_written += 1
         return directory / FILE_NAME

@@ -10,12 +10,15 @@ namespace ps {
 bool init_recorder_types(PyObject* module);
 bool init_batcher_type(PyObject* module);
 bool init_kafka_types(PyObject* module);
+bool init_reader_type(PyObject* module);
+bool init_kernels(PyObject* module);
 }  // namespace ps
 
 static struct PyModuleDef native_module = {
     PyModuleDef_HEAD_INIT, "_native",
     "The Monitor's hot path, compiled: Recorder (columns the training thread fills), Batcher (EventBatch "
-    "messages built and sent without the GIL) and Producer (librdkafka, opened at run time).",
+    "messages built and sent without the GIL), Producer (librdkafka, opened at run time) and the processors' "
+    "compiled parts: BodyReader (EventBatch bodies) and figure kernels (kind_overlap, sums_by_code).",
     -1, nullptr};
 
 PyMODINIT_FUNC PyInit__native(void) {
@@ -28,7 +31,8 @@ PyMODINIT_FUNC PyInit__native(void) {
   }
   PyObject* m = PyModule_Create(&native_module);
   if (m == nullptr) return nullptr;
-  if (!ps::init_recorder_types(m) || !ps::init_batcher_type(m) || !ps::init_kafka_types(m)) {
+  if (!ps::init_recorder_types(m) || !ps::init_batcher_type(m) || !ps::init_kafka_types(m) ||
+      !ps::init_reader_type(m) || !ps::init_kernels(m)) {
     Py_DECREF(m);
     return nullptr;
   }

@@ -1,0 +1,415 @@
+// The processors' hottest figure arithmetic, compiled (processors/kernels.py loads it): at
+// 50 ops a step each figure was a dozen numpy calls of ~0.5 us on arrays of a few values.
+// Integer nanoseconds in, integers out, so the figures are the numpy path's to the bit.
+// Columns come as buffers (numpy arrays, no numpy headers needed); a column of another
+// type or layout gives None, and the caller runs its numpy path.
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <utility>
+#include <vector>
+
+namespace ps {
+
+namespace {
+
+// A 1-D contiguous column of integers, read as int64 whatever its width.
+struct Column {
+  Py_buffer view{};
+  bool held = false;
+  int width = 0;  // item size in bytes: 1 (unsigned), 4 or 8 (signed)
+  Py_ssize_t n = 0;
+
+  ~Column() {
+    if (held) PyBuffer_Release(&view);
+  }
+  // false (no error set) where obj is not such a column
+  bool take(PyObject* obj) {
+    if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+      PyErr_Clear();
+      return false;
+    }
+    held = true;
+    if (view.ndim != 1 || view.format == nullptr) return false;
+    const char* f = view.format;
+    if (*f == '<' || *f == '=' || *f == '@') ++f;
+    if (f[1] != '\0') return false;
+    if (view.itemsize == 8 && (*f == 'l' || *f == 'q')) width = 8;
+    else if (view.itemsize == 4 && (*f == 'i' || *f == 'l')) width = 4;
+    else if (view.itemsize == 1 && *f == 'B') width = 1;
+    else return false;
+    n = view.len / view.itemsize;
+    return true;
+  }
+  int64_t operator[](Py_ssize_t i) const {
+    const char* p = static_cast<const char*>(view.buf) + i * width;
+    if (width == 8) {
+      int64_t v;
+      std::memcpy(&v, p, 8);
+      return v;
+    }
+    if (width == 4) {
+      int32_t v;
+      std::memcpy(&v, p, 4);
+      return v;
+    }
+    return static_cast<uint8_t>(*p);
+  }
+};
+
+using Intervals = std::vector<std::pair<int64_t, int64_t>>;
+
+void clip_into(Intervals& out, int64_t start, int64_t end, int64_t lo, int64_t hi) {
+  start = std::max(start, lo);
+  end = std::min(end, hi);
+  if (end > start) out.emplace_back(start, end);
+}
+
+// the union of out, sorted and disjoint, in place; its length
+int64_t merge(Intervals& iv) {
+  if (iv.empty()) return 0;
+  std::sort(iv.begin(), iv.end());
+  size_t w = 0;
+  for (size_t i = 1; i < iv.size(); ++i) {
+    if (iv[i].first > iv[w].second) iv[++w] = iv[i];
+    else iv[w].second = std::max(iv[w].second, iv[i].second);
+  }
+  iv.resize(w + 1);
+  int64_t total = 0;
+  for (const auto& p : iv) total += p.second - p.first;
+  return total;
+}
+
+int64_t intersection(const Intervals& a, const Intervals& b) {
+  int64_t total = 0;
+  size_t i = 0, j = 0;
+  while (i < a.size() && j < b.size()) {
+    int64_t lo = std::max(a[i].first, b[j].first), hi = std::min(a[i].second, b[j].second);
+    if (hi > lo) total += hi - lo;
+    if (a[i].second < b[j].second) ++i;
+    else ++j;
+  }
+  return total;
+}
+
+// The intervals of two op kinds, from args (kind, start, dur, ..., a, b, a_start, a_end,
+// b_start, b_end: the kinds at args[kinds_at], the extra intervals in the last four):
+// A holds the ops of kind a, [start, start + dur), and [a_start, a_end); B likewise with
+// kind b; each interval as clip(out, start, end) adds it. 1: done, 0: a column it does not
+// take (no error set), -1: an error.
+template <typename Clip>
+int two_kinds(PyObject* const* args, Py_ssize_t nargs, Py_ssize_t kinds_at, Clip clip, Intervals& a, Intervals& b) {
+  Column kind, start, dur, as, ae, bs, be;
+  if (!kind.take(args[0]) || !start.take(args[1]) || !dur.take(args[2]) || !as.take(args[nargs - 4]) ||
+      !ae.take(args[nargs - 3]) || !bs.take(args[nargs - 2]) || !be.take(args[nargs - 1]))
+    return 0;
+  if (start.width != 8 || dur.width != 8 || kind.n != start.n || dur.n != start.n || as.n != ae.n || bs.n != be.n)
+    return 0;
+  long ka = PyLong_AsLong(args[kinds_at]), kb = PyLong_AsLong(args[kinds_at + 1]);
+  if (PyErr_Occurred()) return -1;
+  for (Py_ssize_t i = 0; i < start.n; ++i) {
+    int64_t k = kind[i];
+    if (k == ka) clip(a, start[i], start[i] + dur[i]);
+    else if (k == kb) clip(b, start[i], start[i] + dur[i]);
+  }
+  for (Py_ssize_t i = 0; i < as.n; ++i) clip(a, as[i], ae[i]);
+  for (Py_ssize_t i = 0; i < bs.n; ++i) clip(b, bs[i], be[i]);
+  return 1;
+}
+
+// kind_overlap(kind, start, dur, lo, hi, a, b, a_start, a_end, b_start, b_end)
+//   -> (|A|, |B|, |A ∩ B|) or None, A and B (two_kinds) clipped to [lo, hi] (empty ones
+// left out): utilization's compute and communication
+PyObject* kind_overlap(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 11) {
+    PyErr_SetString(PyExc_TypeError, "kind_overlap takes 11 arguments");
+    return nullptr;
+  }
+  int64_t lo = PyLong_AsLongLong(args[3]), hi = PyLong_AsLongLong(args[4]);
+  if (PyErr_Occurred()) return nullptr;
+  Intervals a, b;
+  int got = two_kinds(args, nargs, 5, [&](Intervals& out, int64_t s, int64_t e) { clip_into(out, s, e, lo, hi); },
+                      a, b);
+  if (got < 0) return nullptr;
+  if (got == 0) Py_RETURN_NONE;
+  int64_t a_ns = merge(a), b_ns = merge(b);
+  return Py_BuildValue("(LLL)", static_cast<long long>(a_ns), static_cast<long long>(b_ns),
+                       static_cast<long long>(intersection(a, b)));
+}
+
+// sums_by_code(code, start, dur, lo, hi) -> [(code, summed dur, count)] by code, or None:
+// the rows whose start lies in [lo, hi)
+PyObject* sums_by_code(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 5) {
+    PyErr_SetString(PyExc_TypeError, "sums_by_code takes 5 arguments");
+    return nullptr;
+  }
+  Column code, start, dur;
+  if (!code.take(args[0]) || !start.take(args[1]) || !dur.take(args[2])) Py_RETURN_NONE;
+  if (start.width != 8 || dur.width != 8 || code.n != start.n || dur.n != start.n) Py_RETURN_NONE;
+  int64_t lo = PyLong_AsLongLong(args[3]), hi = PyLong_AsLongLong(args[4]);
+  if (PyErr_Occurred()) return nullptr;
+  std::map<int64_t, std::pair<int64_t, int64_t>> by_code;
+  for (Py_ssize_t i = 0; i < start.n; ++i) {
+    int64_t s = start[i];
+    if (s < lo || s >= hi) continue;
+    auto& slot = by_code[code[i]];
+    slot.first += dur[i];
+    slot.second += 1;
+  }
+  PyObject* out = PyList_New(static_cast<Py_ssize_t>(by_code.size()));
+  if (out == nullptr) return nullptr;
+  Py_ssize_t i = 0;
+  for (const auto& [c, sums] : by_code) {
+    PyObject* row = Py_BuildValue("(LLL)", static_cast<long long>(c), static_cast<long long>(sums.first),
+                                  static_cast<long long>(sums.second));
+    if (row == nullptr) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    PyList_SET_ITEM(out, i++, row);
+  }
+  return out;
+}
+
+PyObject* packed(const Intervals& iv, bool ends) {
+  std::vector<int64_t> values;
+  values.reserve(iv.size());
+  for (const auto& p : iv) values.push_back(ends ? p.second : p.first);
+  return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(values.data()),
+                                   static_cast<Py_ssize_t>(values.size() * sizeof(int64_t)));
+}
+
+// past_end(kind, start, dur, end, a, b, a_start, a_end, b_start, b_end)
+//   -> (A starts, A ends, B starts, B ends) as int64 bytes, or None: the unions of the parts
+// after ``end`` of A and B (two_kinds; window.carry_past_end: what a host step carries
+// into the next)
+PyObject* past_end(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 10) {
+    PyErr_SetString(PyExc_TypeError, "past_end takes 10 arguments");
+    return nullptr;
+  }
+  int64_t end = PyLong_AsLongLong(args[3]);
+  if (PyErr_Occurred()) return nullptr;
+  Intervals a, b;
+  int got = two_kinds(
+      args, nargs, 4,
+      [&](Intervals& out, int64_t s, int64_t e) {
+        if (e > end) clip_into(out, s, e, end, INT64_MAX);
+      },
+      a, b);
+  if (got < 0) return nullptr;
+  if (got == 0) Py_RETURN_NONE;
+  merge(a);
+  merge(b);
+  PyObject* parts[4] = {packed(a, false), packed(a, true), packed(b, false), packed(b, true)};
+  PyObject* out = (parts[0] && parts[1] && parts[2] && parts[3]) ? PyTuple_Pack(4, parts[0], parts[1], parts[2], parts[3])
+                                                                  : nullptr;
+  for (PyObject* p : parts) Py_XDECREF(p);
+  return out;
+}
+
+// queue_sizes(queue, ts, size, lo, hi) -> [(queue, min, sum, count, last, at_start, zeros)] by
+// queue code, or None: queues.queue_figures' figures of each queue with samples in [lo, hi],
+// samples taken by time, then as received; at_start: the size of the last sample at or
+// before lo (None: none). None also where a sum might not be exact in a double (a size of
+// 2**31 or more), so that sum / count is numpy's mean to the bit.
+PyObject* queue_sizes(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 5) {
+    PyErr_SetString(PyExc_TypeError, "queue_sizes takes 5 arguments");
+    return nullptr;
+  }
+  Column queue, ts, size;
+  if (!queue.take(args[0]) || !ts.take(args[1]) || !size.take(args[2])) Py_RETURN_NONE;
+  if (ts.width != 8 || size.width != 8 || queue.n != ts.n || size.n != ts.n || ts.n >= (1 << 20)) Py_RETURN_NONE;
+  int64_t lo = PyLong_AsLongLong(args[3]), hi = PyLong_AsLongLong(args[4]);
+  if (PyErr_Occurred()) return nullptr;
+  std::vector<Py_ssize_t> order(static_cast<size_t>(ts.n));
+  for (Py_ssize_t i = 0; i < ts.n; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](Py_ssize_t a, Py_ssize_t b) { return ts[a] < ts[b]; });
+  struct Figures {
+    int64_t min = 0, sum = 0, count = 0, last = 0, at_start = 0, zeros = 0;
+    bool started = false;
+  };
+  std::map<int64_t, Figures> by_queue;  // every queue seen, with or without samples inside
+  for (Py_ssize_t i : order) {
+    int64_t v = size[i], t = ts[i];
+    if (v >= (int64_t{1} << 31) || v <= -(int64_t{1} << 31)) Py_RETURN_NONE;
+    auto& f = by_queue[queue[i]];
+    if (t <= lo) {
+      f.at_start = v;
+      f.started = true;
+    }
+    if (t < lo || t > hi) continue;
+    f.min = f.count ? std::min(f.min, v) : v;
+    f.sum += v;
+    f.count += 1;
+    f.last = v;
+    f.zeros += v == 0;
+  }
+  PyObject* out = PyList_New(0);
+  if (out == nullptr) return nullptr;
+  for (const auto& [code, f] : by_queue) {
+    if (!f.count) continue;
+    PyObject* at_start = f.started ? PyLong_FromLongLong(f.at_start) : Py_NewRef(Py_None);
+    PyObject* row = at_start == nullptr ? nullptr
+                                        : Py_BuildValue("(LLLLLNL)", static_cast<long long>(code),
+                                                        static_cast<long long>(f.min), static_cast<long long>(f.sum),
+                                                        static_cast<long long>(f.count), static_cast<long long>(f.last),
+                                                        at_start, static_cast<long long>(f.zeros));
+    if (row == nullptr || PyList_Append(out, row) < 0) {
+      Py_XDECREF(row);
+      Py_DECREF(out);
+      return nullptr;
+    }
+    Py_DECREF(row);
+  }
+  return out;
+}
+
+// memory_at(ts, peak, allocated, reserved, lo, hi) -> (peak, allocated, reserved), False
+// (no sample in [lo, hi]) or None (columns it does not take): memory.memory_figures
+PyObject* memory_at(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 6) {
+    PyErr_SetString(PyExc_TypeError, "memory_at takes 6 arguments");
+    return nullptr;
+  }
+  Column ts, peak, allocated, reserved;
+  if (!ts.take(args[0]) || !peak.take(args[1]) || !allocated.take(args[2]) || !reserved.take(args[3])) Py_RETURN_NONE;
+  if (ts.width != 8 || peak.width != 8 || allocated.width != 8 || reserved.width != 8 || peak.n != ts.n ||
+      allocated.n != ts.n || reserved.n != ts.n)
+    Py_RETURN_NONE;
+  int64_t lo = PyLong_AsLongLong(args[4]), hi = PyLong_AsLongLong(args[5]);
+  if (PyErr_Occurred()) return nullptr;
+  Py_ssize_t last = -1;
+  bool reported = false;
+  int64_t max_reported = 0, max_allocated = 0;
+  for (Py_ssize_t i = 0; i < ts.n; ++i) {
+    int64_t t = ts[i];
+    if (t < lo || t > hi) continue;
+    int64_t p = peak[i], a = allocated[i];
+    if (p >= 0) {
+      max_reported = reported ? std::max(max_reported, p) : p;
+      reported = true;
+    }
+    max_allocated = last < 0 ? a : std::max(max_allocated, a);
+    if (last < 0 || t >= ts[last]) last = i;  // the greatest ts; of equal ones the last received
+  }
+  if (last < 0) Py_RETURN_FALSE;
+  return Py_BuildValue("(LLL)", static_cast<long long>(reported ? max_reported : max_allocated),
+                       static_cast<long long>(allocated[last]), static_cast<long long>(reserved[last]));
+}
+
+// uniform(column) -> its one value where every row holds it, else None (None for no rows
+// too, and for a column of another type): the assembler's "a batch within one step"
+PyObject* uniform(PyObject*, PyObject* arg) {
+  Column col;
+  if (!col.take(arg) || col.n == 0) Py_RETURN_NONE;
+  int64_t first = col[0];
+  for (Py_ssize_t i = 1; i < col.n; ++i)
+    if (col[i] != first) Py_RETURN_NONE;
+  return PyLong_FromLongLong(first);
+}
+
+// below(column, n) -> whether every value, read as unsigned, is below n (a dictionary index
+// column against its dictionary's size: a negative index is a large unsigned one); None
+// for a column of another type
+PyObject* below(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2) {
+    PyErr_SetString(PyExc_TypeError, "below takes 2 arguments");
+    return nullptr;
+  }
+  Column col;
+  if (!col.take(args[0])) Py_RETURN_NONE;
+  long long n = PyLong_AsLongLong(args[1]);
+  if (n == -1 && PyErr_Occurred()) return nullptr;
+  if (n <= 0) return PyBool_FromLong(col.n == 0);
+  uint64_t limit = static_cast<uint64_t>(n);
+  for (Py_ssize_t i = 0; i < col.n; ++i) {
+    int64_t v = col[i];
+    uint64_t u = col.width == 4 ? static_cast<uint32_t>(static_cast<int32_t>(v)) : static_cast<uint64_t>(v);
+    if (u >= limit) Py_RETURN_FALSE;
+  }
+  Py_RETURN_TRUE;
+}
+
+// any_launched(launch) -> whether a value is >= 0 (an op that carries its launch time:
+// a device window), or None for a column of another type
+PyObject* any_launched(PyObject*, PyObject* arg) {
+  Column col;
+  if (!col.take(arg) || col.width != 8) Py_RETURN_NONE;
+  for (Py_ssize_t i = 0; i < col.n; ++i)
+    if (col[i] >= 0) Py_RETURN_TRUE;
+  Py_RETURN_FALSE;
+}
+
+// rolling_sums(step_time, data_wait, count, ranks) -> (sum of step_time, sum of data_wait,
+// [the values of step_time at each rank of its sorted order]) of the first count rows, or
+// None (a column of another type, or values whose sums a double might not hold exactly)
+PyObject* rolling_sums(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 4) {
+    PyErr_SetString(PyExc_TypeError, "rolling_sums takes 4 arguments");
+    return nullptr;
+  }
+  Column step_time, data_wait;
+  if (!step_time.take(args[0]) || !data_wait.take(args[1]) || step_time.width != 8 || data_wait.width != 8)
+    Py_RETURN_NONE;
+  Py_ssize_t count = PyLong_AsSsize_t(args[2]);
+  if (count == -1 && PyErr_Occurred()) return nullptr;
+  if (count < 1 || count > step_time.n || count > data_wait.n || count > 1024 || !PyTuple_Check(args[3]))
+    Py_RETURN_NONE;
+  const int64_t bound = int64_t{1} << 42;  // 1024 values below 2**42: every partial sum below 2**52
+  std::vector<int64_t> sorted(static_cast<size_t>(count));
+  int64_t step_sum = 0, wait_sum = 0;
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    int64_t t = step_time[i], w = data_wait[i];
+    if (t >= bound || t <= -bound || w >= bound || w <= -bound) Py_RETURN_NONE;
+    sorted[i] = t;
+    step_sum += t;
+    wait_sum += w;
+  }
+  std::sort(sorted.begin(), sorted.end());
+  PyObject* ranks = args[3];
+  PyObject* at = PyTuple_New(PyTuple_GET_SIZE(ranks));
+  if (at == nullptr) return nullptr;
+  for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(ranks); ++k) {
+    Py_ssize_t r = PyLong_AsSsize_t(PyTuple_GET_ITEM(ranks, k));
+    if (r < 0 || r >= count) {
+      Py_DECREF(at);
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_IndexError, "rolling_sums: rank outside the window");
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(at, k, PyLong_FromLongLong(sorted[r]));
+  }
+  PyObject* out = Py_BuildValue("(LLN)", static_cast<long long>(step_sum), static_cast<long long>(wait_sum), at);
+  return out;
+}
+
+PyMethodDef kernel_functions[] = {
+    {"kind_overlap", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(kind_overlap)), METH_FASTCALL,
+     "kind_overlap(kind, start, dur, lo, hi, a, b, a_start, a_end, b_start, b_end) -> (|A|, |B|, |A & B|) or None"},
+    {"sums_by_code", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(sums_by_code)), METH_FASTCALL,
+     "sums_by_code(code, start, dur, lo, hi) -> [(code, summed dur, count)] of the rows starting in [lo, hi)"},
+    {"past_end", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(past_end)), METH_FASTCALL,
+     "past_end(kind, start, dur, end, a, b, a_start, a_end, b_start, b_end) -> the unions past end, as int64 bytes"},
+    {"queue_sizes", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(queue_sizes)), METH_FASTCALL,
+     "queue_sizes(queue, ts, size, lo, hi) -> [(queue, min, sum, count, last, at_start, zeros)] or None"},
+    {"memory_at", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(memory_at)), METH_FASTCALL,
+     "memory_at(ts, peak, allocated, reserved, lo, hi) -> (peak, allocated, reserved), False or None"},
+    {"uniform", uniform, METH_O, "uniform(column) -> the value every row holds, else None"},
+    {"below", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(below)), METH_FASTCALL,
+     "below(column, n) -> whether every value, read as unsigned, is below n (None: a column of another type)"},
+    {"any_launched", any_launched, METH_O, "any_launched(launch) -> whether a value is >= 0 (None: another type)"},
+    {"rolling_sums", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(rolling_sums)), METH_FASTCALL,
+     "rolling_sums(step_time, data_wait, count, ranks) -> (step sum, wait sum, sorted step times at ranks) or None"},
+    {nullptr, nullptr, 0, nullptr}};
+
+}  // namespace
+
+bool init_kernels(PyObject* module) { return PyModule_AddFunctions(module, kernel_functions) == 0; }
+
+}  // namespace ps

@@ -1,0 +1,170 @@
+"""The processors' compiled parts (producers/csrc/reader.cpp and kernels.cpp, built with the
+compiled Monitor) give the figures of their Python and numpy paths to the bit; those paths
+still run where the extension is not built (profstream/compiled.py, schema/sparse.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from profstream import compiled
+from profstream.processors.memory import memory_figures
+from profstream.processors.model import StepEvents
+from profstream.processors.optypes import device_kind_costs, op_type_costs
+from profstream.processors.queues import queue_figures
+from profstream.processors.rolling import RollingWindow
+from profstream.processors.utilization import utilization
+from profstream.processors.window import Window, carry_past_end, step_window
+from profstream.schema import codec, sparse, writer
+
+# Off by choice (PROFSTREAM_PURE_PROCESSORS=1): the other tests then run the Python paths
+pytestmark = pytest.mark.skipif(compiled.pure(), reason="PROFSTREAM_PURE_PROCESSORS=1: the compiled parts are off")
+S, E = 1_000, 2_000
+TYPES = ["AllReduce", "Conv2D", "MatMul", "Softmax", "b", "a"]
+
+
+def test_the_kernels_are_built_with_the_compiled_monitor():
+    assert compiled.NATIVE is not None, "the compiled Monitor's extension is not built (or PROFSTREAM_PURE_PROCESSORS)"
+
+
+def _intervals(draw, n: int, lo: int = 500, hi: int = 2_500) -> tuple[np.ndarray, np.ndarray]:
+    start = np.array(draw(st.lists(st.integers(lo, hi), min_size=n, max_size=n)), np.int64)
+    length = np.array(draw(st.lists(st.integers(-20, 400), min_size=n, max_size=n)), np.int64)
+    return start, start + length
+
+
+@st.composite
+def steps(draw) -> tuple[StepEvents, Window]:
+    """A step of up to 60 ops of every kind, unsorted, overlapping, empty and outside [S, E]
+    too, with carried intervals (a host window) or ahead ops (a device window)."""
+    n = draw(st.integers(0, 60))
+    start, end = _intervals(draw, n)
+    kinds = np.array(draw(st.lists(st.integers(0, 5), min_size=n, max_size=n)), np.uint8)
+    types = np.array(draw(st.lists(st.integers(0, len(TYPES) - 1), min_size=n, max_size=n)), np.int32)
+    carried = [_intervals(draw, draw(st.integers(0, 4))) for _ in range(2)]
+    ahead_n = draw(st.integers(0, 6))
+    ahead_start, ahead_end = _intervals(draw, ahead_n)
+    samples = draw(st.integers(0, 12))  # queue and memory samples, unsorted, with equal times
+    sample_ts = np.array(draw(st.lists(st.sampled_from([500, 999, S, 1_500, 1_500, E, 2_001]), min_size=samples,
+                                       max_size=samples)), np.int64)
+    sizes = np.array(draw(st.lists(st.integers(-1, 4), min_size=samples, max_size=samples)), np.int64)
+    codes = np.array(draw(st.lists(st.integers(0, 2), min_size=samples, max_size=samples)), np.int32)
+    ev = StepEvents(run_id="r", rank=0, step=1, start_ns=S, end_ns=E, op_kind=kinds, op_type=types,
+                    op_stream=np.zeros(n, np.int32), op_start_ns=start, op_dur_ns=end - start,
+                    type_names=TYPES, carried_compute=carried[0], carried_comm=carried[1],
+                    ahead_kind=np.array(draw(st.lists(st.integers(0, 5), min_size=ahead_n, max_size=ahead_n)),
+                                        np.uint8),
+                    ahead_start_ns=ahead_start, ahead_end_ns=ahead_end,
+                    queue=codes, queue_ts_ns=sample_ts, queue_size=sizes, queue_names=["q2", "q0", "q1"],
+                    queue_capacity=np.full(samples, -1, np.int64), mem_ts_ns=sample_ts[::-1].copy(),
+                    mem_peak=np.where(sizes > 2, -1, sizes * 100), mem_allocated=(codes * 7 + sizes) * 10,
+                    mem_reserved=sizes * 1000)
+    if draw(st.booleans()):  # a device window: the numpy path takes its ops whole, with the ahead ones
+        ev.op_launch_ns = np.array(draw(st.lists(st.sampled_from([-1, -1, 900, 1_200]), min_size=n, max_size=n)),
+                                   np.int64)
+        lo = draw(st.integers(500, 1_500))
+        return ev, Window(True, lo, lo + draw(st.integers(0, 1_000)))
+    return ev, Window(False, S, E)
+
+
+@settings(max_examples=300, deadline=None)
+@given(steps(), st.integers(0, 8))
+def test_compiled_figures_equal_the_numpy_path(step, top_k):
+    ev, window = step
+    native = compiled.NATIVE
+    assert native is not None
+
+    def figures() -> tuple:
+        carried = carry_past_end(ev)  # what the step carries into the next (arrays: compared as lists)
+        assert all(a.dtype == np.int64 for kind in carried for a in kind)
+        return (utilization(ev, window), op_type_costs(ev, top_k, window), device_kind_costs(ev, window),
+                [[a.tolist() for a in kind] for kind in carried], queue_figures(ev), memory_figures(ev),
+                step_window(ev), ev.any_launched())
+
+    with_kernels = figures()
+    compiled.NATIVE = None
+    try:
+        numpy_path = figures()
+    finally:
+        compiled.NATIVE = native
+    assert with_kernels == numpy_path
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 12), st.lists(st.tuples(st.integers(0, 10**12), st.integers(-5, 10**9),
+                                              st.one_of(st.none(), st.floats(0, 1))), min_size=1, max_size=30))
+def test_compiled_rolling_figures_equal_the_numpy_path(n, steps):
+    """The rolling window's step-time mean, percentiles and data-wait share, as the window
+    fills and wraps: the same floats on both paths."""
+    window = RollingWindow(n)
+    native = compiled.NATIVE
+    for step_time, data_wait, util in steps:
+        window.add(step_time, data_wait, util)
+        with_kernels = window.figures()
+        compiled.NATIVE = None
+        try:
+            assert window.figures() == with_kernels
+        finally:
+            compiled.NATIVE = native
+
+
+def test_the_compiled_varint_writes_the_python_writers_bytes():
+    """The generated Avro writers call the compiled zigzag varint: every long the same bytes."""
+    assert writer.VARINT is not writer._varint
+    values = [*range(-300, 300), *(s * 2**k + d for k in range(6, 63) for s in (1, -1) for d in (-1, 0, 1)),
+              2**63 - 1, -(2**63)]
+    assert [writer.VARINT(v) for v in values] == [writer._varint(v) for v in values]
+
+
+def test_a_column_the_kernels_do_not_take_falls_back_to_numpy():
+    """A column of another type (int16 kinds, float starts) or a queue size whose sums a
+    double might not hold exactly gets None from the kernel, and the figure comes from the
+    numpy path."""
+    kinds, start, dur = np.array([0, 1], np.int16), np.array([10.0, 20.0]), np.array([5, 5], np.int64)
+    empty = np.empty(0, np.int64)
+    assert compiled.NATIVE.kind_overlap(kinds, start.astype(np.int64), dur, 0, 100, 0, 1, empty, empty, empty,
+                                       empty) is None
+    assert compiled.NATIVE.sums_by_code(np.array([0, 1], np.int32), start, dur, 0, 100) is None
+    big = np.array([2**40, 3], np.int64)
+    assert compiled.NATIVE.queue_sizes(np.zeros(2, np.int32), np.array([1, 2], np.int64), big, 0, 10) is None
+    ev = StepEvents(run_id="r", rank=0, step=1, start_ns=0, end_ns=100, op_kind=np.array([0, 1], np.uint8),
+                    op_type=np.array([0, 1], np.int16), op_start_ns=np.array([10, 20], np.int64), op_dur_ns=dur,
+                    type_names=["x", "y"], queue=np.zeros(2, np.int32), queue_ts_ns=np.array([1, 2], np.int64),
+                    queue_size=big, queue_names=["q"])
+    assert queue_figures(ev) == [{"queue": "q", "min": 3, "mean": float(np.mean(big)), "last": 3, "at_start": None,
+                                  "empty_ratio": 0.0}]
+    assert op_type_costs(ev) == [{"op_type": "x", "total_ns": 5, "count": 1}, {"op_type": "y", "total_ns": 5,
+                                                                                "count": 1}]
+
+
+@pytest.mark.parametrize("options", [
+    {"resources": True, "loader_fault": "cpu_bound", "stall": (3, 6), "device_counters": True},
+    {"batch_size": 8, "seq_len": 128, "flops_per_token": 6e9, "capture_every_n_steps": 3, "comm_tail": (2, 5)},
+    {"straggler_rank": 1, "slowdown": (4, 5)},
+])
+def test_compiled_and_python_processors_write_the_same_bytes(monkeypatch, options):
+    """Every record the processors write from a simulated run (StepMetrics, alerts, run steps,
+    rank ends) is the same bytes with the compiled reader and kernels as with neither."""
+    from profstream.processors.stream import figures
+    from profstream.simulate import SimConfig
+    from tests.helpers import simulated_messages
+
+    cfg = SimConfig(run_id="compiled", ranks=3, steps=10, ops_per_step=50, step_time_ms=50.0, seed=11, **options)
+    messages = simulated_messages(cfg)
+    monkeypatch.setattr("profstream.processors.figures.time.time_ns", lambda: 1_800_000_000_000_000_000)  # closed_ns
+    batches = [sv for sv in codec.SCHEMAS.values() if sv.name == "EventBatch"]
+    native = compiled.NATIVE
+    outputs = {}
+    for on in (True, False):
+        for sv in batches:
+            reader = sparse.sparse_reader(sv.parsed, compiled=on)
+            assert (type(reader).__name__ == "builtin_function_or_method") == on
+            monkeypatch.setitem(codec.SCHEMAS, sv.fingerprint, dataclasses.replace(sv, sparse=reader))
+        monkeypatch.setattr(compiled, "NATIVE", native if on else None)
+        outputs[on] = [(f.kind, f.value) for f in figures(messages)]
+    assert sum(kind == "steps" for kind, _ in outputs[True]) >= 3 * 10
+    assert outputs[True] == outputs[False]
