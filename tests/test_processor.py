@@ -348,3 +348,37 @@ def test_a_run_stage_restored_from_its_checkpoint_emits_no_step_twice():
     emitted += restarted.ready(10.0) + restarted.ready(20.0)  # and once every grace is over
     steps = Counter(decode("RunStepMetrics", o.value)["step"] for o in emitted if o.topic == topics.run)
     assert steps == {0: 1, 1: 1}, f"run steps emitted (step: times): {dict(steps)}"
+
+
+def test_a_run_step_whose_reports_still_come_waits_and_silent_ranks_are_left_out_after_the_grace():
+    """16,384 ranks' StepMetrics of one step reach the run stage over many seconds (the step
+    stage closes them one by one): the grace runs from the step's latest report, so the step
+    waits while reports come and is emitted whole; ranks that fell silent are left out a
+    grace after the last report, the others' figures intact."""
+    topics, feed = Topics(prefix="trickle"), Feed()
+    world, grace, silent = 64, 1.0, {7, 30, 31, 63}
+
+    def report(rank: int, step: int, step_ms: int):
+        return feed(topics.steps, "StepMetrics",
+                    {**step_metrics("r", rank, step, 1000 * step, step_ms), "world_size": world})
+
+    stage = RunStage(topics, StageCounts(keep_step_ends=False), grace_s=grace)
+    emitted, now = [], 0.0
+    for rank in range(world):  # step 0: a report every 0.4 s, 25 s in all
+        stage.fold(report(rank, 0, 100 + rank), now)
+        emitted += stage.ready(now)
+        now += 0.4
+    for rank in sorted(set(range(world)) - silent):  # step 1: the silent ranks never report it
+        stage.fold(report(rank, 1, 200 + rank), now)
+        emitted += stage.ready(now)
+        now += 0.4
+    assert [decode("RunStepMetrics", o.value)["step"] for o in emitted if o.topic == topics.run] == [0]
+    emitted += stage.ready(now - 0.4 + grace * 0.9)
+    assert len([o for o in emitted if o.topic == topics.run]) == 1  # still inside the grace of its last report
+    emitted += stage.ready(now - 0.4 + grace)
+    runs = [decode("RunStepMetrics", o.value) for o in emitted if o.topic == topics.run]
+    assert [r["step"] for r in runs] == [0, 1]
+    assert runs[0]["ranks_reported"] == world and runs[0]["max_step_time_ns"] == (100 + world - 1) * 1_000_000
+    reported = {int(r) for r in runs[1]["step_times_ns"]}
+    assert set(range(world)) - reported == silent and runs[1]["ranks_reported"] == world - len(silent)
+    assert runs[1]["min_step_time_ns"] == 200 * 1_000_000 and runs[1]["straggler_rank"] == 62

@@ -305,6 +305,9 @@ class _RunState:
     ended: dict[int, int | None] = field(default_factory=dict)  # rank -> its last step, from its RankEnd
     first_offset: dict[int, int] = field(default_factory=dict)  # step -> input offset
     first_seen: dict[int, float] = field(default_factory=dict)
+    # step -> when its latest report came: the grace runs from there, so that a step whose
+    # reports are still coming (16,384 ranks' StepMetrics take the step stage seconds) waits
+    latest: dict[int, float] = field(default_factory=dict)
     last_seen: float = 0.0
     hangs: HangWatch | None = None  # where its ranks are (RankProgress): in memory only (hangs.py)
     clocks: RunClocks = field(default_factory=RunClocks)  # its ranks' clock offsets (clocks.py), checkpointed
@@ -313,7 +316,7 @@ class _RunState:
 class RunStage:
     """steps -> RunStepMetrics: a step of a run is emitted once all its ranks reported it
     (the producers' world_size, else every rank seen in the run so far), or ``grace_s``
-    after its first report; steps are emitted in order. Each step's calls teach the run's
+    after its latest report; steps are emitted in order. Each step's calls teach the run's
     rank clock offsets (``clocks.py``) before its collective figures compare the ranks'
     times with them. From the ranks' RankProgress it tells a hang (``hangs.py``):
     TrainingHang alerts after ``hang_after_s`` in one step."""
@@ -395,6 +398,7 @@ class RunStage:
             run.first_offset[step] = rec.offset
             run.first_seen[step] = now
         run.pending[step][m["rank"]] = m["step_time_ns"]
+        run.latest[step] = now
         work = m["work"]
         if work is not None:
             run.work.setdefault(step, {})[m["rank"]] = (work["tokens_per_s"], work["samples_per_s"],
@@ -438,13 +442,13 @@ class RunStage:
             for step in sorted(run.pending):
                 reported = run.pending[step]
                 gone = sum(1 for r, last in run.ended.items() if r not in reported and (last is None or last < step))
-                if len(reported) < expected - gone and now - run.first_seen[step] < self.grace_s:
+                if len(reported) < expected - gone and now - run.latest[step] < self.grace_s:
                     break
                 everyone = range(run.world_size) if run.world_size else sorted(run.ranks)
                 out.append(self._emit(run_id, step, reported, run.calls.pop(step, {}), everyone,
                                       run.unmeasured.pop(step, set()) - run.always_on, run.work.pop(step, {}),
                                       run.clocks))
-                del run.pending[step], run.first_offset[step], run.first_seen[step]
+                del run.pending[step], run.first_offset[step], run.first_seen[step], run.latest[step]
                 run.floor = step + 1
                 self._changed.add(run_id)
             if run.hangs is not None:
