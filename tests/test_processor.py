@@ -382,3 +382,27 @@ def test_a_run_step_whose_reports_still_come_waits_and_silent_ranks_are_left_out
     reported = {int(r) for r in runs[1]["step_times_ns"]}
     assert set(range(world)) - reported == silent and runs[1]["ranks_reported"] == world - len(silent)
     assert runs[1]["min_step_time_ns"] == 200 * 1_000_000 and runs[1]["straggler_rank"] == 62
+
+
+def test_a_rank_running_ten_times_ahead_does_not_end_the_others_run_steps():
+    """A flooding rank (ten steps in the time of the others' one) reports each step long
+    before the rest: the step waits while the ranks behind it keep reporting, and every run
+    step comes out with all the ranks' step times."""
+    topics, feed = Topics(prefix="flood"), Feed()
+    world, grace, flooder, steps = 8, 3.0, 5, 6
+
+    def report(rank: int, step: int):
+        return feed(topics.steps, "StepMetrics",
+                    {**step_metrics("r", rank, step, 1000 * step, 100 + rank), "world_size": world})
+
+    arrivals = sorted([(0.1 * s, flooder, s) for s in range(steps * 10)]
+                      + [(s + 1.0, r, s) for s in range(steps) for r in range(world) if r != flooder])
+    stage = RunStage(topics, StageCounts(keep_step_ends=False), grace_s=grace)
+    emitted = []
+    for now, rank, step in arrivals:
+        stage.fold(report(rank, step), now)
+        emitted += stage.ready(now)
+    emitted += stage.ready(arrivals[-1][0] + grace)
+    runs = {(m := decode("RunStepMetrics", o.value))["step"]: m for o in emitted if o.topic == topics.run}
+    assert [runs[s]["ranks_reported"] for s in range(steps)] == [world] * steps
+    assert all(runs[s]["ranks_reported"] == 1 for s in range(steps, steps * 10))  # the flooder's own steps
