@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -9,6 +10,7 @@ import sys
 import threading
 from collections import Counter, namedtuple
 
+import numpy as np
 import pytest
 from kafka import KafkaConsumer
 
@@ -406,3 +408,28 @@ def test_a_rank_running_ten_times_ahead_does_not_end_the_others_run_steps():
     runs = {(m := decode("RunStepMetrics", o.value))["step"]: m for o in emitted if o.topic == topics.run}
     assert [runs[s]["ranks_reported"] for s in range(steps)] == [world] * steps
     assert all(runs[s]["ranks_reported"] == 1 for s in range(steps, steps * 10))  # the flooder's own steps
+
+
+def test_ranks_that_fall_silent_are_left_out_of_the_run_steps_after_the_grace(kafka_bootstrap, topics):
+    """Through the real broker and processor: 3 of 12 simulated ranks die after step 3 (no end
+    mark); every later run step still comes out, after the grace, with exactly those ranks
+    missing and the others' step times, min / median / max and straggler as planned."""
+    cfg = SimConfig(run_id="silent", ranks=12, steps=8, ops_per_step=20, seed=11)
+    silent, last = [2, 7, 11], 3
+    opts = {"bootstrap": kafka_bootstrap, "topic_prefix": topics.prefix}
+    with RunningProcessor(kafka_bootstrap, topics, run_grace_s=6.0):
+        dying = threading.Thread(target=run_simulation, args=(dataclasses.replace(cfg, steps=last + 1), opts),
+                                 kwargs={"ranks": silent, "ended": False})  # the same plans, to step 3
+        dying.start()
+        run_simulation(cfg, opts, ranks=[r for r in range(12) if r not in silent])
+        dying.join(60)
+        runs = {r["step"]: r for r in _run_steps(kafka_bootstrap, topics, "silent", cfg.steps, timeout=90)}
+    truth = expected(cfg)
+    assert sorted(runs) == list(range(cfg.steps))
+    for step, run in runs.items():
+        want = {r: truth[(r, step)]["step_time_ns"] for r in range(12) if step <= last or r not in silent}
+        assert {int(r): t for r, t in run["step_times_ns"].items()} == want, f"step {step}"
+        assert run["ranks_reported"] == len(want) == (12 if step <= last else 9)
+        assert (run["min_step_time_ns"], run["max_step_time_ns"]) == (min(want.values()), max(want.values()))
+        assert run["median_step_time_ns"] == float(np.median(list(want.values())))
+        assert run["straggler_rank"] == max(want, key=lambda r: (want[r], -r))
