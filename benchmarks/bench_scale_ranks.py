@@ -33,6 +33,10 @@ grace (``--run-grace-s``) after their last report, with exactly those ranks miss
 ``--flood-rank R``: rank R steps ``--flood-factor`` (10) times as often as the others (its own
 template rank, as many more steps); the freshness headline is the other ranks'.
 
+**Why replayed.** ``--footprint N`` opens N real Monitors in this process instead and
+prints what each one holds, connected and idle: threads, file descriptors, broker
+connections, RSS and CPU (docs/benchmarks.md, "16,384 ranks simulated").
+
 **Run figures against the truth.** Every RunStepMetrics read back is compared with the
 simulator's plans (rank r has template rank r % 16's step times): the ranks that reported,
 each one's step time, min / median / max and the straggler (``run_figures``).
@@ -181,6 +185,39 @@ def silent_ranks(ranks: int, count: int) -> list[int]:
     if not 0 <= count < ranks:
         raise SystemExit(f"--silent-ranks {count}: expected 0 to {ranks - 1}")
     return [1 + i * (ranks - 1) // count for i in range(count)] if count else []
+
+
+# -- why the ranks are replayed: what one real Monitor holds ----------------------------
+
+def monitor_footprint(bootstrap, monitors: int, control: bool, idle_s: float = 5.0) -> dict[str, Any]:
+    """Threads, file descriptors, broker connections, RSS and idle CPU that each of
+    ``monitors`` real Monitors (one process, ``control``: reading capture requests, the
+    default) adds, connected and idle: what ``simulate --procs`` would multiply by the ranks."""
+    from profstream.producers.monitor import Monitor
+
+    me = psutil.Process()
+    threads, fds, rss = me.num_threads(), me.num_fds(), me.memory_info().rss
+    opened = [Monitor(run_id="footprint", rank=r, world_size=monitors, connection=bootstrap,
+                      topic_prefix=unique_prefix(), control=control, host_sample_interval_s=0, device_interval_ms=0)
+              for r in range(monitors)]
+    try:
+        for m in opened:
+            if not m.flush(60):
+                raise SystemExit("a Monitor did not connect within 60 s")
+        time.sleep(2.0)  # the control readers join their groups
+        connections = sum(1 for c in me.net_connections("tcp") if c.status == psutil.CONN_ESTABLISHED)
+        cpu0 = time.process_time()
+        time.sleep(idle_s)
+        idle_cpu = (time.process_time() - cpu0) / idle_s
+        return {"monitors": monitors, "control": control,
+                "threads_per_monitor": (me.num_threads() - threads) / monitors,
+                "fds_per_monitor": (me.num_fds() - fds) / monitors,
+                "broker_connections_per_monitor": connections / monitors,
+                "rss_mib_per_monitor": (me.memory_info().rss - rss) / monitors / 2**20,
+                "idle_cpu_share_per_monitor": idle_cpu / monitors}
+    finally:
+        for m in opened:
+            m.close(5)
 
 
 # -- the replay processes --------------------------------------------------------------
@@ -531,8 +568,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flood-rank", type=int, help="a rank that steps --flood-factor times faster than the others "
                                                   "(its figures left out of the freshness headline)")
     p.add_argument("--flood-factor", type=int, default=10)
+    p.add_argument("--footprint", type=int, default=0, metavar="N",
+                   help="instead: open N real Monitors in this process and print what each one holds (threads, "
+                        "fds, broker connections, RSS, idle CPU), with and without the capture-request reader")
     args = p.parse_args(argv)
     bootstrap = broker_bootstrap(args.bootstrap)
+    if args.footprint:
+        emit(envelope("monitor_footprint", args, {"bootstrap": str(bootstrap), "by_control": [
+            monitor_footprint(bootstrap, args.footprint, control) for control in (True, False)]}))
+        return 0
     counts = [int(n) for n in args.processors.split(",")]
     runs: dict[int, list[dict[str, Any]]] = {n: [] for n in counts}
     for r in range(args.repeats):
