@@ -308,6 +308,13 @@ class _RunState:
     ended: dict[int, int | None] = field(default_factory=dict)  # rank -> its last step, from its RankEnd
     first_offset: dict[int, int] = field(default_factory=dict)  # step -> input offset
     first_seen: dict[int, float] = field(default_factory=dict)
+    # step -> when its latest report came: the grace runs from there, so that a step whose
+    # reports are still coming (16,384 ranks' StepMetrics take the step stage seconds) waits
+    latest: dict[int, float] = field(default_factory=dict)
+    # rank -> (the highest step it reported, when): a rank behind a step that reported within
+    # the grace is still coming to it (a rank running ahead must not end the others' steps)
+    reports: dict[int, tuple[int, float]] = field(default_factory=dict)
+    held_until: dict[int, float] = field(default_factory=dict)  # step -> when to look for coming ranks again
     last_seen: float = 0.0
     hangs: HangWatch | None = None  # where its ranks are (RankProgress): in memory only (hangs.py)
     clocks: RunClocks = field(default_factory=RunClocks)  # its ranks' clock offsets (clocks.py), checkpointed
@@ -316,7 +323,8 @@ class _RunState:
 class RunStage:
     """steps -> RunStepMetrics: a step of a run is emitted once all its ranks reported it
     (the producers' world_size, else every rank seen in the run so far), or ``grace_s``
-    after its first report; steps are emitted in order. Each step's calls teach the run's
+    after its latest report once no rank behind it reported within ``grace_s`` (the missing
+    ones fell silent); steps are emitted in order. Each step's calls teach the run's
     rank clock offsets (``clocks.py``) before its collective figures compare the ranks'
     times with them. From the ranks' RankProgress it tells a hang (``hangs.py``):
     TrainingHang alerts after ``hang_after_s`` in one step."""
@@ -398,6 +406,8 @@ class RunStage:
             run.first_offset[step] = rec.offset
             run.first_seen[step] = now
         run.pending[step][m["rank"]] = m["step_time_ns"]
+        run.latest[step] = now
+        run.reports[m["rank"]] = (max(step, run.reports.get(m["rank"], (step, 0.0))[0]), now)
         work = m["work"]
         if work is not None:
             run.work.setdefault(step, {})[m["rank"]] = (work["tokens_per_s"], work["samples_per_s"],
@@ -441,13 +451,15 @@ class RunStage:
             for step in sorted(run.pending):
                 reported = run.pending[step]
                 gone = sum(1 for r, last in run.ended.items() if r not in reported and (last is None or last < step))
-                if len(reported) < expected - gone and now - run.first_seen[step] < self.grace_s:
+                if len(reported) < expected - gone and (now - run.latest[step] < self.grace_s
+                                                        or self._coming(run, step, reported, now)):
                     break
                 everyone = range(run.world_size) if run.world_size else sorted(run.ranks)
                 out.append(self._emit(run_id, step, reported, run.calls.pop(step, {}), everyone,
                                       run.unmeasured.pop(step, set()) - run.always_on, run.work.pop(step, {}),
                                       run.clocks))
-                del run.pending[step], run.first_offset[step], run.first_seen[step]
+                del run.pending[step], run.first_offset[step], run.first_seen[step], run.latest[step]
+                run.held_until.pop(step, None)
                 run.floor = step + 1
                 self._changed.add(run_id)
             if run.hangs is not None:
@@ -461,6 +473,17 @@ class RunStage:
                 self._changed.discard(run_id)
                 out.append(Output(self.state_topic, run_id.encode(), None, run.partition))
         return out
+
+    def _coming(self, run: _RunState, step: int, reported: dict[int, int], now: float) -> bool:
+        """Whether a rank that has not reported ``step`` is behind it and reported within the
+        grace (still coming); looked up again only when the first of them could go silent."""
+        if now < run.held_until.get(step, 0.0):
+            return True
+        heard = [t for r, (last, t) in run.reports.items() if last < step and now - t < self.grace_s
+                 and r not in reported]
+        if heard:
+            run.held_until[step] = min(heard) + self.grace_s
+        return bool(heard)
 
     def describe(self) -> str:
         """Per run: the steps it waits for, the lowest one's missing ranks (a state dump)."""
