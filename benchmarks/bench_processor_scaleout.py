@@ -68,7 +68,7 @@ def rank_partition(key: bytes) -> int:
 
 def processor_command(bootstrap: str, prefix: str, group: str, instance: str, stages: str = "steps",
                       metrics_port: int = 0) -> list[str]:
-    return [sys.executable, "-m", "profstream.cli", "process", "--bootstrap", bootstrap, "--topic-prefix", prefix,
+    return [sys.executable, "-m", "profstream.cli", "process", "--bootstrap", str(bootstrap), "--topic-prefix", prefix,
             "--group-id", group, "--instance-id", instance, "--stages", stages, "--metrics-port", str(metrics_port)]
 
 

@@ -27,6 +27,20 @@ stage's cost.
 ``end_ns`` (parsed from the record's first fields): step end -> StepMetrics committed and
 visible. Steps that end in the first ``--warmup-s`` seconds are left out of the headline.
 
+**Faults** (issue #35). ``--silent-ranks N``: N ranks spread over the run send nothing after
+``--silent-after-step`` (not even their end): the run steps after it must still come out, a
+grace (``--run-grace-s``) after their last report, with exactly those ranks missing.
+``--flood-rank R``: rank R steps ``--flood-factor`` (10) times as often as the others (its own
+template rank, as many more steps); the freshness headline is the other ranks'.
+
+**Why replayed.** ``--footprint N`` opens N real Monitors in this process instead and
+prints what each one holds, connected and idle: threads, file descriptors, broker
+connections, RSS and CPU (docs/benchmarks.md, "16,384 ranks simulated").
+
+**Run figures against the truth.** Every RunStepMetrics read back is compared with the
+simulator's plans (rank r has template rank r % 16's step times): the ranks that reported,
+each one's step time, min / median / max and the straggler (``run_figures``).
+
 Prints one JSON object on stdout; progress on stderr.
 """
 
@@ -59,7 +73,7 @@ from kafka import KafkaAdminClient
 from kafka.errors import KafkaError
 
 from profstream.kafka.topics import Topics, ensure_topics
-from profstream.schema.codec import HEADER_LEN, SCHEMAS
+from profstream.schema.codec import HEADER_LEN, SCHEMAS, decode_any
 
 TARGET_P99_S = 2.0
 START_MARGIN_S = 8.0  # replay processes spawn and build their templates before the run starts
@@ -127,6 +141,85 @@ def step_end_ns(value: bytes) -> tuple[int, int, int] | None:
     return rank, step, end
 
 
+# -- what the ranks send: templates, a flooding rank, silent ranks ---------------------
+
+FLOOD_TEMPLATE = -1  # the schedule's template id of the flooding rank's messages
+
+
+def template_configs(args: dict):
+    """The template ranks' SimConfig, and the flooding rank's (``flood_factor`` times the
+    step rate, as many more steps; None without one): the ground truth of the figures."""
+    from profstream.simulate import SimConfig
+
+    step_ms = 1000.0 / args["steps_per_s"]
+    cfg = SimConfig(run_id="scale", ranks=args["template_ranks"], steps=args["steps"],
+                    ops_per_step=args["ops_per_step"], step_time_ms=step_ms, seed=5)
+    if args["flood_rank"] is None:
+        return cfg, None
+    factor = args["flood_factor"]
+    return cfg, SimConfig(run_id="scale", ranks=1, steps=args["steps"] * factor, ops_per_step=args["ops_per_step"],
+                          step_time_ms=step_ms / factor, seed=6)
+
+
+def batch_step(value: bytes) -> int:
+    """The highest step an EventBatch has events of (its end mark left out; -1: none)."""
+    from profstream.schema.batch import END_MARK, decode_batch
+
+    b = decode_batch(value)
+    steps = [int(x) for x in b.steps["step"] if x != END_MARK] + [int(x) for x in b.ops["step"]]
+    return max(steps, default=-1)
+
+
+def _schedule(monitor_messages, cfg, origin_ns: int, template: int | None) -> list[tuple[int, int, int, bytes]]:
+    """(send time, template rank, step, value) of every message of ``cfg``'s Monitors, each
+    under its rank, or under ``template`` when given (the flooding rank's one-rank config)."""
+    at: list = []
+    messages, _ = monitor_messages(cfg, origin_ns=origin_ns, sent_at=at)
+    last = max(t for t in at if t is not None)
+    return [((t if t is not None else last), int(key.rpartition(b"/")[2]) if template is None else template,
+             batch_step(value), value) for (key, value), t in zip(messages, at)]
+
+
+def silent_ranks(ranks: int, count: int) -> list[int]:
+    """``count`` ranks spread over the run (never rank 0)."""
+    if not 0 <= count < ranks:
+        raise SystemExit(f"--silent-ranks {count}: expected 0 to {ranks - 1}")
+    return [1 + i * (ranks - 1) // count for i in range(count)] if count else []
+
+
+# -- why the ranks are replayed: what one real Monitor holds ----------------------------
+
+def monitor_footprint(bootstrap, monitors: int, control: bool, idle_s: float = 5.0) -> dict[str, Any]:
+    """Threads, file descriptors, broker connections, RSS and idle CPU that each of
+    ``monitors`` real Monitors (one process, ``control``: reading capture requests, the
+    default) adds, connected and idle: what ``simulate --procs`` would multiply by the ranks."""
+    from profstream.producers.monitor import Monitor
+
+    me = psutil.Process()
+    threads, fds, rss = me.num_threads(), me.num_fds(), me.memory_info().rss
+    opened = [Monitor(run_id="footprint", rank=r, world_size=monitors, connection=bootstrap,
+                      topic_prefix=unique_prefix(), control=control, host_sample_interval_s=0, device_interval_ms=0)
+              for r in range(monitors)]
+    try:
+        for m in opened:
+            if not m.flush(60):
+                raise SystemExit("a Monitor did not connect within 60 s")
+        time.sleep(2.0)  # the control readers join their groups
+        connections = sum(1 for c in me.net_connections("tcp") if c.status == psutil.CONN_ESTABLISHED)
+        cpu0 = time.process_time()
+        time.sleep(idle_s)
+        idle_cpu = (time.process_time() - cpu0) / idle_s
+        return {"monitors": monitors, "control": control,
+                "threads_per_monitor": (me.num_threads() - threads) / monitors,
+                "fds_per_monitor": (me.num_fds() - fds) / monitors,
+                "broker_connections_per_monitor": connections / monitors,
+                "rss_mib_per_monitor": (me.memory_info().rss - rss) / monitors / 2**20,
+                "idle_cpu_share_per_monitor": idle_cpu / monitors}
+    finally:
+        for m in opened:
+            m.close(5)
+
+
 # -- the replay processes --------------------------------------------------------------
 
 def replay(bootstrap: str, prefix: str, args: dict, ranks: range, origin_ns: int, results) -> None:
@@ -135,17 +228,14 @@ def replay(bootstrap: str, prefix: str, args: dict, ranks: range, origin_ns: int
     from bench_processor_throughput import monitor_messages
 
     from profstream.kafka.clients import make_native_producer
-    from profstream.simulate import SimConfig
 
     try:
         t0 = time.process_time()
-        cfg = SimConfig(run_id="scale", ranks=args["template_ranks"], steps=args["steps"],
-                        ops_per_step=args["ops_per_step"], step_time_ms=1000.0 / args["steps_per_s"], seed=5)
-        at: list = []
-        messages, _ = monitor_messages(cfg, origin_ns=origin_ns, sent_at=at)
-        last = max(t for t in at if t is not None)
-        schedule = sorted(((t if t is not None else last), int(key.rpartition(b"/")[2]), value)
-                          for (key, value), t in zip(messages, at))
+        cfg, flood_cfg = template_configs(args)
+        schedule = sorted(_schedule(monitor_messages, cfg, origin_ns, None))
+        if flood_cfg is not None:  # the flooding rank's own template: FLOOD_TEMPLATE
+            schedule = sorted(schedule + _schedule(monitor_messages, flood_cfg, origin_ns, FLOOD_TEMPLATE))
+        silent, silent_after = set(args["silent"]), args["silent_after_step"]
         results.put(("ready", ranks.start, time.process_time() - t0))
         producer = make_native_producer(bootstrap, compression="lz4")
         failed: list = []
@@ -153,11 +243,12 @@ def replay(bootstrap: str, prefix: str, args: dict, ranks: range, origin_ns: int
         by_template: dict[int, list[tuple[bytes, bytes]]] = {}
         for r in ranks:
             ident = f"scale-{r}".encode()
-            by_template.setdefault(r % cfg.ranks, []).append((f"{cfg.run_id}/{r}".encode(), ident))
+            template = FLOOD_TEMPLATE if r == args["flood_rank"] else r % cfg.ranks
+            by_template.setdefault(template, []).append((f"{cfg.run_id}/{r}".encode(), ident))
         late_ms: list[float] = []
         cpu0 = time.process_time()
         sent = 0
-        for at_ns, template, value in schedule:
+        for at_ns, template, step, value in schedule:
             delay = (at_ns - time.time_ns()) / 1e9
             if delay > 0:
                 time.sleep(delay)
@@ -165,6 +256,8 @@ def replay(bootstrap: str, prefix: str, args: dict, ranks: range, origin_ns: int
                 late_ms.append(-delay * 1000)
             for r_key, ident in by_template.get(template, ()):
                 rank = int(r_key.rpartition(b"/")[2])
+                if rank in silent and step > silent_after:  # fell silent: nothing more, not even its end
+                    continue
                 producer.send(topic, clone_batch(value, rank, args["ranks"], ident), r_key,
                               lambda e: e is not None and failed.append(e))
                 sent += 1
@@ -197,10 +290,11 @@ class Freshness(threading.Thread):
             parts += [TopicPartition(topic, p, -2) for p in meta.partitions]  # -2: the beginning
         self.consumer.assign(parts)
         self.steps_topic = topics.steps
-        self.fresh: list[tuple[int, float]] = []  # (end_ns, seen - end_ns in s)
+        self.fresh: list[tuple[int, int, float]] = []  # (rank, end_ns, seen - end_ns in s)
         self.keys: set[tuple[int, int]] = set()
         self.duplicates = 0
         self.run_records = 0
+        self.run_steps: dict[int, list[dict]] = {}  # step -> its RunStepMetrics (more than one: a bug)
         self.stop = threading.Event()
 
     def run(self) -> None:
@@ -211,6 +305,9 @@ class Freshness(threading.Thread):
                 seen = time.time_ns()
                 if msg.topic() != self.steps_topic:
                     self.run_records += 1
+                    name, m = decode_any(msg.value())
+                    if name == "RunStepMetrics":
+                        self.run_steps.setdefault(m["step"], []).append(m)
                     continue
                 parsed = step_end_ns(msg.value())
                 if parsed is None:
@@ -219,7 +316,7 @@ class Freshness(threading.Thread):
                 if (rank, step) in self.keys:
                     self.duplicates += 1
                 self.keys.add((rank, step))
-                self.fresh.append((end, (seen - end) / 1e9))
+                self.fresh.append((rank, end, (seen - end) / 1e9))
         self.consumer.close()
 
 
@@ -242,7 +339,7 @@ class RssSampler(threading.Thread):
 def wait_stable(bootstrap: str, group: str, members: int, timeout: float) -> float:
     """Seconds until ``group`` is Stable with ``members`` members (its coordinator may not
     exist yet on a fresh broker: retried)."""
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="bench-group-watch")
+    admin = KafkaAdminClient(bootstrap_servers=str(bootstrap), client_id="bench-group-watch")
     t0 = time.monotonic()
     seen = None
     try:
@@ -278,13 +375,19 @@ def run_config(bootstrap: str, processes: int, args: argparse.Namespace, broker_
     prefix = unique_prefix()
     topics = Topics(prefix)
     steps = int(args.duration_s * args.steps_per_s)
-    expected = args.ranks * steps
+    silent = silent_ranks(args.ranks, args.silent_ranks)
+    flood = args.flood_rank is not None
+    run_steps = steps * (args.flood_factor if flood else 1)  # a flooding rank's steps beyond the others' too
+    expected = (args.ranks - len(silent) - flood) * steps + len(silent) * min(steps, args.silent_after_step + 1) \
+        + flood * run_steps
     ensure_topics(bootstrap, topics, raw_partitions=args.partitions, partitions=max(3, processes))
     group = f"{prefix}-g"
     stages = "all" if args.run_stage == "shared" else "steps"
     commands = [processor_command(bootstrap, prefix, group, f"p{i}", stages) for i in range(processes)]
     if args.run_stage == "own":
         commands.append(processor_command(bootstrap, prefix, group, "run", "run"))
+    if args.run_grace_s is not None:
+        commands = [c + ["--run-grace-s", str(args.run_grace_s)] for c in commands]
     logs = [tempfile.TemporaryFile("w+") for _ in commands]
     procs = [subprocess.Popen(c, stdout=log, stderr=subprocess.STDOUT)
              for c, log in zip(commands, logs)]
@@ -302,7 +405,9 @@ def run_config(bootstrap: str, processes: int, args: argparse.Namespace, broker_
         shares = [range(i * args.ranks // args.replay_procs, (i + 1) * args.ranks // args.replay_procs)
                   for i in range(args.replay_procs)]
         spec = {"template_ranks": args.template_ranks, "steps": steps, "ops_per_step": args.ops_per_step,
-                "steps_per_s": args.steps_per_s, "ranks": args.ranks}
+                "steps_per_s": args.steps_per_s, "ranks": args.ranks, "silent": silent,
+                "silent_after_step": args.silent_after_step, "flood_rank": args.flood_rank,
+                "flood_factor": args.flood_factor}
         workers = [ctx.Process(target=replay, args=(bootstrap, prefix, spec, share, origin, results), daemon=True)
                    for share in shares]
         for w in workers:
@@ -333,15 +438,18 @@ def run_config(bootstrap: str, processes: int, args: argparse.Namespace, broker_
         cpu1 = [cpu_seconds(p.pid) for p in procs]
         broker1 = brokers_cpu(broker_pids)
         window_s = t_sent - origin / 1e9
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + args.drain_s
         while len(reader.keys) < expected and time.monotonic() < deadline and all(p.poll() is None for p in procs):
             time.sleep(0.1)
         drained_s = time.time() - run_end
         cpu2 = [cpu_seconds(p.pid) for p in procs]
         broker2 = brokers_cpu(broker_pids)
-        deadline = time.monotonic() + 15  # the run stage's figures of the last steps follow theirs
-        while reader.run_records < steps and time.monotonic() < deadline and all(p.poll() is None for p in procs):
+        # the run stage's figures of the last steps follow theirs (a grace later where ranks are silent)
+        deadline = time.monotonic() + 15 + (args.run_grace_s or 10.0) * 2
+        while len(reader.run_steps) < run_steps and time.monotonic() < deadline and all(
+                p.poll() is None for p in procs):
             time.sleep(0.1)
+        cpu3 = [cpu_seconds(p.pid) for p in procs]
         load1 = os.getloadavg()[0]
     finally:
         for w in workers:
@@ -361,19 +469,22 @@ def run_config(bootstrap: str, processes: int, args: argparse.Namespace, broker_
         warnings.append([line.strip()[:300] for line in log if "WARNING" in line or "rror" in line][:5])
         log.close()
     warm_until = origin + int(args.warmup_s * 1e9)
-    steady = [f for end, f in reader.fresh if end >= warm_until]
+    steady = [f for rank, end, f in reader.fresh if end >= warm_until and rank != args.flood_rank]
     cpu = [b - a for a, b in zip(cpu0, cpu1)]
     cpu_all = [b - a for a, b in zip(cpu0, cpu2)]  # the run and its drain: every step's work
     steps_done = max(1, len(reader.keys))
     result: dict[str, Any] = {
         "processors": processes, "run_stage": args.run_stage, "topic_prefix": prefix,
         "steps_expected": expected, "steps_read_back": len(reader.keys), "steps_twice": reader.duplicates,
-        "run_steps_expected": steps, "run_steps_read_back": reader.run_records,
+        "run_steps_expected": run_steps, "run_steps_read_back": reader.run_records,
+        "run_figures": check_run_steps(reader.run_steps, args, steps, run_steps, silent),
         "group_stable_s": stable_s, "window_s": window_s, "drained_after_run_end_s": drained_s,
         "steps_per_s": len(reader.keys) / (window_s + max(0.0, drained_s)),
         "ops_per_s": len(reader.keys) * args.ops_per_step / (window_s + max(0.0, drained_s)),
         "freshness_s": distribution(steady), "freshness_s_warmup": distribution(
-            [f for end, f in reader.fresh if end < warm_until]),
+            [f for rank, end, f in reader.fresh if end < warm_until and rank != args.flood_rank]),
+        "freshness_s_flooding_rank": distribution(
+            [f for rank, end, f in reader.fresh if end >= warm_until and rank == args.flood_rank]),
         "processor_cpu_share": [c / window_s for c in cpu],
         "processor_rss_mib_max": [m / 2**20 for m in rss.max_rss],
         "broker_cpu_share": (broker1 - broker0) / window_s,
@@ -384,9 +495,51 @@ def run_config(bootstrap: str, processes: int, args: argparse.Namespace, broker_
         "loadavg_1m": [round(load0, 2), round(load1, 2)], "exit_codes": codes, "processor_warnings": warnings,
     }
     if args.run_stage == "own" and reader.run_records:
-        result["run_stage_cpu_ms_per_run_step"] = cpu_all[-1] / reader.run_records * 1000
+        result["run_stage_cpu_ms_per_run_step"] = (cpu3[-1] - cpu0[-1]) / reader.run_records * 1000
         result["run_stage_cpu_share"] = cpu[-1] / window_s
     return result
+
+
+def check_run_steps(got: dict[int, list[dict]], args: argparse.Namespace, steps: int, run_steps: int,
+                    silent: list[int]) -> dict[str, Any]:
+    """The RunStepMetrics read back against the simulator's truth: per step, the ranks that
+    reported it (all but the silent ones after ``--silent-after-step``), each one's step
+    time, min / median / max and the straggler, computed here from the plans."""
+    from profstream.simulate import expected as truth_of
+
+    cfg, flood_cfg = template_configs({**vars(args), "steps": steps})
+    truth = truth_of(cfg)
+    flood_truth = truth_of(flood_cfg) if flood_cfg is not None else {}
+    silent_set = set(silent)
+    wrong: list[str] = []
+    missing_listed = []
+    for step in range(run_steps):
+        records = got.get(step, [])
+        if len(records) != 1:
+            wrong.append(f"step {step}: {len(records)} records")
+            continue
+        want = {}
+        if step < steps:
+            want = {r: truth[(r % cfg.ranks, step)]["step_time_ns"] for r in range(args.ranks)
+                    if r != args.flood_rank and not (r in silent_set and step > args.silent_after_step)}
+        if args.flood_rank is not None:
+            want[args.flood_rank] = flood_truth[(0, step)]["step_time_ns"]
+        m = records[0]
+        times = sorted(want.values())
+        mid = len(times) // 2
+        median = float(times[mid]) if len(times) % 2 else (times[mid - 1] + times[mid]) / 2
+        longest = max(times)
+        figures = {"ranks_reported": len(want), "min_step_time_ns": times[0], "max_step_time_ns": longest,
+                   "median_step_time_ns": median, "straggler_rank": min(r for r, t in want.items() if t == longest)}
+        seen = {int(r): t for r, t in m["step_times_ns"].items()}
+        if seen != want:
+            wrong.append(f"step {step}: step times of {len(set(seen.items()) ^ set(want.items()))} ranks differ")
+        wrong += [f"step {step}: {k} {m[k]} != {v}" for k, v in figures.items() if m[k] != v]
+        if step < steps and step > args.silent_after_step and silent:
+            missing_listed.append(sorted(set(range(args.ranks)) - seen.keys() - {args.flood_rank}) == silent)
+    return {"steps_checked": run_steps, "equal_to_truth": not wrong, "differences": wrong[:10],
+            "silent_ranks": len(silent), "steps_with_the_silent_ranks_missing": sum(missing_listed),
+            "silent_ranks_missing_exactly": all(missing_listed) if missing_listed else None}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -408,8 +561,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--template-ranks", type=int, default=16, help="ranks built by real Monitors; the rest copy them")
     p.add_argument("--replay-procs", type=int, default=2, help="processes that send the ranks' messages")
     p.add_argument("--keep-topics", action="store_true")
+    p.add_argument("--run-grace-s", type=float, help="the processors' --run-grace-s (default: theirs)")
+    p.add_argument("--drain-s", type=float, default=90.0, help="wait this long after the run for every StepMetrics")
+    p.add_argument("--silent-ranks", type=int, default=0, help="ranks (spread over the run) that fall silent")
+    p.add_argument("--silent-after-step", type=int, default=0, help="the last step the silent ranks send")
+    p.add_argument("--flood-rank", type=int, help="a rank that steps --flood-factor times faster than the others "
+                                                  "(its figures left out of the freshness headline)")
+    p.add_argument("--flood-factor", type=int, default=10)
+    p.add_argument("--footprint", type=int, default=0, metavar="N",
+                   help="instead: open N real Monitors in this process and print what each one holds (threads, "
+                        "fds, broker connections, RSS, idle CPU), with and without the capture-request reader")
     args = p.parse_args(argv)
     bootstrap = broker_bootstrap(args.bootstrap)
+    if args.footprint:
+        emit(envelope("monitor_footprint", args, {"bootstrap": str(bootstrap), "by_control": [
+            monitor_footprint(bootstrap, args.footprint, control) for control in (True, False)]}))
+        return 0
     counts = [int(n) for n in args.processors.split(",")]
     runs: dict[int, list[dict[str, Any]]] = {n: [] for n in counts}
     for r in range(args.repeats):
@@ -437,13 +604,14 @@ def main(argv: list[str] | None = None) -> int:
             "broker_cpu_ms_per_step": summary([x["broker_cpu_ms_per_step"] for x in rs]),
             "loadavg_1m": [x["loadavg_1m"] for x in rs],
             "all_steps_once": all(x["steps_read_back"] == x["steps_expected"] and not x["steps_twice"] for x in rs),
+            "run_figures_equal_truth": all(x["run_figures"]["equal_to_truth"] for x in rs),
         }
         if args.run_stage == "own":
             by_count[str(n)]["run_stage_cpu_ms_per_run_step"] = summary(
                 [x["run_stage_cpu_ms_per_run_step"] for x in rs if "run_stage_cpu_ms_per_run_step" in x])
     best = by_count.get("4", {}).get("freshness_p99_s")
     results = {
-        "bootstrap": bootstrap,
+        "bootstrap": str(bootstrap),
         "metric": "p99 over steady-state steps of (StepMetrics seen by a read_committed reader) - step end_ns, "
                   "per processor count; median over repeats",
         "unit": "s",

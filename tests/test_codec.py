@@ -659,3 +659,28 @@ def test_run_checkpoints_carry_clock_offsets_only_once_there_are_some():
     data = encode_run_checkpoint({**plain, "clocks": clocks})
     assert data[:10] == VERSIONS[("RunCheckpoint", 2)].header
     assert decode("RunCheckpoint", data) == {**plain, "clocks": clocks}
+
+
+
+@pytest.mark.parametrize("ranks, collectives", [(16_384, True), (65_536, False)])
+def test_a_run_step_of_many_ranks_fits_one_kafka_message(ranks, collectives):
+    """A RunStepMetrics lists every rank's step time (and, with collectives, every rank's wait
+    and clock offset): at 16,384 ranks with collectives (waits under a second, offsets under
+    a millisecond) and at 65,536 without, it fits the message size every profstream client
+    and topic uses (docs/deploy.md, "16,384 ranks and more")."""
+    from profstream.kafka.limits import MAX_MESSAGE_BYTES
+    from profstream.processors.ranks import rank_figures
+
+    times = {r: 3_600_000_000_000 + r for r in range(ranks)}  # an hour a step: 7-byte varints
+    record = {"run_id": "r" * 64, "step": 2**40, **rank_figures(times),
+              "step_times_ns": {str(r): t for r, t in times.items()}, "collectives_matched": 0,
+              "collective_ranks": [], "by_collective": [], "late_rank": None, "late_rank_held_ns": 0,
+              "unmatched_collectives": [], "work": None, "clock_offsets": []}
+    if collectives:
+        record.update(collectives_matched=10**4, late_rank=ranks - 1, late_rank_held_ns=999_999_999,
+                      collective_ranks=[{"rank": r, "wait_ns": 999_999_999, "transfer_ns": 999_999_999,
+                                         "slowest_collective": "all_reduce", "slowest_ns": 999_999_999}
+                                        for r in range(ranks)],
+                      clock_offsets=[{"rank": r, "offset_ns": -999_999, "error_ns": 99_999} for r in range(ranks)])
+    size = len(encode_run_step_metrics(record))
+    assert size <= MAX_MESSAGE_BYTES, f"{size} bytes at {ranks} ranks, over {MAX_MESSAGE_BYTES}"

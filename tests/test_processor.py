@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -9,6 +10,7 @@ import sys
 import threading
 from collections import Counter, namedtuple
 
+import numpy as np
 import pytest
 from kafka import KafkaConsumer
 
@@ -348,3 +350,86 @@ def test_a_run_stage_restored_from_its_checkpoint_emits_no_step_twice():
     emitted += restarted.ready(10.0) + restarted.ready(20.0)  # and once every grace is over
     steps = Counter(decode("RunStepMetrics", o.value)["step"] for o in emitted if o.topic == topics.run)
     assert steps == {0: 1, 1: 1}, f"run steps emitted (step: times): {dict(steps)}"
+
+
+def test_a_run_step_whose_reports_still_come_waits_and_silent_ranks_are_left_out_after_the_grace():
+    """16,384 ranks' StepMetrics of one step reach the run stage over many seconds (the step
+    stage closes them one by one): the grace runs from the step's latest report, so the step
+    waits while reports come and is emitted whole; ranks that fell silent are left out a
+    grace after the last report, the others' figures intact."""
+    topics, feed = Topics(prefix="trickle"), Feed()
+    world, grace, silent = 64, 1.0, {7, 30, 31, 63}
+
+    def report(rank: int, step: int, step_ms: int):
+        return feed(topics.steps, "StepMetrics",
+                    {**step_metrics("r", rank, step, 1000 * step, step_ms), "world_size": world})
+
+    stage = RunStage(topics, StageCounts(keep_step_ends=False), grace_s=grace)
+    emitted, now = [], 0.0
+    for rank in range(world):  # step 0: a report every 0.4 s, 25 s in all
+        stage.fold(report(rank, 0, 100 + rank), now)
+        emitted += stage.ready(now)
+        now += 0.4
+    for rank in sorted(set(range(world)) - silent):  # step 1: the silent ranks never report it
+        stage.fold(report(rank, 1, 200 + rank), now)
+        emitted += stage.ready(now)
+        now += 0.4
+    assert [decode("RunStepMetrics", o.value)["step"] for o in emitted if o.topic == topics.run] == [0]
+    emitted += stage.ready(now - 0.4 + grace * 0.9)
+    assert len([o for o in emitted if o.topic == topics.run]) == 1  # still inside the grace of its last report
+    emitted += stage.ready(now - 0.4 + grace)
+    runs = [decode("RunStepMetrics", o.value) for o in emitted if o.topic == topics.run]
+    assert [r["step"] for r in runs] == [0, 1]
+    assert runs[0]["ranks_reported"] == world and runs[0]["max_step_time_ns"] == (100 + world - 1) * 1_000_000
+    reported = {int(r) for r in runs[1]["step_times_ns"]}
+    assert set(range(world)) - reported == silent and runs[1]["ranks_reported"] == world - len(silent)
+    assert runs[1]["min_step_time_ns"] == 200 * 1_000_000 and runs[1]["straggler_rank"] == 62
+
+
+def test_a_rank_running_ten_times_ahead_does_not_end_the_others_run_steps():
+    """A flooding rank (ten steps in the time of the others' one) reports each step long
+    before the rest: the step waits while the ranks behind it keep reporting, and every run
+    step comes out with all the ranks' step times."""
+    topics, feed = Topics(prefix="flood"), Feed()
+    world, grace, flooder, steps = 8, 3.0, 5, 6
+
+    def report(rank: int, step: int):
+        return feed(topics.steps, "StepMetrics",
+                    {**step_metrics("r", rank, step, 1000 * step, 100 + rank), "world_size": world})
+
+    arrivals = sorted([(0.1 * s, flooder, s) for s in range(steps * 10)]
+                      + [(s + 1.0, r, s) for s in range(steps) for r in range(world) if r != flooder])
+    stage = RunStage(topics, StageCounts(keep_step_ends=False), grace_s=grace)
+    emitted = []
+    for now, rank, step in arrivals:
+        stage.fold(report(rank, step), now)
+        emitted += stage.ready(now)
+    emitted += stage.ready(arrivals[-1][0] + grace)
+    runs = {(m := decode("RunStepMetrics", o.value))["step"]: m for o in emitted if o.topic == topics.run}
+    assert [runs[s]["ranks_reported"] for s in range(steps)] == [world] * steps
+    assert all(runs[s]["ranks_reported"] == 1 for s in range(steps, steps * 10))  # the flooder's own steps
+
+
+def test_ranks_that_fall_silent_are_left_out_of_the_run_steps_after_the_grace(kafka_bootstrap, topics):
+    """Through the real broker and processor: 3 of 12 simulated ranks die after step 3 (no end
+    mark); every later run step still comes out, after the grace, with exactly those ranks
+    missing and the others' step times, min / median / max and straggler as planned."""
+    cfg = SimConfig(run_id="silent", ranks=12, steps=8, ops_per_step=20, seed=11)
+    silent, last = [2, 7, 11], 3
+    opts = {"bootstrap": kafka_bootstrap, "topic_prefix": topics.prefix}
+    with RunningProcessor(kafka_bootstrap, topics, run_grace_s=6.0):
+        dying = threading.Thread(target=run_simulation, args=(dataclasses.replace(cfg, steps=last + 1), opts),
+                                 kwargs={"ranks": silent, "ended": False})  # the same plans, to step 3
+        dying.start()
+        run_simulation(cfg, opts, ranks=[r for r in range(12) if r not in silent])
+        dying.join(60)
+        runs = {r["step"]: r for r in _run_steps(kafka_bootstrap, topics, "silent", cfg.steps, timeout=90)}
+    truth = expected(cfg)
+    assert sorted(runs) == list(range(cfg.steps))
+    for step, run in runs.items():
+        want = {r: truth[(r, step)]["step_time_ns"] for r in range(12) if step <= last or r not in silent}
+        assert {int(r): t for r, t in run["step_times_ns"].items()} == want, f"step {step}"
+        assert run["ranks_reported"] == len(want) == (12 if step <= last else 9)
+        assert (run["min_step_time_ns"], run["max_step_time_ns"]) == (min(want.values()), max(want.values()))
+        assert run["median_step_time_ns"] == float(np.median(list(want.values())))
+        assert run["straggler_rank"] == max(want, key=lambda r: (want[r], -r))

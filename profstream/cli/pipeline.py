@@ -127,7 +127,8 @@ def process(
     stages: Annotated[str, typer.Option(help="all, steps (raw -> steps) or run (steps -> run)")] = "all",
     grace_s: Annotated[float, typer.Option(min=0.0, help="wait after a step's end mark when "
                                                          "the producer sends no watermark")] = 2.0,
-    run_grace_s: Annotated[float, typer.Option(min=0.0, help="wait for missing ranks of a step")] = 10.0,
+    run_grace_s: Annotated[float, typer.Option(min=0.0, help="wait for missing ranks of a step, from its "
+                                                             "latest report")] = 10.0,
     idle_timeout_s: Annotated[float, typer.Option(min=1.0, help="close a run after this long silent")] = 60.0,
     hang_after_s: Annotated[float, typer.Option(min=0.5, help="TrainingHang fires when a rank still reporting has "
                                                               "been inside one step this long, on its own clock "

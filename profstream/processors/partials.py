@@ -218,6 +218,15 @@ class RankSet:
         self.count += len(new)
         return new
 
+    def holds(self, r: np.ndarray) -> np.ndarray:
+        """Per rank of ``r``: whether it is in."""
+        inside = (r >= 0) & (r < len(self._seen))
+        held = np.zeros(len(r), bool)
+        held[inside] = self._seen[r[inside]]
+        if self._other:
+            held |= np.isin(r, np.fromiter(self._other, np.int64))
+        return held
+
     def sorted(self) -> np.ndarray:
         """Every rank, sorted."""
         ranks = np.flatnonzero(self._seen)
@@ -252,6 +261,11 @@ class StepReports:
         self._join()
         return self._ranks.sorted()
 
+    def holds(self, r: np.ndarray) -> np.ndarray:
+        """Per rank of ``r``: whether it reported the step."""
+        self._join()
+        return self._ranks.holds(r)
+
     def add(self, rows: StepRows) -> None:
         """One StepPartial's rows."""
         self._join()
@@ -275,6 +289,45 @@ class StepReports:
             rows = rows_of_partial(record)
             self._rows.append(rows)
             self._ranks.add(rows.rank)
+
+
+class LastReports:
+    """Per rank of a run, the highest step it reported and when it last reported (arrays
+    indexed by rank: a report costs its own ranks)."""
+
+    _NONE = np.iinfo(np.int64).min
+
+    def __init__(self) -> None:
+        self._step = np.zeros(0, np.int64)
+        self._time = np.zeros(0, np.float64)  # NaN: never
+        self._other: dict[int, tuple[int, float]] = {}  # ranks outside the arrays' range
+
+    def report(self, ranks: np.ndarray, step: int, now: float) -> None:
+        """``ranks`` reported ``step`` at ``now``."""
+        inside = (ranks >= 0) & (ranks < _RANKS_IN_BITMAP)
+        if not inside.all():
+            for r in ranks[~inside].tolist():
+                self._other[r] = (max(step, self._other.get(r, (step, 0.0))[0]), now)
+            ranks = ranks[inside]
+        if not len(ranks):
+            return
+        top = int(ranks.max()) + 1
+        if top > len(self._step):
+            n = max(top, 2 * len(self._step))
+            self._step = np.concatenate([self._step, np.full(n - len(self._step), self._NONE, np.int64)])
+            self._time = np.concatenate([self._time, np.full(n - len(self._time), np.nan)])
+        self._step[ranks] = np.maximum(self._step[ranks], step)
+        self._time[ranks] = now
+
+    def heard_behind(self, step: int, pending: StepReports, now: float, grace_s: float) -> np.ndarray:
+        """When each rank that has not reported ``step`` (``pending``) and whose highest step
+        is below it last reported, where that is within ``grace_s`` of ``now``."""
+        with np.errstate(invalid="ignore"):
+            behind = np.flatnonzero((self._step < step) & (now - self._time < grace_s))
+        heard = self._time[behind[~pending.holds(behind)]]
+        other = [t for r, (last, t) in self._other.items()
+                 if last < step and now - t < grace_s and not pending.holds(np.array([r], np.int64))[0]]
+        return np.concatenate([heard, np.array(other, np.float64)]) if other else heard
 
 
 class MergedStep(NamedTuple):

@@ -40,6 +40,7 @@ from profstream.processors.hangs import HANG_AFTER_S, HangWatch
 from profstream.processors.health import EVENT_FAMILIES, ProcessorHealth, StageCounts
 from profstream.processors.lag import LagProbe
 from profstream.processors.partials import (
+    LastReports,
     PartialBuilder,
     RankSet,
     StepReports,
@@ -344,6 +345,13 @@ class _RunState:
     ended: dict[int, int | None] = field(default_factory=dict)  # rank -> its last step, from its RankEnd
     first_offset: dict[int, int] = field(default_factory=dict)  # step -> input offset
     first_seen: dict[int, float] = field(default_factory=dict)
+    # step -> when its latest report came: the grace runs from there, so that a step whose
+    # reports are still coming (16,384 ranks' StepMetrics take the step stage seconds) waits
+    latest: dict[int, float] = field(default_factory=dict)
+    # per rank, the highest step it reported and when: a rank behind a step that reported within
+    # the grace is still coming to it (a rank running ahead must not end the others' steps)
+    reports: LastReports = field(default_factory=LastReports)
+    held_until: dict[int, float] = field(default_factory=dict)  # step -> when to look for coming ranks again
     last_seen: float = 0.0
     hangs: HangWatch | None = None  # where its ranks are (RankProgress): in memory only (hangs.py)
     clocks: RunClocks = field(default_factory=RunClocks)  # its ranks' clock offsets (clocks.py), checkpointed
@@ -352,7 +360,8 @@ class _RunState:
 class RunStage:
     """steps -> RunStepMetrics: a step of a run is emitted once all its ranks reported it
     (the producers' world_size, else every rank seen in the run so far), or ``grace_s``
-    after its first report; steps are emitted in order. Each step's calls teach the run's
+    after its latest report once no rank behind it reported within ``grace_s`` (the missing
+    ones fell silent); steps are emitted in order. Each step's calls teach the run's
     rank clock offsets (``clocks.py``) before its collective figures compare the ranks'
     times with them. From the ranks' RankProgress it tells a hang (``hangs.py``):
     TrainingHang alerts after ``hang_after_s`` in one step."""
@@ -454,6 +463,7 @@ class RunStage:
         pending = self._pending(run, m["step"], rec, now)
         if pending is not None:
             pending.add(rows)
+            run.reports.report(rows.rank, m["step"], now)
             if rows.always_on.any():  # collectives recorded without a capture
                 run.always_on.update(rows.rank[rows.always_on].tolist())
 
@@ -475,6 +485,7 @@ class RunStage:
         if not m["op_count"] and (m["collectives"]["count"] or not calls_ok):  # collectives without a capture
             run.always_on.add(m["rank"])
         pending.add_step_metrics(m)
+        run.reports.report(np.array([m["rank"]], np.int64), m["step"], now)
 
     def _pending(self, run: _RunState, step: int, rec, now: float) -> StepReports | None:
         """The reports of ``step`` so far (new ones from ``rec``); None: already emitted (a
@@ -486,6 +497,7 @@ class RunStage:
             pending = run.pending[step] = StepReports()
             run.first_offset[step] = rec.offset
             run.first_seen[step] = now
+        run.latest[step] = now
         return pending
 
     def _rank_ended(self, end: dict) -> None:
@@ -515,11 +527,12 @@ class RunStage:
             for step in sorted(run.pending):
                 pending = run.pending[step]
                 if pending.count < expected - _gone(run.ended, pending, step) and \
-                        now - run.first_seen[step] < self.grace_s:
+                        (now - run.latest[step] < self.grace_s or self._coming(run, step, pending, now)):
                     break
                 everyone = range(run.world_size) if run.world_size else run.rank_set.sorted().tolist()
                 out.append(self._emit(run_id, step, pending.rows, everyone, run.always_on, run.clocks))
-                del run.pending[step], run.first_offset[step], run.first_seen[step]
+                del run.pending[step], run.first_offset[step], run.first_seen[step], run.latest[step]
+                run.held_until.pop(step, None)
                 run.floor = step + 1
                 self._changed.add(run_id)
             if run.hangs is not None:
@@ -533,6 +546,16 @@ class RunStage:
                 self._changed.discard(run_id)
                 out.append(Output(self.state_topic, run_id.encode(), None, run.partition))
         return out
+
+    def _coming(self, run: _RunState, step: int, pending: StepReports, now: float) -> bool:
+        """Whether a rank that has not reported ``step`` is behind it and reported within the
+        grace (still coming); looked up again only when the first of them could go silent."""
+        if now < run.held_until.get(step, 0.0):
+            return True
+        heard = run.reports.heard_behind(step, pending, now, self.grace_s)
+        if len(heard):
+            run.held_until[step] = float(heard.min()) + self.grace_s
+        return bool(len(heard))
 
     def describe(self) -> str:
         """Per run: the steps it waits for, the lowest one's missing ranks (a state dump)."""
