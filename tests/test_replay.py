@@ -21,6 +21,7 @@ from profstream.offline.export import export_parquet
 from profstream.offline.replay import Pacer, StepRange, replay_offline, republish
 from profstream.processors.collectives import readable_calls
 from profstream.schema.batch import EventBatch, decode_batch
+from profstream.schema.codec import record_name
 from profstream.simulate import SimConfig, plan_run, run_simulation
 from profstream.sinks.archive import run_archive
 from tests.helpers import read_full, step_records, topic_size, wait_until
@@ -70,10 +71,13 @@ def recorded(kafka_bootstrap, tmp_path_factory) -> Recorded:
         assert len(steps) == total, seen
         raw_total = topic_size(kafka_bootstrap, topics.raw)
 
-        def archived(topic: str) -> int:
-            return sum(1 for f in finished_files(archive) if f.topic == topic for r, _ in iter_file(f) if r)
+        def archived(topic: str, name: str | None = None) -> int:
+            return sum(1 for f in finished_files(archive) if f.topic == topic for r, _ in iter_file(f)
+                       if r and (name is None or record_name(r["value"]) == name))
 
-        wait_until(lambda: archived(topics.raw) == raw_total and archived(topics.steps) == total + CFG.ranks, 60,
+        # the steps topic also holds the run stage's StepPartials, one or a few per run step
+        wait_until(lambda: archived(topics.raw) == raw_total and archived(topics.steps, "StepMetrics") == total
+                   and archived(topics.steps, "RankEnd") == CFG.ranks, 60,
                    "the archive to hold every raw message, every StepMetrics and each rank's RankEnd")
     finally:
         stop.set()

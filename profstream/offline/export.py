@@ -174,7 +174,7 @@ def export_parquet(archive: Path, out_dir: Path, run: str | None = None, steps: 
                 tally = Tally("export steps", len(steps_files), sum(f.path.stat().st_size for f in steps_files))
                 seen: set[tuple[int, int]] = set()
                 for rec in records(steps_files, lost, tally, progress):
-                    if record_name(rec["value"]) in ("RankEnd", "RankProgress"):  # not a step
+                    if record_name(rec["value"]) in ("RankEnd", "RankProgress", "StepPartial"):  # not a step
                         continue
                     try:
                         m = decode("StepMetrics", rec["value"])

@@ -216,20 +216,34 @@ class RunClocks:
 
     def offsets(self, ranks: Iterable[int] | None = None) -> dict[int, int]:
         """rank -> its clock's offset from the run's clock (ns), for the ranks with one."""
-        want = self._ranks if ranks is None else [r for r in ranks if r in self._row]
-        return {r: int(round(self._offset[self._row[r]])) for r in want if not np.isnan(self._offset[self._row[r]])}
+        r, rows = self._with_offset(ranks)
+        return dict(zip(r.tolist(), np.rint(self._offset[rows]).astype(np.int64).tolist()))
 
     def estimates(self, ranks: Iterable[int] | None = None) -> list[dict]:
         """RunStepMetrics ``clock_offsets``: rank, offset_ns, error_ns, for the ranks with
         an offset (of ``ranks``, else all), by rank."""
-        want = sorted(self._ranks if ranks is None else [r for r in ranks if r in self._row])
-        out = []
-        for r in want:
-            i = self._row[r]
-            if not np.isnan(self._offset[i]):
-                out.append({"rank": r, "offset_ns": int(round(self._offset[i])),
-                            "error_ns": int(np.ceil(self._error[i]))})
-        return out
+        r, rows = self._with_offset(ranks)
+        order = np.argsort(r, kind="stable")
+        r, rows = r[order], rows[order]
+        error = np.ceil(self._error[rows])
+        if not np.isfinite(error).all():
+            raise OverflowError("a clock offset without bounds has no error to write")
+        return [{"rank": x, "offset_ns": o, "error_ns": e} for x, o, e in
+                zip(r.tolist(), np.rint(self._offset[rows]).astype(np.int64).tolist(), error.astype(np.int64).tolist())]
+
+    def _with_offset(self, ranks: Iterable[int] | None) -> tuple[np.ndarray, np.ndarray]:
+        """The ranks of ``ranks`` (else all) that have an offset, each once, and their rows."""
+        if ranks is None:
+            r = np.array(self._ranks, np.int64)
+            rows = np.arange(len(r))
+        else:
+            r = ranks if isinstance(ranks, np.ndarray) else np.fromiter(ranks, np.int64)
+            r = np.unique(r.astype(np.int64, copy=False))
+            r = r[(r >= 0) & (r < len(self._lookup))]
+            rows = self._lookup[r]
+            r, rows = r[rows >= 0], rows[rows >= 0]
+        keep = ~np.isnan(self._offset[rows])
+        return r[keep], rows[keep]
 
     # -- checkpoint -------------------------------------------------------------------
 

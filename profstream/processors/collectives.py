@@ -31,7 +31,7 @@ offset keeps its own clock.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -292,14 +292,18 @@ def _aligned(names: list[str], cols: dict[str, np.ndarray], start: np.ndarray, e
     dur = end - start
     longest = dur.argmax(axis=1)  # the first longest call in (group, seq) order
     rows = np.arange(nr)
-    # held: each rank's wait, per the late rank of the call (the late rank's own wait is 0)
-    held_pairs = np.bincount((late * nr + rows[:, None]).ravel(), wait.ravel(), nr * nr).reshape(nr, nr)
+    # held: the ranks' waits, per the late rank of the call (the late rank's own wait is 0)
+    held = np.bincount(late, wait.sum(axis=0), nr)
+
+    def held_ns(i: int) -> int:  # the longest any one rank waited in total for reporting rank i
+        return int(wait[:, late == i].sum(axis=1).max())
+
     size = nbytes.max(axis=0).astype(np.int64, copy=False)
     unmatched = [] if all_matched else [
         (int(coll[j]), int(group[j]), int(seq[j]), list(reporting), int(group_size[j]))
         for j in np.flatnonzero(~matched).tolist()]  # every reporting rank arrived
     return _figures(names, reporting, wait.sum(axis=1), transfer.sum(axis=1), known.any(axis=1),
-                    (dur[rows, longest], coll[longest]), held_pairs,
+                    (dur[rows, longest], coll[longest]), (held, held_ns),
                     _by_collective(names, coll, group_size, matched, size, np.full(k, nr), transfer.sum(axis=0), timed),
                     k if all_matched else int(matched.sum()), unmatched, ranks)
 
@@ -346,7 +350,12 @@ def _any_calls(calls: Mapping[int, Calls], reporting: list[int], ranks: Sequence
     # held: each other rank's wait, per the late rank of the call it waited in
     late_i = np.searchsorted(ranks_at, late)[seg]
     other = row_ok & (rank_i != late_i)
-    held_pairs = np.bincount(late_i[other] * nr + rank_i[other], wait[other], nr * nr).reshape(nr, nr)
+    held = np.bincount(late_i[other], wait[other], nr)
+
+    def held_ns(i: int) -> int:  # the longest any one rank waited in total for reporting rank i
+        mine = other & (late_i == i)
+        return int(np.bincount(rank_i[mine], wait[mine], nr).max())
+
     # slowest call per rank (longest end - start; among matched and unmatched alike)
     dur = end - start
     by_dur = np.lexsort((-dur, rank_i))  # the first longest in (group, seq) order
@@ -357,7 +366,7 @@ def _any_calls(calls: Mapping[int, Calls], reporting: list[int], ranks: Sequence
     unmatched = [(int(coll[a]), int(group[a]), int(seq[a]), sorted(rank[a:a + n].tolist()), int(col["group_size"][a]))
                  for a, n in zip(first[~matched].tolist(), count[~matched].tolist())]
     return _figures(list(names), reporting, np.bincount(rank_i, wait, nr), np.bincount(rank_i, transfer, nr),
-                    np.bincount(rank_i, known, nr) > 0, (dur[first_of_rank], coll[first_of_rank]), held_pairs,
+                    np.bincount(rank_i, known, nr) > 0, (dur[first_of_rank], coll[first_of_rank]), (held, held_ns),
                     _by_collective(list(names), coll[first], col["group_size"][first], matched, size, count,
                                    np.bincount(seg, transfer, len(first)), timed),
                     int(matched.sum()), unmatched, ranks)
@@ -393,17 +402,21 @@ def _by_collective(name_of: list[str], coll: np.ndarray, group_size: np.ndarray,
 
 
 def _figures(name_of: list[str], reporting: list[int], wait_by: np.ndarray, transfer_by: np.ndarray,
-             timed_by: np.ndarray, slowest: tuple[np.ndarray, np.ndarray], held_pairs: np.ndarray, kinds: list[dict],
-             matched: int, unmatched: list[tuple], ranks: Sequence[int]) -> dict:
+             timed_by: np.ndarray, slowest: tuple[np.ndarray, np.ndarray], held: tuple[np.ndarray, Callable],
+             kinds: list[dict], matched: int, unmatched: list[tuple], ranks: Sequence[int]) -> dict:
     """The RunStepMetrics fields from per-rank arrays (in ``reporting`` order); unmatched:
     (collective, group, seq, arrived ranks, expected) per call; ``ranks``: every rank of
     the run; ``timed_by``: whether the rank knows the end of any of its calls (its transfer
-    and slowest call are None, not measured, where it knows none)."""
+    and slowest call are None, not measured, where it knows none); ``held``: per rank the
+    other ranks' waits for it summed, and a function of a rank's index that says the most
+    one other rank waited for it (no rank x rank matrix: 2 GB at 16,384 ranks)."""
     everyone = sorted(set(ranks) | set(reporting))
     late_rank = None
-    held = held_pairs.sum(axis=1)
-    if held.max() > 0:
-        late_rank = reporting[int(np.argmax(held))]  # lowest rank on ties
+    late_i = None
+    held_by, held_ns = held
+    if held_by.max() > 0:
+        late_i = int(np.argmax(held_by))  # lowest rank on ties
+        late_rank = reporting[late_i]
     slowest_ns, slowest_coll = slowest[0].tolist(), slowest[1].tolist()
     return {
         "collectives_matched": matched,
@@ -415,7 +428,7 @@ def _figures(name_of: list[str], reporting: list[int], wait_by: np.ndarray, tran
                                                              slowest_ns, slowest_coll, timed_by.tolist())],
         "by_collective": kinds,
         "late_rank": late_rank,
-        "late_rank_held_ns": int(held_pairs[reporting.index(late_rank)].max()) if late_rank is not None else 0,
+        "late_rank_held_ns": held_ns(late_i) if late_i is not None else 0,
         "unmatched_collectives": [
             {"collective": name_of[c], "group": name_of[g], "seq": q, "arrived": arrived,
              "missing": _missing(name_of[g], arrived, expected, everyone), "expected": expected}

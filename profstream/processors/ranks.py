@@ -18,7 +18,14 @@ def rank_figures(step_times: Mapping[int, int]) -> dict[str, int | float]:
     if not step_times:
         raise ValueError("rank_figures needs the step time of at least one rank")
     ranks = sorted(step_times)
-    times = np.array([step_times[r] for r in ranks], dtype=np.int64)
+    return rank_figures_of(np.array(ranks, np.int64), np.array([step_times[r] for r in ranks], dtype=np.int64))
+
+
+def rank_figures_of(ranks: np.ndarray, times: np.ndarray) -> dict[str, int | float]:
+    """``rank_figures`` of ``ranks`` (sorted, each once) and their step times, as arrays."""
+    if not len(ranks):
+        raise ValueError("rank_figures needs the step time of at least one rank")
+    times = times.astype(np.int64, copy=False)
     lo, hi = int(times.min()), int(times.max())
     median = float(np.median(times))
     return {
@@ -31,24 +38,23 @@ def rank_figures(step_times: Mapping[int, int]) -> dict[str, int | float]:
     }
 
 
-RankWork = tuple  # (tokens_per_s, samples_per_s, flops_per_s, mfu) of one rank's step, None where absent
-
-
-def run_work_figures(work: Mapping[int, RankWork]) -> dict | None:
-    """RunStepMetrics ``work`` from ``{rank: (tokens_per_s, samples_per_s, flops_per_s, mfu)}``
-    of the ranks whose step had work figures (None when none had): throughputs summed over
-    the ranks that have them, MFU's mean and minimum and the rank with the lowest (the
-    lowest rank on ties). A figure no rank had is None."""
-    if not work:
+def run_work_of(ranks: np.ndarray, values: np.ndarray, present: np.ndarray) -> dict | None:
+    """RunStepMetrics ``work`` of the ranks whose step had work figures, ``ranks`` (sorted,
+    each once; None when none had): ``values`` and ``present`` (not None) are rows x
+    (tokens_per_s, samples_per_s, flops_per_s, mfu). Throughputs summed over the ranks
+    that have them (in rank order, as Python's ``sum``), MFU's mean and minimum and the rank
+    with the lowest (the lowest rank on ties). A figure no rank had is None."""
+    if not len(ranks):
         return None
-    ranks = sorted(work)
 
     def total(i: int) -> float | None:
-        values = [work[r][i] for r in ranks if work[r][i] is not None]
-        return float(sum(values)) if values else None
+        v = values[present[:, i], i]
+        return float(np.cumsum(v)[-1]) if len(v) else None  # cumsum adds one by one: sum()'s bits
 
-    mfus = [(work[r][3], r) for r in ranks if work[r][3] is not None]
-    low = min(mfus) if mfus else None
+    has_mfu = present[:, 3]
+    mfus, mfu_ranks = values[has_mfu, 3], ranks[has_mfu]
+    low = np.lexsort((mfu_ranks, mfus))[0] if len(mfus) else None
     return {"ranks": len(ranks), "tokens_per_s": total(0), "samples_per_s": total(1), "flops_per_s": total(2),
-            "mean_mfu": sum(m for m, _ in mfus) / len(mfus) if mfus else None,
-            "min_mfu": low[0] if low else None, "min_mfu_rank": low[1] if low else None, "mfu_ranks": len(mfus)}
+            "mean_mfu": float(np.cumsum(mfus)[-1]) / len(mfus) if len(mfus) else None,
+            "min_mfu": float(mfus[low]) if low is not None else None,
+            "min_mfu_rank": int(mfu_ranks[low]) if low is not None else None, "mfu_ranks": len(mfus)}

@@ -7,7 +7,9 @@ Two stages, each a consumer group run exactly-once by ``checkpoint.Transactional
   ``RankFigures`` per (run, rank), and turns closed steps into StepMetrics. StepMetrics
   are keyed ``<run>/<rank>`` but partitioned by run, so that
 - ``RunStage`` (steps -> run) sees every rank of a run and computes the cross-rank
-  figures per step, wherever the ranks were processed.
+  figures per step, wherever the ranks were processed. It reads the StepPartials the step
+  stage writes beside the StepMetrics (``partials.py``: per run step, the ranks one
+  transaction closed, as columns), not each rank's StepMetrics.
 
 This module knows Kafka records and nothing of how figures are computed.
 """
@@ -23,6 +25,8 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from profstream.kafka.connection import Connection
 from profstream.kafka.limits import DEAD_LETTER_ROOM_BYTES, MAX_MESSAGE_BYTES
 from profstream.kafka.topics import Topics
@@ -30,12 +34,22 @@ from profstream.processors.assembler import RankAssembler
 from profstream.processors.checkpoint import MAX_OUTAGE_S, Output, TransactionalLoop
 from profstream.processors.clocks import RunClocks
 from profstream.processors.close_schedule import CloseSchedule
-from profstream.processors.collectives import check_calls, join_calls, packed_step_collectives
+from profstream.processors.collectives import packed_step_collectives
 from profstream.processors.figures import FigureOptions, RankFigures
 from profstream.processors.hangs import HANG_AFTER_S, HangWatch
 from profstream.processors.health import EVENT_FAMILIES, ProcessorHealth, StageCounts
 from profstream.processors.lag import LagProbe
-from profstream.processors.ranks import rank_figures, run_work_figures
+from profstream.processors.partials import (
+    LastReports,
+    PartialBuilder,
+    RankSet,
+    StepReports,
+    StepRows,
+    checked_calls,
+    merge,
+    rows_of_partial,
+)
+from profstream.processors.ranks import rank_figures_of, run_work_of
 from profstream.processors.stalls import stall_alert
 from profstream.schema.batch import END_MARK, SECTIONS, decode_batch
 from profstream.schema.codec import (
@@ -102,7 +116,7 @@ class StepStage:
 
     def __init__(self, topics: Topics, steps_partitions: int, counts: StageCounts,
                  grace_s: float = 2.0, idle_timeout_s: float = 60.0,
-                 figure_options: FigureOptions | None = None) -> None:
+                 figure_options: FigureOptions | None = None, partials: bool = True) -> None:
         self.topics = topics
         self.input_topic = topics.raw
         self.state_topic = topics.state
@@ -121,6 +135,9 @@ class StepStage:
         self._changed: set[tuple[str, int]] = set()
         self._orders = itertools.count()
         self.schedule = CloseSchedule(grace_s, idle_timeout_s)
+        # the closed steps' cross-rank fields, per run step, sent at commit (``transaction_outputs``);
+        # None: no run stage reads this stage's output (the offline replay's RunFigures reads StepMetrics)
+        self._partials = PartialBuilder() if partials else None
 
     # -- checkpoint -------------------------------------------------------------------
 
@@ -133,6 +150,10 @@ class StepStage:
         cp = decode("RankCheckpoint", value)
         self._add_rank(ident, _Rank(RankAssembler.restore(cp, self.grace_s, partition, now),
                                     RankFigures.restore(self.figure_options, cp)))
+
+    def transaction_outputs(self) -> list[Output]:
+        """The StepPartials of the steps closed in this transaction (``_partial_outputs``)."""
+        return self._partial_outputs()
 
     def changed_state(self) -> list[Output]:
         out = []
@@ -155,6 +176,8 @@ class StepStage:
             self._forget(ident)
         for ident in [i for i, (part, _) in self._retired.items() if part in parts]:
             del self._retired[ident]
+        if self._partials is not None:
+            self._partials.drop_partitions(parts)
 
     def _add_rank(self, ident: tuple[str, int], rank: _Rank) -> _Rank:
         """Put a new or restored rank in (a restored one in its old place) and schedule it."""
@@ -233,6 +256,7 @@ class StepStage:
 
     def ready(self, now: float) -> list[Output]:
         out: list[Output] = []
+        ends: list[Output] = []
         for ident in self._due(now):
             rank = self.ranks[ident]
             asm = rank.assembler
@@ -251,9 +275,21 @@ class StepStage:
                 out.extend(self._step_outputs(rank, ev, reason))
             if idle or asm.finished:
                 if asm.ended_ns is not None:  # after its last StepMetrics, on the same partition
-                    out.append(self._rank_end(asm))
+                    ends.append(self._rank_end(asm))
                 out.append(Output(self.state_topic, f"{ident[0]}/{ident[1]}".encode(), None, asm.partition))
+        if ends:  # after the partials of their ranks' last steps: the run stage may end the run on them
+            out += self._partial_outputs() + ends
         return out
+
+    def _partial_outputs(self) -> list[Output]:
+        """The StepPartials of the steps closed since the last call, in their runs' partitions
+        of the steps topic: one per run step and input partition a transaction (not per
+        ``ready``, which may close one rank at a time)."""
+        if self._partials is None or not len(self._partials):
+            return []
+        steps = self.topics.steps
+        return [Output(steps, p["run_id"].encode(), encode("StepPartial", p),
+                       run_partition(p["run_id"], self.steps_partitions)) for p in self._partials.records()]
 
     def _rank_end(self, asm: RankAssembler) -> Output:
         record = {"run_id": asm.run_id, "rank": asm.rank, "world_size": asm.world_size, "host": asm.host,
@@ -273,6 +309,8 @@ class StepStage:
         key = f"{ev.run_id}/{ev.rank}".encode()
         part = run_partition(ev.run_id, self.steps_partitions)
         out = [Output(self.topics.steps, key, encode_step_metrics(record), part)]
+        if self._partials is not None:
+            self._partials.add(record, rank.assembler.partition)
         self.counts.step_closed(record)
         if transition is not None:
             self.counts.alerts += 1
@@ -297,23 +335,22 @@ class StepStage:
 class _RunState:
     partition: int
     ranks: set[int] = field(default_factory=set)
+    rank_set: RankSet = field(default_factory=RankSet)  # ``ranks``, for arrays of them
     world_size: int | None = None  # from the producers, when they know it
     floor: int | None = None  # every step below has been emitted
-    pending: dict[int, dict[int, int]] = field(default_factory=dict)  # step -> rank -> step_time_ns
-    calls: dict[int, dict[int, dict]] = field(default_factory=dict)  # step -> rank -> its collective calls (packed)
-    unmeasured: dict[int, set[int]] = field(default_factory=dict)  # step -> ranks that reported it without ops
+    pending: dict[int, StepReports] = field(default_factory=dict)  # step -> its reports
     # ranks that sent collectives in a step without ops: they record every call, captured or not
     always_on: set[int] = field(default_factory=set)
-    work: dict[int, dict[int, tuple]] = field(default_factory=dict)  # step -> rank -> its throughput and MFU
+    partials: bool = False  # StepPartials come for the run: its StepMetrics are not read
     ended: dict[int, int | None] = field(default_factory=dict)  # rank -> its last step, from its RankEnd
     first_offset: dict[int, int] = field(default_factory=dict)  # step -> input offset
     first_seen: dict[int, float] = field(default_factory=dict)
     # step -> when its latest report came: the grace runs from there, so that a step whose
     # reports are still coming (16,384 ranks' StepMetrics take the step stage seconds) waits
     latest: dict[int, float] = field(default_factory=dict)
-    # rank -> (the highest step it reported, when): a rank behind a step that reported within
+    # per rank, the highest step it reported and when: a rank behind a step that reported within
     # the grace is still coming to it (a rank running ahead must not end the others' steps)
-    reports: dict[int, tuple[int, float]] = field(default_factory=dict)
+    reports: LastReports = field(default_factory=LastReports)
     held_until: dict[int, float] = field(default_factory=dict)  # step -> when to look for coming ranks again
     last_seen: float = 0.0
     hangs: HangWatch | None = None  # where its ranks are (RankProgress): in memory only (hangs.py)
@@ -351,8 +388,12 @@ class RunStage:
             self.runs.pop(run_id, None)
             return
         cp = decode("RunCheckpoint", value)
-        self.runs[run_id] = _RunState(partition, set(cp["ranks"]), floor=cp["floor"], last_seen=now,
-                                      clocks=RunClocks.restore(cp["clocks"]))
+        run = self.runs[run_id] = _RunState(partition, set(cp["ranks"]), floor=cp["floor"], last_seen=now,
+                                            clocks=RunClocks.restore(cp["clocks"]))
+        run.rank_set.add(np.array(cp["ranks"], np.int64))
+
+    def transaction_outputs(self) -> list[Output]:
+        return []
 
     def changed_state(self) -> list[Output]:
         out = []
@@ -384,45 +425,80 @@ class RunStage:
             if name == "RankProgress":
                 self._rank_progress(m, rec.partition, now)
                 return []
-            if name != "StepMetrics":
-                raise DecodeError("wrong_type", f"expected StepMetrics, RankEnd or RankProgress, got {name}")
+            if name == "StepPartial":
+                rows = rows_of_partial(m)
+            elif name == "StepMetrics":
+                run = self.runs.get(m["run_id"])
+                if run is not None and run.partials:
+                    return []  # the run's StepPartials bring what the run stage reads of it
+                rows = None
+            else:
+                raise DecodeError("wrong_type",
+                                  f"expected StepPartial, StepMetrics, RankEnd or RankProgress, got {name}")
         except DecodeError as e:
             self.counts.decode_errors[e.reason] += 1
+            return []
+        except ValueError:  # a StepPartial whose columns do not fit together: no step stage of ours wrote it
+            self.counts.decode_errors["malformed"] += 1
             return []
         run = self.runs.get(m["run_id"])
         if run is None:
             run = self.runs[m["run_id"]] = _RunState(rec.partition)
         run.last_seen = now
+        if rows is None:
+            self._fold_step_metrics(run, m, rec, now)
+        else:
+            run.partials = True
+            self._fold_partial(run, m, rows, rec, now)
+        return []
+
+    def _fold_partial(self, run: _RunState, m: dict, rows: StepRows, rec, now: float) -> None:
+        known = rows.world_size[rows.world_size >= 0]
+        if len(known):
+            run.world_size = int(known[-1])
+        new = run.rank_set.add(rows.rank)
+        if len(new):
+            run.ranks.update(new.tolist())
+            self._changed.add(m["run_id"])
+        pending = self._pending(run, m["step"], rec, now)
+        if pending is not None:
+            pending.add(rows)
+            run.reports.report(rows.rank, m["step"], now)
+            if rows.always_on.any():  # collectives recorded without a capture
+                run.always_on.update(rows.rank[rows.always_on].tolist())
+
+    def _fold_step_metrics(self, run: _RunState, m: dict, rec, now: float) -> None:
+        """One rank's StepMetrics, where the run has no StepPartials (an older step stage, a
+        replay of StepMetrics): its fields join the step's reports as a partial would."""
         if m["world_size"] is not None:
             run.world_size = m["world_size"]
         if m["rank"] not in run.ranks:
             run.ranks.add(m["rank"])
+            run.rank_set.add(np.array([m["rank"]], np.int64))
             self._changed.add(m["run_id"])
-        step = m["step"]
+        pending = self._pending(run, m["step"], rec, now)
+        if pending is None:
+            return
+        m, calls_ok = checked_calls(m)
+        if not calls_ok:  # a StepMetrics of another writer: its step counts, its calls do not
+            self.counts.decode_errors["malformed"] += 1
+        if not m["op_count"] and (m["collectives"]["count"] or not calls_ok):  # collectives without a capture
+            run.always_on.add(m["rank"])
+        pending.add_step_metrics(m)
+        run.reports.report(np.array([m["rank"]], np.int64), m["step"], now)
+
+    def _pending(self, run: _RunState, step: int, rec, now: float) -> StepReports | None:
+        """The reports of ``step`` so far (new ones from ``rec``); None: already emitted (a
+        re-read after restart, or a rank far behind)."""
         if run.floor is not None and step < run.floor:
-            return []  # already emitted (a re-read after restart, or a rank far behind)
-        if step not in run.pending:
-            run.pending[step] = {}
+            return None
+        pending = run.pending.get(step)
+        if pending is None:
+            pending = run.pending[step] = StepReports()
             run.first_offset[step] = rec.offset
             run.first_seen[step] = now
-        run.pending[step][m["rank"]] = m["step_time_ns"]
         run.latest[step] = now
-        run.reports[m["rank"]] = (max(step, run.reports.get(m["rank"], (step, 0.0))[0]), now)
-        work = m["work"]
-        if work is not None:
-            run.work.setdefault(step, {})[m["rank"]] = (work["tokens_per_s"], work["samples_per_s"],
-                                                         work["flops_per_s"], work["mfu"])
-        if not m["op_count"] and m["collectives"]["count"]:  # collectives recorded without a capture
-            run.always_on.add(m["rank"])
-        if not m["op_count"]:  # its ops (collectives too, unless always on) were not captured on that rank
-            run.unmeasured.setdefault(step, set()).add(m["rank"])
-        if m["collectives"]["count"]:
-            try:
-                check_calls(m["collectives"])
-                run.calls.setdefault(step, {})[m["rank"]] = m["collectives"]
-            except ValueError:  # a StepMetrics of another writer: its step counts, its calls do not
-                self.counts.decode_errors["malformed"] += 1
-        return []
+        return pending
 
     def _rank_ended(self, end: dict) -> None:
         run = self.runs.get(end["run_id"])
@@ -449,15 +525,12 @@ class RunStage:
         for run_id, run in list(self.runs.items()):
             expected = run.world_size or len(run.ranks)
             for step in sorted(run.pending):
-                reported = run.pending[step]
-                gone = sum(1 for r, last in run.ended.items() if r not in reported and (last is None or last < step))
-                if len(reported) < expected - gone and (now - run.latest[step] < self.grace_s
-                                                        or self._coming(run, step, reported, now)):
+                pending = run.pending[step]
+                if pending.count < expected - _gone(run.ended, pending, step) and \
+                        (now - run.latest[step] < self.grace_s or self._coming(run, step, pending, now)):
                     break
-                everyone = range(run.world_size) if run.world_size else sorted(run.ranks)
-                out.append(self._emit(run_id, step, reported, run.calls.pop(step, {}), everyone,
-                                      run.unmeasured.pop(step, set()) - run.always_on, run.work.pop(step, {}),
-                                      run.clocks))
+                everyone = range(run.world_size) if run.world_size else run.rank_set.sorted().tolist()
+                out.append(self._emit(run_id, step, pending.rows, everyone, run.always_on, run.clocks))
                 del run.pending[step], run.first_offset[step], run.first_seen[step], run.latest[step]
                 run.held_until.pop(step, None)
                 run.floor = step + 1
@@ -474,16 +547,15 @@ class RunStage:
                 out.append(Output(self.state_topic, run_id.encode(), None, run.partition))
         return out
 
-    def _coming(self, run: _RunState, step: int, reported: dict[int, int], now: float) -> bool:
+    def _coming(self, run: _RunState, step: int, pending: StepReports, now: float) -> bool:
         """Whether a rank that has not reported ``step`` is behind it and reported within the
         grace (still coming); looked up again only when the first of them could go silent."""
         if now < run.held_until.get(step, 0.0):
             return True
-        heard = [t for r, (last, t) in run.reports.items() if last < step and now - t < self.grace_s
-                 and r not in reported]
-        if heard:
-            run.held_until[step] = min(heard) + self.grace_s
-        return bool(heard)
+        heard = run.reports.heard_behind(step, pending, now, self.grace_s)
+        if len(heard):
+            run.held_until[step] = float(heard.min()) + self.grace_s
+        return bool(len(heard))
 
     def describe(self) -> str:
         """Per run: the steps it waits for, the lowest one's missing ranks (a state dump)."""
@@ -494,23 +566,34 @@ class RunStage:
                 parts.append(f"{run_id} floor {run.floor}, nothing pending")
                 continue
             everyone = set(range(run.world_size)) if run.world_size else run.ranks
-            missing = sorted(everyone - run.pending[low].keys())
+            missing = sorted(everyone - set(run.pending[low].reported.tolist()))
             parts.append(f"{run_id} floor {run.floor}, {len(run.pending)} steps pending from {low} (missing ranks "
                          f"{missing[:16]}, first seen {time.monotonic() - run.first_seen[low]:.0f} s ago)")
         return "; ".join(parts) or "no runs"
 
-    def _emit(self, run_id: str, step: int, step_times: dict[int, int], calls: dict[int, dict],
-              everyone: Iterable[int], unmeasured: set[int], work: dict[int, tuple], clocks: RunClocks) -> Output:
-        figures = rank_figures(step_times)
-        joined = join_calls(calls)  # read once for the clocks and the figures
+    def _emit(self, run_id: str, step: int, reports: list[StepRows], everyone: Iterable[int], always_on: set[int],
+              clocks: RunClocks) -> Output:
+        merged = merge(reports)  # every rank's last report, by rank
+        calls = merged.calls
+        joined = calls.joined()  # read once for the clocks and the figures
         if calls:  # the step's calls teach the offsets first, and are then compared on the run's clock
             clocks.learn_packed(calls, joined)
-        record = {"run_id": run_id, "step": step, **figures,
-                  "step_times_ns": {str(r): t for r, t in sorted(step_times.items())},
-                  **packed_step_collectives(calls, list(everyone), unmeasured, clocks.offsets(calls), joined),
-                  "work": run_work_figures(work), "clock_offsets": clocks.estimates(calls)}
+        record = {"run_id": run_id, "step": step, **rank_figures_of(merged.ranks, merged.step_time_ns),
+                  "step_times_ns": dict(zip(map(str, merged.ranks.tolist()), merged.step_time_ns.tolist())),
+                  **packed_step_collectives(calls, list(everyone), merged.unmeasured - always_on,
+                                            clocks.offsets(calls.ranks), joined),
+                  "work": run_work_of(merged.work_ranks, merged.work, merged.work_present),
+                  "clock_offsets": clocks.estimates(calls.ranks)}
         self.counts.run_steps += 1
         return Output(self.topics.run, run_id.encode(), encode_run_step_metrics(record), None)
+
+
+def _gone(ended: dict[int, int | None], pending: StepReports, step: int) -> int:
+    """How many ranks that did not report ``step`` ended before it (or without a step)."""
+    if not ended:
+        return 0
+    before = [r for r, last in ended.items() if last is None or last < step]
+    return int((~np.isin(np.array(before, np.int64), pending.reported)).sum()) if before else 0
 
 
 _PROCESSOR_ACLS = "`profstream acl show --role processor` lists a processor's ACLs"

@@ -101,7 +101,7 @@ class StepFigures:
         if entry is None:
             o = self.options
             entry = self._stages[p] = [StepStage(self._topics, 1, self._counts, o.grace_s, o.idle_timeout_s,
-                                                 o.figures), now]
+                                                 o.figures, partials=False), now]  # RunFigures reads StepMetrics
         stage = entry[0]
         out = []
         if now > entry[1]:  # steps whose grace ran out before this message came

@@ -275,6 +275,8 @@ _VERSIONS: list[SchemaVersion] = [
     _version(_load("run_step_metrics.v4.avsc"), 4),  # + clock_offsets: the ranks' clocks against the run's
     _version(_load("run_checkpoint.v2.avsc"), 2),  # + clocks (v1 for a run without offsets)
     _version(_load("rank_progress.v2.avsc"), 2),  # + collective: the call the rank sits in
+    # on the steps topic: a step stage's ranks of one run step as columns, for the run stage
+    _version(_load("step_partial.avsc"), 1),
 ]
 
 SCHEMAS: dict[int, SchemaVersion] = {v.fingerprint: v for v in _VERSIONS}
@@ -394,6 +396,8 @@ def encode_run_checkpoint(record: dict) -> bytes:
 
 
 RANK_PROGRESS_HEADERS = frozenset(v.header for v in _VERSIONS if v.name == "RankProgress")
+# the run stage's input on the steps topic, which the steps topic's other readers skip
+STEP_PARTIAL_HEADERS = frozenset(v.header for v in _VERSIONS if v.name == "StepPartial")
 
 
 def is_rank_progress(data: bytes | None) -> bool:

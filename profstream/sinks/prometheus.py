@@ -33,7 +33,13 @@ from profstream.metrics_server import serve_metrics
 from profstream.processors.hangs import hang_state
 from profstream.processors.health import FRESHNESS_BUCKETS
 from profstream.processors.stalls import stall_state
-from profstream.schema.codec import DecodeError, decode, decode_any
+from profstream.schema.codec import (
+    HEADER_LEN,
+    STEP_PARTIAL_HEADERS,
+    DecodeError,
+    decode,
+    decode_any,
+)
 from profstream.sinks.collective_metrics import RunCollectives, collective_lines, run_collectives
 from profstream.sinks.device_metrics import MAX_DEVICES, device_lines, fold_devices
 from profstream.sinks.host_metrics import fold_resources, host_lines
@@ -186,6 +192,8 @@ class ExporterState:
         with self._lock:
             for rec in records:
                 kind = self._kinds.get(rec.topic, "steps")
+                if kind == "steps" and rec.value is not None and bytes(rec.value[:HEADER_LEN]) in STEP_PARTIAL_HEADERS:
+                    continue  # the run stage's input (its figures come as RunStepMetrics): not this sink's
                 self.records[kind] += 1
                 ts = rec.timestamp / 1000 if rec.timestamp is not None and rec.timestamp >= 0 else now
                 if now - ts > self.ttl_s:

@@ -1,0 +1,159 @@
+"""The run stage reads StepPartials (processors/partials.py): the same RunStepMetrics, byte
+for byte, as from every rank's StepMetrics; the step stage sends one partial per run step
+and input partition a transaction, before the RankEnds. No Kafka (tests/test_processor.py
+runs both stages through the broker)."""
+
+from __future__ import annotations
+
+from collections import namedtuple
+
+import numpy as np
+
+from profstream.kafka.topics import Topics
+from profstream.processors.collectives import CollectiveCall, calls_of, pack_calls
+from profstream.processors.health import StageCounts
+from profstream.processors.partials import PartialBuilder
+from profstream.processors.runtime import RunStage, StepStage
+from profstream.schema.codec import (
+    NO_COLLECTIVE_CALLS,
+    decode,
+    encode,
+    encode_step_metrics,
+    record_name,
+)
+from tests.test_step_stage import Streams
+
+Rec = namedtuple("Rec", "topic partition offset key value")
+MS = 1_000_000
+RANKS = 8
+
+
+def _metrics(rank: int, step: int, calls: list[CollectiveCall], op_count: int = 50, step_ms: float = 100.0,
+             work: dict | None = None) -> dict:
+    t0 = 10**15 + step * 200 * MS
+    step_ns = int(step_ms * MS)
+    return {"run_id": "r", "rank": rank, "world_size": RANKS, "host": f"h{rank}", "device": "cpu", "step": step,
+            "start_ns": t0, "end_ns": t0 + step_ns, "step_time_ns": step_ns, "data_wait_ns": 0, "fp_bp_ns": step_ns,
+            "tail_ns": 0, "compute_ns": 0, "comm_ns": 0, "overlap_ns": 0, "pure_comm_ns": 0, "idle_ns": 0,
+            "utilization": 0.0, "overlap_ratio": 0.0, "op_count": op_count, "op_types": [], "memory": None,
+            "queues": [], "starved": False, "rolling": None, "closed_by": "watermark", "late_events": 0,
+            "closed_ns": 0, "collectives": pack_calls(calls_of(calls)) if calls else NO_COLLECTIVE_CALLS,
+            "work": work}
+
+
+def _work(rank: int, mfu: float | None) -> dict:
+    return {"tokens": 4096, "samples": 4, "flops": 1e15, "flops_source": "counted", "peak_flops": 1e15,
+            "tokens_per_s": 4096 / (0.1 + rank / 1000), "samples_per_s": None if rank % 3 == 0 else 40.0 + rank / 7,
+            "flops_per_s": 1e16 / (3 + rank), "mfu": mfu, "op_categories": []}
+
+
+def _reports() -> list[dict]:
+    """Three run steps of 8 ranks with what the cross-rank figures tell apart: a straggler,
+    stragglers' waits in all_reduce on the run's clock (rank clocks 0 / +3 ms off), work
+    with figures absent, a step where a subgroup's call is unmatched, a rank without ops
+    (not measured), a rank whose collectives are always on, a rank missing after the
+    grace, and a rank that reports a step twice (its last report counts)."""
+    rng = np.random.default_rng(7)
+    out = []
+    for step in range(3):
+        t0 = 10**15 + step * 200 * MS
+        arrive = t0 + rng.integers(0, 4 * MS, (RANKS, 4)) + np.arange(4)[None, :] * 10 * MS
+        end = arrive.max(axis=0)[None, :] + MS + rng.integers(0, 30_000, (RANKS, 4))
+        for rank in range(RANKS):
+            if step == 2 and rank == 6:
+                continue  # missing: the step is emitted after the grace without it
+            shift = 3 * MS * (rank % 2)
+            calls = [CollectiveCall("all_reduce", "0", RANKS, step * 4 + j, 1 << 20, int(arrive[rank, j]) + shift,
+                                    int(end[rank, j]) + shift) for j in range(4)]
+            if step == 1 and rank < 3:  # a call of group tp (ranks 0-3) that rank 3 never made
+                calls.append(CollectiveCall("all_gather", "tp@0-3", 4, 0, 4096, int(end[rank, 3]) + shift,
+                                            int(end[rank, 3]) + shift + MS))
+            op_count = 0 if (step == 1 and rank == 2) or rank == 5 else 50
+            if step == 1 and rank == 2:
+                calls = []  # its ops, collectives included, were not captured
+            work = _work(rank, None if rank == 4 else 0.3 + rank / 100) if rank != 7 else None
+            out.append(_metrics(rank, step, calls, op_count, 100 + 7 * rank + step, work))
+    out.insert(5, {**out[1], "step_time_ns": out[1]["step_time_ns"] + 5 * MS})  # rank 1 twice in step 0
+    return out
+
+
+def _run(records: list[bytes]) -> list[bytes]:
+    """RunStepMetrics of a run stage that reads ``records`` in order, then waits out the grace."""
+    topics = Topics(prefix="rs")
+    stage = RunStage(topics, StageCounts(keep_step_ends=False), grace_s=5.0)
+    out = []
+    for i, value in enumerate(records):
+        stage.fold(Rec(topics.steps, 0, i, b"r", value), 0.0)
+        out += stage.ready(0.0)
+    out += stage.ready(10.0)
+    assert stage.counts.decode_errors == {}
+    return [o.value for o in out if o.topic == topics.run]
+
+
+def _partials(reports: list[dict], partitions: int) -> list[bytes]:
+    """The StepPartials one transaction of a step stage sends for ``reports`` (rank r read
+    from input partition r % partitions)."""
+    builder = PartialBuilder()
+    for m in reports:
+        builder.add(m, m["rank"] % partitions)
+    return [encode("StepPartial", p) for p in builder.records()]
+
+
+def test_run_steps_from_partials_equal_those_from_every_ranks_step_metrics_byte_for_byte():
+    reports = _reports()
+    expected = _run([encode_step_metrics(m) for m in reports])
+    figures = [decode("RunStepMetrics", v) for v in expected]
+    assert [(f["step"], f["ranks_reported"]) for f in figures] == [(0, 8), (1, 8), (2, 7)]
+    assert figures[1]["unmatched_collectives"][0]["missing"] == [3]  # rank 3's call is missing, not rank 2's
+    assert figures[0]["step_times_ns"]["1"] == reports[5]["step_time_ns"]  # the later report of rank 1
+    assert figures[0]["clock_offsets"] and figures[0]["late_rank"] is not None
+    assert figures[0]["work"]["mfu_ranks"] == 6 and figures[0]["work"]["ranks"] == 7
+
+    by_step = [[m for m in reports if m["step"] == s] for s in range(3)]
+    for partitions in (1, 3):  # one partial per run step, or one per input partition
+        assert _run([v for step in by_step for v in _partials(step, partitions)]) == expected
+    # as the live processor writes them: a transaction's StepMetrics, then its partials
+    # (the run's first StepMetrics are read; once partials come, its StepMetrics are not)
+    live = []
+    for step in by_step:
+        half = len(step) // 2
+        for part in (step[:half], step[half:]):
+            live += [encode_step_metrics(m) for m in part] + _partials(part, 2)
+    assert _run(live) == expected
+
+
+def test_a_partial_whose_columns_do_not_fit_is_refused_and_counted_and_the_rest_still_counts():
+    reports = [m for m in _reports() if m["step"] == 0]
+    good = _partials(reports[:4], 1)[0]
+    record = decode("StepPartial", good)
+    bad = encode("StepPartial", {**record, "step_time_ns": record["step_time_ns"][:-8]})
+    topics = Topics(prefix="bad")
+    stage = RunStage(topics, StageCounts(keep_step_ends=False), grace_s=5.0)
+    for i, value in enumerate([bad, good, *_partials(reports[4:], 1)]):
+        stage.fold(Rec(topics.steps, 0, i, b"r", value), 0.0)
+    out = [decode("RunStepMetrics", o.value) for o in stage.ready(0.0) if o.topic == topics.run]
+    assert stage.counts.decode_errors == {"malformed": 1}
+    assert [(m["step"], m["ranks_reported"]) for m in out] == [(0, 8)]
+
+
+def test_the_step_stage_sends_one_partial_per_run_step_a_transaction_and_before_a_rank_end():
+    topics = Topics(prefix="tx")
+    stage = StepStage(topics, 3, StageCounts(keep_step_ends=False), grace_s=2.0, idle_timeout_s=60.0)
+    feed = Streams(topics)
+    ready = []
+    for step in range(2):
+        for rank in range(4):  # each rank's step closes in a ready() of its own
+            stage.fold(feed(rank, ops_steps=[step], marks=[step], watermark=step), 1.0)
+            ready += stage.ready(1.0)
+    names = [record_name(o.value) for o in ready if o.topic == topics.steps]
+    assert names == ["StepMetrics"] * 8, "partials wait for the transaction's end"
+    partials = [decode("StepPartial", o.value) for o in stage.transaction_outputs()]
+    # Streams reads rank r from raw partition r % 2: one partial per run step and partition
+    got = sorted((p["step"], np.frombuffer(p["ranks"], "<i4").tolist()) for p in partials)
+    assert got == [(0, [0, 2]), (0, [1, 3]), (1, [0, 2]), (1, [1, 3])]
+    assert stage.transaction_outputs() == []
+
+    stage.fold(feed(0, ops_steps=[2], marks=[2], watermark=2), 2.0)
+    stage.fold(feed(0, marks=[-1], watermark=2), 2.0)  # rank 0 ends after step 2 (an end mark)
+    out = [record_name(o.value) for o in stage.ready(2.0) if o.topic == topics.steps]
+    assert out == ["StepMetrics", "StepPartial", "RankEnd"], "the run stage may end the run on the RankEnd"
