@@ -11,7 +11,7 @@ import numpy as np
 
 from profstream.kafka.topics import Topics
 from profstream.processors.collectives import CollectiveCall, calls_of, pack_calls
-from profstream.processors.health import StageCounts
+from profstream.processors.health import ProcessorHealth, StageCounts
 from profstream.processors.partials import PartialBuilder
 from profstream.processors.runtime import RunStage, StepStage
 from profstream.schema.codec import (
@@ -157,3 +157,35 @@ def test_the_step_stage_sends_one_partial_per_run_step_a_transaction_and_before_
     stage.fold(feed(0, marks=[-1], watermark=2), 2.0)  # rank 0 ends after step 2 (an end mark)
     out = [record_name(o.value) for o in stage.ready(2.0) if o.topic == topics.steps]
     assert out == ["StepMetrics", "StepPartial", "RankEnd"], "the run stage may end the run on the RankEnd"
+
+
+def test_a_run_step_too_large_for_a_message_goes_to_the_dead_letter_topic_and_the_next_ones_still_come(
+        monkeypatch, caplog):
+    """A RunStepMetrics over the message limit (tens of thousands of ranks with their calls)
+    would fail its transaction again and again; it is dead-lettered, said once, and counted."""
+    import profstream.processors.runtime as runtime
+
+    reports = _reports()
+    sizes = [len(v) for v in _run([encode_step_metrics(m) for m in reports])]
+    # a limit between the run steps' sizes: the larger ones are too large, the others pass
+    limit = sorted(sizes)[1]
+    monkeypatch.setattr(runtime, "MAX_MESSAGE_BYTES", limit + runtime.DEAD_LETTER_ROOM_BYTES - 1)
+    topics = Topics(prefix="big")
+    stage = RunStage(topics, StageCounts(keep_step_ends=False), grace_s=5.0)
+    for i, m in enumerate(reports):
+        stage.fold(Rec(topics.steps, 0, i, b"r", encode_step_metrics(m)), 0.0)
+    with caplog.at_level("ERROR", logger="profstream.processor"):
+        out = stage.ready(0.0) + stage.ready(10.0)
+    too_large = [s for s in sizes if s >= limit]
+    dead = [o for o in out if o.topic == topics.dlq]
+    assert len(dead) == len(too_large) >= 2
+    assert all(dict(o.headers)["reason"] == b"too_large" for o in dead)
+    assert sorted(int(dict(o.headers)["truncated_from"]) for o in dead) == sorted(too_large)
+    assert [o.value for o in out if o.topic == topics.run] and stage.counts.run_steps == 3
+    assert stage.counts.decode_errors == {"too_large": len(too_large)}
+    said = [r for r in caplog.records if "too_large" in r.getMessage()]
+    assert len(said) == 1 and "over the" in said[0].getMessage()
+    health = ProcessorHealth()
+    health.commit(stage.counts)  # what the processor's /metrics says once the transaction commits
+    errors = next(f for f in health.collect() if f.name == "profstream_decode_errors")
+    assert {s.labels["reason"]: s.value for s in errors.samples if s.name.endswith("_total")}["too_large"] == len(too_large)

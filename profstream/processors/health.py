@@ -161,9 +161,9 @@ class ProcessorHealth(_Counters):
         for family in EVENT_FAMILIES:
             events.add_metric([family], self.events[family])
         yield events
-        errors = CounterMetricFamily(p + "decode_errors", "raw messages sent to the dead-letter topic, by reason",
-                                     labels=["reason"])
-        for reason in DecodeError.REASONS:
+        errors = CounterMetricFamily(p + "decode_errors", "messages sent to the dead-letter topic (raw messages, "
+                                     "and run steps too large to send), by reason", labels=["reason"])
+        for reason in (*DecodeError.REASONS, "too_large"):
             errors.add_metric([reason], self.decode_errors[reason])
         yield errors
         for name, doc, value in (

@@ -74,13 +74,17 @@ log = logging.getLogger("profstream.processor")
 
 
 def dead_letter(topic: str, rec, error: DecodeError) -> Output:
-    """The dead-letter copy of an input message, with its reason, detail and origin. A
-    message too large to forward whole (a foreign producer's, on a topic that takes more
-    than profstream's clients send) is forwarded truncated, with its original size."""
-    headers = [("reason", error.reason.encode()), ("detail", str(error)[:500].encode()),
-               ("origin", f"{rec.topic}/{rec.partition}/{rec.offset}".encode())]
-    value = rec.value if isinstance(rec.value, bytes) else b""
-    key = rec.key
+    """The dead-letter copy of an input message, with its reason, detail and origin."""
+    return dead_letter_of(topic, rec.key, rec.value if isinstance(rec.value, bytes) else b"", error.reason,
+                          str(error), f"{rec.topic}/{rec.partition}/{rec.offset}")
+
+
+def dead_letter_of(topic: str, key: bytes | None, value: bytes, reason: str, detail: str, origin: str) -> Output:
+    """A dead letter with its ``reason``, ``detail`` and ``origin`` headers. A message too
+    large to forward whole (a foreign producer's, on a topic that takes more than
+    profstream's clients send, or a record of ours over the limit) is forwarded truncated,
+    with its original size."""
+    headers = [("reason", reason.encode()), ("detail", detail[:500].encode()), ("origin", origin.encode())]
     if key is not None and len(key) > DEAD_LETTER_ROOM_BYTES // 2:  # the key and headers fit in the room
         headers.append(("key_truncated_from", str(len(key)).encode()))
         key = key[:DEAD_LETTER_ROOM_BYTES // 2]
@@ -381,6 +385,7 @@ class RunStage:
         self.hang_after_s = hang_after_s
         self.runs: dict[str, _RunState] = {}
         self._changed: set[str] = set()
+        self._too_large_said: set[str] = set()  # runs whose run steps were said too large (bounded)
 
     def restore(self, partition: int, key: bytes, value: bytes | None, now: float) -> None:
         run_id = key.decode()
@@ -585,7 +590,28 @@ class RunStage:
                   "work": run_work_of(merged.work_ranks, merged.work, merged.work_present),
                   "clock_offsets": clocks.estimates(calls.ranks)}
         self.counts.run_steps += 1
-        return Output(self.topics.run, run_id.encode(), encode_run_step_metrics(record), None)
+        value = encode_run_step_metrics(record)
+        if len(value) > MAX_MESSAGE_BYTES - DEAD_LETTER_ROOM_BYTES:
+            return self._too_large(run_id, step, value)
+        return Output(self.topics.run, run_id.encode(), value, None)
+
+    def _too_large(self, run_id: str, step: int, value: bytes) -> Output:
+        """A RunStepMetrics over the size a message may have (every rank is listed, with its
+        calls and clock: tens of thousands of ranks with collectives) goes to the dead-letter
+        topic, truncated, with reason ``too_large``, rather than failing its transaction again
+        and again; said once per run."""
+        self.counts.decode_errors["too_large"] += 1
+        detail = (f"RunStepMetrics of run {run_id} step {step} is {len(value)} bytes, over the "
+                  f"{MAX_MESSAGE_BYTES - DEAD_LETTER_ROOM_BYTES}-byte limit of a run step")
+        if run_id not in self._too_large_said:
+            if len(self._too_large_said) >= 1024:
+                self._too_large_said.clear()
+            self._too_large_said.add(run_id)
+            log.error("profstream run stage: %s; its run steps go to %s (reason too_large) and are not exported: "
+                      "capture collectives on fewer ranks, or see docs/deploy.md (a run step's size)",
+                      detail, self.topics.dlq)
+        return dead_letter_of(self.topics.dlq, run_id.encode(), value, "too_large", detail,
+                              f"{self.topics.run}/{run_id}/{step}")
 
 
 def _gone(ended: dict[int, int | None], pending: StepReports, step: int) -> int:
