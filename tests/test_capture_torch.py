@@ -28,10 +28,21 @@ from tests.test_torch import LOOP, ROOT, make
 torch = pytest.importorskip("torch")
 
 SCRIPT = LOOP + textwrap.dedent('''
-    import json, os, sys
+    import json, os, sys, time
     torch.set_num_threads(1)
     steps = int(sys.argv[1])
     model, optimizer, loader = make(steps, slow=range(steps), delay_s=0.03)
+    hold_at, go = int(os.environ.get("HOLD_AT", "-1")), os.environ.get("GO_FILE", "")
+    forwards = [0]
+
+    def hold(module, args):  # the step before HOLD_AT waits (60 s at most) for the test's go
+        if forwards[0] == hold_at - 1:
+            deadline = time.monotonic() + 60
+            while not os.path.exists(go) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        forwards[0] += 1
+
+    model.register_forward_pre_hook(hold)
     import profstream.torch as pst
     with pst.instrument(model, optimizer, loader, **json.loads(os.environ["OPTIONS"])) as handle:
         train(model, optimizer, loader)
@@ -40,11 +51,12 @@ SCRIPT = LOOP + textwrap.dedent('''
 ''')
 
 
-def _rank(tmp_path, steps, rank, options):
+def _rank(tmp_path, steps, rank, options, hold_at=-1):
+    """A rank's process; ``hold_at``: its step before that one waits for ``tmp_path/go``."""
     script = tmp_path / "loop.py"
     script.write_text(SCRIPT)
     env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", OPTIONS=json.dumps(options),
-               PYTHONPATH=str(ROOT))
+               PYTHONPATH=str(ROOT), HOLD_AT=str(hold_at), GO_FILE=str(tmp_path / "go"))
     return subprocess.Popen([sys.executable, str(script), str(steps)], env=env, cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -53,14 +65,21 @@ def test_a_request_for_one_rank_gives_its_torch_ops_for_exactly_the_asked_steps(
     steps, first, count = 80, 40, 4
     options = {"bootstrap": kafka_bootstrap, "topic_prefix": topics.prefix, "run_id": "torch-asked",
                "scheduled_capture": False, "host_sample_interval_s": 0}
-    procs = [_rank(tmp_path, steps, r, options) for r in (0, 1)]
+    # both ranks wait before step `first` until rank 1 answered the request, so that a loaded
+    # machine's slow start or request delivery cannot let that step pass before it arrives
+    procs = [_rank(tmp_path, steps, r, options, hold_at=first) for r in (0, 1)]
+
+    def go(progress):
+        if 1 in progress.times:
+            (tmp_path / "go").touch()
+
     try:
         # both Monitors exist once both ranks have sent a batch: a request from now on reaches them
         wait_until(lambda: {b.rank for b in raw_batches(kafka_bootstrap, topics.raw, "torch-asked", 2, timeout=1, full=False)}
                    == {0, 1}, 120, "a batch of each rank")
         request = new_request("torch-asked", ranks=parse_ranks("1"), start_step=first, steps=count)
         send_request(kafka_bootstrap, topics, request)
-        progress = follow(kafka_bootstrap, topics, request, timeout=120)
+        progress = follow(kafka_bootstrap, topics, request, timeout=120, on_change=go)
         outputs = [p.communicate(timeout=180) for p in procs]
     finally:
         for p in procs:
