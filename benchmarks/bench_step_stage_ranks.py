@@ -19,8 +19,8 @@ that a shared box adds.
 
 ``--work``: every step mark carries its work (tokens, samples, counted FLOPs, the peak), so
 that each StepMetrics has throughput and MFU (StepMetrics v7). ``--resources``: every step
-has a host reading and a data-loader reading (EventBatch v9 batches of their own), and the
-stalled second half of the steps advice (StepMetrics v8). ``--resources-ab``: the ``--resources`` run
+has a host reading and a data-loader reading (in the rank's own batches, EventBatch v8), and the
+stalled second half of the steps advice (StepMetrics v9, each worker's figures). ``--resources-ab``: the ``--resources`` run
 with its readings taken out ("off": the same steps, stalls and loader queue) and as it is
 ("on"), alternating in this process: what the host figures and the advice add to a step,
 without the differences between processes.
@@ -51,11 +51,7 @@ import profstream
 from profstream.kafka.topics import Topics
 from profstream.processors.health import StageCounts
 from profstream.processors.runtime import StepStage
-from profstream.producers.sender import (
-    COLLECTIVE_PRODUCER_SUFFIX,
-    DEVICE_PRODUCER_SUFFIX,
-    LOADER_PRODUCER_SUFFIX,
-)
+from profstream.producers.sender import COLLECTIVE_PRODUCER_SUFFIX, DEVICE_PRODUCER_SUFFIX
 from profstream.schema.batch import decode_batch, empty_section, encode_batch
 from profstream.schema.codec import decode, record_name
 from profstream.simulate import SimConfig
@@ -67,19 +63,20 @@ Record = namedtuple("Record", "topic partition offset key value")
 # --work: every step mark carries its work, as the torch producer's with a FLOP count
 WORK = {"batch_size": 8, "seq_len": 2048, "flops_per_token": 6 * 7e9, "flops_source": "counted",
         "peak_tflops": 989.5}
-SIDE_SUFFIXES = (DEVICE_PRODUCER_SUFFIX, COLLECTIVE_PRODUCER_SUFFIX, LOADER_PRODUCER_SUFFIX)
+# (older Monitors also sent the data loader's readings in batches of their own, ".loader")
+SIDE_SUFFIXES = (DEVICE_PRODUCER_SUFFIX, COLLECTIVE_PRODUCER_SUFFIX, ".loader")
 
 
 def without_readings(messages: list[tuple[bytes, bytes]], at: list) -> tuple[list, list]:
-    """The messages with their host and data-loader readings taken out: the loader's batches
-    dropped, the host rows of the others emptied; the rest (the loader's queue) kept."""
+    """The messages with their host and data-loader readings taken out (their rows emptied,
+    each batch written again in the version the rest needs, its sequence number kept); the
+    rest (the loader's queue) kept."""
     kept, kept_at = [], []
     for (key, value), t in zip(messages, at):
         batch = decode_batch(value)
-        if batch.producer_id.endswith(LOADER_PRODUCER_SUFFIX):
-            continue
-        if len(batch.host_samples["ts_ns"]):
+        if batch.n("host_samples") or batch.n("loader_samples"):
             batch.host_samples = empty_section("host_samples")
+            batch.loader_samples = empty_section("loader_samples")
             value = encode_batch(batch)
         kept.append((key, value))
         kept_at.append(t)
