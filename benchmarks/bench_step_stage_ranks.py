@@ -25,6 +25,11 @@ with its readings taken out ("off": the same steps, stalls and loader queue) and
 ("on"), alternating in this process: what the host figures and the advice add to a step,
 without the differences between processes.
 
+``--save-messages FILE`` pickles the ``--resources-ab`` messages (off and on) and ends;
+``--messages FILE --count SIDE`` then runs the stage once over that side (``none``: only
+loads them), with no timing of its own: for an instruction count under callgrind, which the
+load of a shared box does not change (docs/benchmarks.md, "Host figures, cheaper").
+
 ``--stage timeline`` times the timeline sink instead, as its SinkLoop drives it:
 ``TimelineSink.handle`` of every ``--ready-every`` messages, then ``durable_offsets`` (which
 also closes steps by time; its time is the ``ready`` figure); its ``close`` at the end,
@@ -38,6 +43,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import pickle
 import sys
 import tempfile
 import time
@@ -194,7 +200,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resources-ab", action="store_true",
                    help="alternate the --resources run with its readings taken out (off) and as it is (on), in this "
                         "process")
+    p.add_argument("--save-messages", metavar="FILE", help="pickle the --resources-ab messages and end")
+    p.add_argument("--messages", metavar="FILE", help="the messages --save-messages wrote (with --count)")
+    p.add_argument("--count", choices=("off", "on", "none"),
+                   help="run the stage once over that side of --messages, untimed (for callgrind)")
     args = p.parse_args(argv)
+    if args.count:
+        if not args.messages:
+            p.error("--count needs --messages FILE (written by --save-messages)")
+        with open(args.messages, "rb") as f:
+            sides = pickle.load(f)
+        steps = run_once(sides[args.count], 10)["steps"] if args.count != "none" else 0
+        emit(envelope("step_stage_ranks_count", args, {"side": args.count, "steps": steps}))
+        return 0
+    if args.save_messages:
+        sides = {"off": rank_messages(args.ranks, args.template_ranks, args.steps, args.ops_per_step, args.work,
+                                      True, False),
+                 "on": rank_messages(args.ranks, args.template_ranks, args.steps, args.ops_per_step, args.work, True)}
+        with open(args.save_messages, "wb") as f:
+            pickle.dump(sides, f)
+        emit(envelope("step_stage_ranks_messages", args, {k: len(v) for k, v in sides.items()}))
+        return 0
     if args.resources_ab and args.compare_with:
         p.error("--resources-ab and --compare-with each alternate two sides: give one")
     module_path, class_name, cls = (("profstream/processors/runtime.py", "StepStage", StepStage)
