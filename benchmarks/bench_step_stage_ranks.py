@@ -19,11 +19,16 @@ that a shared box adds.
 
 ``--work``: every step mark carries its work (tokens, samples, counted FLOPs, the peak), so
 that each StepMetrics has throughput and MFU (StepMetrics v7). ``--resources``: every step
-has a host reading and a data-loader reading (EventBatch v9 batches of their own), and the
-stalled second half of the steps advice (StepMetrics v8). ``--resources-ab``: the ``--resources`` run
+has a host reading and a data-loader reading (in the rank's own batches, EventBatch v8), and the
+stalled second half of the steps advice (StepMetrics v9, each worker's figures). ``--resources-ab``: the ``--resources`` run
 with its readings taken out ("off": the same steps, stalls and loader queue) and as it is
 ("on"), alternating in this process: what the host figures and the advice add to a step,
 without the differences between processes.
+
+``--save-messages FILE`` pickles the ``--resources-ab`` messages (off and on) and ends;
+``--messages FILE --count SIDE`` then runs the stage once over that side (``none``: only
+loads them), with no timing of its own: for an instruction count under callgrind, which the
+load of a shared box does not change (docs/benchmarks.md, "Host figures, cheaper").
 
 ``--stage timeline`` times the timeline sink instead, as its SinkLoop drives it:
 ``TimelineSink.handle`` of every ``--ready-every`` messages, then ``durable_offsets`` (which
@@ -38,6 +43,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import pickle
 import sys
 import tempfile
 import time
@@ -51,11 +57,7 @@ import profstream
 from profstream.kafka.topics import Topics
 from profstream.processors.health import StageCounts
 from profstream.processors.runtime import StepStage
-from profstream.producers.sender import (
-    COLLECTIVE_PRODUCER_SUFFIX,
-    DEVICE_PRODUCER_SUFFIX,
-    LOADER_PRODUCER_SUFFIX,
-)
+from profstream.producers.sender import COLLECTIVE_PRODUCER_SUFFIX, DEVICE_PRODUCER_SUFFIX
 from profstream.schema.batch import decode_batch, empty_section, encode_batch
 from profstream.schema.codec import decode, record_name
 from profstream.simulate import SimConfig
@@ -67,19 +69,20 @@ Record = namedtuple("Record", "topic partition offset key value")
 # --work: every step mark carries its work, as the torch producer's with a FLOP count
 WORK = {"batch_size": 8, "seq_len": 2048, "flops_per_token": 6 * 7e9, "flops_source": "counted",
         "peak_tflops": 989.5}
-SIDE_SUFFIXES = (DEVICE_PRODUCER_SUFFIX, COLLECTIVE_PRODUCER_SUFFIX, LOADER_PRODUCER_SUFFIX)
+# (older Monitors also sent the data loader's readings in batches of their own, ".loader")
+SIDE_SUFFIXES = (DEVICE_PRODUCER_SUFFIX, COLLECTIVE_PRODUCER_SUFFIX, ".loader")
 
 
 def without_readings(messages: list[tuple[bytes, bytes]], at: list) -> tuple[list, list]:
-    """The messages with their host and data-loader readings taken out: the loader's batches
-    dropped, the host rows of the others emptied; the rest (the loader's queue) kept."""
+    """The messages with their host and data-loader readings taken out (their rows emptied,
+    each batch written again in the version the rest needs, its sequence number kept); the
+    rest (the loader's queue) kept."""
     kept, kept_at = [], []
     for (key, value), t in zip(messages, at):
         batch = decode_batch(value)
-        if batch.producer_id.endswith(LOADER_PRODUCER_SUFFIX):
-            continue
-        if len(batch.host_samples["ts_ns"]):
+        if batch.n("host_samples") or batch.n("loader_samples"):
             batch.host_samples = empty_section("host_samples")
+            batch.loader_samples = empty_section("loader_samples")
             value = encode_batch(batch)
         kept.append((key, value))
         kept_at.append(t)
@@ -197,7 +200,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resources-ab", action="store_true",
                    help="alternate the --resources run with its readings taken out (off) and as it is (on), in this "
                         "process")
+    p.add_argument("--save-messages", metavar="FILE", help="pickle the --resources-ab messages and end")
+    p.add_argument("--messages", metavar="FILE", help="the messages --save-messages wrote (with --count)")
+    p.add_argument("--count", choices=("off", "on", "none"),
+                   help="run the stage once over that side of --messages, untimed (for callgrind)")
     args = p.parse_args(argv)
+    if args.count:
+        if not args.messages:
+            p.error("--count needs --messages FILE (written by --save-messages)")
+        with open(args.messages, "rb") as f:
+            sides = pickle.load(f)
+        steps = run_once(sides[args.count], 10)["steps"] if args.count != "none" else 0
+        emit(envelope("step_stage_ranks_count", args, {"side": args.count, "steps": steps}))
+        return 0
+    if args.save_messages:
+        sides = {"off": rank_messages(args.ranks, args.template_ranks, args.steps, args.ops_per_step, args.work,
+                                      True, False),
+                 "on": rank_messages(args.ranks, args.template_ranks, args.steps, args.ops_per_step, args.work, True)}
+        with open(args.save_messages, "wb") as f:
+            pickle.dump(sides, f)
+        emit(envelope("step_stage_ranks_messages", args, {k: len(v) for k, v in sides.items()}))
+        return 0
     if args.resources_ab and args.compare_with:
         p.error("--resources-ab and --compare-with each alternate two sides: give one")
     module_path, class_name, cls = (("profstream/processors/runtime.py", "StepStage", StepStage)

@@ -282,8 +282,13 @@ def training_run() -> Dashboard:
                                       "busy rank {{rank}}"),
                                  prom(f'profstream_loader_worker_cpu_ratio{{{RUN_RANK}, stat="mean"}}',
                                       "CPU rank {{rank}}", "B"), width=8))
-        .with_panel(series("Seconds a batch (per worker)", "seconds a DataLoader worker takes to make a batch", "s",
-                           prom(f"profstream_loader_seconds_per_batch{{{RUN_RANK}}}", "rank {{rank}}"), width=8))
+        .with_panel(series("Seconds a batch (per worker)", "seconds each DataLoader worker takes to make a batch "
+                           "(none for a worker without a batch counted in the rank's latest step with readings), "
+                           "and all the workers pooled", "s",
+                           prom(f"profstream_loader_worker_seconds_per_batch{{{RUN_RANK}}}",
+                                "rank {{rank}} worker {{worker}}"),
+                           prom(f"profstream_loader_seconds_per_batch{{{RUN_RANK}}}", "rank {{rank}} all workers", "B"),
+                           width=8))
         .with_panel(series("Context switches", "the machine's context switches per second", "short",
                            prom(f"profstream_context_switches_per_second{{{RUN_RANK}}}", "rank {{rank}}"), width=12))
         .with_panel(statetimeline.Panel().title("Advice").span(12).height(8).datasource(PROMETHEUS)

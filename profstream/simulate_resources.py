@@ -69,6 +69,9 @@ def resources_truth(r: Readings) -> dict:
             "worker_runnable_mean": r.worker_runnable, "worker_runnable_max": r.worker_runnable,
             "worker_batches": batches, "worker_s_per_batch": WORKERS * INTERVAL_S / batches,
             "worker_cpu_s_per_batch": WORKERS * r.worker_cpu * INTERVAL_S / batches,
+            "per_worker": [{"worker": w, "readings": 1, "batches": r.worker_batches,
+                            "s_per_batch": INTERVAL_S / r.worker_batches,
+                            "cpu_s_per_batch": r.worker_cpu * INTERVAL_S / r.worker_batches} for w in range(WORKERS)],
             "ctx_switches_per_s": r.ctx_switches_per_s, "cpu_count": CPU_COUNT}
 
 

@@ -5,6 +5,7 @@ transform, workers asleep in __getitem__, batches ready and a slow copy to the d
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import pytest
@@ -41,10 +42,13 @@ def test_each_starving_signature_gets_its_advice_and_no_other(fault):
     for key, m in steps.items():
         want = truth[key]
         assert [a["rule"] for a in m["advice"]] == want["advice"], key
-        assert m["resources"] == pytest.approx(want["resources"]), key
+        got, truth_of = dict(m["resources"]), dict(want["resources"])
+        each, truth_each = got.pop("per_worker"), truth_of.pop("per_worker")
+        assert got == pytest.approx(truth_of), key
+        assert len(each) == len(truth_each) and all(w == pytest.approx(t) for w, t in zip(each, truth_each)), key
         for a in m["advice"]:  # each line names the figures it read and the rule it follows
             assert a["figures"] and a["source"].startswith("MindSpore")
-    assert all(r[:10] == VERSIONS[("StepMetrics", 8)].header for r in raw)
+    assert all(r[:10] == VERSIONS[("StepMetrics", 9)].header for r in raw)  # each worker's figures
     firing = [a for a in alerts if a["name"] == "DataQueueStall" and a["state"] == "firing"]
     assert len(firing) == 2  # one per rank, at the 5th starved step
     for a in firing:
@@ -126,6 +130,8 @@ def test_the_exporter_shows_the_latest_host_and_loader_figures_and_the_advice_wh
     assert s("profstream_loader_workers", **rank) == 2
     assert s("profstream_loader_worker_runnable_ratio", stat="mean", **rank) == truth["worker_runnable_mean"]
     assert s("profstream_loader_seconds_per_batch", **rank) == truth["worker_s_per_batch"]
+    assert [(x.labels["worker"], x.value) for x in s.all("profstream_loader_worker_seconds_per_batch", **rank)] == [
+        (str(w["worker"]), w["s_per_batch"]) for w in truth["per_worker"]]
     assert s("profstream_context_switches_per_second", **rank) == truth["ctx_switches_per_s"]
     assert [x.labels["rule"] for x in s.all("profstream_advice", **rank)] == ["more_workers"]
     # a healthy step after it: the advice goes, the figures stay those of the latest readings
@@ -134,6 +140,60 @@ def test_the_exporter_shows_the_latest_host_and_loader_figures_and_the_advice_wh
     state.handle([Rec(topics.steps, 0, 100 + i, now_ms, v) for i, v in enumerate(later)])
     s = Scrape(state.exposition().decode())
     assert s.all("profstream_advice", **rank) == [] and s("profstream_loader_workers", **rank) == 2
+
+
+def test_each_loader_worker_has_its_own_seconds_per_batch_absent_where_none_was_counted():
+    """A slow worker among fast ones is told apart (StepMetrics v9 per_worker, the exporter's
+    loader_worker_seconds_per_batch{worker}); a worker that counted no batch, or none it
+    finished, has no seconds per batch, never 0; the pooled figure stays as it was."""
+    from collections import namedtuple
+
+    from profstream.kafka.topics import Topics
+    from profstream.schema.batch import MACHINE
+    from profstream.sinks.prometheus import ExporterState
+    from tests.test_prometheus_sink import Scrape
+
+    cfg = SimConfig(run_id="workers", ranks=1, steps=3, ops_per_step=20, resources=True)
+    mon = Monitor(run_id=cfg.run_id, rank=0, world_size=1, bootstrap="127.0.0.1:1", host_sample_interval_s=0,
+                  control=False, native=False, device_interval_ms=0, sender_factory=IdleSender)
+    sender = Sender(mon)
+    nan = float("nan")
+    # (worker, pid, interval_s, cpu, runnable, batches, ctx_switches_per_s, cpu_count)
+    rows = [(0, 100, 1.0, 0.9, 1.0, 4, nan, -1), (0, 100, 0.5, 0.8, 1.0, 1, nan, -1),  # 1.5 s, 5 batches
+            (1, 101, 1.0, 0.95, 1.0, 1, nan, -1),  # the slow one: 1 s a batch
+            (2, 102, 1.0, nan, nan, -1, nan, -1),  # its batches not counted
+            (3, 103, 1.0, 0.1, 0.1, 0, nan, -1),  # counted, none finished
+            (MACHINE, -1, 1.0, nan, nan, -1, 4000.0, 8)]
+    messages = []
+    for plan in plan_run(cfg, 1_790_000_000 * 10**9):
+        plan.readings = None
+        record_step(mon, plan)
+        if plan.step == 1:
+            for row in rows:
+                mon.loader_sample(row, ts_ns=(plan.start_ns + plan.end_ns) // 2, step=plan.step)
+        while sender._pending or sender._build():
+            messages.append(RawMessage(0.0, 0, len(messages), mon.key, sender._pending.popleft()[0]))
+    steps, _alerts, raw = _outputs(messages)
+    r = steps[(0, 1)]["resources"]
+    assert r["per_worker"] == [
+        {"worker": 0, "readings": 2, "batches": 5, "s_per_batch": pytest.approx(0.3),
+         "cpu_s_per_batch": pytest.approx((0.9 + 0.4) / 5)},
+        {"worker": 1, "readings": 1, "batches": 1, "s_per_batch": 1.0, "cpu_s_per_batch": 0.95},
+        {"worker": 2, "readings": 1, "batches": None, "s_per_batch": None, "cpu_s_per_batch": None},
+        {"worker": 3, "readings": 1, "batches": 0, "s_per_batch": None, "cpu_s_per_batch": None}]
+    assert r["workers"] == 4 and r["worker_s_per_batch"] == pytest.approx((1.5 + 1.0 + 1.0) / 6)  # pooled
+    assert [m["resources"] for (_, step), m in steps.items() if step != 1] == [None, None]
+    assert sum(x[:10] == VERSIONS[("StepMetrics", 9)].header for x in raw) == 1  # the others as before
+
+    Rec = namedtuple("Rec", "topic partition offset timestamp value")
+    topics = Topics("workers")
+    state = ExporterState(topics)
+    now_ms = time.time_ns() // 10**6
+    state.handle([Rec(topics.steps, 0, i, now_ms, v) for i, v in enumerate(raw)])
+    s = Scrape(state.exposition().decode())
+    series = {x.labels["worker"]: x.value for x in s.all("profstream_loader_worker_seconds_per_batch",
+                                                            run="workers", rank="0")}
+    assert series == {"0": pytest.approx(0.3), "1": 1.0}  # workers 2 and 3: no series, not 0
 
 
 def test_the_grafana_annotation_of_a_firing_stall_says_what_to_do_and_the_figures_read():
@@ -310,3 +370,40 @@ def test_batches_ready_and_a_slow_copy_to_the_device_get_the_transfer_and_nothin
     starved = [m for m in steps.values() if m["starved"]]
     assert len(starved) >= len(steps) // 2
     _assert_stall_alert_says(steps, alerts, "to the device")
+
+
+class BusyWorker(torch.utils.data.Dataset):
+    """Items that worker 1 transforms in ``cpu_s`` of computation each and worker 0 at once (a
+    skewed shard: one worker's samples are the heavy ones)."""
+
+    def __init__(self, n: int, cpu_s: float) -> None:
+        self.n, self.cpu_s = n, cpu_s
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        worker = torch.utils.data.get_worker_info().id
+        deadline = time.thread_time() + (self.cpu_s if worker == 1 else 0.0)
+        x = 0
+        while time.thread_time() < deadline:
+            x += 1
+        return torch.full((16,), float(i % 7)), torch.tensor(float(x % 3))
+
+
+def test_a_real_loaders_busy_worker_is_told_apart_by_its_own_figures():
+    """In order (the default), the workers hand over their batches in turn, so each has about
+    the same seconds per batch; the one holding the others up spends them computing: its CPU
+    seconds per batch, per worker, are its batches' cost, the idle one's near 0. The pooled
+    figure is one mean of both."""
+    loader = torch.utils.data.DataLoader(BusyWorker(80, cpu_s=0.03), batch_size=2, num_workers=2)
+    steps, _alerts = _job(loader)
+    per: dict[int, list] = {0: [], 1: []}
+    for m in steps.values():
+        for w in (m["resources"] or {}).get("per_worker", []):
+            if w["s_per_batch"] is not None and w["cpu_s_per_batch"] is not None:
+                per[w["worker"]].append((w["s_per_batch"], w["cpu_s_per_batch"]))
+    assert len(per[0]) >= 3 and len(per[1]) >= 3, per
+    idle_cpu = statistics.median(c for _, c in per[0])
+    busy_cpu = statistics.median(c for _, c in per[1])
+    assert busy_cpu >= 0.03 and idle_cpu < busy_cpu / 3, (idle_cpu, busy_cpu)  # 2 items of 0.03 s CPU a batch

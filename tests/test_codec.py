@@ -198,8 +198,16 @@ def test_processed_records_round_trip():
     with_advice = {**with_work, "resources": RESOURCES, "advice": [
         {"rule": "more_workers", "text": "raise num_workers", "source": "MindSpore", "figures": {"workers_busy": 0.97}}]}
     data = encode_step_metrics(with_advice)
-    assert data[:10] == VERSIONS[("StepMetrics", 8)].header
-    assert decode("StepMetrics", data) == with_advice
+    assert data[:10] == VERSIONS[("StepMetrics", 8)].header  # no worker of its own: readers of v8 read it
+    assert decode("StepMetrics", data) == {**with_advice, "resources": {**RESOURCES, "per_worker": []}}
+    # each worker's figures (v9), one of them without a batch counted: its per-batch figures absent
+    per_worker = [{"worker": 0, "readings": 1, "batches": 3, "s_per_batch": 1 / 3, "cpu_s_per_batch": 0.32},
+                  {"worker": 1, "readings": 1, "batches": 1, "s_per_batch": 1.0, "cpu_s_per_batch": None},
+                  {"worker": 2, "readings": 1, "batches": None, "s_per_batch": None, "cpu_s_per_batch": None}]
+    each = {**with_advice, "resources": {**RESOURCES, "per_worker": per_worker}}
+    data = encode_step_metrics(each)
+    assert data[:10] == VERSIONS[("StepMetrics", 9)].header
+    assert decode("StepMetrics", data) == each
     run = {"run_id": "r", "step": 7, "ranks_reported": 2, "min_step_time_ns": 10, "median_step_time_ns": 12.0,
            "max_step_time_ns": 14, "skew": 1 / 3, "straggler_rank": 1, "step_times_ns": {"0": 10, "1": 14},
            "collectives_matched": 1, "late_rank": 1, "late_rank_held_ns": 3,

@@ -83,7 +83,9 @@ def _exported() -> dict[str, set[str]]:
                           "process_cpu": 1.1, "rss_bytes": 3 << 30, "loader_readings": 2, "workers": 2,
                           "worker_cpu_mean": 0.9, "worker_cpu_max": 0.95, "worker_runnable_mean": 0.97,
                           "worker_runnable_max": 1.0, "worker_batches": 4, "worker_s_per_batch": 0.5,
-                          "worker_cpu_s_per_batch": 0.45, "ctx_switches_per_s": 4000.0, "cpu_count": 8},
+                          "worker_cpu_s_per_batch": 0.45, "ctx_switches_per_s": 4000.0, "cpu_count": 8,
+                          "per_worker": [{"worker": w, "readings": 1, "batches": 2, "s_per_batch": 0.5,
+                                          "cpu_s_per_batch": 0.45} for w in range(2)]},
             "advice": [{"rule": "more_workers", "text": "raise num_workers", "source": "MindSpore",
                         "figures": {"workers_busy": 0.97}}]}
     run = {"run_id": "r", "step": 1, "ranks_reported": 1, "min_step_time_ns": 10**8, "median_step_time_ns": 1e8,

@@ -82,6 +82,10 @@ _STEP = st.fixed_dictionaries({
                         max_size=3),  # v5, in batches of their own
     "collectives": st.lists(st.tuples(_NAMES, _NAMES, _NAMES, _I64, _I64, _I64, _I64, _I64, st.integers(0, 2**31 - 1)),
                             max_size=3),  # v6: the native Monitor's in batches of their own
+    # v8: data-loader readings (a worker's or the machine's, NaN for what was not read), in the rank's own batches
+    "loader": st.lists(st.tuples(st.integers(-1, 7), st.integers(-1, 2**31 - 1), st.floats(allow_infinity=False),
+                                 st.floats(0, 4), st.floats(0, 1), st.integers(-1, 2**31 - 1),
+                                 st.floats(allow_infinity=False), st.integers(-1, 256)), max_size=3),
 })
 
 
@@ -136,6 +140,8 @@ def _record(mon: Monitor, steps: list[dict], t0: int = 1_700_000_000_000_000_000
             mon.device_sample(DeviceSample(device, gpu_util=util, mem_used=used), ts_ns=t0 + s * 1000 + i)
         for name, group, dtype, seq, start, dur, n_in, n_out, size in step.get("collectives", ()):
             mon.collective(name, group, seq, start, dur, size, in_bytes=n_in, out_bytes=n_out, dtype=dtype)
+        for i, row in enumerate(step.get("loader", ())):
+            mon.loader_sample(row, ts_ns=t0 + s * 1000 + i)
         mon.end_step(ts_ns=t0 + s * 1000 + 999)
 
 
@@ -350,6 +356,36 @@ def test_step_work_goes_in_the_mark_with_no_native_code_and_both_monitors_write_
     assert steps["flops_source"].tolist() == [2, 0, 1, 0]  # counted, none, given, none
     assert steps["peak_flops"][[0, 2]].tolist() == [989.5e12] * 2 and np.isnan(steps["peak_flops"][1])
     assert steps["matmul_flops"][0] == 2.5e13 and steps["conv_flops"][0] == 0.0 and np.isnan(steps["matmul_flops"][2])
+
+
+def test_loader_readings_go_in_the_ranks_own_batch_and_both_monitors_write_the_same_bytes(monkeypatch):
+    """EventBatch v8's data-loader readings travel in the Monitor's own batch (v8 where they
+    are, the batches without them as before), not in a batch of their own: one message
+    fewer for a processor to fold per reading; the native Monitor records them natively and
+    writes the Python Monitor's bytes."""
+    nan = float("nan")
+    rows = [(0, 100, 1.0, 0.9, 1.0, 4, nan, -1), (1, 101, 1.0, 0.2, 0.3, 1, nan, -1),
+            (batch_schema.MACHINE, -1, 1.0, nan, nan, -1, 4000.0, 8)]
+    py, py_sender, nat, nat_sender = _pair()
+    for mon in (py, nat):
+        mon.begin_step(0, ts_ns=10)
+        mon.op("cpu-op", 11, 5)
+        for row in rows:
+            mon.loader_sample(row, ts_ns=12)
+        mon.end_step(ts_ns=20)
+    got_py, got_nat = _messages(py_sender, nat_sender, monkeypatch)
+    assert got_py == got_nat and len(got_nat) == 1  # one batch: the step, its op and its readings
+    assert got_nat[0].startswith(VERSIONS[("EventBatch", 8)].header)
+    batch = decode_batch(got_nat[0])
+    assert batch.producer_id == nat.producer_id and batch.n("ops") == 1 and batch.complete_through_step == 0
+    assert batch.loader_samples["worker"].tolist() == [0, 1, -1] and batch.loader_samples["step"].tolist() == [0] * 3
+    assert batch.loader_samples["batches"].tolist() == [4, 1, -1]
+    for mon in (py, nat):  # a step without readings: v4, as before
+        mon.begin_step(1, ts_ns=20)
+        mon.op("cpu-op", 21, 5)
+        mon.end_step(ts_ns=30)
+    got_py, got_nat = _messages(py_sender, nat_sender, monkeypatch)
+    assert got_py == got_nat and got_nat[0].startswith(VERSIONS[("EventBatch", 4)].header)
 
 
 def _held_until_queued(nat: Monitor, nat_sender: NativeSender) -> bytes:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import statistics
 import threading
 import uuid
 from datetime import UTC, datetime
@@ -232,6 +233,21 @@ def test_the_report_says_what_to_do_about_the_stall_with_the_figures_and_the_rul
     assert text.count('data-rule="') == CFG.ranks  # that rule only
     assert "raise num_workers" in text and "MindSpore data preparation" in text
     assert "loader-busy" in page.charts
+
+
+def test_the_report_has_each_loader_workers_seconds_per_batch(archive, tmp_path):
+    _page, text = _report(archive, tmp_path / "report.html")
+    truth = expected(CFG)
+    for rank in range(CFG.ranks):
+        for worker in (0, 1):  # 1 s a batch while busy (steps 10-19), 0.5 s otherwise
+            values = [w["s_per_batch"] for step in range(CFG.steps)
+                      for w in truth[(rank, step)]["resources"]["per_worker"] if w["worker"] == worker]
+            row = re.search(rf'<tr data-rank="{rank}" data-worker="{worker}"><td>rank {rank}</td><td>{worker}</td>'
+                            rf'<td>{len(values)}</td><td data-metric="s_per_batch_median" data-value="([^"]+)">.*?'
+                            rf'data-metric="s_per_batch_latest" data-value="([^"]+)"', text)
+            assert row, (rank, worker)
+            assert float(row[1]) == pytest.approx(statistics.median(values), rel=1e-5)
+            assert float(row[2]) == pytest.approx(values[-1], rel=1e-5)
 
 
 def test_the_report_needs_no_network_and_links_timelines_relatively(archive, tmp_path):

@@ -2,7 +2,7 @@
 (one second by default) a thread of the torch producer reads each worker process of the
 multi-worker DataLoader being iterated (its CPU time, and on Linux the time it waited for a
 CPU as well, ``/proc/<pid>/schedstat``) and the machine's context switches, and hands the
-readings to the Monitor (EventBatch v8 ``loader_samples``, batches of their own). The
+readings to the Monitor (EventBatch v8 ``loader_samples``, in its own batches). The
 training thread only counts which worker each batch came from (a dictionary read).
 
 ``cpu`` is a worker's CPU time over the interval (of one core, all its threads); ``runnable``

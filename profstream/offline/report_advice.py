@@ -1,7 +1,8 @@
 """The report's host and data-loader figures and the advice: per rank, each rule that spoke,
 on how many steps, its latest line with the figures it read and the profilers' rule it
-follows; and per step the loader workers' busy share and the machine's CPU (a step without
-readings has no point). Empty for a run with neither readings nor advice."""
+follows; per data-loader worker its seconds per batch (median and latest over the steps
+that counted a batch of it); and per step the loader workers' busy share and the machine's
+CPU (a step without readings has no point). Empty for a run with neither readings nor advice."""
 
 from __future__ import annotations
 
@@ -48,8 +49,32 @@ def advice_section(by_rank: dict[int, list[dict]]) -> str:
     busy = series("worker_runnable_mean")
     return "".join([
         table,
+        _workers_table(by_rank),
         charts.line_chart("loader-busy", "Data-loader workers: share of the time they wanted a CPU (steps with "
                           "readings)", busy, "% of the time") if busy else "",
         charts.line_chart("host-cpu", "Machine CPU in the kernel (system) per step (steps with readings)",
                           series("cpu_system"), "% of all CPUs") if series("cpu_system") else "",
     ])
+
+
+def _workers_table(by_rank: dict[int, list[dict]]) -> str:
+    """Each worker's seconds per batch (StepMetrics v9 per_worker), per rank: the median and
+    the latest over its steps with a batch counted ("" when no step had one)."""
+    rows = []
+    for rank, steps in sorted(by_rank.items()):
+        seen: dict[int, list[tuple[int, float]]] = {}
+        for s in steps:
+            for w in (s.get("resources") or {}).get("per_worker") or ():
+                if w["s_per_batch"] is not None:
+                    seen.setdefault(w["worker"], []).append((s["step"], w["s_per_batch"]))
+        for worker, values in sorted(seen.items()):
+            median = float(np.median([v for _, v in values]))
+            step, latest = values[-1]
+            rows.append(f'<tr data-rank="{rank}" data-worker="{worker}"><td>rank {rank}</td><td>{worker}</td>'
+                        f'<td>{len(values)}</td><td data-metric="s_per_batch_median" data-value="{median:.6g}">'
+                        f'{median:.3g}</td><td data-metric="s_per_batch_latest" data-value="{latest:.6g}">'
+                        f'{latest:.3g} (step {step})</td></tr>')
+    if not rows:
+        return ""
+    return ('<table id="loader-workers"><tr><th>rank</th><th>worker</th><th>steps</th>'
+            '<th>seconds per batch, median</th><th>latest</th></tr>' + "".join(rows) + "</table>")

@@ -31,13 +31,22 @@ def _max(values: list[float]) -> float | None:
     return max(known) if known else None
 
 
+def _worker(worker: int, readings: int, batches: int, busy_s: float, cpu_s: float) -> dict:
+    """One worker's figures (StepMetrics v9 ``WorkerFigures``): per batch only where it counted
+    some (``batches`` -1: none of its readings counted)."""
+    made = batches > 0
+    return {"worker": worker, "readings": readings, "batches": batches if batches >= 0 else None,
+            "s_per_batch": busy_s / batches if made else None,
+            "cpu_s_per_batch": cpu_s / batches if made and cpu_s == cpu_s else None}
+
+
 def host_figures(ev: StepEvents) -> dict | None:
     """StepMetrics ``resources`` of a closed step (None: no reading in it)."""
     h, lo = ev.host_samples, ev.loader_samples
     readings = len(h["ts_ns"])
     if not readings and not len(lo["ts_ns"]):
         return None
-    ids: set[int] = set()
+    each: dict[int, list] = {}  # worker -> [readings, batches or -1, seconds, CPU seconds or NaN]
     worker_cpu: list[float] = []
     worker_runnable: list[float] = []
     switches: list[float] = []
@@ -51,14 +60,20 @@ def host_figures(ev: StepEvents) -> dict | None:
             switches.append(ctx)
             counts.append(count)
             continue
-        ids.add(worker)
+        own = each.get(worker)
+        if own is None:
+            own = each[worker] = [0, -1, 0.0, 0.0]
+        own[0] += 1
         worker_cpu.append(cpu)
         worker_runnable.append(runnable)
         if batches >= 0:
             counted += 1
             total += batches
             busy_s += interval
+            own[1] = max(own[1], 0) + batches
+            own[2] += interval
             cpu = cpu * interval
+            own[3] += cpu  # NaN once a reading's CPU time is unknown
             if cpu == cpu:
                 cpu_s.append(cpu)
     produced = counted and total > 0
@@ -70,13 +85,14 @@ def host_figures(ev: StepEvents) -> dict | None:
         "cpu_iowait": _mean(h["cpu_iowait"].tolist()), "cpu_idle": _mean(h["cpu_idle"].tolist()),
         "process_cpu": _mean(h["process_cpu"].tolist()), "rss_bytes": max(rss) if rss else None,
         "loader_readings": len(worker_cpu),
-        "workers": len(ids),
+        "workers": len(each),
         "worker_cpu_mean": _mean(worker_cpu), "worker_cpu_max": _max(worker_cpu),
         "worker_runnable_mean": _mean(worker_runnable), "worker_runnable_max": _max(worker_runnable),
         "worker_batches": total if counted else None,
         # a worker makes its batches one at a time: its seconds (and CPU seconds) per batch
         "worker_s_per_batch": busy_s / total if produced else None,
         "worker_cpu_s_per_batch": sum(cpu_s) / total if produced and cpu_s else None,
+        "per_worker": [_worker(w, *each[w]) for w in sorted(each)],
         "ctx_switches_per_s": _mean(switches),
         "cpu_count": int(count) if count > 0 else None,
     }

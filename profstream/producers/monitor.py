@@ -663,7 +663,7 @@ class Monitor:
         """Record one reading of a data-loader worker or of the machine: the columns of
         ``schema.batch.LOADER_COLUMNS`` after ts_ns and step (worker, pid, interval_s, cpu,
         runnable, batches, ctx_switches_per_s, cpu_count). The torch producer's loader
-        sampler calls this from its thread; they travel in batches of their own."""
+        sampler calls this from its thread; they travel in the Monitor's own batches (v8)."""
         if self._enabled:
             self.buffer.add_loader_sample((_time_ns() if ts_ns is None else ts_ns,
                                            self.sample_step if step is None else step, *row))

@@ -19,7 +19,9 @@ in Python).
 
 The version it writes is the one the Python encoder writes for a batch without the
 sections only some batches carry (``plain_version``: v4, while device samples, v5, travel
-in batches of their own). The rows of every other section (``foreign_sections``: device
+in batches of their own). The data loader's readings (v8 ``loader_samples``) are recorded
+natively too, and a batch with any is written with the marked plan (v8, whose version has
+them: ``IN_MARKED_BATCHES``). The rows of every other section (``foreign_sections``: device
 samples and collective calls, v6, now) are recorded in a Python ``EventBuffer`` beside the native columns
 (``NativeBuffer.foreign``) and sent by the Python encoder from the native sender's thread
 (``native_sender``); the native Batcher holds the watermark back while they wait. A
@@ -65,9 +67,9 @@ _DTYPES = {"<i4": "i4", "<i8": "i8", "|u1": "u1", "<f8": "f8"}
 # three columns, which schema.batch.DICTIONARIES does not list)
 FOREIGN_DICTIONARIES = ("collective_names",)
 
-# The parts of EventBuffer.drain() the native sender handles: ops and samples are recorded
-# natively, device samples, collective calls and data-loader readings sent by the Python
-# encoder (native_sender._send_foreign).
+# The parts of EventBuffer.drain() the native sender handles: ops, samples and data-loader
+# readings are recorded natively (``NativeBuffer.add_loader_sample``), device samples and
+# collective calls sent by the Python encoder (native_sender._send_foreign).
 KNOWN_DRAINED = {"watermark", "marks", "memory", "queues", "ops", "more_ops", "dropped_ops", "dropped_samples",
                  "devices", "collectives", "loader"}
 
@@ -160,10 +162,18 @@ def _written(batch: EventBatch) -> SchemaVersion:
     return SCHEMAS[int.from_bytes(message[2:10], "little")]
 
 
+# Sections the plain version has not that the native Recorder records all the same: a batch
+# with rows of them is written with the marked plan (its version has them), as the Python
+# encoder writes it. The data loader's readings travel in the rank's own batches so, where a
+# batch of their own cost a processor a message's fold per reading (docs/benchmarks.md,
+# "Host figures, cheaper").
+IN_MARKED_BATCHES = ("loader_samples",)
+
+
 def native_sections() -> list[str]:
     """The sections the native Recorder records and the Batcher writes, in SECTIONS order."""
     fields = {f["name"] for f in plain_version().parsed["fields"]}
-    return [s for s in SECTIONS if s in fields]
+    return [s for s in SECTIONS if s in fields or s in IN_MARKED_BATCHES]
 
 
 def foreign_sections() -> list[str]:
@@ -298,6 +308,7 @@ class _NativeBufferMethods:
         self.ops_section = sections.index("ops")
         self.marks, self.memory, self.queues = (sections.index(s) for s in ("steps", "memory", "queues"))
         self.host = sections.index("host_samples")
+        self.loader = sections.index("loader_samples")
 
     def add_ops(self, names, start_ns, dur_ns, kinds, op_types, streams, step: int, **columns: Any) -> None:
         """Many ops at once (``Monitor.ops``): the columns are copied into native ones; what
@@ -312,6 +323,11 @@ class _NativeBufferMethods:
         """One step mark, or dropped and counted when the marks' reserve is full."""
         self.marks_offered += 1
         self.add_sample(self.marks, row)  # type: ignore[attr-defined]
+
+    def add_loader_sample(self, row: tuple) -> None:
+        """One data-loader reading (``LOADER_COLUMNS``), from the loader sampler's thread, in
+        the rank's own batches (``IN_MARKED_BATCHES``); dropped and counted when full."""
+        self.add_sample(self.loader, row)  # type: ignore[attr-defined]
 
     @property
     def dropped_marks(self) -> int:
@@ -347,7 +363,8 @@ class _NativeBufferMethods:
 
     @property
     def buffered_samples(self) -> int:
-        return (sum(self.buffered_rows(s) for s in (self.marks, self.memory, self.queues))  # type: ignore[attr-defined]
+        return (sum(self.buffered_rows(s)  # type: ignore[attr-defined]
+                    for s in (self.marks, self.memory, self.queues, self.loader))
                 + self.foreign.buffered_samples)
 
     @property

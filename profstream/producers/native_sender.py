@@ -143,12 +143,10 @@ class NativeSender(Sender):
         if recorded == self._foreign_taken:
             return
         drained = buf.foreign.drain(0)
-        if drained.devices or drained.collectives or drained.loader:
+        if drained.devices or drained.collectives:
             self._last_latency_ns = self._core.stats()["send_latency_ns"]
         if drained.devices:
             self._queue_device_batches(drained.devices)
-        if drained.loader:
-            self._queue_loader_batches(drained.loader)
         if drained.collectives:
             self._queue_side_batches(drained.collectives, COLLECTIVE_PRODUCER_SUFFIX, COLLECTIVE_ROWS_PER_BATCH,
                                      fill_collectives, "collective calls with values out of range")

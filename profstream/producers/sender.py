@@ -53,8 +53,6 @@ DEVICE_ROWS_PER_BATCH = 4096  # ~0.5 MB encoded: under Kafka's message limit
 # The native Monitor (native_sender) sends collective calls the same way, as EventBatch v6
 # batches of their own: its compiled encoder writes v4 alone (docs/monitor.md).
 COLLECTIVE_PRODUCER_SUFFIX = ".collectives"
-# Data-loader readings (EventBatch v8) go in batches of their own too, from either Monitor.
-LOADER_PRODUCER_SUFFIX = ".loader"
 COLLECTIVE_ROWS_PER_BATCH = 1024  # their names travel with them: a smaller batch
 # At most one message per batch interval, and after the interval one as soon as a step has
 # ended (or a batch filled, or a completed step waits); while no step ends (a long step),
@@ -271,8 +269,7 @@ class Sender(SpoolSending, threading.Thread):
         self._connect_timeout = opts["connect_timeout_s"]
         self._producer = None
         self._seq = 0
-        self._side_seq = {DEVICE_PRODUCER_SUFFIX: 0, COLLECTIVE_PRODUCER_SUFFIX: 0,
-                          LOADER_PRODUCER_SUFFIX: 0}  # batches of their own
+        self._side_seq = {DEVICE_PRODUCER_SUFFIX: 0, COLLECTIVE_PRODUCER_SUFFIX: 0}  # batches of their own
         self._sent_watermark: int | None = None
         self._reported_dropped_ops = 0
         self._reported_dropped_samples = 0
@@ -607,8 +604,6 @@ class Sender(SpoolSending, threading.Thread):
          collectives, loader) = buf.drain(min(buf.batch_max_ops, self._ops_limit))
         if devices:  # before the batch that may move the watermark past their steps
             self._queue_device_batches(devices)
-        if loader:
-            self._queue_loader_batches(loader)
         # what never reached Kafka is reported downstream with what the buffer dropped
         total_dropped_ops = dropped_ops + self.undelivered_ops
         total_dropped_samples = dropped_samples + self.undelivered_samples
@@ -618,10 +613,9 @@ class Sender(SpoolSending, threading.Thread):
             host += _take(buf.host)
         dropped_ops = total_dropped_ops - self._reported_dropped_ops
         dropped_samples = total_dropped_samples - self._reported_dropped_samples
-        if not (marks or memory or queues or collectives or host or ops or dropped_ops or dropped_samples) and (
-            watermark == self._sent_watermark
-        ):
-            return bool(devices or loader)
+        if not (marks or memory or queues or collectives or loader or host or ops or dropped_ops
+                or dropped_samples) and watermark == self._sent_watermark:
+            return bool(devices)
         batch = EventBatch(
             run_id=m.run_id, rank=m.rank, world_size=m.options["world_size"], host=m.options["host"],
             device=m.options["device"],
@@ -636,7 +630,7 @@ class Sender(SpoolSending, threading.Thread):
         batch.dropped_samples = dropped_samples
         if host:
             batch.host_samples = sample_columns(host, SECTIONS["host_samples"])
-        samples = len(marks) + len(memory) + len(queues) + len(collectives)
+        samples = len(marks) + len(memory) + len(queues) + len(collectives) + len(loader)
         # Sections of user code's values; a section with no samples keeps the batch's empty one.
         # A value its column cannot hold drops that section alone, counted (the step marks stay).
         if marks:
@@ -652,13 +646,15 @@ class Sender(SpoolSending, threading.Thread):
             samples -= self._section(batch, queues, fill_queues)
         if collectives:
             samples -= self._section(batch, collectives, lambda: fill_collectives(batch, collectives))
+        if loader:  # in the rank's own batch (v8), not one of their own: a processor folds one message fewer
+            samples -= self._section(batch, loader, lambda: _fill_loader_samples(batch, loader))
         try:
             value = encode_batch(batch)
         except (ValueError, TypeError, OverflowError) as e:  # bad sample values from user code
             log.warning("profstream: dropped a batch of samples with invalid values (%s)", e)
             batch.dropped_samples += samples
-            batch.steps, batch.memory, batch.queues, batch.collectives = (
-                empty_section(s) for s in ("steps", "memory", "queues", "collectives"))
+            batch.steps, batch.memory, batch.queues, batch.collectives, batch.loader_samples = (
+                empty_section(s) for s in ("steps", "memory", "queues", "collectives", "loader_samples"))
             batch.queue_names = batch.collective_names = []
             value = encode_batch(batch)
         while len(value) > MAX_MESSAGE_BYTES:
@@ -687,11 +683,6 @@ class Sender(SpoolSending, threading.Thread):
         samples with values that are not numbers are dropped and counted."""
         self._queue_side_batches(rows, DEVICE_PRODUCER_SUFFIX, DEVICE_ROWS_PER_BATCH, _fill_device_samples,
                                  "device samples with values that are not numbers")
-
-    def _queue_loader_batches(self, rows: list[tuple]) -> None:
-        """Data-loader readings into batches of their own (LOADER_PRODUCER_SUFFIX)."""
-        self._queue_side_batches(rows, LOADER_PRODUCER_SUFFIX, DEVICE_ROWS_PER_BATCH, _fill_loader_samples,
-                                 "data-loader readings with values that are not numbers")
 
     def _queue_side_batches(self, rows: list[tuple], suffix: str, per_batch: int, fill: Any, bad: str) -> None:
         """Rows of one section into batches of their own, under the producer id + ``suffix``

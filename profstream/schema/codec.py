@@ -159,6 +159,14 @@ def _step_metrics_v7_to_v8(record: dict) -> dict:
 STEP_LOSSES = ("dropped_ops", "dropped_samples")
 
 
+def _step_metrics_v8_to_v9(record: dict) -> dict:
+    """Before v9 a step's resources had the workers' pooled figures alone: none per worker."""
+    resources = record["resources"]
+    if resources is None:
+        return record
+    return {**record, "resources": {**resources, "per_worker": []}}
+
+
 def _step_metrics_v6_to_v8(record: dict) -> dict:
     return _step_metrics_v7_to_v8({**record, **dict.fromkeys(STEP_LOSSES, 0)})
 
@@ -264,7 +272,8 @@ _VERSIONS: list[SchemaVersion] = [
     _version(_load("rank_checkpoint.v3.avsc"), 3),  # + the rolling window's work figures
     # v7 and older read with the work columns absent and no loader readings
     _version(_load("event_batch.v8.avsc"), 8),  # + the steps' work, loader_samples
-    _version(_load("step_metrics.v8.avsc"), 8),  # + work: throughput and MFU; rolling p50/p95; host figures; advice
+    # v7 and older read with resources null: no per_worker to add
+    _version(_load("step_metrics.v8.avsc"), 8, _step_metrics_v8_to_v9),  # + work: throughput and MFU; rolling p50/p95; host figures; advice
     _version(_load("capture_status.v2.avsc"), 2, _capture_status_v2_to_v3),  # + requester (authenticated), request_reason
     # ops requests and their statuses are still written as v1 and v2 (records.encode_request, encode_status)
     _version(_load("capture_request.v2.avsc"), 2),  # + kind: ops or stacks
@@ -277,6 +286,8 @@ _VERSIONS: list[SchemaVersion] = [
     _version(_load("rank_progress.v2.avsc"), 2),  # + collective: the call the rank sits in
     # on the steps topic: a step stage's ranks of one run step as columns, for the run stage
     _version(_load("step_partial.avsc"), 1),
+    # steps without data-loader worker readings are still written as v8 or older (encode_step_metrics)
+    _version(_load("step_metrics.v9.avsc"), 9),  # + resources.per_worker: each loader worker's seconds per batch
 ]
 
 SCHEMAS: dict[int, SchemaVersion] = {v.fingerprint: v for v in _VERSIONS}
@@ -339,6 +350,7 @@ STEP_METRICS_WITHOUT_COLLECTIVES_VERSION = 4
 STEP_METRICS_MEASURED_VERSION = 5
 STEP_METRICS_NOTHING_LOST_VERSION = 6  # v6 for a step that lost nothing: v7 says what a step lost
 STEP_METRICS_LOSSES_VERSION = 7  # v7 for a partial step without work or host figures: v8 says those
+STEP_METRICS_POOLED_WORKERS_VERSION = 8  # v8 for a step without a loader worker's reading: v9 says each worker's
 RUN_STEP_METRICS_WITHOUT_COLLECTIVES_VERSION = 1
 RUN_STEP_METRICS_WITHOUT_WORK_VERSION = 2
 RUN_STEP_METRICS_WITHOUT_CLOCKS_VERSION = 3
@@ -346,11 +358,15 @@ RUN_CHECKPOINT_WITHOUT_CLOCKS_VERSION = 1
 
 
 def encode_step_metrics(record: dict) -> bytes:
-    """A StepMetrics record as its message: v8 with work, resource figures or advice; else v7
-    when the step lost events (a partial step), v6 when its op figures were not measured, else
-    v5 with collective calls, v4 with device figures, else v3."""
-    if record.get("work") is not None or record.get("resources") is not None or record.get("advice"):
+    """A StepMetrics record as its message: v9 with a data-loader worker's figures; v8 with
+    work, other resource figures or advice; else v7 when the step lost events (a partial
+    step), v6 when its op figures were not measured, else v5 with collective calls, v4 with
+    device figures, else v3."""
+    resources = record.get("resources")
+    if resources is not None and resources.get("per_worker"):
         return encode("StepMetrics", record)
+    if record.get("work") is not None or resources is not None or record.get("advice"):
+        return encode("StepMetrics", record, STEP_METRICS_POOLED_WORKERS_VERSION)
     if any(record.get(f) for f in STEP_LOSSES):
         return encode("StepMetrics", record, STEP_METRICS_LOSSES_VERSION)
     if record["utilization"] is None:

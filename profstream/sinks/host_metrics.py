@@ -31,6 +31,11 @@ SERIES: tuple[tuple[str, str, str, tuple[tuple[str, str], ...]], ...] = (
     ("loader_seconds_per_batch", "seconds a data-loader worker takes to make a batch, over that step's readings",
      "", (("", "worker_s_per_batch"),)),
 )
+# each worker's: (metric, help, WorkerFigures field), labelled worker
+WORKER_SERIES: tuple[tuple[str, str, str], ...] = (
+    ("loader_worker_seconds_per_batch", "seconds this data-loader worker takes to make a batch, over the latest "
+     "step's readings with a batch of it counted", "s_per_batch"),
+)
 ADVICE_METRIC = "advice"
 
 
@@ -41,7 +46,7 @@ def fold_resources(kept: dict | None, figures: dict | None) -> dict | None:
     if kept is None or figures.get("workers") or not kept.get("workers"):
         return figures
     # a step with host readings alone keeps the workers' figures of the latest one with them
-    return {**figures, **{k: v for k, v in kept.items() if k.startswith("worker") or k == "workers"}}
+    return {**figures, **{k: v for k, v in kept.items() if k.startswith("worker") or k in ("workers", "per_worker")}}
 
 
 def host_lines(prefix: str, ranks: list[tuple[Any, int, Any]], num: Callable[[float], str]) -> list[str]:
@@ -60,6 +65,13 @@ def host_lines(prefix: str, ranks: list[tuple[Any, int, Any]], num: Callable[[fl
                     continue
                 extra = f',{label}="{value_label}"' if label else ""
                 out.append(f"{full}{{{r.labels}{extra}}} {num(float(value))}\n")
+    for metric, doc, field in WORKER_SERIES:
+        full = prefix + metric
+        out.append(f"# HELP {full} {doc}\n# TYPE {full} gauge\n")
+        for _, _, r in ranks:
+            for w in (r.resources or {}).get("per_worker", ()):
+                if w[field] is not None:
+                    out.append(f'{full}{{{r.labels},worker="{w["worker"]}"}} {num(float(w[field]))}\n')
     full = prefix + ADVICE_METRIC
     out.append(f"# HELP {full} 1 for each rule of the advice of the rank's latest step (rule: threads, transfer, "
                f"more_workers, input_io, tail_allreduce); absent while that step has none\n# TYPE {full} gauge\n")

@@ -186,11 +186,13 @@ class Core : public DeliverySink {
   }
 
   // The encoder for `t`: the marked one when a row holds a value other than its column's
-  // fill in a column the plain version does not have (the Python encoder's choice, too).
+  // fill in a column the plain version does not have, or the batch has rows of a section
+  // the plain version has not (the data loader's readings): the Python encoder's choice, too.
   Encoder& encoder_for(const std::vector<Take>& t) {
     if (!has_marked) return encoder;
     for (size_t s = 0; s < t.size(); ++s) {
       const SectionSpec& spec = rec->specs[s];
+      if (t[s].count && !encoder.writes(static_cast<int>(s))) return marked;
       for (size_t c = encoder.columns(static_cast<int>(s)); c < spec.cols.size(); ++c)
         for (const Segment& seg : t[s].segments)
           for (int64_t r = seg.from; r < seg.to; ++r)

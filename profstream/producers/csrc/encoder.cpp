@@ -169,6 +169,12 @@ size_t Encoder::columns(int s) const {
   return (*specs_)[s].cols.size();
 }
 
+bool Encoder::writes(int s) const {
+  for (const Step& step : steps_)
+    if (step.kind == SECTION && step.section == s) return true;
+  return false;
+}
+
 void Encoder::section(int s, size_t columns, const Take& take, Buffer& out) {
   const SectionSpec& spec = (*specs_)[s];
   out.put_long(take.count);

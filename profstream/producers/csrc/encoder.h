@@ -70,6 +70,8 @@ class Encoder {
   void encode(const Header& h, const std::vector<Take>& takes, Buffer& out);
   // The columns of section `s` a message holds (all of them, unless its step says fewer).
   size_t columns(int s) const;
+  // Whether its version has section `s` at all (a batch with rows of one it has not takes another plan).
+  bool writes(int s) const;
 
  private:
   enum Kind { RAW, LONG, OPTIONAL_LONG, DOUBLE, NAMES_BLOB, NAMES_ARRAY, SECTION };
