@@ -69,12 +69,12 @@ def test_only_records_with_collectives_are_written_as_the_new_versions():
     """Batches, steps and cross-rank steps without collectives keep the versions before
     them (older readers read them whole); with collectives they are EventBatch v6 (v8 when
     a mark carries work or losses), StepMetrics v5 (v6 only for steps without ops, v7 for
-    partial steps, v8 with work figures), RunStepMetrics v2 (v3 with work, v4 with clock
+    partial steps, v8 with work figures, v9 with each loader worker's figures), RunStepMetrics v2 (v3 with work, v4 with clock
     offsets)."""
     from profstream.schema.codec import VERSIONS, encode_run_step_metrics, encode_step_metrics
 
     assert (CURRENT["EventBatch"].version, CURRENT["StepMetrics"].version, CURRENT["RunStepMetrics"].version) == (
-        8, 8, 4)
+        8, 9, 4)
     data = encode_batch(random_batch(3, 10, losses=False, work=False))
     assert data[:10] == VERSIONS[("EventBatch", 6)].header and decode_batch(data).n("collectives") == 5
     assert encode_batch(random_batch(3, 10, collectives=False, losses=False, work=False))[:10] == \
