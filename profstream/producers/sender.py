@@ -360,7 +360,8 @@ class Sender(SpoolSending, threading.Thread):
         if target <= self._flush_done:
             return False
         left = deadline - time.monotonic()
-        delivered = not self._buffered() and (self._inflight() == 0 or self._spool_flushed())
+        delivered = not self._buffered() and not self._spool_sending() and (
+            self._inflight() == 0 or self._spool_flushed())
         if left > 0 and not delivered:
             if self._producer is None:  # reconnect within a second of the broker's return
                 self._next_connect = min(self._next_connect, time.monotonic() + 1.0)

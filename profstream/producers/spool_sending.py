@@ -185,6 +185,15 @@ class SpoolSending:
         at close."""
         return self._spool is not None and self._spool_now
 
+    def _spool_sending(self) -> bool:
+        """Whether the spool holds records not yet acknowledged while Kafka is there to take
+        them (an earlier Monitor's, or this one's from an outage that ended): a flush, and so
+        a close, waits for them too (within its timeout) rather than leaving them for the
+        next Monitor of the rank."""
+        s = self._spool
+        return (s is not None and not self._record_only and self._producer is not None
+                and self._down_since is None and s.backlog)
+
     def spool_stats(self) -> dict[str, Any]:
         s = self._spool
         if s is None:
