@@ -17,15 +17,8 @@ void Buffer::reserve(size_t n) {
 }
 
 void Buffer::put_long(int64_t v) {  // Avro long: zigzag varint
-  uint64_t z = (static_cast<uint64_t>(v) << 1) ^ static_cast<uint64_t>(v >> 63);
   char tmp[10];
-  size_t n = 0;
-  while (z >= 0x80) {
-    tmp[n++] = static_cast<char>((z & 0x7F) | 0x80);
-    z >>= 7;
-  }
-  tmp[n++] = static_cast<char>(z);
-  put(tmp, n);
+  put(tmp, zigzag_varint(v, tmp));
 }
 
 char* Buffer::release(size_t* size) {

@@ -22,6 +22,18 @@
 
 namespace ps {
 
+// An Avro long (zigzag varint) into out (at most 10 bytes); returns how many it took.
+inline size_t zigzag_varint(int64_t v, char out[10]) {
+  uint64_t z = (static_cast<uint64_t>(v) << 1) ^ static_cast<uint64_t>(v >> 63);
+  size_t n = 0;
+  while (z >= 0x80) {
+    out[n++] = static_cast<char>((z & 0x7F) | 0x80);
+    z >>= 7;
+  }
+  out[n++] = static_cast<char>(z);
+  return n;
+}
+
 enum HeaderField { SEQ, SENT_NS, DROPPED_OPS, DROPPED_SAMPLES, COMPLETE_THROUGH, FILL_RATIO, SEND_LATENCY, N_FIELDS };
 
 struct Header {

@@ -12,6 +12,8 @@
 #include <memory>
 #include <vector>
 
+#include "encoder.h"
+
 namespace ps {
 
 namespace {
@@ -302,15 +304,8 @@ PyTypeObject BodyReaderType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 PyObject* zigzag_varint(PyObject*, PyObject* arg) {
   long long n = PyLong_AsLongLong(arg);
   if (n == -1 && PyErr_Occurred()) return nullptr;
-  uint64_t z = (static_cast<uint64_t>(n) << 1) ^ static_cast<uint64_t>(n >> 63);
   char out[10];
-  Py_ssize_t len = 0;
-  while (z >= 0x80) {
-    out[len++] = static_cast<char>((z & 0x7F) | 0x80);
-    z >>= 7;
-  }
-  out[len++] = static_cast<char>(z);
-  return PyBytes_FromStringAndSize(out, len);
+  return PyBytes_FromStringAndSize(out, static_cast<Py_ssize_t>(ps::zigzag_varint(n, out)));
 }
 
 PyMethodDef reader_functions[] = {
