@@ -58,8 +58,10 @@ def _messages(py_sender: Sender, nat_sender: NativeSender, monkeypatch) -> tuple
             nat.append(message[0])
     stamps = iter([b.sent_ns for b in map(decode_batch, nat) if not _of_collectives(b)] + [0] * 1000)
     py = []
+    # the sender's own clock: patching time.time_ns would give stamps to any other thread
+    # that reads it meanwhile too (a Monitor's control thread stamps its progress records)
     with monkeypatch.context() as patch:
-        patch.setattr(time, "time_ns", lambda: next(stamps))
+        patch.setattr(py_sender, "now_ns", lambda: next(stamps))
         while py_sender._pending or py_sender._build():  # a build may queue device batches too
             py.append(py_sender._pending.popleft()[0])
     return py, nat
@@ -237,7 +239,7 @@ def test_a_batch_over_the_message_limit_splits_into_the_same_messages(monkeypatc
     said_native = [r.getMessage() for r in caplog.records]
     caplog.clear()
     stamps = iter(decode_batch(m).sent_ns for m in nat_messages)
-    monkeypatch.setattr(time, "time_ns", lambda: next(stamps))
+    monkeypatch.setattr(py_sender, "now_ns", lambda: next(stamps))
     py_messages = []
     while py_sender._build():
         py_messages.append(py_sender._pending.popleft()[0])
@@ -420,7 +422,7 @@ def test_device_samples_go_by_the_python_encoder_before_the_batch_that_completes
     got = decode_batch(device_message)
     assert got.producer_id == nat.producer_id + sender.DEVICE_PRODUCER_SUFFIX and got.n("ops") == 0
     assert got.device_samples["device"].tolist() == [3] and got.device_samples["throttle_reasons"].tolist() == [4]
-    monkeypatch.setattr(time, "time_ns", lambda: got.sent_ns)
+    monkeypatch.setattr(py_sender, "now_ns", lambda: got.sent_ns)
     assert py_sender._build()
     assert py_sender._pending.popleft()[0] == device_message  # what the Python Monitor sends
 

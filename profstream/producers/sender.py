@@ -262,6 +262,9 @@ class Sender(SpoolSending, threading.Thread):
         super().__init__(name=f"profstream-sender-{monitor.run_id}-{monitor.rank}", daemon=True)
         self.m = monitor
         self.buffer = monitor.buffer
+        # The batches' sent_ns stamps: this sender's own clock, so that a test can set the
+        # stamps of one sender without touching what other threads read from time.time_ns.
+        self.now_ns = time.time_ns
         opts = monitor.options
         self._producer_factory = producer_factory or self.default_producer
         self._interval = opts["batch_interval_ms"] / 1000.0
@@ -620,7 +623,7 @@ class Sender(SpoolSending, threading.Thread):
         batch = EventBatch(
             run_id=m.run_id, rank=m.rank, world_size=m.options["world_size"], host=m.options["host"],
             device=m.options["device"],
-            producer_id=m.producer_id, seq=self._seq, sent_ns=time.time_ns(),
+            producer_id=m.producer_id, seq=self._seq, sent_ns=self.now_ns(),
             buffer_fill_ratio=buf.fill_ratio, send_latency_ns=self._last_latency_ns,
         )
         if ops:
@@ -695,7 +698,7 @@ class Sender(SpoolSending, threading.Thread):
             batch = EventBatch(
                 run_id=m.run_id, rank=m.rank, world_size=m.options["world_size"], host=m.options["host"],
                 device=m.options["device"], producer_id=m.producer_id + suffix,
-                seq=self._side_seq[suffix], sent_ns=time.time_ns(), buffer_fill_ratio=self._drained_fill_ratio(),
+                seq=self._side_seq[suffix], sent_ns=self.now_ns(), buffer_fill_ratio=self._drained_fill_ratio(),
                 send_latency_ns=self._last_latency_ns)
             try:
                 fill(batch, part)
