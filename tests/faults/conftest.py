@@ -155,6 +155,12 @@ class Service:
     def output(self) -> str:
         return self.log.read_text()
 
+    def state(self, lines: int = 30) -> str:
+        """Whether it still runs, and the end of its log: what a failed wait on it shows."""
+        rc = None if self.proc is None else self.proc.poll()
+        tail = "\n".join(self.output().splitlines()[-lines:])
+        return f"{'running' if rc is None else f'exited with {rc}'}; the end of {self.log}:\n{tail}"
+
 
 class ProcessorProcess(Service):
     """`profstream process`, its health metrics on a port of its own."""
