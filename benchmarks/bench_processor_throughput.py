@@ -22,7 +22,7 @@ processor's own commit callback has seen them all). Group join and state restore
 inside that time. Its CPU is this process's (``ms_cpu_per_step``: per committed
 StepMetrics), split by thread (``cpu_by_thread_s``: the processor's loop thread,
 librdkafka's ``rdk:*`` threads, this benchmark's own waiting thread, the rest) for the whole
-run, until the first batch is folded (group join, restore) and in the steady part
+run, until the first commit (group join, restore, the first transaction) and in the steady part
 (``steady``: from a quarter of the StepMetrics committed to the last, per StepMetrics;
 ``ms_per_step_without_bench_main`` leaves out the benchmark's waiting thread).
 ``--e2e-profile FILE`` writes a cProfile of the loop thread.
@@ -246,6 +246,25 @@ def prefill(bootstrap: str, topics: Topics, messages: list[tuple[bytes, bytes]],
     return sent
 
 
+class _WatchedHealth(ProcessorHealth):
+    """The processor's health, with events for its first commit, a quarter and all of
+    ``expected`` StepMetrics committed."""
+
+    def __init__(self, expected: int) -> None:
+        super().__init__()
+        self.expected = expected
+        self.first, self.quarter, self.done = threading.Event(), threading.Event(), threading.Event()
+
+    def commit(self, counts: StageCounts, transaction: bool = False) -> None:
+        super().commit(counts, transaction)
+        self.first.set()
+        n = len(self.freshness_s)
+        if n >= self.expected // 4:
+            self.quarter.set()
+        if n >= self.expected:
+            self.done.set()
+
+
 def _cpu_by_role(before: dict[int, tuple[str, int]], after: dict[int, tuple[str, int]],
                  loop_tid: int | None) -> dict[str, float]:
     """CPU seconds between two ``thread_cpu()`` readings, by role: the processor's loop
@@ -270,7 +289,7 @@ def end_to_end(bootstrap: str, messages: list[tuple[bytes, bytes]], expected_ste
         t0 = time.perf_counter()
         prefill(bootstrap, topics, messages)
         fill_s = time.perf_counter() - t0
-        health = ProcessorHealth()
+        health = _WatchedHealth(expected_steps)
         processor = Processor(bootstrap, topics, group_id=f"{prefix}-g", instance_id="0", stages="steps",
                               health=health)
         stop = threading.Event()
@@ -287,6 +306,7 @@ def end_to_end(bootstrap: str, messages: list[tuple[bytes, bytes]], expected_ste
             except BaseException as e:  # re-raised below
                 errors.append(e)
             finally:
+                health.done.set()
                 if profiler is not None:
                     profiler.disable()
                     profiler.dump_stats(profile_to)
@@ -295,16 +315,15 @@ def end_to_end(bootstrap: str, messages: list[tuple[bytes, bytes]], expected_ste
         threads0 = thread_cpu()
         t_start, cpu_start = time.perf_counter(), time.process_time()
         thread.start()
-        t_first = None
+        # this thread's CPU counts in the process's: it sleeps on the commits' events, not in a poll loop
         first = quarter = None  # (thread CPU, process CPU, steps committed) at those points
         deadline = t_start + timeout
-        while len(health.freshness_s) < expected_steps and not errors and time.perf_counter() < deadline:
-            if t_first is None and health.batches:
-                t_first = time.perf_counter()
-                first = (thread_cpu(), time.process_time(), len(health.freshness_s))
-            if quarter is None and len(health.freshness_s) >= expected_steps // 4:
+        t_first = time.perf_counter() if health.first.wait(timeout) else None
+        if t_first is not None:
+            first = (thread_cpu(), time.process_time(), len(health.freshness_s))
+            if health.quarter.wait(max(deadline - time.perf_counter(), 0)):
                 quarter = (thread_cpu(), time.process_time(), len(health.freshness_s))
-            time.sleep(0.01)  # this thread's CPU counts in the process's: wakes 100 times a second, not 500
+            health.done.wait(max(deadline - time.perf_counter(), 0))
         t_end, cpu_end = time.perf_counter(), time.process_time()
         threads_end = thread_cpu()
         committed = len(health.freshness_s)
@@ -319,8 +338,8 @@ def end_to_end(bootstrap: str, messages: list[tuple[bytes, bytes]], expected_ste
         tid = loop_tid[0] if loop_tid else None
         cpu_s = cpu_end - cpu_start
         split = {"whole_run": _cpu_by_role(threads0, threads_end, tid)}
-        if first is not None:
-            split["before_first_batch"] = _cpu_by_role(threads0, first[0], tid)
+        if first is not None:  # group join, restore, the first transaction
+            split["until_first_commit"] = _cpu_by_role(threads0, first[0], tid)
         steady = None
         if quarter is not None and committed > quarter[2]:
             split["steady"] = _cpu_by_role(quarter[0], threads_end, tid)
@@ -388,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
                              args.e2e_profile)
             reps.append(rep)
             note(f"end_to_end repeat {r + 1}/{args.e2e_repeats}: {rep['ops_per_s'] / 1e6:.3f} M ops/s "
-                 f"({rep['elapsed_s']:.2f} s from run(), first batch folded after "
+                 f"({rep['elapsed_s']:.2f} s from run(), first commit after "
                  f"{rep['first_batch_folded_after_s'] or float('nan'):.2f} s, {rep['transactions']} transactions; "
                  f"{rep['ms_cpu_per_step']:.3f} ms CPU a StepMetrics, steady "
                  f"{rep['steady']['ms_per_step'] if rep['steady'] else float('nan'):.3f})")
