@@ -19,7 +19,13 @@ of this process) against the broker: the same messages are pre-filled into a fre
 ``<prefix>.raw`` (12 partitions, keyed ``run/rank`` as the Monitor does), then the time
 runs from ``Processor.run()`` until every StepMetrics has been committed (the
 processor's own commit callback has seen them all). Group join and state restore are
-inside that time.
+inside that time. Its CPU is this process's (``ms_cpu_per_step``: per committed
+StepMetrics), split by thread (``cpu_by_thread_s``: the processor's loop thread,
+librdkafka's ``rdk:*`` threads, this benchmark's own waiting thread, the rest) for the whole
+run, until the first commit (group join, restore, the first transaction) and in the steady part
+(``steady``: from a quarter of the StepMetrics committed to the last, per StepMetrics;
+``ms_per_step_without_bench_main`` leaves out the benchmark's waiting thread).
+``--e2e-profile FILE`` writes a cProfile of the loop thread.
 
 Prints one JSON object on stdout; progress goes to stderr.
 """
@@ -27,6 +33,7 @@ Prints one JSON object on stdout; progress goes to stderr.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import os
 import statistics
 import sys
@@ -43,6 +50,7 @@ from _common import (
     envelope,
     note,
     summary,
+    thread_cpu,
     unique_prefix,
 )
 
@@ -238,8 +246,42 @@ def prefill(bootstrap: str, topics: Topics, messages: list[tuple[bytes, bytes]],
     return sent
 
 
+class _WatchedHealth(ProcessorHealth):
+    """The processor's health, with events for its first commit, a quarter and all of
+    ``expected`` StepMetrics committed."""
+
+    def __init__(self, expected: int) -> None:
+        super().__init__()
+        self.expected = expected
+        self.first, self.quarter, self.done = threading.Event(), threading.Event(), threading.Event()
+
+    def commit(self, counts: StageCounts, transaction: bool = False) -> None:
+        super().commit(counts, transaction)
+        self.first.set()
+        n = len(self.freshness_s)
+        if n >= self.expected // 4:
+            self.quarter.set()
+        if n >= self.expected:
+            self.done.set()
+
+
+def _cpu_by_role(before: dict[int, tuple[str, int]], after: dict[int, tuple[str, int]],
+                 loop_tid: int | None) -> dict[str, float]:
+    """CPU seconds between two ``thread_cpu()`` readings, by role: the processor's loop
+    thread, librdkafka's threads (``rdk:*``), the benchmark's own waiting thread and the rest
+    (the loop's deadline caller, the input watch)."""
+    out = {"loop": 0.0, "librdkafka": 0.0, "bench_main": 0.0, "other": 0.0}
+    main_tid = threading.main_thread().native_id
+    for tid, (name, ns) in after.items():
+        spent = (ns - before.get(tid, (name, 0))[1]) / 1e9
+        role = ("loop" if tid == loop_tid else "librdkafka" if name.startswith("rdk:")
+                else "bench_main" if tid == main_tid else "other")
+        out[role] += spent
+    return out
+
+
 def end_to_end(bootstrap: str, messages: list[tuple[bytes, bytes]], expected_steps: int, total_ops: int,
-               timeout: float, keep: bool) -> dict[str, Any]:
+               timeout: float, keep: bool, profile_to: str | None = None) -> dict[str, Any]:
     prefix = unique_prefix()
     topics = Topics(prefix)
     try:
@@ -247,28 +289,43 @@ def end_to_end(bootstrap: str, messages: list[tuple[bytes, bytes]], expected_ste
         t0 = time.perf_counter()
         prefill(bootstrap, topics, messages)
         fill_s = time.perf_counter() - t0
-        health = ProcessorHealth()
+        health = _WatchedHealth(expected_steps)
         processor = Processor(bootstrap, topics, group_id=f"{prefix}-g", instance_id="0", stages="steps",
                               health=health)
         stop = threading.Event()
         errors: list[BaseException] = []
+        loop_tid: list[int] = []
 
         def work() -> None:
+            loop_tid.append(threading.get_native_id())
+            profiler = cProfile.Profile() if profile_to else None
             try:
+                if profiler is not None:
+                    profiler.enable()
                 processor.run(stop)
             except BaseException as e:  # re-raised below
                 errors.append(e)
+            finally:
+                health.done.set()
+                if profiler is not None:
+                    profiler.disable()
+                    profiler.dump_stats(profile_to)
 
         thread = threading.Thread(target=work, name="bench-processor", daemon=True)
+        threads0 = thread_cpu()
         t_start, cpu_start = time.perf_counter(), time.process_time()
         thread.start()
-        t_first = None
+        # this thread's CPU counts in the process's: it sleeps on the commits' events, not in a poll loop
+        first = quarter = None  # (thread CPU, process CPU, steps committed) at those points
         deadline = t_start + timeout
-        while len(health.freshness_s) < expected_steps and not errors and time.perf_counter() < deadline:
-            if t_first is None and health.batches:
-                t_first = time.perf_counter()
-            time.sleep(0.002)
+        t_first = time.perf_counter() if health.first.wait(timeout) else None
+        if t_first is not None:
+            first = (thread_cpu(), time.process_time(), len(health.freshness_s))
+            if health.quarter.wait(max(deadline - time.perf_counter(), 0)):
+                quarter = (thread_cpu(), time.process_time(), len(health.freshness_s))
+            health.done.wait(max(deadline - time.perf_counter(), 0))
         t_end, cpu_end = time.perf_counter(), time.process_time()
+        threads_end = thread_cpu()
         committed = len(health.freshness_s)
         stop.set()
         thread.join(30)
@@ -278,13 +335,29 @@ def end_to_end(bootstrap: str, messages: list[tuple[bytes, bytes]], expected_ste
             raise SystemExit(f"end to end: only {committed} of {expected_steps} StepMetrics committed "
                              f"within {timeout} s")
         elapsed = t_end - t_start
+        tid = loop_tid[0] if loop_tid else None
+        cpu_s = cpu_end - cpu_start
+        split = {"whole_run": _cpu_by_role(threads0, threads_end, tid)}
+        if first is not None:  # group join, restore, the first transaction
+            split["until_first_commit"] = _cpu_by_role(threads0, first[0], tid)
+        steady = None
+        if quarter is not None and committed > quarter[2]:
+            split["steady"] = _cpu_by_role(quarter[0], threads_end, tid)
+            # process CPU per StepMetrics committed from a quarter of them to the last: the
+            # per-step cost without the group join, the restore and the first fetches
+            n = committed - quarter[2]
+            steady = {"steps": n, "cpu_s": cpu_end - quarter[1], "ms_per_step": (cpu_end - quarter[1]) / n * 1e3,
+                      "ms_per_step_without_bench_main": sum(
+                          v for k, v in split["steady"].items() if k != "bench_main") / n * 1e3,
+                      "ms_per_step_by_role": {k: v / n * 1e3 for k, v in split["steady"].items()}}
         return {"topic_prefix": prefix, "prefill_s": fill_s, "elapsed_s": elapsed,
                 "ops_per_s": total_ops / elapsed,
                 "first_batch_folded_after_s": (t_first - t_start) if t_first else None,
                 "ops_per_s_from_first_batch": total_ops / (t_end - t_first) if t_first else None,
                 "steps_committed": committed, "transactions": health.transactions,
                 # this process's CPU (the processor's threads, librdkafka's with its TLS): per CPU second
-                "cpu_s": cpu_end - cpu_start, "ops_per_cpu_s": total_ops / max(cpu_end - cpu_start, 1e-9),
+                "cpu_s": cpu_s, "ops_per_cpu_s": total_ops / max(cpu_s, 1e-9),
+                "ms_cpu_per_step": cpu_s / committed * 1e3, "cpu_by_thread_s": split, "steady": steady,
                 "steps_closed_per_s": committed / elapsed}
     finally:
         if not keep:
@@ -304,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-diagnostics", action="store_true",
                    help="skip the names-as-types and 8,192-op-batch variants")
     p.add_argument("--keep-topics", action="store_true", help="do not delete the benchmark's topics")
+    p.add_argument("--e2e-profile", metavar="FILE",
+                   help="cProfile the processor's loop thread in the end-to-end runs (pstats; the last run's)")
     args = p.parse_args(argv)
 
     cfg = SimConfig(run_id="bench-throughput", ranks=args.ranks, steps=args.steps,
@@ -328,14 +403,22 @@ def main(argv: list[str] | None = None) -> int:
         bootstrap = broker_bootstrap(args.bootstrap, args.kafka_config)
         reps = []
         for r in range(args.e2e_repeats):
-            rep = end_to_end(bootstrap, messages, len(truth), total_ops, args.e2e_timeout, args.keep_topics)
+            rep = end_to_end(bootstrap, messages, len(truth), total_ops, args.e2e_timeout, args.keep_topics,
+                             args.e2e_profile)
             reps.append(rep)
             note(f"end_to_end repeat {r + 1}/{args.e2e_repeats}: {rep['ops_per_s'] / 1e6:.3f} M ops/s "
-                 f"({rep['elapsed_s']:.2f} s from run(), first batch folded after "
-                 f"{rep['first_batch_folded_after_s'] or float('nan'):.2f} s, {rep['transactions']} transactions)")
+                 f"({rep['elapsed_s']:.2f} s from run(), first commit after "
+                 f"{rep['first_batch_folded_after_s'] or float('nan'):.2f} s, {rep['transactions']} transactions; "
+                 f"{rep['ms_cpu_per_step']:.3f} ms CPU a StepMetrics, steady "
+                 f"{rep['steady']['ms_per_step'] if rep['steady'] else float('nan'):.3f})")
         rates = [r["ops_per_s"] for r in reps]
         per_cpu = [r["ops_per_cpu_s"] for r in reps]
+        steady = [r["steady"]["ms_per_step"] for r in reps if r["steady"]]
         figures["end_to_end"] = {
+            "ms_cpu_per_step": [r["ms_cpu_per_step"] for r in reps],
+            "median_ms_cpu_per_step": statistics.median([r["ms_cpu_per_step"] for r in reps]),
+            "steady_ms_cpu_per_step": steady,
+            "median_steady_ms_cpu_per_step": statistics.median(steady) if steady else None,
             "ops_per_cpu_s": per_cpu, "ops_per_cpu_s_summary": summary(per_cpu),
             "label": "real Processor (step stage, one thread) on the broker, pre-filled topic: "
                      "op events / (Processor.run() start -> all StepMetrics committed)",

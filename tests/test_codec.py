@@ -619,7 +619,12 @@ def _fastavro_bytes(name: str, record: dict, version: int | None) -> bytes:
 ])
 def test_generated_writers_write_fastavros_bytes(monkeypatch, options):
     """Every record the processors write (StepMetrics of each version, RankCheckpoint, RankEnd,
-    Alert, RunStepMetrics, RunCheckpoint) is written byte for byte as fastavro writes it."""
+    Alert, RunStepMetrics, RunCheckpoint, StepPartial) is written byte for byte as fastavro
+    writes it."""
+    from profstream.kafka.topics import Topics
+    from profstream.processors.checkpoint import Record
+    from profstream.processors.health import StageCounts
+    from profstream.processors.runtime import StepStage
     from profstream.processors.stream import StepFigures, figures
     from profstream.simulate import SimConfig
     from tests.helpers import simulated_messages
@@ -642,7 +647,13 @@ def test_generated_writers_write_fastavros_bytes(monkeypatch, options):
         steps.feed(m)
     for stage, _ in steps._stages.values():  # the rank checkpoints of steps half way
         stage.changed_state()
-    assert {"StepMetrics", "RankCheckpoint", "RankEnd", "RunStepMetrics"} <= {name for name, *_ in written}
+    live = StepStage(Topics("w"), 3, StageCounts())  # the live stage's StepPartials too
+    for m in messages:
+        live.fold(Record("w.raw", 0, 0, m.key, m.value), 0.0)
+    assert live.ready(0.0)  # its ranks end: their partials go out with their ends
+    live.transaction_outputs()
+    assert {"StepMetrics", "RankCheckpoint", "RankEnd", "RunStepMetrics", "StepPartial"} <= {
+        name for name, *_ in written}
     for name, record, version, data in written:
         assert data == _fastavro_bytes(name, record, version), (name, version)
         sv = codec.CURRENT[name] if version is None else VERSIONS[(name, version)]

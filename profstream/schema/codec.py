@@ -304,9 +304,10 @@ _WRITE_DEFAULTS = {"StepMetrics": {"collectives": NO_COLLECTIVE_CALLS}}
 
 # The records the processors write once per rank-step (or more often): written by a writer
 # generated from their schema (schema/writer.py), the same bytes as fastavro's in a third of
-# the time; the rest (and any record the generated writer does not take) by fastavro.
+# the time (a StepPartial: ~3 against ~15 us); the rest (and any record the generated
+# writer does not take) by fastavro.
 COMPILED_WRITERS = frozenset({"StepMetrics", "RankCheckpoint", "Alert", "RankEnd", "RunStepMetrics", "RunCheckpoint",
-                              "RankProgress"})
+                              "RankProgress", "StepPartial"})
 _WRITERS: dict[int, Callable[[dict], bytes]] = {}  # fingerprint -> its generated writer
 
 
