@@ -32,6 +32,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 
 from profstream.processors.collectives import Calls, JoinedCalls, join_calls, unpack_calls
+from profstream.schema.rank_columns import rank_clock_columns
 
 WINDOW_STEPS = 32  # steps of samples per rank: long enough to be robust, short enough to follow drift
 MAX_DRIFT = 100e-6  # the fastest a host clock runs apart from another (a free-running crystal's 100 ppm)
@@ -220,16 +221,24 @@ class RunClocks:
         return dict(zip(r.tolist(), np.rint(self._offset[rows]).astype(np.int64).tolist()))
 
     def estimates(self, ranks: Iterable[int] | None = None) -> list[dict]:
-        """RunStepMetrics ``clock_offsets``: rank, offset_ns, error_ns, for the ranks with
-        an offset (of ``ranks``, else all), by rank."""
+        """RunStepMetrics v4's ``clock_offsets``: rank, offset_ns, error_ns, for the ranks
+        with an offset (of ``ranks``, else all), by rank."""
+        return [{"rank": x, "offset_ns": o, "error_ns": e} for x, o, e in
+                zip(*(a.tolist() for a in self.estimate_arrays(ranks)))]
+
+    def estimate_columns(self, ranks: Iterable[int] | None = None) -> dict:
+        """``estimates`` as RunStepMetrics v5's ``rank_clocks`` columns (schema/rank_columns.py)."""
+        return rank_clock_columns(*self.estimate_arrays(ranks))
+
+    def estimate_arrays(self, ranks: Iterable[int] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``estimates`` as arrays: the ranks, their offsets and error bounds (int64)."""
         r, rows = self._with_offset(ranks)
         order = np.argsort(r, kind="stable")
         r, rows = r[order], rows[order]
         error = np.ceil(self._error[rows])
         if not np.isfinite(error).all():
             raise OverflowError("a clock offset without bounds has no error to write")
-        return [{"rank": x, "offset_ns": o, "error_ns": e} for x, o, e in
-                zip(r.tolist(), np.rint(self._offset[rows]).astype(np.int64).tolist(), error.astype(np.int64).tolist())]
+        return r, np.rint(self._offset[rows]).astype(np.int64), error.astype(np.int64)
 
     def _with_offset(self, ranks: Iterable[int] | None) -> tuple[np.ndarray, np.ndarray]:
         """The ranks of ``ranks`` (else all) that have an offset, each once, and their rows."""

@@ -39,6 +39,7 @@ import numpy as np
 
 from profstream.schema.codec import NO_COLLECTIVE_CALLS
 from profstream.schema.groups import group_members
+from profstream.schema.rank_columns import NO_RANK_COLLECTIVES, rank_collective_columns
 
 # NCCL-tests' bus bandwidth factors (doc/PERFORMANCE.md of nccl-tests), n = group size
 _RING_TWICE = ("all_reduce", "allreduce")
@@ -169,8 +170,8 @@ def step_collectives(calls: Mapping[int, Calls], ranks: Sequence[int],
             np.stack([calls[r].cols[c] for r in reporting]) for c in ("start_ns", "end_ns")), reporting, offsets),
             np.stack([calls[r].cols["bytes"] for r in reporting]), reporting, ranks)
         if figures is not None:
-            return figures
-    return _any_calls(calls, reporting, ranks, offsets)
+            return _with_rank_rows(figures, False)
+    return _with_rank_rows(_any_calls(calls, reporting, ranks, offsets), False)
 
 
 class JoinedCalls(NamedTuple):
@@ -189,14 +190,16 @@ def join_calls(records: Mapping[int, dict]) -> JoinedCalls:
 
 def packed_step_collectives(records: Mapping[int, dict], ranks: Sequence[int],
                             unmeasured: Collection[int] = (), offsets: Mapping[int, int] | None = None,
-                            joined: JoinedCalls | None = None) -> dict:
+                            joined: JoinedCalls | None = None, packed: bool = False) -> dict:
     """``step_collectives`` of StepMetrics ``collectives`` records (``check_calls`` passed):
     where every rank's names, groups and sequence numbers are the same bytes, the matrices
     are read straight from the ranks' columns joined; else each record is unpacked.
     ``unmeasured``: ranks that reported the step without ops (``without_unmeasured``);
     ``offsets``: each rank's clock against the run's (ns); ``joined``: ``join_calls`` of
-    ``records``, where the caller has it already."""
-    figures = _packed_step_collectives(records, ranks, offsets, joined or join_calls(records))
+    ``records``, where the caller has it already; ``packed``: the per-rank figures as
+    RunStepMetrics v5's ``rank_collectives`` columns, not v4's ``collective_ranks``."""
+    figures = _with_rank_rows(_packed_step_collectives(records, ranks, offsets, joined or join_calls(records)),
+                              packed)
     if unmeasured and figures["unmatched_collectives"]:
         figures["unmatched_collectives"] = without_unmeasured(figures["unmatched_collectives"], unmeasured)
     return figures
@@ -417,15 +420,10 @@ def _figures(name_of: list[str], reporting: list[int], wait_by: np.ndarray, tran
     if held_by.max() > 0:
         late_i = int(np.argmax(held_by))  # lowest rank on ties
         late_rank = reporting[late_i]
-    slowest_ns, slowest_coll = slowest[0].tolist(), slowest[1].tolist()
     return {
         "collectives_matched": matched,
-        "collective_ranks": [{"rank": r, "wait_ns": int(w), "transfer_ns": int(t),
-                              "slowest_collective": name_of[c], "slowest_ns": int(d)} if timed else
-                             {"rank": r, "wait_ns": int(w), "transfer_ns": None, "slowest_collective": None,
-                              "slowest_ns": None}
-                             for r, w, t, d, c, timed in zip(reporting, wait_by.tolist(), transfer_by.tolist(),
-                                                             slowest_ns, slowest_coll, timed_by.tolist())],
+        "collective_ranks": RankCollectives(name_of, np.asarray(reporting, np.int64), wait_by, transfer_by,
+                                            slowest[0], slowest[1], timed_by),
         "by_collective": kinds,
         "late_rank": late_rank,
         "late_rank_held_ns": held_ns(late_i) if late_i is not None else 0,
@@ -434,6 +432,46 @@ def _figures(name_of: list[str], reporting: list[int], wait_by: np.ndarray, tran
              "missing": _missing(name_of[g], arrived, expected, everyone), "expected": expected}
             for c, g, q, arrived, expected in unmatched],
     }
+
+
+class RankCollectives(NamedTuple):
+    """RunStepMetrics ``collective_ranks`` as arrays, one entry per reporting rank (by rank):
+    its wait, transfer, slowest call's time and name (an index in ``names``); ``timed``:
+    whether it knows the end of any of its calls (the last three are None, not measured,
+    where it knows none)."""
+
+    names: list[str]
+    ranks: np.ndarray
+    wait_ns: np.ndarray
+    transfer_ns: np.ndarray
+    slowest_ns: np.ndarray
+    slowest: np.ndarray
+    timed: np.ndarray
+
+    def listed(self) -> list[dict]:
+        """v4's ``collective_ranks``: a record per rank."""
+        name_of = self.names
+        return [{"rank": r, "wait_ns": int(w), "transfer_ns": int(t), "slowest_collective": name_of[c],
+                 "slowest_ns": int(d)} if timed else
+                {"rank": r, "wait_ns": int(w), "transfer_ns": None, "slowest_collective": None, "slowest_ns": None}
+                for r, w, t, d, c, timed in zip(self.ranks.tolist(), self.wait_ns.tolist(), self.transfer_ns.tolist(),
+                                                self.slowest_ns.tolist(), self.slowest.tolist(), self.timed.tolist())]
+
+    def columns(self) -> dict:
+        """RunStepMetrics v5's ``rank_collectives`` (schema/rank_columns.py)."""
+        return rank_collective_columns(self.names, self.ranks, self.wait_ns, self.transfer_ns, self.slowest_ns,
+                                       self.slowest, self.timed)
+
+
+def _with_rank_rows(figures: dict, packed: bool) -> dict:
+    """``figures`` with their ``collective_ranks`` as v4's list of records, or (``packed``)
+    as v5's ``rank_collectives`` columns in their place."""
+    per_rank = figures.pop("collective_ranks")
+    if packed:
+        figures["rank_collectives"] = per_rank.columns() if per_rank else dict(NO_RANK_COLLECTIVES)
+    else:
+        figures["collective_ranks"] = per_rank.listed() if per_rank else []
+    return figures
 
 
 def _missing(group: str, arrived: list[int], expected: int, everyone: list[int]) -> list[int]:
