@@ -146,7 +146,11 @@ class RunClocks:
 
     def _write(self, ranks: list[int], sample: np.ndarray, lo: np.ndarray, hi: np.ndarray, at_ns: float) -> None:
         """One step's column of the window: per rank of ``ranks`` its sample and bounds."""
-        new = [x for x in ranks if x not in self._row]
+        r = np.asarray(ranks, np.int64)
+        known = np.zeros(len(r), bool)
+        inside = (r >= 0) & (r < len(self._lookup))
+        known[inside] = self._lookup[r[inside]] >= 0
+        new = r[~known].tolist()  # the ranks without a row yet (an array test: 16,384 ranks a step)
         if new:
             self._grow(new)
         col = self._pos % self.window
@@ -154,7 +158,7 @@ class RunClocks:
         for ring in (self._sample, self._lo, self._hi):
             ring[:, col] = np.nan
         self._time[col] = at_ns
-        rows = self._lookup[np.array(ranks, np.int64)]
+        rows = self._lookup[r]
         self._sample[rows, col] = sample
         self._lo[rows, col] = lo
         self._hi[rows, col] = hi
@@ -220,6 +224,20 @@ class RunClocks:
         r, rows = self._with_offset(ranks)
         return dict(zip(r.tolist(), np.rint(self._offset[rows]).astype(np.int64).tolist()))
 
+    def offset_column(self, ranks: np.ndarray) -> np.ndarray:
+        """``offsets`` of ``ranks`` (each once) as an array in their order, 0 where a rank has
+        none (it keeps its own clock): what the collective figures take off its times."""
+        r = np.asarray(ranks, np.int64)
+        rows = np.full(len(r), -1, np.int64)
+        inside = (r >= 0) & (r < len(self._lookup))
+        rows[inside] = self._lookup[r[inside]]
+        at = np.flatnonzero(rows >= 0)
+        value = self._offset[rows[at]]
+        known = ~np.isnan(value)
+        out = np.zeros(len(r), np.int64)
+        out[at[known]] = np.rint(value[known]).astype(np.int64)
+        return out
+
     def estimates(self, ranks: Iterable[int] | None = None) -> list[dict]:
         """RunStepMetrics v4's ``clock_offsets``: rank, offset_ns, error_ns, for the ranks
         with an offset (of ``ranks``, else all), by rank."""
@@ -247,7 +265,9 @@ class RunClocks:
             rows = np.arange(len(r))
         else:
             r = ranks if isinstance(ranks, np.ndarray) else np.fromiter(ranks, np.int64)
-            r = np.unique(r.astype(np.int64, copy=False))
+            r = r.astype(np.int64, copy=False)
+            if len(r) > 1 and not (r[1:] > r[:-1]).all():  # sorted, each once already: the run stage's
+                r = np.unique(r)
             r = r[(r >= 0) & (r < len(self._lookup))]
             rows = self._lookup[r]
             r, rows = r[rows >= 0], rows[rows >= 0]

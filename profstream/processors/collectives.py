@@ -153,7 +153,7 @@ _NO_FIGURES = {"collectives_matched": 0, "collective_ranks": [], "by_collective"
 
 
 def step_collectives(calls: Mapping[int, Calls], ranks: Sequence[int],
-                     offsets: Mapping[int, int] | None = None) -> dict:
+                     offsets: Mapping[int, int] | np.ndarray | None = None) -> dict:
     """The collective figures of one step from ``{rank: its calls}``; ``ranks``: every rank
     of the run (those that did not report the step included). Fields as in
     RunStepMetrics (run_step_metrics.v2.avsc). Arithmetic on arrays over all ranks' calls:
@@ -189,13 +189,14 @@ def join_calls(records: Mapping[int, dict]) -> JoinedCalls:
 
 
 def packed_step_collectives(records: Mapping[int, dict], ranks: Sequence[int],
-                            unmeasured: Collection[int] = (), offsets: Mapping[int, int] | None = None,
+                            unmeasured: Collection[int] = (), offsets: Mapping[int, int] | np.ndarray | None = None,
                             joined: JoinedCalls | None = None, packed: bool = False) -> dict:
     """``step_collectives`` of StepMetrics ``collectives`` records (``check_calls`` passed):
     where every rank's names, groups and sequence numbers are the same bytes, the matrices
     are read straight from the ranks' columns joined; else each record is unpacked.
     ``unmeasured``: ranks that reported the step without ops (``without_unmeasured``);
-    ``offsets``: each rank's clock against the run's (ns); ``joined``: ``join_calls`` of
+    ``offsets``: each rank's clock against the run's (ns; or an array of them in the order
+    of the ranks with calls, ``_shifts``); ``joined``: ``join_calls`` of
     ``records``, where the caller has it already; ``packed``: the per-rank figures as
     RunStepMetrics v5's ``rank_collectives`` columns, not v4's ``collective_ranks``."""
     figures = _with_rank_rows(_packed_step_collectives(records, ranks, offsets, joined or join_calls(records)),
@@ -219,7 +220,7 @@ def without_unmeasured(unmatched: list[dict], unmeasured: Collection[int]) -> li
 
 
 def _packed_step_collectives(records: Mapping[int, dict], ranks: Sequence[int],
-                             offsets: Mapping[int, int] | None, joined: JoinedCalls) -> dict:
+                             offsets: Mapping[int, int] | np.ndarray | None, joined: JoinedCalls) -> dict:
     reporting, same = joined
     if not reporting:
         return dict(_NO_FIGURES)
@@ -248,12 +249,22 @@ def same_calls(records: Mapping[int, dict], reporting: list[int]) -> tuple[dict,
 
 
 def _on_run_clock(start: np.ndarray, end: np.ndarray, reporting: list[int],
-                  offsets: Mapping[int, int] | None) -> tuple[np.ndarray, np.ndarray]:
+                  offsets: Mapping[int, int] | np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
     """Rank x call ``start`` and ``end`` less each rank's clock offset."""
-    if not offsets:
+    if offsets is None or not len(offsets):
         return start, end
-    shift = np.array([offsets.get(r, 0) for r in reporting], np.int64)[:, None]
+    shift = _shifts(offsets, reporting)[:, None]
     return start - shift, end - shift
+
+
+def _shifts(offsets: Mapping[int, int] | np.ndarray, reporting: list[int]) -> np.ndarray:
+    """Each reporting rank's clock offset (0: none): ``offsets`` maps rank -> ns, or is an
+    array of them already in ``reporting``'s order (the run stage's: no dict of every rank)."""
+    if isinstance(offsets, np.ndarray):
+        if len(offsets) != len(reporting):
+            raise ValueError("an offsets array must have one entry per reporting rank")
+        return offsets.astype(np.int64, copy=False)
+    return np.array([offsets.get(r, 0) for r in reporting], np.int64)
 
 
 def check_calls(record: dict) -> None:
@@ -312,7 +323,7 @@ def _aligned(names: list[str], cols: dict[str, np.ndarray], start: np.ndarray, e
 
 
 def _any_calls(calls: Mapping[int, Calls], reporting: list[int], ranks: Sequence[int],
-               offsets: Mapping[int, int] | None = None) -> dict:
+               offsets: Mapping[int, int] | np.ndarray | None = None) -> dict:
     """step_collectives on the rows of every rank's calls, sorted by (group, seq, rank)."""
     # one dictionary for the names of every rank
     names: dict[str, int] = {}
@@ -325,8 +336,8 @@ def _any_calls(calls: Mapping[int, Calls], reporting: list[int], ranks: Sequence
     coll = np.concatenate([p[1] for p in parts])
     group = np.concatenate([p[2] for p in parts])
     col = {c: np.concatenate([p[3][c] for p in parts]).astype(np.int64) for c, _ in CALL_COLUMNS[2:]}
-    if offsets:
-        shift = np.array([offsets.get(r, 0) for r in reporting], np.int64)[np.searchsorted(reporting, rank)]
+    if offsets is not None and len(offsets):
+        shift = _shifts(offsets, reporting)[np.searchsorted(reporting, rank)]
         col["start_ns"] -= shift
         col["end_ns"] -= shift
     order = np.lexsort((rank, col["seq"], group))
@@ -413,7 +424,7 @@ def _figures(name_of: list[str], reporting: list[int], wait_by: np.ndarray, tran
     and slowest call are None, not measured, where it knows none); ``held``: per rank the
     other ranks' waits for it summed, and a function of a rank's index that says the most
     one other rank waited for it (no rank x rank matrix: 2 GB at 16,384 ranks)."""
-    everyone = sorted(set(ranks) | set(reporting))
+    everyone = sorted(set(ranks) | set(reporting)) if unmatched else []  # whose call is missing: unmatched only
     late_rank = None
     late_i = None
     held_by, held_ns = held

@@ -588,7 +588,7 @@ class RunStage:
         record = {"run_id": run_id, "step": step, **rank_figures_of(merged.ranks, merged.step_time_ns),
                   "step_times": step_time_columns(merged.ranks, merged.step_time_ns),
                   **packed_step_collectives(calls, list(everyone), merged.unmeasured - always_on,
-                                            clocks.offsets(calls.ranks), joined, packed=True),
+                                            clocks.offset_column(calls.ranks), joined, packed=True),
                   "work": run_work_of(merged.work_ranks, merged.work, merged.work_present),
                   "rank_clocks": clocks.estimate_columns(calls.ranks)}
         self.counts.run_steps += 1
