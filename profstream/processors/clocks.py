@@ -155,25 +155,32 @@ class RunClocks:
             self._grow(new)
         col = self._pos % self.window
         self._pos += 1
-        for ring in (self._sample, self._lo, self._hi):
-            ring[:, col] = np.nan
         self._time[col] = at_ns
         rows = self._lookup[r]
+        if len(rows) == len(self._ranks) and (rows == np.arange(len(rows))).all():
+            # every row in order (each rank of the run in the step's calls): whole columns, no gathers
+            self._sample[:, col], self._lo[:, col], self._hi[:, col] = sample, lo, hi
+            self._estimate(slice(None))
+            return
+        for ring in (self._sample, self._lo, self._hi):
+            ring[:, col] = np.nan
         self._sample[rows, col] = sample
         self._lo[rows, col] = lo
         self._hi[rows, col] = hi
         self._estimate(rows)
 
-    def _estimate(self, rows: np.ndarray) -> None:
-        """Offsets of ``rows`` from their windows: median clipped into [max lo, min hi], each
-        step's bounds widened by the drift they may have seen since (MAX_DRIFT)."""
+    def _estimate(self, rows: np.ndarray | slice) -> None:
+        """Offsets of ``rows`` (or every row: ``slice(None)``) from their windows: median
+        clipped into [max lo, min hi], each step's bounds widened by the drift they may have
+        seen since (MAX_DRIFT)."""
         med = _nanmedian_rows(self._sample[rows])
         now = np.nanmax(self._time)
         widen = MAX_DRIFT * np.nan_to_num(now - self._time, nan=0.0)
         lo = np.nanmax(self._lo[rows] - widen, axis=1)
         hi = np.nanmin(self._hi[rows] + widen, axis=1)
-        for i in np.flatnonzero(lo > hi).tolist():  # the window's bounds disagree (the clock moved within
-            lo[i], hi[i] = self._newest_bounds(int(rows[i]))  # it): the newest step's
+        for i in np.flatnonzero(lo > hi).tolist():  # the window's bounds disagree (the clock moved
+            row = i if isinstance(rows, slice) else int(rows[i])  # within it): the newest step's
+            lo[i], hi[i] = self._newest_bounds(row)
         offset = np.clip(med, lo, hi)
         self._offset[rows] = offset
         self._error[rows] = np.maximum(hi - offset, offset - lo)
