@@ -76,3 +76,28 @@ def test_a_v5_body_with_columns_of_different_lengths_is_a_decode_error_not_a_cra
     with pytest.raises(DecodeError) as e:
         decode("RunStepMetrics", encode("RunStepMetrics", record))
     assert e.value.reason == "malformed" and "differ in length" in str(e.value)
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+def test_run_steps_written_to_files_keep_v4s_columns(tmp_path, fmt):
+    """`replay --offline` writes the run steps it decodes to a table whose columns are the
+    shape decode gives (v4's: step_times_ns, collective_ranks, clock_offsets), not v5's."""
+    import json
+
+    from profstream.offline.record_files import RecordWriter
+
+    run = decode("RunStepMetrics", encode_run_step_metrics(decode("RunStepMetrics",
+                                                                  (DATA / "runstepmetrics-v4.bin").read_bytes())))
+    writer = RecordWriter(tmp_path / f"run_steps.{fmt}", "RunStepMetrics", fmt)
+    writer.write(run)
+    writer.close()
+    if fmt == "jsonl":
+        assert json.loads((tmp_path / "run_steps.jsonl").read_text()) == run
+        return
+    import pandas as pd
+
+    table = pd.read_parquet(tmp_path / "run_steps.parquet")
+    row = table.iloc[0]
+    assert dict(row["step_times_ns"]) == {"0": 10, "1": 14, "2": 12}
+    assert [c["rank"] for c in row["clock_offsets"]] == [1, 2]
+    assert [c["transfer_ns"] for c in row["collective_ranks"]] == [1, None, 5]

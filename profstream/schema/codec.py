@@ -300,6 +300,18 @@ for _v in _VERSIONS:
     CURRENT[_v.name] = _v
 
 
+# The version whose fields are the shape decode gives, where the current one's are not:
+# RunStepMetrics v5 packs v4's per-rank lists and reads as v4 (rank_columns.expanded).
+_READ_SHAPES = {"RunStepMetrics": 4}
+
+
+def read_schema(name: str) -> Any:
+    """The parsed schema of the records ``decode`` gives for ``name`` (e.g. for a table of
+    them): the current version's, or for RunStepMetrics v4's."""
+    version = _READ_SHAPES.get(name)
+    return (CURRENT[name] if version is None else VERSIONS[(name, version)]).parsed
+
+
 # Defaults the writer fills in for a record without the field: fastavro writes a schema
 # default as given, and a JSON default of an Avro bytes field is a string it cannot write.
 _WRITE_DEFAULTS = {"StepMetrics": {"collectives": NO_COLLECTIVE_CALLS}}
