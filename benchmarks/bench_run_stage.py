@@ -14,8 +14,11 @@ step's ranks split over ``--partitions`` input partitions (one partial each, as 
 transaction of the step stage sends them). Also timed for ``partials``: what the step
 stage spends on them (``PartialBuilder.add`` per rank-step, the partials' encoding per
 run step). Every run step must come out once with every rank and every call matched;
-``digest`` is a hash of every RunStepMetrics message, equal where the figures are;
-``run_step_metrics_encode_ms``: encoding one RunStepMetrics alone (in the run step's time).
+``digest`` is a hash of every RunStepMetrics message (the bytes: equal within one
+schema version); ``figures_digest`` a hash of every decoded RunStepMetrics (equal where
+the figures are, whichever version wrote them); ``run_step_metrics_bytes``: the size of
+one; ``run_step_metrics_encode_ms``: encoding one RunStepMetrics alone (in the run step's
+time).
 
 Run it with PYTHONPATH pointing at the checkout to measure (``--input stepmetrics``
 works on checkouts from before partials). Prints one JSON object on stdout; progress on
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import statistics
 import time
 from collections import namedtuple
@@ -116,12 +120,13 @@ def inputs(ranks: int, steps: int, calls: int, mode: str, partitions: int) -> tu
     return out, cost
 
 
-def run_stage(per_step: list[list[bytes]], ranks: int, calls: int) -> tuple[list[float], str, float]:
-    """CPU seconds per run step (fold + ready), the digest of the RunStepMetrics, and the
-    CPU seconds of encoding the last one alone (its share of a run step)."""
+def run_stage(per_step: list[list[bytes]], ranks: int, calls: int) -> tuple[list[float], str, str, int, float]:
+    """CPU seconds per run step (fold + ready), the digests of the RunStepMetrics (bytes,
+    figures), the size of the last, and the CPU seconds of encoding it alone (its share of
+    a run step)."""
     topics = Topics("bench")
     stage = RunStage(topics, StageCounts(keep_step_ends=False), grace_s=3600.0)
-    digest = hashlib.sha256()
+    digest, figures = hashlib.sha256(), hashlib.sha256()
     times, offset = [], 0
     for step, values in enumerate(per_step):
         c0 = time.thread_time()
@@ -136,9 +141,15 @@ def run_stage(per_step: list[list[bytes]], ranks: int, calls: int) -> tuple[list
         if m["ranks_reported"] != ranks or m["collectives_matched"] != calls:
             raise SystemExit(f"step {step}: {m['ranks_reported']} ranks, {m['collectives_matched']} calls matched")
         digest.update(out[0])
+        figures.update(json.dumps(m, sort_keys=True).encode())
+    try:  # RunStepMetrics v5: the run stage hands the encoder columns, packed here untimed
+        from profstream.schema.rank_columns import packed
+        m = packed(m)
+    except ImportError:  # a checkout from before v5: the record as decoded is what it encodes
+        pass
     c0 = time.thread_time()
     encode_run_step_metrics(m)
-    return times, digest.hexdigest()[:16], time.thread_time() - c0
+    return times, digest.hexdigest()[:16], figures.hexdigest()[:16], len(out[0]), time.thread_time() - c0
 
 
 def main() -> None:
@@ -156,16 +167,17 @@ def main() -> None:
         per_step, cost = inputs(ranks, args.steps, args.calls, args.input, args.partitions)
         runs, digests, encoding = [], set(), []
         for i in range(args.repeats):
-            times, digest, encode_s = run_stage(per_step, ranks, args.calls)
+            times, digest, figures, size, encode_s = run_stage(per_step, ranks, args.calls)
             runs.append(statistics.median(times[1:] or times) * 1e3)  # the first step also sets the clocks' rows up
             encoding.append(encode_s * 1e3)
-            digests.add(digest)
-            note(f"  repeat {i}: {runs[-1]:.2f} ms per run step (digest {digest})")
+            digests.add((digest, figures))
+            note(f"  repeat {i}: {runs[-1]:.2f} ms per run step (digest {digest}, figures {figures})")
         if len(digests) != 1:
             raise SystemExit(f"repeats differ: {digests}")
+        digest, figures = digests.pop()
         results[str(ranks)] = {"ms_per_run_step": summary(runs), "us_per_rank": statistics.median(runs) / ranks * 1e3,
-                               "run_step_metrics_encode_ms": statistics.median(encoding), "digest": digests.pop(),
-                               **cost}
+                               "run_step_metrics_encode_ms": statistics.median(encoding), "digest": digest,
+                               "figures_digest": figures, "run_step_metrics_bytes": size, **cost}
     emit(envelope("bench_run_stage", args, {
         "metric": "run stage CPU per run step (fold + ready), one thread, no Kafka", "results": results}))
 

@@ -221,9 +221,10 @@ def test_processed_records_round_trip():
     run_work = {**run, "work": {"ranks": 2, "tokens_per_s": 8e5, "samples_per_s": None, "flops_per_s": 3e14,
                                 "mean_mfu": 0.4, "min_mfu": 0.38, "min_mfu_rank": 1, "mfu_ranks": 2}}
     data = encode_run_step_metrics(run_work)
-    assert data[:10] == VERSIONS[("RunStepMetrics", 3)].header
+    assert data[:10] == VERSIONS[("RunStepMetrics", 5)].header  # every run step: the per-rank lists as columns
     assert decode("RunStepMetrics", data) == {**run_work, "clock_offsets": []}
-    assert encode_run_step_metrics(run)[:10] == VERSIONS[("RunStepMetrics", 2)].header  # v2 readers read it
+    for version in (3, 4):  # what older processors wrote still reads the same
+        assert decode("RunStepMetrics", encode("RunStepMetrics", run_work, version)) == decode("RunStepMetrics", data)
     alert = {"name": "DataQueueStall", "state": "firing", "run_id": "r", "rank": 0, "step": 24, "ts_ns": 5,
              "summary": "starved", "evidence": {"data_wait_ns": 3.0}}
     assert decode("Alert", encode("Alert", alert)) == alert
@@ -686,7 +687,8 @@ def test_a_run_step_of_many_ranks_fits_one_kafka_message(ranks, collectives):
     """A RunStepMetrics lists every rank's step time (and, with collectives, every rank's wait
     and clock offset): at 16,384 ranks with collectives (waits under a second, offsets under
     a millisecond) and at 65,536 without, it fits the message size every profstream client
-    and topic uses (docs/deploy.md, "16,384 ranks and more")."""
+    and topic uses (docs/deploy.md, "16,384 ranks and more"), in under two thirds of v4's
+    bytes, and reads back whole."""
     from profstream.kafka.limits import MAX_MESSAGE_BYTES
     from profstream.processors.ranks import rank_figures
 
@@ -701,5 +703,9 @@ def test_a_run_step_of_many_ranks_fits_one_kafka_message(ranks, collectives):
                                          "slowest_collective": "all_reduce", "slowest_ns": 999_999_999}
                                         for r in range(ranks)],
                       clock_offsets=[{"rank": r, "offset_ns": -999_999, "error_ns": 99_999} for r in range(ranks)])
-    size = len(encode_run_step_metrics(record))
+    data = encode_run_step_metrics(record)
+    size = len(data)
     assert size <= MAX_MESSAGE_BYTES, f"{size} bytes at {ranks} ranks, over {MAX_MESSAGE_BYTES}"
+    # v5's columns: ranks in order a byte each, values as varints; v4 took a record per rank
+    assert size < 0.65 * len(encode("RunStepMetrics", record, 4))
+    assert decode("RunStepMetrics", data) == record

@@ -23,6 +23,7 @@ from profstream.schema.codec import (
     decode_any,
     encode_run_step_metrics,
 )
+from profstream.schema.rank_columns import NO_RANK_CLOCKS, expanded
 from profstream.sinks.collective_metrics import collective_lines, run_collectives
 from tests.test_codec import assert_same_batch, random_batch
 
@@ -69,12 +70,12 @@ def test_only_records_with_collectives_are_written_as_the_new_versions():
     """Batches, steps and cross-rank steps without collectives keep the versions before
     them (older readers read them whole); with collectives they are EventBatch v6 (v8 when
     a mark carries work or losses), StepMetrics v5 (v6 only for steps without ops, v7 for
-    partial steps, v8 with work figures, v9 with each loader worker's figures), RunStepMetrics v2 (v3 with work, v4 with clock
-    offsets)."""
+    partial steps, v8 with work figures, v9 with each loader worker's figures); RunStepMetrics
+    are all v5 (the per-rank lists as columns), and v1 to v4 still read."""
     from profstream.schema.codec import VERSIONS, encode_run_step_metrics, encode_step_metrics
 
     assert (CURRENT["EventBatch"].version, CURRENT["StepMetrics"].version, CURRENT["RunStepMetrics"].version) == (
-        8, 9, 4)
+        8, 9, 5)
     data = encode_batch(random_batch(3, 10, losses=False, work=False))
     assert data[:10] == VERSIONS[("EventBatch", 6)].header and decode_batch(data).n("collectives") == 5
     assert encode_batch(random_batch(3, 10, collectives=False, losses=False, work=False))[:10] == \
@@ -86,11 +87,10 @@ def test_only_records_with_collectives_are_written_as_the_new_versions():
     assert encode_step_metrics(with_calls)[:10] == VERSIONS[("StepMetrics", 5)].header
     assert decode("StepMetrics", encode_step_metrics(with_calls)) == with_calls
     run = decode("RunStepMetrics", (DATA / "runstepmetrics-v1.bin").read_bytes())
-    assert encode_run_step_metrics(run) == (DATA / "runstepmetrics-v1.bin").read_bytes()
-    assert encode_run_step_metrics({**run, "collectives_matched": 1})[:10] == VERSIONS[("RunStepMetrics", 2)].header
+    assert encode_run_step_metrics(run)[:10] == VERSIONS[("RunStepMetrics", 5)].header
+    assert decode("RunStepMetrics", encode_run_step_metrics(run)) == run
     clocked = {**run, "collectives_matched": 1, "clock_offsets": [{"rank": 1, "offset_ns": -5_000_000,
                                                                    "error_ns": 900_000}]}
-    assert encode_run_step_metrics(clocked)[:10] == VERSIONS[("RunStepMetrics", 4)].header
     assert decode("RunStepMetrics", encode_run_step_metrics(clocked)) == clocked
 
 
@@ -177,12 +177,17 @@ def test_ranks_with_the_same_calls_get_the_figures_of_the_general_matching(seed,
                                             int(rng.integers(1, 10)) * 1000, int(start[j]), int(end[j]))
                              for j in order.tolist()])
     everyone, reporting = list(range(nr + 1)), list(range(nr))
-    general = collectives._any_calls(calls, reporting, everyone)
+    general = collectives._with_rank_rows(collectives._any_calls(calls, reporting, everyone), False)
     packed = {r: pack_calls(c) for r, c in calls.items()}
     with monkeypatch.context() as m:  # both entry points take the matrices here
         m.setattr(collectives, "_any_calls", lambda *a: pytest.fail("rows sorted where every rank had the same calls"))
         assert step_collectives(calls, everyone) == general
         assert collectives.packed_step_collectives(packed, everyone) == general
+    # as RunStepMetrics v5's columns (the run stage's), the same figures per rank
+    columns = collectives.packed_step_collectives(packed, everyone, packed=True)
+    assert "collective_ranks" not in columns
+    run_step = expanded({**columns, "step_times": {"ranks": b"", "step_time_ns": b""}, "rank_clocks": NO_RANK_CLOCKS})
+    assert run_step["collective_ranks"] == general["collective_ranks"]
     perm = rng.permutation(k)  # a rank with its calls in another order: sorted rows, the same figures
     packed[0] = pack_calls(collectives.Calls(calls[0].names, {c: a[perm] for c, a in calls[0].cols.items()}))
     assert collectives.packed_step_collectives(packed, everyone) == general

@@ -5,17 +5,26 @@ runs both stages through the broker)."""
 
 from __future__ import annotations
 
+import json
 from collections import namedtuple
+from pathlib import Path
 
 import numpy as np
 
 from profstream.kafka.topics import Topics
-from profstream.processors.collectives import CollectiveCall, calls_of, pack_calls
+from profstream.processors.collectives import (
+    Calls,
+    CollectiveCall,
+    calls_of,
+    pack_calls,
+    unpack_calls,
+)
 from profstream.processors.health import ProcessorHealth, StageCounts
 from profstream.processors.partials import PartialBuilder
 from profstream.processors.runtime import RunStage, StepStage
 from profstream.schema.codec import (
     NO_COLLECTIVE_CALLS,
+    VERSIONS,
     decode,
     encode,
     encode_step_metrics,
@@ -26,6 +35,7 @@ from tests.test_step_stage import Streams
 Rec = namedtuple("Rec", "topic partition offset key value")
 MS = 1_000_000
 RANKS = 8
+DATA = Path(__file__).parent / "data"
 
 
 def _metrics(rank: int, step: int, calls: list[CollectiveCall], op_count: int = 50, step_ms: float = 100.0,
@@ -189,3 +199,32 @@ def test_a_run_step_too_large_for_a_message_goes_to_the_dead_letter_topic_and_th
     health.commit(stage.counts)  # what the processor's /metrics says once the transaction commits
     errors = next(f for f in health.collect() if f.name == "profstream_decode_errors")
     assert {s.labels["reason"]: s.value for s in errors.samples if s.name.endswith("_total")}["too_large"] == len(too_large)
+
+
+def _untimed(reports: list[dict]) -> list[dict]:
+    """``reports`` with rank 3's calls of step 0 without ends (gloo's Flight Recorder)."""
+    out = []
+    for m in reports:
+        if m["rank"] == 3 and m["step"] == 0:
+            c = unpack_calls(m["collectives"])
+            m = {**m, "collectives": pack_calls(Calls(c.names, {**c.cols, "end_ns": c.cols["start_ns"] - 1}))}
+        out.append(m)
+    return out
+
+
+def test_run_steps_written_as_v5_columns_read_as_the_v4_records_of_the_same_run_steps():
+    """The RunStepMetrics main's run stage wrote (v4 and older, before the per-rank lists
+    became columns) for these reports, kept in tests/data: the run stage now writes v5, and
+    decoded it gives those records exactly (every rank's step time, wait, transfer, slowest
+    call and clock offset; an untimed rank's figures null), from StepMetrics and from partials."""
+    kept = json.loads((DATA / "runsteps-v4-of-reports.json").read_text())
+    for name, reports in (("reports", _reports()), ("untimed", _untimed(_reports()))):
+        v4 = [decode("RunStepMetrics", bytes.fromhex(x)) for x in kept[name]]
+        by_step = [[m for m in reports if m["step"] == s] for s in range(3)]
+        for messages in (_run([encode_step_metrics(m) for m in reports]),
+                         _run([v for step in by_step for v in _partials(step, 3)])):
+            assert {m[:10] for m in messages} == {VERSIONS[("RunStepMetrics", 5)].header}
+            assert [decode("RunStepMetrics", m) for m in messages] == v4
+    first = {name: decode("RunStepMetrics", bytes.fromhex(kept[name][0])) for name in kept}  # what was compared
+    assert len(first["reports"]["clock_offsets"]) == RANKS and len(first["reports"]["step_times_ns"]) == RANKS
+    assert {r["rank"]: r["transfer_ns"] for r in first["untimed"]["collective_ranks"]}[3] is None

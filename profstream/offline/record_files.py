@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from profstream.processors.collectives import readable_calls
-from profstream.schema.codec import CURRENT
+from profstream.schema.codec import read_schema
 
 
 def arrow_schema(record_name: str):
@@ -39,7 +39,7 @@ def arrow_schema(record_name: str):
             return pa.string(), False
         return convert(kind)
 
-    return pa.schema(convert(_plain(CURRENT[record_name].parsed))[0])
+    return pa.schema(convert(_plain(read_schema(record_name)))[0])
 
 
 def _plain(schema: Any) -> Any:

@@ -32,6 +32,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 
 from profstream.processors.collectives import Calls, JoinedCalls, join_calls, unpack_calls
+from profstream.schema.rank_columns import rank_clock_columns
 
 WINDOW_STEPS = 32  # steps of samples per rank: long enough to be robust, short enough to follow drift
 MAX_DRIFT = 100e-6  # the fastest a host clock runs apart from another (a free-running crystal's 100 ppm)
@@ -145,30 +146,41 @@ class RunClocks:
 
     def _write(self, ranks: list[int], sample: np.ndarray, lo: np.ndarray, hi: np.ndarray, at_ns: float) -> None:
         """One step's column of the window: per rank of ``ranks`` its sample and bounds."""
-        new = [x for x in ranks if x not in self._row]
+        r = np.asarray(ranks, np.int64)
+        known = np.zeros(len(r), bool)
+        inside = (r >= 0) & (r < len(self._lookup))
+        known[inside] = self._lookup[r[inside]] >= 0
+        new = r[~known].tolist()  # the ranks without a row yet (an array test: 16,384 ranks a step)
         if new:
             self._grow(new)
         col = self._pos % self.window
         self._pos += 1
+        self._time[col] = at_ns
+        rows = self._lookup[r]
+        if len(rows) == len(self._ranks) and (rows == np.arange(len(rows))).all():
+            # every row in order (each rank of the run in the step's calls): whole columns, no gathers
+            self._sample[:, col], self._lo[:, col], self._hi[:, col] = sample, lo, hi
+            self._estimate(slice(None))
+            return
         for ring in (self._sample, self._lo, self._hi):
             ring[:, col] = np.nan
-        self._time[col] = at_ns
-        rows = self._lookup[np.array(ranks, np.int64)]
         self._sample[rows, col] = sample
         self._lo[rows, col] = lo
         self._hi[rows, col] = hi
         self._estimate(rows)
 
-    def _estimate(self, rows: np.ndarray) -> None:
-        """Offsets of ``rows`` from their windows: median clipped into [max lo, min hi], each
-        step's bounds widened by the drift they may have seen since (MAX_DRIFT)."""
+    def _estimate(self, rows: np.ndarray | slice) -> None:
+        """Offsets of ``rows`` (or every row: ``slice(None)``) from their windows: median
+        clipped into [max lo, min hi], each step's bounds widened by the drift they may have
+        seen since (MAX_DRIFT)."""
         med = _nanmedian_rows(self._sample[rows])
         now = np.nanmax(self._time)
         widen = MAX_DRIFT * np.nan_to_num(now - self._time, nan=0.0)
         lo = np.nanmax(self._lo[rows] - widen, axis=1)
         hi = np.nanmin(self._hi[rows] + widen, axis=1)
-        for i in np.flatnonzero(lo > hi).tolist():  # the window's bounds disagree (the clock moved within
-            lo[i], hi[i] = self._newest_bounds(int(rows[i]))  # it): the newest step's
+        for i in np.flatnonzero(lo > hi).tolist():  # the window's bounds disagree (the clock moved
+            row = i if isinstance(rows, slice) else int(rows[i])  # within it): the newest step's
+            lo[i], hi[i] = self._newest_bounds(row)
         offset = np.clip(med, lo, hi)
         self._offset[rows] = offset
         self._error[rows] = np.maximum(hi - offset, offset - lo)
@@ -219,17 +231,39 @@ class RunClocks:
         r, rows = self._with_offset(ranks)
         return dict(zip(r.tolist(), np.rint(self._offset[rows]).astype(np.int64).tolist()))
 
+    def offset_column(self, ranks: np.ndarray) -> np.ndarray:
+        """``offsets`` of ``ranks`` (each once) as an array in their order, 0 where a rank has
+        none (it keeps its own clock): what the collective figures take off its times."""
+        r = np.asarray(ranks, np.int64)
+        rows = np.full(len(r), -1, np.int64)
+        inside = (r >= 0) & (r < len(self._lookup))
+        rows[inside] = self._lookup[r[inside]]
+        at = np.flatnonzero(rows >= 0)
+        value = self._offset[rows[at]]
+        known = ~np.isnan(value)
+        out = np.zeros(len(r), np.int64)
+        out[at[known]] = np.rint(value[known]).astype(np.int64)
+        return out
+
     def estimates(self, ranks: Iterable[int] | None = None) -> list[dict]:
-        """RunStepMetrics ``clock_offsets``: rank, offset_ns, error_ns, for the ranks with
-        an offset (of ``ranks``, else all), by rank."""
+        """RunStepMetrics v4's ``clock_offsets``: rank, offset_ns, error_ns, for the ranks
+        with an offset (of ``ranks``, else all), by rank."""
+        return [{"rank": x, "offset_ns": o, "error_ns": e} for x, o, e in
+                zip(*(a.tolist() for a in self.estimate_arrays(ranks)))]
+
+    def estimate_columns(self, ranks: Iterable[int] | None = None) -> dict:
+        """``estimates`` as RunStepMetrics v5's ``rank_clocks`` columns (schema/rank_columns.py)."""
+        return rank_clock_columns(*self.estimate_arrays(ranks))
+
+    def estimate_arrays(self, ranks: Iterable[int] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``estimates`` as arrays: the ranks, their offsets and error bounds (int64)."""
         r, rows = self._with_offset(ranks)
         order = np.argsort(r, kind="stable")
         r, rows = r[order], rows[order]
         error = np.ceil(self._error[rows])
         if not np.isfinite(error).all():
             raise OverflowError("a clock offset without bounds has no error to write")
-        return [{"rank": x, "offset_ns": o, "error_ns": e} for x, o, e in
-                zip(r.tolist(), np.rint(self._offset[rows]).astype(np.int64).tolist(), error.astype(np.int64).tolist())]
+        return r, np.rint(self._offset[rows]).astype(np.int64), error.astype(np.int64)
 
     def _with_offset(self, ranks: Iterable[int] | None) -> tuple[np.ndarray, np.ndarray]:
         """The ranks of ``ranks`` (else all) that have an offset, each once, and their rows."""
@@ -238,7 +272,9 @@ class RunClocks:
             rows = np.arange(len(r))
         else:
             r = ranks if isinstance(ranks, np.ndarray) else np.fromiter(ranks, np.int64)
-            r = np.unique(r.astype(np.int64, copy=False))
+            r = r.astype(np.int64, copy=False)
+            if len(r) > 1 and not (r[1:] > r[:-1]).all():  # sorted, each once already: the run stage's
+                r = np.unique(r)
             r = r[(r >= 0) & (r < len(self._lookup))]
             rows = self._lookup[r]
             r, rows = r[rows >= 0], rows[rows >= 0]

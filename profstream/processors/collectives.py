@@ -39,6 +39,7 @@ import numpy as np
 
 from profstream.schema.codec import NO_COLLECTIVE_CALLS
 from profstream.schema.groups import group_members
+from profstream.schema.rank_columns import NO_RANK_COLLECTIVES, rank_collective_columns
 
 # NCCL-tests' bus bandwidth factors (doc/PERFORMANCE.md of nccl-tests), n = group size
 _RING_TWICE = ("all_reduce", "allreduce")
@@ -152,7 +153,7 @@ _NO_FIGURES = {"collectives_matched": 0, "collective_ranks": [], "by_collective"
 
 
 def step_collectives(calls: Mapping[int, Calls], ranks: Sequence[int],
-                     offsets: Mapping[int, int] | None = None) -> dict:
+                     offsets: Mapping[int, int] | np.ndarray | None = None) -> dict:
     """The collective figures of one step from ``{rank: its calls}``; ``ranks``: every rank
     of the run (those that did not report the step included). Fields as in
     RunStepMetrics (run_step_metrics.v2.avsc). Arithmetic on arrays over all ranks' calls:
@@ -169,8 +170,8 @@ def step_collectives(calls: Mapping[int, Calls], ranks: Sequence[int],
             np.stack([calls[r].cols[c] for r in reporting]) for c in ("start_ns", "end_ns")), reporting, offsets),
             np.stack([calls[r].cols["bytes"] for r in reporting]), reporting, ranks)
         if figures is not None:
-            return figures
-    return _any_calls(calls, reporting, ranks, offsets)
+            return _with_rank_rows(figures, False)
+    return _with_rank_rows(_any_calls(calls, reporting, ranks, offsets), False)
 
 
 class JoinedCalls(NamedTuple):
@@ -188,15 +189,18 @@ def join_calls(records: Mapping[int, dict]) -> JoinedCalls:
 
 
 def packed_step_collectives(records: Mapping[int, dict], ranks: Sequence[int],
-                            unmeasured: Collection[int] = (), offsets: Mapping[int, int] | None = None,
-                            joined: JoinedCalls | None = None) -> dict:
+                            unmeasured: Collection[int] = (), offsets: Mapping[int, int] | np.ndarray | None = None,
+                            joined: JoinedCalls | None = None, packed: bool = False) -> dict:
     """``step_collectives`` of StepMetrics ``collectives`` records (``check_calls`` passed):
     where every rank's names, groups and sequence numbers are the same bytes, the matrices
     are read straight from the ranks' columns joined; else each record is unpacked.
     ``unmeasured``: ranks that reported the step without ops (``without_unmeasured``);
-    ``offsets``: each rank's clock against the run's (ns); ``joined``: ``join_calls`` of
-    ``records``, where the caller has it already."""
-    figures = _packed_step_collectives(records, ranks, offsets, joined or join_calls(records))
+    ``offsets``: each rank's clock against the run's (ns; or an array of them in the order
+    of the ranks with calls, ``_shifts``); ``joined``: ``join_calls`` of
+    ``records``, where the caller has it already; ``packed``: the per-rank figures as
+    RunStepMetrics v5's ``rank_collectives`` columns, not v4's ``collective_ranks``."""
+    figures = _with_rank_rows(_packed_step_collectives(records, ranks, offsets, joined or join_calls(records)),
+                              packed)
     if unmeasured and figures["unmatched_collectives"]:
         figures["unmatched_collectives"] = without_unmeasured(figures["unmatched_collectives"], unmeasured)
     return figures
@@ -216,7 +220,7 @@ def without_unmeasured(unmatched: list[dict], unmeasured: Collection[int]) -> li
 
 
 def _packed_step_collectives(records: Mapping[int, dict], ranks: Sequence[int],
-                             offsets: Mapping[int, int] | None, joined: JoinedCalls) -> dict:
+                             offsets: Mapping[int, int] | np.ndarray | None, joined: JoinedCalls) -> dict:
     reporting, same = joined
     if not reporting:
         return dict(_NO_FIGURES)
@@ -245,12 +249,22 @@ def same_calls(records: Mapping[int, dict], reporting: list[int]) -> tuple[dict,
 
 
 def _on_run_clock(start: np.ndarray, end: np.ndarray, reporting: list[int],
-                  offsets: Mapping[int, int] | None) -> tuple[np.ndarray, np.ndarray]:
+                  offsets: Mapping[int, int] | np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
     """Rank x call ``start`` and ``end`` less each rank's clock offset."""
-    if not offsets:
+    if offsets is None or not len(offsets):
         return start, end
-    shift = np.array([offsets.get(r, 0) for r in reporting], np.int64)[:, None]
+    shift = _shifts(offsets, reporting)[:, None]
     return start - shift, end - shift
+
+
+def _shifts(offsets: Mapping[int, int] | np.ndarray, reporting: list[int]) -> np.ndarray:
+    """Each reporting rank's clock offset (0: none): ``offsets`` maps rank -> ns, or is an
+    array of them already in ``reporting``'s order (the run stage's: no dict of every rank)."""
+    if isinstance(offsets, np.ndarray):
+        if len(offsets) != len(reporting):
+            raise ValueError("an offsets array must have one entry per reporting rank")
+        return offsets.astype(np.int64, copy=False)
+    return np.array([offsets.get(r, 0) for r in reporting], np.int64)
 
 
 def check_calls(record: dict) -> None:
@@ -309,7 +323,7 @@ def _aligned(names: list[str], cols: dict[str, np.ndarray], start: np.ndarray, e
 
 
 def _any_calls(calls: Mapping[int, Calls], reporting: list[int], ranks: Sequence[int],
-               offsets: Mapping[int, int] | None = None) -> dict:
+               offsets: Mapping[int, int] | np.ndarray | None = None) -> dict:
     """step_collectives on the rows of every rank's calls, sorted by (group, seq, rank)."""
     # one dictionary for the names of every rank
     names: dict[str, int] = {}
@@ -322,8 +336,8 @@ def _any_calls(calls: Mapping[int, Calls], reporting: list[int], ranks: Sequence
     coll = np.concatenate([p[1] for p in parts])
     group = np.concatenate([p[2] for p in parts])
     col = {c: np.concatenate([p[3][c] for p in parts]).astype(np.int64) for c, _ in CALL_COLUMNS[2:]}
-    if offsets:
-        shift = np.array([offsets.get(r, 0) for r in reporting], np.int64)[np.searchsorted(reporting, rank)]
+    if offsets is not None and len(offsets):
+        shift = _shifts(offsets, reporting)[np.searchsorted(reporting, rank)]
         col["start_ns"] -= shift
         col["end_ns"] -= shift
     order = np.lexsort((rank, col["seq"], group))
@@ -410,22 +424,17 @@ def _figures(name_of: list[str], reporting: list[int], wait_by: np.ndarray, tran
     and slowest call are None, not measured, where it knows none); ``held``: per rank the
     other ranks' waits for it summed, and a function of a rank's index that says the most
     one other rank waited for it (no rank x rank matrix: 2 GB at 16,384 ranks)."""
-    everyone = sorted(set(ranks) | set(reporting))
+    everyone = sorted(set(ranks) | set(reporting)) if unmatched else []  # whose call is missing: unmatched only
     late_rank = None
     late_i = None
     held_by, held_ns = held
     if held_by.max() > 0:
         late_i = int(np.argmax(held_by))  # lowest rank on ties
         late_rank = reporting[late_i]
-    slowest_ns, slowest_coll = slowest[0].tolist(), slowest[1].tolist()
     return {
         "collectives_matched": matched,
-        "collective_ranks": [{"rank": r, "wait_ns": int(w), "transfer_ns": int(t),
-                              "slowest_collective": name_of[c], "slowest_ns": int(d)} if timed else
-                             {"rank": r, "wait_ns": int(w), "transfer_ns": None, "slowest_collective": None,
-                              "slowest_ns": None}
-                             for r, w, t, d, c, timed in zip(reporting, wait_by.tolist(), transfer_by.tolist(),
-                                                             slowest_ns, slowest_coll, timed_by.tolist())],
+        "collective_ranks": RankCollectives(name_of, np.asarray(reporting, np.int64), wait_by, transfer_by,
+                                            slowest[0], slowest[1], timed_by),
         "by_collective": kinds,
         "late_rank": late_rank,
         "late_rank_held_ns": held_ns(late_i) if late_i is not None else 0,
@@ -434,6 +443,46 @@ def _figures(name_of: list[str], reporting: list[int], wait_by: np.ndarray, tran
              "missing": _missing(name_of[g], arrived, expected, everyone), "expected": expected}
             for c, g, q, arrived, expected in unmatched],
     }
+
+
+class RankCollectives(NamedTuple):
+    """RunStepMetrics ``collective_ranks`` as arrays, one entry per reporting rank (by rank):
+    its wait, transfer, slowest call's time and name (an index in ``names``); ``timed``:
+    whether it knows the end of any of its calls (the last three are None, not measured,
+    where it knows none)."""
+
+    names: list[str]
+    ranks: np.ndarray
+    wait_ns: np.ndarray
+    transfer_ns: np.ndarray
+    slowest_ns: np.ndarray
+    slowest: np.ndarray
+    timed: np.ndarray
+
+    def listed(self) -> list[dict]:
+        """v4's ``collective_ranks``: a record per rank."""
+        name_of = self.names
+        return [{"rank": r, "wait_ns": int(w), "transfer_ns": int(t), "slowest_collective": name_of[c],
+                 "slowest_ns": int(d)} if timed else
+                {"rank": r, "wait_ns": int(w), "transfer_ns": None, "slowest_collective": None, "slowest_ns": None}
+                for r, w, t, d, c, timed in zip(self.ranks.tolist(), self.wait_ns.tolist(), self.transfer_ns.tolist(),
+                                                self.slowest_ns.tolist(), self.slowest.tolist(), self.timed.tolist())]
+
+    def columns(self) -> dict:
+        """RunStepMetrics v5's ``rank_collectives`` (schema/rank_columns.py)."""
+        return rank_collective_columns(self.names, self.ranks, self.wait_ns, self.transfer_ns, self.slowest_ns,
+                                       self.slowest, self.timed)
+
+
+def _with_rank_rows(figures: dict, packed: bool) -> dict:
+    """``figures`` with their ``collective_ranks`` as v4's list of records, or (``packed``)
+    as v5's ``rank_collectives`` columns in their place."""
+    per_rank = figures.pop("collective_ranks")
+    if packed:
+        figures["rank_collectives"] = per_rank.columns() if per_rank else dict(NO_RANK_COLLECTIVES)
+    else:
+        figures["collective_ranks"] = per_rank.listed() if per_rank else []
+    return figures
 
 
 def _missing(group: str, arrived: list[int], expected: int, everyone: list[int]) -> list[int]:

@@ -63,6 +63,7 @@ from profstream.schema.codec import (
     encode_step_metrics,
     is_rank_progress,
 )
+from profstream.schema.rank_columns import step_time_columns
 
 # How many finished ranks a stage remembers to drop late copies of their batches (a few
 # hundred bytes each): a day of jobs of 1,024 ranks restarting every hour.
@@ -583,12 +584,13 @@ class RunStage:
         joined = calls.joined()  # read once for the clocks and the figures
         if calls:  # the step's calls teach the offsets first, and are then compared on the run's clock
             clocks.learn_packed(calls, joined)
+        # RunStepMetrics v5: the per-rank figures written as columns straight from the arrays
         record = {"run_id": run_id, "step": step, **rank_figures_of(merged.ranks, merged.step_time_ns),
-                  "step_times_ns": dict(zip(map(str, merged.ranks.tolist()), merged.step_time_ns.tolist())),
+                  "step_times": step_time_columns(merged.ranks, merged.step_time_ns),
                   **packed_step_collectives(calls, list(everyone), merged.unmeasured - always_on,
-                                            clocks.offsets(calls.ranks), joined),
+                                            clocks.offset_column(calls.ranks), joined, packed=True),
                   "work": run_work_of(merged.work_ranks, merged.work, merged.work_present),
-                  "clock_offsets": clocks.estimates(calls.ranks)}
+                  "rank_clocks": clocks.estimate_columns(calls.ranks)}
         self.counts.run_steps += 1
         value = encode_run_step_metrics(record)
         if len(value) > MAX_MESSAGE_BYTES - DEAD_LETTER_ROOM_BYTES:

@@ -19,6 +19,7 @@ from typing import Any
 from fastavro import parse_schema, schemaless_reader, schemaless_writer
 from fastavro.schema import to_parsing_canonical_form
 
+from profstream.schema import rank_columns
 from profstream.schema.sparse import sparse_reader
 from profstream.schema.writer import compile_writer
 
@@ -280,7 +281,7 @@ _VERSIONS: list[SchemaVersion] = [
     _version(_load("capture_status.v3.avsc"), 3),  # + threads: a stacks request's answer
     # on the raw topic (a Monitor's control thread), passed on to the steps topic: where a rank is now
     _version(_load("rank_progress.avsc"), 1, lambda record: {**record, "collective": None}),
-    # cross-rank steps without clock offsets are still written as v3 or older (encode_run_step_metrics)
+    # cross-rank steps were written as v1 to v4 by what they held, until v5 (encode_run_step_metrics)
     _version(_load("run_step_metrics.v4.avsc"), 4),  # + clock_offsets: the ranks' clocks against the run's
     _version(_load("run_checkpoint.v2.avsc"), 2),  # + clocks (v1 for a run without offsets)
     _version(_load("rank_progress.v2.avsc"), 2),  # + collective: the call the rank sits in
@@ -288,6 +289,8 @@ _VERSIONS: list[SchemaVersion] = [
     _version(_load("step_partial.avsc"), 1),
     # steps without data-loader worker readings are still written as v8 or older (encode_step_metrics)
     _version(_load("step_metrics.v9.avsc"), 9),  # + resources.per_worker: each loader worker's seconds per batch
+    # every cross-rank step is written as v5 (encode_run_step_metrics); read in v4's shape
+    _version(_load("run_step_metrics.v5.avsc"), 5, rank_columns.expanded),  # per-rank lists as packed columns
 ]
 
 SCHEMAS: dict[int, SchemaVersion] = {v.fingerprint: v for v in _VERSIONS}
@@ -295,6 +298,18 @@ VERSIONS: dict[tuple[str, int], SchemaVersion] = {(v.name, v.version): v for v i
 CURRENT: dict[str, SchemaVersion] = {}
 for _v in _VERSIONS:
     CURRENT[_v.name] = _v
+
+
+# The version whose fields are the shape decode gives, where the current one's are not:
+# RunStepMetrics v5 packs v4's per-rank lists and reads as v4 (rank_columns.expanded).
+_READ_SHAPES = {"RunStepMetrics": 4}
+
+
+def read_schema(name: str) -> Any:
+    """The parsed schema of the records ``decode`` gives for ``name`` (e.g. for a table of
+    them): the current version's, or for RunStepMetrics v4's."""
+    version = _READ_SHAPES.get(name)
+    return (CURRENT[name] if version is None else VERSIONS[(name, version)]).parsed
 
 
 # Defaults the writer fills in for a record without the field: fastavro writes a schema
@@ -316,6 +331,8 @@ def encode(name: str, record: dict, version: int | None = None) -> bytes:
     that an older version holds whole: readers of that version can then read it) as a
     single-object message."""
     sv = CURRENT[name] if version is None else VERSIONS[(name, version)]
+    if name == "RunStepMetrics" and sv.version >= 5 and not rank_columns.is_packed(record):
+        record = rank_columns.packed(record)  # v4's shape, as decode gives it
     missing = _WRITE_DEFAULTS.get(name)
     if missing and any(f not in record for f in missing):
         record = {**missing, **record}
@@ -342,19 +359,16 @@ def encode(name: str, record: dict, version: int | None = None) -> bytes:
 # Steps without device figures are written as StepMetrics v3, which consumers from before v4
 # read whole (the exporter, sinks and tools of an older release keep working).
 STEP_METRICS_WITHOUT_DEVICES_VERSION = 3
-# Likewise steps without collective calls as v4 (v3 without device figures too), and
-# cross-rank steps without collectives as RunStepMetrics v1; steps whose op figures were
-# measured as v5 or older (v6 only for the steps that were not); steps that lost nothing
-# as v6 or older (v7 for partial steps); steps without work, host figures or advice as v7 or
-# older (v8 only for those with them), cross-rank ones without work as RunStepMetrics v2 or v1.
+# Likewise steps without collective calls as v4 (v3 without device figures too); steps whose
+# op figures were measured as v5 or older (v6 only for the steps that were not); steps that
+# lost nothing as v6 or older (v7 for partial steps); steps without work, host figures or
+# advice as v7 or older (v8 only for those with them). Cross-rank steps are all RunStepMetrics
+# v5: its columns are what keeps the run stage's cost per rank small (encode_run_step_metrics).
 STEP_METRICS_WITHOUT_COLLECTIVES_VERSION = 4
 STEP_METRICS_MEASURED_VERSION = 5
 STEP_METRICS_NOTHING_LOST_VERSION = 6  # v6 for a step that lost nothing: v7 says what a step lost
 STEP_METRICS_LOSSES_VERSION = 7  # v7 for a partial step without work or host figures: v8 says those
 STEP_METRICS_POOLED_WORKERS_VERSION = 8  # v8 for a step without a loader worker's reading: v9 says each worker's
-RUN_STEP_METRICS_WITHOUT_COLLECTIVES_VERSION = 1
-RUN_STEP_METRICS_WITHOUT_WORK_VERSION = 2
-RUN_STEP_METRICS_WITHOUT_CLOCKS_VERSION = 3
 RUN_CHECKPOINT_WITHOUT_CLOCKS_VERSION = 1
 
 
@@ -388,23 +402,10 @@ def encode_rank_end(record: dict) -> bytes:
 
 
 def encode_run_step_metrics(record: dict) -> bytes:
-    """A RunStepMetrics record as its message: v4 with clock offsets or with collective
-    figures that were not measured (null: calls without ends), else v3 with work figures,
-    else v2 with collectives, else v1."""
-    if record.get("clock_offsets") or _untimed_collectives(record):
-        return encode("RunStepMetrics", record)
-    if record.get("work") is not None:
-        return encode("RunStepMetrics", record, RUN_STEP_METRICS_WITHOUT_CLOCKS_VERSION)
-    has = record.get("collectives_matched") or record.get("unmatched_collectives")
-    return encode("RunStepMetrics", record, RUN_STEP_METRICS_WITHOUT_WORK_VERSION if has
-                  else RUN_STEP_METRICS_WITHOUT_COLLECTIVES_VERSION)
-
-
-def _untimed_collectives(record: dict) -> bool:
-    """Whether a RunStepMetrics record has a collective figure that was not measured (None),
-    which only v4 can carry."""
-    return any(r["transfer_ns"] is None for r in record.get("collective_ranks", ())) or any(
-        c["transfer_ns"] is None for c in record.get("by_collective", ()))
+    """A RunStepMetrics record as its message, always v5 (the per-rank lists as packed
+    columns: schema/rank_columns.py). ``record`` is v5's (the run stage writes its columns
+    straight from its arrays) or v4's shape (what decode gives), packed here."""
+    return encode("RunStepMetrics", record)
 
 
 def encode_run_checkpoint(record: dict) -> bytes:
