@@ -199,12 +199,12 @@ def process(
                   "or 0 to turn them off")
     where = f"{web.scheme if web else 'http'}://{metrics_addr}:{metrics_port}/metrics"
     err.print(f"processing {topics.raw} from {boot} (group {group_id}, instance {instance_id})"
-              + (f", metrics on {where}" if metrics_port else "") + "; Ctrl-C stops", highlight=False)
+              + (f", metrics on {where}" if metrics_port else "") + "; Ctrl-C or SIGTERM stops", highlight=False)
     _dump_state_on_usr1(processor)
-    try:
+    from profstream.processors.stop_signals import stop_on_signals
+
+    with stop_on_signals(processor.stop, lambda line: err.print(line, highlight=False)):
         processor.run()
-    except KeyboardInterrupt:
-        processor.stop()
 
 
 def _dump_state_on_usr1(processor) -> None:
