@@ -78,10 +78,13 @@ def test_sixty_four_ranks_sharing_one_producer_per_process_are_processed_as_sixt
                 r["straggler_rank"]) == (cfg.ranks, ordered[0], ordered[-1], (ordered[31] + ordered[32]) / 2, 37)
     # one producer id per rank, each with its own gapless seq, through two shared producers
     seqs: dict[str, list[int]] = defaultdict(list)
+    ends: Counter = Counter()
     for b in raw_batches(kafka_bootstrap, topics.raw, cfg.run_id, topic_size(kafka_bootstrap, topics.raw)):
         seqs[b.producer_id].append(b.seq)
+        ends[b.rank] += sum(1 for step in b.steps["step"] if step == END_MARK)
     assert len(seqs) == cfg.ranks
     assert all(got == list(range(len(got))) for got in seqs.values())
+    assert ends == Counter(range(cfg.ranks))  # every Monitor's close sent its end mark, once
 
 
 def test_more_than_1024_ranks_without_a_shared_producer_is_a_one_line_error():

@@ -116,6 +116,8 @@ class SenderPool(threading.Thread):
                     with self.cycle_lock:
                         try:
                             s._cycle()  # noqa: SLF001 - the Sender's own cycle, on the thread that shares it
+                            if s.stop_wanted and not s._buffered():  # its last batch (the end mark) is sent
+                                s.retire()
                         except Exception:  # a bug here must not end every rank's profiling silently
                             log.exception("profstream sender pool: unexpected error; continuing")
             with self._round:
@@ -125,6 +127,11 @@ class SenderPool(threading.Thread):
             if rest > 0:
                 self._wake.wait(rest)
             self._wake.clear()
+
+    def _retiring(self) -> bool:
+        """Whether a closed Monitor's Sender still has its last batches to send."""
+        with self._list_lock:
+            return any(s.stop_wanted and not s.retired for s in self._senders + self._added)
 
     def _connect(self, now: float) -> None:
         if now < self._next_connect or self.connection is None:
@@ -145,12 +152,22 @@ class SenderPool(threading.Thread):
         self.producer = producer
 
     def close(self, timeout: float = 10.0) -> bool:
-        """Stop the thread, then flush and close the producer; True if all was delivered.
-        Close the Monitors first (each one flushes through the thread)."""
+        """Once every closed Monitor's last batch is sent (within ``timeout``), stop the
+        thread, then flush and close the producer; True if all was delivered. Close the
+        Monitors first."""
+        deadline = time.monotonic() + timeout
+        while self.is_alive() and time.monotonic() < deadline and self._retiring():
+            self.wake()
+            self.wait_round(0.1)
+        timeout = max(0.1, deadline - time.monotonic())
         self._stopping.set()
         self._wake.set()
         if self.is_alive():
             self.join(timeout)
+        with self._list_lock:
+            left = [s for s in self._senders + self._added if s.stop_wanted and not s.retired]
+        for s in left:  # Kafka away: what they still hold is counted as undelivered
+            s.retire()
         with self._round:
             self._round.notify_all()
         producer, self.producer = self.producer, None
@@ -165,6 +182,8 @@ class SharedSender(Sender):
         super().__init__(monitor)
         self.pool = pool
         self._flush_wanted = False
+        self.stop_wanted = False  # the Monitor closed: send what is left, then leave the pool
+        self.retired = False
 
     def start(self) -> None:
         self.pool.add(self)
@@ -177,7 +196,7 @@ class SharedSender(Sender):
         filled (the buffer's wake), something built waits, a flush asks; ``every``: also
         anything buffered (the idle send)."""
         wake = self.buffer.wake
-        if wake.is_set() or self._flush_wanted or self._pending or (self._producer is None and
+        if wake.is_set() or self._flush_wanted or self.stop_wanted or self._pending or (self._producer is None and
                                                                      self.pool.producer is not None):
             wake.clear()
             return True
@@ -211,15 +230,20 @@ class SharedSender(Sender):
             self._flush_wanted = False
 
     def stop(self, timeout: float) -> bool:
-        """Hand what is buffered (the end mark) to the pool's producer within ``timeout``
-        and leave the pool; its acknowledgement is the pool's close's: thousands of
-        Monitors closing one after another do not each wait for the broker."""
-        ok = self.flush(timeout, acked=False)
+        """The Monitor closes: the pool's thread sends what is buffered (its end mark) in its
+        next round and retires this Sender (``retire``); the pool's close waits for that and
+        for the acknowledgements. Returns at once: thousands of Monitors closing one after
+        another do not each wait for a round and the broker."""
+        self.stop_wanted = True
+        self.pool.wake()
+        return True
+
+    def retire(self) -> None:
+        """On the pool's thread: leave the pool; what could not be sent is counted."""
         self._stopping.set()
         self.pool.remove(self)
-        with self.pool.cycle_lock:
-            self._close_producer()
-        return ok and not self._has_pending()
+        self._close_producer()
+        self.retired = True
 
     def _close_producer(self) -> None:
         self._producer = None  # the pool's: it closes it, after every Monitor
