@@ -33,6 +33,16 @@ grace (``--run-grace-s``) after their last report, with exactly those ranks miss
 ``--flood-rank R``: rank R steps ``--flood-factor`` (10) times as often as the others (its own
 template rank, as many more steps); the freshness headline is the other ranks'.
 
+**Or simulated** (issue #35, item 4). ``--simulate-procs P``: instead of the replay, one
+``profstream simulate --procs P --shared-producer --rate realtime`` (``nice -n
+--simulate-nice``) runs every rank through the real Monitor API, the Monitors of each of its
+P processes sharing one producer and one sender thread (``producers/shared_sender.py``);
+the truth is then every rank's own plans, not a template's. Reported: the simulator's
+CPU (its processes together) and each process's RSS.
+
+**Stopping.** The processors get SIGINT (Ctrl-C) at the end; how long each took to exit,
+and its status, are reported (``stop_s``, ``exit_codes``; killed after 15 s).
+
 **Why replayed.** ``--footprint N`` opens N real Monitors in this process instead and
 prints what each one holds, connected and idle: threads, file descriptors, broker
 connections, RSS and CPU (docs/benchmarks.md, "16,384 ranks simulated").
@@ -50,6 +60,8 @@ import argparse
 import multiprocessing as mp
 import os
 import queue
+import resource
+import signal
 import subprocess
 import sys
 import tempfile
@@ -68,7 +80,7 @@ from _common import (
     summary,
     unique_prefix,
 )
-from bench_processor_scaleout import cpu_seconds, processor_command, stop_process
+from bench_processor_scaleout import cpu_seconds, processor_command
 from kafka import KafkaAdminClient
 from kafka.errors import KafkaError
 
@@ -148,11 +160,13 @@ FLOOD_TEMPLATE = -1  # the schedule's template id of the flooding rank's message
 
 def template_configs(args: dict):
     """The template ranks' SimConfig, and the flooding rank's (``flood_factor`` times the
-    step rate, as many more steps; None without one): the ground truth of the figures."""
+    step rate, as many more steps; None without one): the ground truth of the figures.
+    With ``simulate_procs`` every rank is its own template: the run's SimConfig."""
     from profstream.simulate import SimConfig
 
     step_ms = 1000.0 / args["steps_per_s"]
-    cfg = SimConfig(run_id="scale", ranks=args["template_ranks"], steps=args["steps"],
+    cfg = SimConfig(run_id="scale", ranks=args["ranks"] if args.get("simulate_procs") else args["template_ranks"],
+                    steps=args["steps"],
                     ops_per_step=args["ops_per_step"], step_time_ms=step_ms, seed=5)
     if args["flood_rank"] is None:
         return cfg, None
@@ -272,6 +286,63 @@ def replay(bootstrap: str, prefix: str, args: dict, ranks: range, origin_ns: int
         results.put(("error", ranks.start, f"{type(e).__name__}: {e}"))
 
 
+# -- or the ranks simulated: simulate --procs --shared-producer ----------------------------
+
+def simulate_command(bootstrap, prefix: str, args: argparse.Namespace, steps: int) -> list[str]:
+    """The `profstream simulate` of the run's every rank (``template_configs``' SimConfig)."""
+    cfg, _ = template_configs({**vars(args), "steps": steps})
+    return ["nice", "-n", str(args.simulate_nice), sys.executable, "-m", "profstream.cli", "simulate",
+            "--bootstrap", str(bootstrap), "--topic-prefix", prefix, "--run-id", cfg.run_id, "--ranks", str(cfg.ranks),
+            "--steps", str(cfg.steps), "--ops-per-step", str(cfg.ops_per_step), "--step-time-ms",
+            str(cfg.step_time_ms), "--seed", str(cfg.seed), "--rate", "realtime", "--procs", str(args.simulate_procs),
+            "--shared-producer"]
+
+
+class TreeSampler(threading.Thread):
+    """The largest RSS each process under ``pid`` (its children: the simulator's) reached."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.pid = pid
+        self.max_rss: dict[int, int] = {}
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.wait(1.0):
+            try:
+                for c in psutil.Process(self.pid).children(recursive=True):
+                    try:
+                        self.max_rss[c.pid] = max(self.max_rss.get(c.pid, 0), c.memory_info().rss)
+                    except psutil.Error:
+                        pass
+            except psutil.Error:
+                return
+
+
+def run_simulator(command: list[str], timeout: float) -> dict[str, Any]:
+    """Run the simulator to its end: its summary line, CPU seconds (its processes together,
+    each reaped by its parent) and each process's RSS."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.monotonic()
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    sampler = TreeSampler(proc.pid)
+    sampler.start()
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        output, _ = proc.communicate()
+        raise SystemExit(f"the simulator did not end within {timeout:.0f} s: {output[-500:]}") from None
+    finally:
+        sampler.stop.set()
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    line = next((ln for ln in reversed(output.splitlines()) if "steps," in ln), output[-300:])
+    rss = sorted(sampler.max_rss.values(), reverse=True)
+    return {"exit_code": proc.returncode, "summary": line.strip(), "wall_s": time.monotonic() - t0,
+            "cpu_s": (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime),
+            "rss_mib_max": [round(r / 2**20, 1) for r in rss]}
+
+
 # -- readers and samplers --------------------------------------------------------------
 
 class Freshness(threading.Thread):
@@ -371,6 +442,39 @@ def brokers_cpu(pids: list[int]) -> float:
     return sum(cpu_seconds(pid) for pid in pids) if pids else float("nan")
 
 
+def start_replay(bootstrap, prefix: str, args: argparse.Namespace, steps: int, silent: list[int]) -> tuple[int, list]:
+    """The replay processes, started: (the run's origin in ns, the processes, each with
+    ``results``, the queue they all report on)."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    origin = time.time_ns() + int(START_MARGIN_S * 1e9)
+    shares = [range(i * args.ranks // args.replay_procs, (i + 1) * args.ranks // args.replay_procs)
+              for i in range(args.replay_procs)]
+    spec = {"template_ranks": args.template_ranks, "steps": steps, "ops_per_step": args.ops_per_step,
+            "steps_per_s": args.steps_per_s, "ranks": args.ranks, "silent": silent,
+            "silent_after_step": args.silent_after_step, "flood_rank": args.flood_rank,
+            "flood_factor": args.flood_factor}
+    workers = [ctx.Process(target=replay, args=(bootstrap, prefix, spec, share, origin, results), daemon=True)
+               for share in shares]
+    for w in workers:
+        w.results = results
+        w.start()
+    return origin, workers
+
+
+def stop_timed(proc: subprocess.Popen, timeout: float = 15.0) -> tuple[int, float]:
+    """Ctrl-C (SIGINT); killed after ``timeout`` s: (exit status, seconds it took)."""
+    t0 = time.monotonic()
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, time.monotonic() - t0
+
+
 def run_config(bootstrap: str, processes: int, args: argparse.Namespace, broker_pids: list[int]) -> dict[str, Any]:
     prefix = unique_prefix()
     topics = Topics(prefix)
@@ -399,41 +503,38 @@ def run_config(bootstrap: str, processes: int, args: argparse.Namespace, broker_
         reader.start()
         rss = RssSampler([p.pid for p in procs])
         rss.start()
-        ctx = mp.get_context("spawn")
-        results = ctx.Queue()
-        origin = time.time_ns() + int(START_MARGIN_S * 1e9)
-        shares = [range(i * args.ranks // args.replay_procs, (i + 1) * args.ranks // args.replay_procs)
-                  for i in range(args.replay_procs)]
-        spec = {"template_ranks": args.template_ranks, "steps": steps, "ops_per_step": args.ops_per_step,
-                "steps_per_s": args.steps_per_s, "ranks": args.ranks, "silent": silent,
-                "silent_after_step": args.silent_after_step, "flood_rank": args.flood_rank,
-                "flood_factor": args.flood_factor}
-        workers = [ctx.Process(target=replay, args=(bootstrap, prefix, spec, share, origin, results), daemon=True)
-                   for share in shares]
-        for w in workers:
-            w.start()
-        replays: dict[int, dict] = {}
-        built: list[float] = []
         cpu0 = [cpu_seconds(p.pid) for p in procs]
         broker0 = brokers_cpu(broker_pids)
-        run_end = origin / 1e9 + args.duration_s
         load0 = os.getloadavg()[0]
-        while len(replays) < len(workers):
-            try:
-                kind, start, value = results.get(timeout=1)
-            except queue.Empty:
-                if time.time() > run_end + 120:
-                    raise SystemExit("the replay processes did not finish within 120 s of the run's end") from None
-                continue
-            if kind == "error":
-                raise SystemExit(f"replay process of ranks from {start} failed: {value}")
-            if kind == "ready":
-                built.append(value)
-                if time.time_ns() > origin:
-                    note(f"warning: a replay process was ready {(time.time_ns() - origin) / 1e9:.1f} s after the "
-                         "run's start")
-            else:
-                replays[start] = value
+        replays: dict[int, dict] = {}
+        built: list[float] = []
+        simulator = None
+        if args.simulate_procs:
+            simulator = run_simulator(simulate_command(bootstrap, prefix, args, steps), args.duration_s + 900)
+            if simulator["exit_code"] != 0:
+                raise SystemExit(f"the simulator failed: {simulator['summary']}")
+            # the virtual clock's origin: the first step's earliest end, less its planned time (±3 %)
+            origin = min((end for _rank, end, _f in reader.fresh), default=time.time_ns()) - int(1e9 / args.steps_per_s)
+        else:
+            origin, workers = start_replay(bootstrap, prefix, args, steps, silent)
+            run_end = origin / 1e9 + args.duration_s
+            while len(replays) < len(workers):
+                try:
+                    kind, start, value = workers[0].results.get(timeout=1)
+                except queue.Empty:
+                    if time.time() > run_end + 120:
+                        raise SystemExit("the replay processes did not finish within 120 s of the run's end") from None
+                    continue
+                if kind == "error":
+                    raise SystemExit(f"replay process of ranks from {start} failed: {value}")
+                if kind == "ready":
+                    built.append(value)
+                    if time.time_ns() > origin:
+                        note(f"warning: a replay process was ready {(time.time_ns() - origin) / 1e9:.1f} s after "
+                             "the run's start")
+                else:
+                    replays[start] = value
+        run_end = origin / 1e9 + args.duration_s
         t_sent = time.time()
         cpu1 = [cpu_seconds(p.pid) for p in procs]
         broker1 = brokers_cpu(broker_pids)
@@ -460,7 +561,7 @@ def run_config(bootstrap: str, processes: int, args: argparse.Namespace, broker_
             reader.join(10)
         if rss is not None:
             rss.stop.set()
-        codes = [stop_process(p) for p in procs]
+        stops = [stop_timed(p) for p in procs]
         if not args.keep_topics:
             drop_topics(bootstrap, prefix)
     warnings = []
@@ -491,9 +592,14 @@ def run_config(bootstrap: str, processes: int, args: argparse.Namespace, broker_
         "processor_cpu_s": cpu_all, "processor_cpu_ms_per_step": sum(cpu_all) / steps_done * 1000,
         "broker_cpu_ms_per_step": (broker2 - broker0) / steps_done * 1000,
         "replay": list(replays.values()), "replay_build_cpu_s": built,
-        "replay_cpu_share": sum(r["cpu_s"] for r in replays.values()) / window_s,
-        "loadavg_1m": [round(load0, 2), round(load1, 2)], "exit_codes": codes, "processor_warnings": warnings,
+        "replay_cpu_share": (sum(r["cpu_s"] for r in replays.values()) if simulator is None
+                             else simulator["cpu_s"]) / window_s,
+        "loadavg_1m": [round(load0, 2), round(load1, 2)], "exit_codes": [c for c, _ in stops],
+        "stop_s": [round(t, 2) for _, t in stops], "processor_warnings": warnings,
     }
+    if simulator is not None:
+        result["simulator"] = simulator
+        result["simulator_cpu_ms_per_rank_step"] = simulator["cpu_s"] / expected * 1000
     if args.run_stage == "own" and reader.run_records:
         result["run_stage_cpu_ms_per_run_step"] = (cpu3[-1] - cpu0[-1]) / reader.run_records * 1000
         result["run_stage_cpu_share"] = cpu[-1] / window_s
@@ -568,10 +674,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flood-rank", type=int, help="a rank that steps --flood-factor times faster than the others "
                                                   "(its figures left out of the freshness headline)")
     p.add_argument("--flood-factor", type=int, default=10)
+    p.add_argument("--simulate-procs", type=int, default=0, metavar="P",
+                   help="instead of the replay: `profstream simulate --procs P --shared-producer` runs every rank "
+                        "through the Monitor API (no --silent-ranks, --flood-rank)")
+    p.add_argument("--simulate-nice", type=int, default=10, help="the simulator's niceness")
     p.add_argument("--footprint", type=int, default=0, metavar="N",
                    help="instead: open N real Monitors in this process and print what each one holds (threads, "
                         "fds, broker connections, RSS, idle CPU), with and without the capture-request reader")
     args = p.parse_args(argv)
+    if args.simulate_procs and (args.silent_ranks or args.flood_rank is not None):
+        p.error("--simulate-procs simulates every rank alike: no --silent-ranks or --flood-rank with it")
     bootstrap = broker_bootstrap(args.bootstrap)
     if args.footprint:
         emit(envelope("monitor_footprint", args, {"bootstrap": str(bootstrap), "by_control": [
@@ -590,7 +702,8 @@ def main(argv: list[str] | None = None) -> int:
                  f"{res['processor_cpu_ms_per_step']:.2f} ms CPU/step, RSS {[round(m) for m in res['processor_rss_mib_max']]} MiB, "
                  f"broker {res['broker_cpu_share']:.2f}, "
                  f"replay {res['replay_cpu_share']:.2f}, late p99 "
-                 f"{max(x['late_ms_p99'] for x in res['replay']):.0f} ms, load {res['loadavg_1m']}")
+                 f"{max((x['late_ms_p99'] for x in res['replay']), default=0):.0f} ms, load {res['loadavg_1m']}, "
+                 f"stopped in {res['stop_s']} s ({res['exit_codes']})")
     by_count = {}
     for n, rs in runs.items():
         p99 = [x["freshness_s"]["p99"] for x in rs if x["freshness_s"]]

@@ -489,9 +489,13 @@ class SimResult:
 
 
 def run_simulation(cfg: SimConfig, monitor_options: dict | None = None, progress=None,
-                   ranks: range | None = None, start=None, ended: bool = True) -> SimResult:
+                   ranks: range | None = None, start=None, ended: bool = True,
+                   shared_producer: bool = False) -> SimResult:
     """Simulate ``cfg`` through one real Monitor per rank; returns when all is flushed.
     ``ended=False``: the Monitors close as a failed run's do, without their end marks.
+    ``shared_producer``: the Monitors (Python recording, no capture-request reader) send
+    through one producer and one thread (``producers/shared_sender.py``), so that one
+    process can run thousands of ranks; each still encodes its own batches.
 
     ``ranks`` simulates only those ranks of the run (the others run in other processes,
     :mod:`profstream.simulate_procs`); ``start``, if given, is called once the Monitors
@@ -509,8 +513,21 @@ def run_simulation(cfg: SimConfig, monitor_options: dict | None = None, progress
         opts["every_n_steps"] = cfg.capture_every_n_steps
     if cfg.peak_tflops is not None:
         opts["peak_tflops"] = cfg.peak_tflops
-    with sigterm_ends_the_run():  # before the Monitors: their SIGTERM handler chains to it
-        return _run(cfg, opts, progress, ranks, start, ended, Monitor)
+    pool = None
+    if shared_producer:
+        from profstream.producers.shared_sender import SenderPool
+
+        pool = SenderPool()
+        opts.update(native=False, control=False, sender_factory=pool.sender)
+    delivered = True
+    try:
+        with sigterm_ends_the_run():  # before the Monitors: their SIGTERM handler chains to it
+            result = _run(cfg, opts, progress, ranks, start, ended, Monitor)
+    finally:
+        if pool is not None:  # after every Monitor's close: their end marks' acknowledgements
+            delivered = pool.close(TERMINATED_CLOSE_S)
+    result.flushed = result.flushed and delivered
+    return result
 
 
 def _run(cfg: SimConfig, opts: dict, progress, ranks: range, start, ended: bool, monitor_type) -> SimResult:

@@ -38,7 +38,8 @@ def shares(ranks: int, procs: int) -> list[range]:
     return [range(i * ranks // procs, (i + 1) * ranks // procs) for i in range(procs)]
 
 
-def _share(cfg: SimConfig, ranks: range, opts: dict, index: int, counter, go, origin, results) -> None:
+def _share(cfg: SimConfig, ranks: range, opts: dict, index: int, counter, go, origin, results,
+           shared_producer: bool = False) -> None:
     """One producer process: its share of the ranks, reporting ready, steps done, and the result."""
     def start() -> int:
         results.put(("ready", index, None))
@@ -50,14 +51,17 @@ def _share(cfg: SimConfig, ranks: range, opts: dict, index: int, counter, go, or
             counter.value += 1
 
     try:
-        results.put(("done", index, run_simulation(cfg, opts, progress, ranks=ranks, start=start)))
+        results.put(("done", index, run_simulation(cfg, opts, progress, ranks=ranks, start=start,
+                                                        shared_producer=shared_producer)))
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
         results.put(("error", index, f"{type(e).__name__}: {e}"))
 
 
 def run_in_processes(cfg: SimConfig, procs: int, monitor_options: dict | None = None,
-                     progress: Callable[[int], Any] | None = None) -> SimResult:
-    """Simulate ``cfg`` from ``procs`` processes; ``progress(n)`` is told of steps done.
+                     progress: Callable[[int], Any] | None = None, shared_producer: bool = False) -> SimResult:
+    """Simulate ``cfg`` from ``procs`` processes; ``progress(n)`` is told of steps done;
+    ``shared_producer``: the Monitors of each process share one producer and thread
+    (``run_simulation``'s).
 
     Raises ``ValueError`` for a ``procs`` outside 1..ranks and ``RuntimeError`` when a
     process fails (the others are stopped)."""
@@ -68,7 +72,7 @@ def run_in_processes(cfg: SimConfig, procs: int, monitor_options: dict | None = 
     origin = ctx.Value("q", 0, lock=False)
     counters = [ctx.Value("q", 0) for _ in parts]
     workers = [ctx.Process(target=_share, args=(cfg, part, dict(monitor_options or {}), i, counters[i], go,
-                                                origin, results), name=f"simulate-{i}", daemon=True)
+                                                origin, results, shared_producer), name=f"simulate-{i}", daemon=True)
                for i, part in enumerate(parts)]
     with sigterm_ends_the_run():  # passed on to the processes, which end the run as one does
         for w in workers:

@@ -225,6 +225,61 @@ def test_kill_9_and_restart_gives_every_step_exactly_once_with_identical_values(
                 assert s[field] == ref[field], (s["rank"], s["step"], field)
 
 
+def test_ctrl_c_and_sigterm_end_a_processor_promptly_and_the_next_one_redoes_what_was_not_committed(
+        kafka_bootstrap, topics, tmp_path):
+    # The first processor starts with SIGINT ignored, as a script's background job does
+    # (`profstream process &`); `kill -INT` stopped nothing then, and SIGTERM ended the second
+    # at once, without its last commit (status -15). Each must stop within seconds, exit 0,
+    # and the run still come out once.
+    cfg = SimConfig(run_id="stops", ranks=2, steps=600, ops_per_step=40, step_time_ms=25, seed=9, rate="realtime")
+    total = cfg.ranks * cfg.steps
+    cmd = [sys.executable, "-m", "profstream.cli", "process", "--bootstrap", kafka_bootstrap,
+           "--topic-prefix", topics.prefix, "--group-id", f"g-{topics.prefix}", "--instance-id", "p0",
+           "--metrics-port", "0", "--grace-s", "0.5", "--run-grace-s", "5"]
+    log_path = tmp_path / "processor.log"
+    log = open(log_path, "w")
+
+    def start(ignore_sigint: bool = False) -> subprocess.Popen:
+        started = log_path.read_text().count("processing")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint
+                                else None)
+        wait_until(lambda: log_path.read_text().count("processing") > started, 60, "the processor to start")
+        return proc
+
+    def committed() -> int:
+        return len(step_records(kafka_bootstrap, topics.steps, "stops", total, timeout=0.5, full=False))
+
+    proc = start(ignore_sigint=True)
+    producer = threading.Thread(target=run_simulation, args=(cfg, {"bootstrap": kafka_bootstrap,
+                                                                  "topic_prefix": topics.prefix}))
+    producer.start()
+    try:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            before = committed()
+            wait_until(lambda b=before: committed() >= b + 100, 60, f"100 more committed steps before {signum!r}")
+            proc.send_signal(signum)
+            try:
+                code = proc.wait(10)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"the processor did not end within 10 s of {signum!r}") from None
+            assert code == 0, f"{signum!r}: exit status {code}\n{log_path.read_text()[-2000:]}"
+            assert f"{signal.Signals(signum).name}: stopping" in log_path.read_text()
+            assert committed() < total, "the run was over before the stop: the test did not test a stop"
+            proc = start()
+        producer.join(120)
+        steps = step_records(kafka_bootstrap, topics.steps, "stops", total, timeout=90)
+        steps = step_records(kafka_bootstrap, topics.steps, "stops", total + 1, timeout=3, full=False)  # a duplicate?
+    finally:
+        proc.terminate()
+        proc.wait(20)
+        log.close()
+    counts = Counter((s["rank"], s["step"]) for s in steps)
+    assert len(counts) == total and max(counts.values()) == 1, log_path.read_text()[-2000:]
+    truth = expected(cfg)
+    assert all(s["step_time_ns"] == truth[(s["rank"], s["step"])]["step_time_ns"] for s in steps)
+
+
 def test_a_batch_the_raw_topic_holds_twice_is_counted_once(kafka_bootstrap, topics):
     """librdkafka's idempotent producer can resend a batch the broker already wrote (an epoch
     bump after a leader change): the raw topic then holds it twice, the copy among the

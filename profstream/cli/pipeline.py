@@ -23,6 +23,10 @@ from profstream.cli.common import (
 from profstream.config import check_name
 from profstream.processors.hangs import HANG_AFTER_S
 
+# Ranks `simulate` runs with a Monitor each as a training process has it (its own producer and
+# threads); past that, only with --shared-producer (docs/benchmarks.md, "16,384 ranks simulated")
+MAX_OWN_PRODUCER_RANKS = 1024
+
 
 def sim_config(run_id, ranks, steps, ops_per_step, step_time_ms, comm_share, seed, stall, straggler,
                 straggler_factor, leak_bytes_per_step, rate, device_counters=False, throttle=None, **work):
@@ -51,7 +55,8 @@ def simulate(
     kafka_config: KafkaConfigOpt = None,
     kafka_property: KafkaPropertyOpt = None,
     run_id: Annotated[str, typer.Option(help="run identifier")] = "sim",
-    ranks: Annotated[int, typer.Option(min=1, max=1024)] = 2,
+    ranks: Annotated[int, typer.Option(min=1, max=65536, help=f"ranks of the run (over {MAX_OWN_PRODUCER_RANKS}: "
+                                                              "with --shared-producer)")] = 2,
     steps: Annotated[int, typer.Option(min=1)] = 50,
     ops_per_step: Annotated[int, typer.Option(min=4, max=100000)] = 200,
     step_time_ms: Annotated[float, typer.Option(min=0.01)] = 100.0,
@@ -78,6 +83,10 @@ def simulate(
     topic_prefix: PrefixOpt = "profstream",
     procs: Annotated[int, typer.Option(help="producer processes that share the ranks out, each with the "
                                             "Monitors of its ranks (1 to --ranks)")] = 1,
+    shared_producer: Annotated[bool, typer.Option(help="the Monitors of each process share one Kafka producer and "
+                                                       "one sender thread, record in Python and read no capture "
+                                                       "requests: thousands of ranks a process (each still encodes "
+                                                       "its own batches, producer id and seq)")] = False,
 ) -> None:
     """Simulate a training run through the real Monitor (deterministic for a seed).
 
@@ -94,15 +103,19 @@ def simulate(
         shares(cfg.ranks, procs)
     except ValueError:
         fail(f"--procs {procs}: expected 1 to {cfg.ranks} (the number of --ranks) producer processes")
+    if cfg.ranks > MAX_OWN_PRODUCER_RANKS and not shared_producer:
+        fail(f"--ranks {cfg.ranks}: over {MAX_OWN_PRODUCER_RANKS} ranks, add --shared-producer (a Monitor with a "
+             "producer and threads of its own per rank does not fit one machine)")
     boot, _ = connect(bootstrap)
     monitor_options = {"connection": boot, "topic_prefix": topic_prefix}
     progress, advance = step_progress(cfg.ranks * cfg.steps, "simulate")
     with progress:
         if procs == 1:
-            result = run_simulation(cfg, monitor_options, progress=advance)
+            result = run_simulation(cfg, monitor_options, progress=advance, shared_producer=shared_producer)
         else:
             try:
-                result = run_in_processes(cfg, procs, monitor_options, progress=lambda n: advance(None, n))
+                result = run_in_processes(cfg, procs, monitor_options, progress=lambda n: advance(None, n),
+                                          shared_producer=shared_producer)
             except RuntimeError as e:
                 fail(str(e))
     out.print(f"run {cfg.run_id}: {result.summary(boot)}", highlight=False, soft_wrap=True)
@@ -186,12 +199,12 @@ def process(
                   "or 0 to turn them off")
     where = f"{web.scheme if web else 'http'}://{metrics_addr}:{metrics_port}/metrics"
     err.print(f"processing {topics.raw} from {boot} (group {group_id}, instance {instance_id})"
-              + (f", metrics on {where}" if metrics_port else "") + "; Ctrl-C stops", highlight=False)
+              + (f", metrics on {where}" if metrics_port else "") + "; Ctrl-C or SIGTERM stops", highlight=False)
     _dump_state_on_usr1(processor)
-    try:
+    from profstream.processors.stop_signals import stop_on_signals
+
+    with stop_on_signals(processor.stop, lambda line: err.print(line, highlight=False)):
         processor.run()
-    except KeyboardInterrupt:
-        processor.stop()
 
 
 def _dump_state_on_usr1(processor) -> None:
