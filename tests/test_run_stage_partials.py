@@ -132,6 +132,38 @@ def test_run_steps_from_partials_equal_those_from_every_ranks_step_metrics_byte_
     assert _run(live) == expected
 
 
+def test_once_a_run_has_partials_its_step_metrics_are_dropped_without_being_decoded(monkeypatch):
+    """At 16,384 ranks, decoding every StepMetrics only to drop it cost the run stage ~0.9 s a
+    run step through the broker (benchmarks §45): they are told apart by their header and run id."""
+    from profstream.processors import runtime
+    from profstream.schema import codec
+
+    decoded = []
+    monkeypatch.setattr(runtime, "decode_any", lambda v: decoded.append(codec.decode_any(v)[0]) or codec.decode_any(v))
+    reports = _reports()
+    first, rest = reports[:2], reports[2:]
+    other_run = [{**m, "run_id": "other"} for m in first]
+    partials = _partials(first, 1) + _partials(rest, 1)
+    records = ([encode_step_metrics(m) for m in first] + partials[:len(_partials(first, 1))]  # the first are read
+               + [encode_step_metrics(m) for m in rest + other_run] + partials[len(_partials(first, 1)):])
+    # the same run steps as from every rank's StepMetrics
+    assert sorted(_run(records)) == sorted(_run([encode_step_metrics(m) for m in reports + other_run]))
+    decoded.clear()
+    _run(records)
+    assert decoded.count("StepMetrics") == len(first) + len(other_run)  # not the partials' run's later ones
+    assert decoded.count("StepPartial") == len(partials)
+
+
+def test_peek_reads_the_record_name_and_run_id_or_says_it_cannot():
+    from profstream.schema.codec import peek
+
+    value = encode_step_metrics({**_reports()[0], "run_id": "rün-7"})
+    assert peek(value) == ("StepMetrics", "rün-7")
+    for bad in (value[:11], value[:10] + b"\xff" * 11, b"\x00" * 20, memoryview(value), None,
+                value[:10] + b"\x04\xff\xfe"):  # truncated; a runaway varint; not Avro; not bytes; not UTF-8
+        assert peek(bad) is None
+
+
 def test_a_partial_whose_columns_do_not_fit_is_refused_and_counted_and_the_rest_still_counts():
     reports = [m for m in _reports() if m["step"] == 0]
     good = _partials(reports[:4], 1)[0]

@@ -62,6 +62,7 @@ from profstream.schema.codec import (
     encode_run_step_metrics,
     encode_step_metrics,
     is_rank_progress,
+    peek,
 )
 from profstream.schema.rank_columns import step_time_columns
 
@@ -423,6 +424,11 @@ class RunStage:
             self._changed.discard(run_id)
 
     def fold(self, rec, now: float) -> list[Output]:
+        seen = peek(rec.value)
+        if seen is not None and seen[0] == "StepMetrics":
+            run = self.runs.get(seen[1])
+            if run is not None and run.partials:
+                return []  # the run's StepPartials bring what the run stage reads of it: not decoded
         try:
             name, m = decode_any(rec.value)
             if name == "RankEnd":
@@ -436,7 +442,7 @@ class RunStage:
             elif name == "StepMetrics":
                 run = self.runs.get(m["run_id"])
                 if run is not None and run.partials:
-                    return []  # the run's StepPartials bring what the run stage reads of it
+                    return []  # as above, for a value peek could not read (not bytes)
                 rows = None
             else:
                 raise DecodeError("wrong_type",

@@ -424,6 +424,36 @@ def is_rank_progress(data: bytes | None) -> bool:
     return data is not None and bytes(data[:HEADER_LEN]) in RANK_PROGRESS_HEADERS
 
 
+def peek(data: bytes) -> tuple[str, str] | None:
+    """(record name, first field) of a profstream message whose first field is a string (the
+    run id of every record the processors read), without decoding the rest; None when the
+    header or that string cannot be read (decode_any then says why). For a reader that drops
+    some records of a run undecoded: a run stage's StepMetrics where StepPartials come."""
+    if type(data) is not bytes or len(data) <= HEADER_LEN or data[:2] != MAGIC:
+        return None
+    sv = SCHEMAS.get(int.from_bytes(data[2:HEADER_LEN], "little"))
+    if sv is None:
+        return None
+    shift = length = 0
+    i = HEADER_LEN
+    while i < len(data) and shift < 64:  # the string's length: a zigzag varint
+        b = data[i]
+        length |= (b & 0x7F) << shift
+        i += 1
+        if not b & 0x80:
+            break
+        shift += 7
+    else:
+        return None
+    length = (length >> 1) ^ -(length & 1)
+    if length < 0 or i + length > len(data):
+        return None
+    try:
+        return sv.name, data[i:i + length].decode()
+    except UnicodeDecodeError:
+        return None
+
+
 def decode_any(data: bytes) -> tuple[str, dict]:
     """Decode any profstream message: (record name, record in the current shape)."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
