@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from profstream import compiled
+from profstream.processors.host import host_figures
 from profstream.processors.memory import memory_figures
 from profstream.processors.model import StepEvents
 from profstream.processors.optypes import device_kind_costs, op_type_costs
@@ -20,6 +21,7 @@ from profstream.processors.rolling import RollingWindow
 from profstream.processors.utilization import utilization
 from profstream.processors.window import Window, carry_past_end, step_window
 from profstream.schema import codec, sparse, writer
+from profstream.schema.batch import HOST_COLUMNS, LOADER_COLUMNS, MACHINE
 
 # Off by choice (PROFSTREAM_PURE_PROCESSORS=1): the other tests then run the Python paths
 pytestmark = pytest.mark.skipif(compiled.pure(), reason="PROFSTREAM_PURE_PROCESSORS=1: the compiled parts are off")
@@ -110,6 +112,60 @@ def test_compiled_rolling_figures_equal_the_numpy_path(n, steps):
             assert window.figures() == with_kernels
         finally:
             compiled.NATIVE = native
+
+
+_SHARE = st.one_of(st.just(float("nan")), st.just(-0.0), st.floats(0, 1), st.floats(-1e6, 1e6))
+
+
+@st.composite
+def readings(draw) -> tuple[dict, dict]:
+    """A step's host readings and data-loader readings: workers in any order, the machine's
+    rows among them, NaN where a value is unknown, batches -1 (not counted), 0 or more."""
+    n_host, n_loader = draw(st.integers(0, 4)), draw(st.integers(0, 12))
+    host = {c: np.array(draw(st.lists(_SHARE if dtype == "<f8" else st.integers(-2, 10**12), min_size=n_host,
+                                      max_size=n_host)), dtype) for c, dtype in HOST_COLUMNS}
+    values = {"worker": st.sampled_from([MACHINE, 0, 1, 2, 7]), "batches": st.integers(-1, 40),
+              "cpu_count": st.integers(-1, 256), "pid": st.integers(0, 9)}
+    loader = {c: np.array(draw(st.lists(values.get(c, _SHARE if dtype == "<f8" else st.integers(0, 10**12)),
+                                        min_size=n_loader, max_size=n_loader)), dtype) for c, dtype in LOADER_COLUMNS}
+    return host, loader
+
+
+@settings(max_examples=400, deadline=None)
+@given(readings())
+def test_compiled_host_figures_equal_the_python_path(step_readings):
+    """The step's resources (means, maxima, each worker's seconds per batch) are the same
+    floats, None where unmeasured, from the kernel as from the Python loop."""
+    host, loader = step_readings
+    ev = StepEvents(run_id="r", rank=0, step=1, start_ns=S, end_ns=E, host_samples=host, loader_samples=loader)
+    native = compiled.NATIVE
+    with_kernel = host_figures(ev)
+    compiled.NATIVE = None
+    try:
+        python_path = host_figures(ev)
+    finally:
+        compiled.NATIVE = native
+    # repr: NaN never comes out, and -0.0 against 0.0 or a float against an int would show
+    assert repr(with_kernel) == repr(python_path)
+    assert native.host_figures(*(host[c] for c in ("cpu_user", "cpu_system", "cpu_iowait", "cpu_idle",
+                                                     "process_cpu", "rss_bytes")),
+                               *(loader[c] for c in ("worker", "cpu", "runnable", "interval_s", "batches",
+                                                     "ctx_switches_per_s", "cpu_count"))) is not None
+
+
+def test_host_columns_the_kernel_does_not_take_fall_back_to_python():
+    """Readings in columns of another type (float32 CPU shares, int64 workers) get None from
+    the kernel and their figures from the Python loop."""
+    host = {c: np.array([0.25, 0.5], "<f4") for c, _ in HOST_COLUMNS[1:-1]}
+    host |= {"ts_ns": np.array([S, E], np.int64), "rss_bytes": np.array([0, -1], np.int64)}
+    loader = {c: np.array([0, MACHINE], np.int64 if c == "worker" else dtype) for c, dtype in LOADER_COLUMNS}
+    ev = StepEvents(run_id="r", rank=0, step=1, start_ns=S, end_ns=E, host_samples=host, loader_samples=loader)
+    assert compiled.NATIVE.host_figures(host["cpu_user"], host["cpu_system"], host["cpu_iowait"], host["cpu_idle"],
+                                        host["process_cpu"], host["rss_bytes"], loader["worker"], loader["cpu"],
+                                        loader["runnable"], loader["interval_s"], loader["batches"],
+                                        loader["ctx_switches_per_s"], loader["cpu_count"]) is None
+    figures = host_figures(ev)
+    assert figures["cpu_user"] == 0.375 and figures["workers"] == 1 and figures["rss_bytes"] is None
 
 
 def test_the_compiled_varint_writes_the_python_writers_bytes():
