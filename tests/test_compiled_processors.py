@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from profstream import compiled
+from profstream.processors.collectives import NO_CALLS
 from profstream.processors.host import host_figures
 from profstream.processors.memory import memory_figures
 from profstream.processors.model import StepEvents
@@ -166,6 +167,92 @@ def test_host_columns_the_kernel_does_not_take_fall_back_to_python():
                                         loader["ctx_switches_per_s"], loader["cpu_count"]) is None
     figures = host_figures(ev)
     assert figures["cpu_user"] == 0.375 and figures["workers"] == 1 and figures["rss_bytes"] is None
+
+
+_NULLABLE_FLOAT = st.one_of(st.none(), st.floats(allow_nan=False), st.integers(-(2**53), 2**53))
+_WORKER = st.fixed_dictionaries({"worker": st.integers(-(2**31), 2**31 - 1), "readings": st.integers(0, 2**31 - 1),
+                                 "batches": st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1)),
+                                 "s_per_batch": _NULLABLE_FLOAT, "cpu_s_per_batch": _NULLABLE_FLOAT})
+# a value the generated function refuses (a numpy number, a bool for an int, a long for an
+# int, a float for a long, a dict for the list) or a field missing
+_ODD = st.sampled_from([("readings", np.int64(3)), ("readings", True), ("readings", 2**31), ("cpu_user", np.float64(1)),
+                        ("rss_bytes", 1.5), ("rss_bytes", 2**63), ("per_worker", {}), ("cpu_count", None), ("workers", None)])
+
+
+@st.composite
+def resources(draw) -> dict:
+    r = {"readings": draw(st.integers(0, 2**31 - 1))}
+    for name in ("cpu_user", "cpu_system", "cpu_iowait", "cpu_idle", "process_cpu"):
+        r[name] = draw(_NULLABLE_FLOAT)
+    r["rss_bytes"] = draw(st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1)))
+    r["loader_readings"], r["workers"] = draw(st.integers(0, 2**31 - 1)), draw(st.integers(-(2**31), 2**31 - 1))
+    for name in ("worker_cpu_mean", "worker_cpu_max", "worker_runnable_mean", "worker_runnable_max"):
+        r[name] = draw(_NULLABLE_FLOAT)
+    r["worker_batches"] = draw(st.one_of(st.none(), st.integers(0, 2**40)))
+    r["worker_s_per_batch"], r["worker_cpu_s_per_batch"] = draw(_NULLABLE_FLOAT), draw(_NULLABLE_FLOAT)
+    r["per_worker"] = draw(st.lists(_WORKER, max_size=4).map(lambda x: x if len(x) % 2 else tuple(x)))
+    r["ctx_switches_per_s"] = draw(_NULLABLE_FLOAT)
+    r["cpu_count"] = draw(st.one_of(st.none(), st.integers(1, 2**31 - 1)))
+    odd = draw(st.one_of(st.none(), _ODD, st.sampled_from(list(r))))
+    if isinstance(odd, tuple):
+        r[odd[0]] = odd[1]
+    elif odd is not None:
+        del r[odd]
+    return r
+
+
+_STEP = {"run_id": "r", "rank": 0, "world_size": 1, "host": "h", "device": "cpu", "step": 1, "start_ns": S,
+         "end_ns": E, "step_time_ns": E - S, "data_wait_ns": 0, "fp_bp_ns": 0, "tail_ns": 0, "host_step_time_ns": E - S,
+         "device_start_ns": None, "device_end_ns": None, "compute_ns": 0, "comm_ns": 0, "overlap_ns": 0,
+         "pure_comm_ns": 0, "idle_ns": 0, "utilization": None, "overlap_ratio": None, "op_count": 0, "op_types": [],
+         "kernel_types": [], "device_kinds": [], "uncorrelated_ops": 0, "memory": None, "queues": [], "starved": False,
+         "rolling": None, "closed_by": "watermark", "late_events": 0, "closed_ns": E, "devices": [],
+         "collectives": NO_CALLS, "dropped_ops": 0,
+         "dropped_samples": 0, "work": None, "advice": []}
+
+
+@settings(max_examples=400, deadline=None)
+@given(resources())
+def test_the_compiled_resources_writer_writes_the_generated_writers_bytes(figures):
+    """A StepMetrics' host figures written by the compiled plan (writer.NATIVE_RECORDS) are
+    the bytes of the generated Python function; a record that function refuses (an odd type,
+    a value out of range, a field missing), the compiled one refuses too, so that fastavro
+    writes it (or says what is wrong)."""
+    schema = codec.CURRENT["StepMetrics"].parsed
+    compiled_writer = writer.compile_writer(schema)
+    python_writer = writer.compile_writer(schema, write_record=None)
+    record = {**_STEP, "resources": figures}
+    try:
+        want = python_writer(record)
+    except (writer.Unsupported, KeyError, OverflowError):  # codec.encode then writes it with fastavro
+        with pytest.raises((writer.Unsupported, TypeError, KeyError, OverflowError)):
+            compiled_writer(record)
+        return
+    assert compiled_writer(record) == want
+
+
+def test_the_step_metrics_writer_writes_host_figures_by_the_compiled_plan():
+    """The StepMetrics writer calls the compiled plan for its host figures, whose bytes read
+    back as the figures written."""
+    calls = []
+
+    def spy(record: dict, plan: tuple) -> bytes:
+        calls.append(plan[0][0])
+        return writer.WRITE_RECORD(record, plan)
+
+    figures = {"readings": 2, "cpu_user": 0.5, "cpu_system": None, "cpu_iowait": 0.25, "cpu_idle": None,
+               "process_cpu": 1.5, "rss_bytes": 2**40, "loader_readings": 3, "workers": 2, "worker_cpu_mean": 0.9,
+               "worker_cpu_max": 1.0, "worker_runnable_mean": None, "worker_runnable_max": None, "worker_batches": 7,
+               "worker_s_per_batch": 0.125, "worker_cpu_s_per_batch": None,
+               "per_worker": [{"worker": 0, "readings": 2, "batches": 7, "s_per_batch": 0.125, "cpu_s_per_batch": None},
+                              {"worker": 1, "readings": 1, "batches": None, "s_per_batch": None,
+                               "cpu_s_per_batch": None}], "ctx_switches_per_s": 1e4, "cpu_count": 64}
+    record = {**_STEP, "resources": figures}
+    schema = codec.CURRENT["StepMetrics"].parsed
+    data = writer.compile_writer(schema, write_record=spy)(record)
+    assert calls == ["readings"]
+    assert data == writer.compile_writer(schema, write_record=None)(record)
+    assert codec.decode("StepMetrics", codec.CURRENT["StepMetrics"].header + data)["resources"] == figures
 
 
 def test_the_compiled_varint_writes_the_python_writers_bytes():

@@ -11,7 +11,10 @@
 #include <cstring>
 #include <map>
 #include <utility>
+#include <string>
 #include <vector>
+
+#include "encoder.h"
 
 namespace ps {
 
@@ -577,6 +580,122 @@ PyObject* host_figures(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return out;
 }
 
+// The kinds of a record plan's fields (schema/writer.py FIELD_KINDS, in that order)
+enum FieldKind { F_LONG, F_INT, F_DOUBLE, F_BOOLEAN, F_STRING, F_RECORDS, F_NULLABLE = 8 };
+
+void put_long(std::string& out, int64_t v) {
+  char buf[10];
+  out.append(buf, zigzag_varint(v, buf));
+}
+
+// Appends record's fields by plan ((name, kind, sub-plan), ...): what schema/writer.py's
+// generated function writes for the record, with its checks; false with an exception set
+// for a value it does not take (the caller then writes the record with fastavro)
+bool write_planned(std::string& out, PyObject* record, PyObject* plan, int depth) {
+  if (!PyDict_CheckExact(record) || depth > 8) {
+    PyErr_SetString(PyExc_TypeError, "write_record: not a dict");
+    return false;
+  }
+  const Py_ssize_t n = PyTuple_GET_SIZE(plan);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* field = PyTuple_GET_ITEM(plan, i);
+    PyObject* name = PyTuple_GET_ITEM(field, 0);
+    long kind = PyLong_AsLong(PyTuple_GET_ITEM(field, 1));
+    PyObject* v = PyDict_GetItemWithError(record, name);
+    if (v == nullptr) {
+      if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, name);
+      return false;
+    }
+    if (kind & F_NULLABLE) {
+      if (v == Py_None) {
+        out.push_back('\0');
+        continue;
+      }
+      out.push_back('\x02');
+      kind &= ~F_NULLABLE;
+    }
+    switch (kind) {
+      case F_LONG:
+      case F_INT: {
+        if (!PyLong_CheckExact(v)) {
+          PyErr_SetString(PyExc_TypeError, "write_record: not an int");
+          return false;
+        }
+        int overflow = 0;
+        long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+        if (overflow || (kind == F_INT && (x < INT32_MIN || x > INT32_MAX))) {
+          PyErr_SetString(PyExc_OverflowError, "write_record: out of range");
+          return false;
+        }
+        if (x == -1 && PyErr_Occurred()) return false;
+        put_long(out, x);
+        break;
+      }
+      case F_DOUBLE: {
+        if (!PyFloat_CheckExact(v) && !PyLong_CheckExact(v)) {
+          PyErr_SetString(PyExc_TypeError, "write_record: not a float");
+          return false;
+        }
+        double x = PyFloat_AsDouble(v);  // as struct.pack("<d") takes an int
+        if (x == -1.0 && PyErr_Occurred()) return false;
+        char buf[8];
+        std::memcpy(buf, &x, 8);  // little-endian: module.cpp refuses another machine
+        out.append(buf, 8);
+        break;
+      }
+      case F_BOOLEAN:
+        if (!PyBool_Check(v)) {
+          PyErr_SetString(PyExc_TypeError, "write_record: not a bool");
+          return false;
+        }
+        out.push_back(v == Py_True ? '\x01' : '\0');
+        break;
+      case F_STRING: {
+        Py_ssize_t size = 0;
+        const char* s = PyUnicode_CheckExact(v) ? PyUnicode_AsUTF8AndSize(v, &size) : nullptr;
+        if (s == nullptr) {
+          if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "write_record: not a str");
+          return false;
+        }
+        put_long(out, size);
+        out.append(s, static_cast<size_t>(size));
+        break;
+      }
+      case F_RECORDS: {
+        if (!PyList_CheckExact(v) && !PyTuple_CheckExact(v)) {
+          PyErr_SetString(PyExc_TypeError, "write_record: not a list");
+          return false;
+        }
+        PyObject* sub = PyTuple_GET_ITEM(field, 2);
+        const Py_ssize_t items = PySequence_Fast_GET_SIZE(v);
+        if (items) {
+          put_long(out, items);
+          for (Py_ssize_t k = 0; k < items; ++k)
+            if (!write_planned(out, PySequence_Fast_GET_ITEM(v, k), sub, depth + 1)) return false;
+        }
+        out.push_back('\0');
+        break;
+      }
+      default:
+        PyErr_SetString(PyExc_ValueError, "write_record: a field kind it does not know");
+        return false;
+    }
+  }
+  return true;
+}
+
+// write_record(record, plan) -> the record's Avro body by plan (schema/writer.py
+// record_plan: a tuple of (name, kind, sub-plan or None)); raises for a value it does not take
+PyObject* write_record(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2 || !PyTuple_CheckExact(args[1])) {
+    PyErr_SetString(PyExc_TypeError, "write_record takes a record and its plan (a tuple)");
+    return nullptr;
+  }
+  std::string out;
+  if (!write_planned(out, args[0], args[1], 0)) return nullptr;
+  return PyBytes_FromStringAndSize(out.data(), static_cast<Py_ssize_t>(out.size()));
+}
+
 PyMethodDef kernel_functions[] = {
     {"kind_overlap", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(kind_overlap)), METH_FASTCALL,
      "kind_overlap(kind, start, dur, lo, hi, a, b, a_start, a_end, b_start, b_end) -> (|A|, |B|, |A & B|) or None"},
@@ -596,6 +715,8 @@ PyMethodDef kernel_functions[] = {
      "rolling_sums(step_time, data_wait, count, ranks) -> (step sum, wait sum, sorted step times at ranks) or None"},
     {"host_figures", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(host_figures)), METH_FASTCALL,
      "host_figures(13 host and loader columns) -> a step's resources dict (processors/host.py) or None"},
+    {"write_record", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(write_record)), METH_FASTCALL,
+     "write_record(record, plan) -> its Avro body, written by plan (schema/writer.py record_plan)"},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace
