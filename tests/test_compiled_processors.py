@@ -211,29 +211,36 @@ _STEP = {"run_id": "r", "rank": 0, "world_size": 1, "host": "h", "device": "cpu"
          "dropped_samples": 0, "work": None, "advice": []}
 
 
+_FIGURE = st.one_of(st.floats(allow_nan=False), st.integers(-(2**53), 2**53), st.sampled_from([np.float64(1), "1", None]))
+_ADVICE = st.fixed_dictionaries({"rule": st.text(max_size=12), "text": st.text(max_size=300),
+                                 "source": st.one_of(st.text(max_size=40), st.sampled_from([b"x", None, "\udc80"])),
+                                 "figures": st.one_of(st.dictionaries(st.text(max_size=20), _FIGURE, max_size=6),
+                                                      st.sampled_from([[], {1: 1.0}]))})
+
+
 @settings(max_examples=400, deadline=None)
-@given(resources())
-def test_the_compiled_resources_writer_writes_the_generated_writers_bytes(figures):
-    """A StepMetrics' host figures written by the compiled plan (writer.NATIVE_RECORDS) are
-    the bytes of the generated Python function; a record that function refuses (an odd type,
-    a value out of range, a field missing), the compiled one refuses too, so that fastavro
-    writes it (or says what is wrong)."""
+@given(resources(), st.lists(_ADVICE, max_size=2))
+def test_the_compiled_resources_writer_writes_the_generated_writers_bytes(figures, advice):
+    """A StepMetrics' host figures and advice lines written by the compiled plan
+    (writer.NATIVE_RECORDS) are the bytes of the generated Python functions; a record those
+    refuse (an odd type, a value out of range, a field missing), the compiled one refuses too,
+    so that fastavro writes it (or says what is wrong)."""
     schema = codec.CURRENT["StepMetrics"].parsed
     compiled_writer = writer.compile_writer(schema)
     python_writer = writer.compile_writer(schema, write_record=None)
-    record = {**_STEP, "resources": figures}
+    record = {**_STEP, "resources": figures, "advice": advice}
     try:
         want = python_writer(record)
-    except (writer.Unsupported, KeyError, OverflowError):  # codec.encode then writes it with fastavro
-        with pytest.raises((writer.Unsupported, TypeError, KeyError, OverflowError)):
+    except (writer.Unsupported, KeyError, OverflowError, UnicodeEncodeError):  # then fastavro writes it
+        with pytest.raises((writer.Unsupported, TypeError, KeyError, OverflowError, UnicodeEncodeError)):
             compiled_writer(record)
         return
     assert compiled_writer(record) == want
 
 
 def test_the_step_metrics_writer_writes_host_figures_by_the_compiled_plan():
-    """The StepMetrics writer calls the compiled plan for its host figures, whose bytes read
-    back as the figures written."""
+    """The StepMetrics writer calls the compiled plan for its host figures and each advice
+    line, whose bytes read back as the record written."""
     calls = []
 
     def spy(record: dict, plan: tuple) -> bytes:
@@ -247,12 +254,15 @@ def test_the_step_metrics_writer_writes_host_figures_by_the_compiled_plan():
                "per_worker": [{"worker": 0, "readings": 2, "batches": 7, "s_per_batch": 0.125, "cpu_s_per_batch": None},
                               {"worker": 1, "readings": 1, "batches": None, "s_per_batch": None,
                                "cpu_s_per_batch": None}], "ctx_switches_per_s": 1e4, "cpu_count": 64}
-    record = {**_STEP, "resources": figures}
     schema = codec.CURRENT["StepMetrics"].parsed
+    advice = [{"rule": "more_workers", "text": "raise num_workers … ü", "source": "MindSpore",
+               "figures": {"workers": 2.0, "data_wait_ms": 12.5}}, {"rule": "x", "text": "", "source": "", "figures": {}}]
+    record = {**_STEP, "resources": figures, "advice": advice}
     data = writer.compile_writer(schema, write_record=spy)(record)
-    assert calls == ["readings"]
+    assert calls == ["readings", "rule", "rule"]
     assert data == writer.compile_writer(schema, write_record=None)(record)
-    assert codec.decode("StepMetrics", codec.CURRENT["StepMetrics"].header + data)["resources"] == figures
+    back = codec.decode("StepMetrics", codec.CURRENT["StepMetrics"].header + data)
+    assert back["resources"] == figures and back["advice"] == advice
 
 
 def test_the_compiled_varint_writes_the_python_writers_bytes():

@@ -26,13 +26,14 @@ _SMALL = [bytes(((n << 1) ^ (n >> 63),)) for n in range(-64, 64)]  # zigzag vari
 
 
 # Records written by the compiled ``write_record`` (csrc/kernels.cpp) by a plan of their
-# fields rather than by a generated function per field: a StepMetrics' host figures (their
-# ~30 fields cost ~5 us a step in Python, a sixth of what the host figures added to a step:
-# benchmarks.md, issue #34). Every record its plan holds (scalars, nullable scalars, strings,
-# arrays of such records) could be; the others keep their functions until measured.
-NATIVE_RECORDS = frozenset({"ResourceFigures"})
+# fields rather than by a generated function per field: a StepMetrics' host figures and
+# advice lines (their ~30 fields and the lines' texts and figures cost ~10 us a step in
+# Python: benchmarks.md, issue #34). Every record its plan holds (scalars, nullable scalars,
+# strings, maps of doubles, arrays of such records) could be; the others keep their
+# functions until measured.
+NATIVE_RECORDS = frozenset({"ResourceFigures", "Advice"})
 # a plan's field kinds, as kernels.cpp numbers them; NULLABLE added for ["null", X]
-FIELD_KINDS = {"long": 0, "int": 1, "double": 2, "boolean": 3, "string": 4, "records": 5}
+FIELD_KINDS = {"long": 0, "int": 1, "double": 2, "boolean": 3, "string": 4, "records": 5, "doubles": 6}
 NULLABLE = 8
 WRITE_RECORD = compiled.NATIVE.write_record if compiled.NATIVE is not None else None
 
@@ -117,8 +118,10 @@ class _Gen:
                 if sub is None or kind:
                     return None
                 t = "records"
+            elif isinstance(t, dict) and t.get("type") == "map":
+                t = "doubles" if t["values"] == "double" and not kind else None
             elif isinstance(t, dict):
-                t = t.get("type") if t.get("type") in FIELD_KINDS and t.get("type") != "records" else None
+                t = t.get("type") if t.get("type") in FIELD_KINDS and t.get("type") not in ("records", "doubles") else None
             if t not in FIELD_KINDS:
                 return None
             fields.append((f["name"], FIELD_KINDS[t] | kind, sub))

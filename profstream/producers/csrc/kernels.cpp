@@ -581,11 +581,38 @@ PyObject* host_figures(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 }
 
 // The kinds of a record plan's fields (schema/writer.py FIELD_KINDS, in that order)
-enum FieldKind { F_LONG, F_INT, F_DOUBLE, F_BOOLEAN, F_STRING, F_RECORDS, F_NULLABLE = 8 };
+enum FieldKind { F_LONG, F_INT, F_DOUBLE, F_BOOLEAN, F_STRING, F_RECORDS, F_DOUBLES, F_NULLABLE = 8 };
 
 void put_long(std::string& out, int64_t v) {
   char buf[10];
   out.append(buf, zigzag_varint(v, buf));
+}
+
+// A double as struct.pack("<d") writes it (an int taken too); false with an exception set
+bool put_double(std::string& out, PyObject* v) {
+  if (!PyFloat_CheckExact(v) && !PyLong_CheckExact(v)) {
+    PyErr_SetString(PyExc_TypeError, "write_record: not a float");
+    return false;
+  }
+  double x = PyFloat_AsDouble(v);
+  if (x == -1.0 && PyErr_Occurred()) return false;
+  char buf[8];
+  std::memcpy(buf, &x, 8);  // little-endian: module.cpp refuses another machine
+  out.append(buf, 8);
+  return true;
+}
+
+// A str as its UTF-8 bytes with their length; false with an exception set
+bool put_string(std::string& out, PyObject* v) {
+  Py_ssize_t size = 0;
+  const char* s = PyUnicode_CheckExact(v) ? PyUnicode_AsUTF8AndSize(v, &size) : nullptr;
+  if (s == nullptr) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "write_record: not a str");
+    return false;
+  }
+  put_long(out, size);
+  out.append(s, static_cast<size_t>(size));
+  return true;
 }
 
 // Appends record's fields by plan ((name, kind, sub-plan), ...): what schema/writer.py's
@@ -631,18 +658,9 @@ bool write_planned(std::string& out, PyObject* record, PyObject* plan, int depth
         put_long(out, x);
         break;
       }
-      case F_DOUBLE: {
-        if (!PyFloat_CheckExact(v) && !PyLong_CheckExact(v)) {
-          PyErr_SetString(PyExc_TypeError, "write_record: not a float");
-          return false;
-        }
-        double x = PyFloat_AsDouble(v);  // as struct.pack("<d") takes an int
-        if (x == -1.0 && PyErr_Occurred()) return false;
-        char buf[8];
-        std::memcpy(buf, &x, 8);  // little-endian: module.cpp refuses another machine
-        out.append(buf, 8);
+      case F_DOUBLE:
+        if (!put_double(out, v)) return false;
         break;
-      }
       case F_BOOLEAN:
         if (!PyBool_Check(v)) {
           PyErr_SetString(PyExc_TypeError, "write_record: not a bool");
@@ -650,17 +668,9 @@ bool write_planned(std::string& out, PyObject* record, PyObject* plan, int depth
         }
         out.push_back(v == Py_True ? '\x01' : '\0');
         break;
-      case F_STRING: {
-        Py_ssize_t size = 0;
-        const char* s = PyUnicode_CheckExact(v) ? PyUnicode_AsUTF8AndSize(v, &size) : nullptr;
-        if (s == nullptr) {
-          if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "write_record: not a str");
-          return false;
-        }
-        put_long(out, size);
-        out.append(s, static_cast<size_t>(size));
+      case F_STRING:
+        if (!put_string(out, v)) return false;
         break;
-      }
       case F_RECORDS: {
         if (!PyList_CheckExact(v) && !PyTuple_CheckExact(v)) {
           PyErr_SetString(PyExc_TypeError, "write_record: not a list");
@@ -672,6 +682,21 @@ bool write_planned(std::string& out, PyObject* record, PyObject* plan, int depth
           put_long(out, items);
           for (Py_ssize_t k = 0; k < items; ++k)
             if (!write_planned(out, PySequence_Fast_GET_ITEM(v, k), sub, depth + 1)) return false;
+        }
+        out.push_back('\0');
+        break;
+      }
+      case F_DOUBLES: {  // a map of doubles, in the dict's order
+        if (!PyDict_CheckExact(v)) {
+          PyErr_SetString(PyExc_TypeError, "write_record: not a dict");
+          return false;
+        }
+        if (PyDict_GET_SIZE(v)) {
+          put_long(out, PyDict_GET_SIZE(v));
+          Py_ssize_t pos = 0;
+          PyObject *key, *value;
+          while (PyDict_Next(v, &pos, &key, &value))
+            if (!put_string(out, key) || !put_double(out, value)) return false;
         }
         out.push_back('\0');
         break;
