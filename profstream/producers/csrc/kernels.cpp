@@ -20,30 +20,41 @@ namespace ps {
 
 namespace {
 
-// A 1-D contiguous column of integers, read as int64 whatever its width.
-struct Column {
+// A 1-D contiguous buffer of one-letter items, held while the object lives.
+struct Buffer1D {
   Py_buffer view{};
   bool held = false;
+
+  ~Buffer1D() {
+    if (held) PyBuffer_Release(&view);
+  }
+  // the item's struct letter (its byte order mark skipped), or 0 (no error set) where obj
+  // is not such a buffer
+  char letter(PyObject* obj) {
+    if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+      PyErr_Clear();
+      return 0;
+    }
+    held = true;
+    if (view.ndim != 1 || view.format == nullptr) return 0;
+    const char* f = view.format;
+    if (*f == '<' || *f == '=' || *f == '@') ++f;
+    return f[0] != '\0' && f[1] == '\0' ? f[0] : 0;
+  }
+};
+
+// A 1-D contiguous column of integers, read as int64 whatever its width.
+struct Column : Buffer1D {
   int width = 0;  // item size in bytes: 1 (unsigned), 4 or 8 (signed)
   Py_ssize_t n = 0;
 
-  ~Column() {
-    if (held) PyBuffer_Release(&view);
-  }
   // false (no error set) where obj is not such a column
   bool take(PyObject* obj) {
-    if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-      PyErr_Clear();
-      return false;
-    }
-    held = true;
-    if (view.ndim != 1 || view.format == nullptr) return false;
-    const char* f = view.format;
-    if (*f == '<' || *f == '=' || *f == '@') ++f;
-    if (f[1] != '\0') return false;
-    if (view.itemsize == 8 && (*f == 'l' || *f == 'q')) width = 8;
-    else if (view.itemsize == 4 && (*f == 'i' || *f == 'l')) width = 4;
-    else if (view.itemsize == 1 && *f == 'B') width = 1;
+    const char f = letter(obj);
+    if (f == 0) return false;
+    if (view.itemsize == 8 && (f == 'l' || f == 'q')) width = 8;
+    else if (view.itemsize == 4 && (f == 'i' || f == 'l')) width = 4;
+    else if (view.itemsize == 1 && f == 'B') width = 1;
     else return false;
     n = view.len / view.itemsize;
     return true;
@@ -392,25 +403,13 @@ PyObject* rolling_sums(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return out;
 }
 
-// A 1-D contiguous column of doubles (float64), or false (no error set) for another type.
-struct Doubles {
-  Py_buffer view{};
-  bool held = false;
+// A 1-D contiguous column of doubles (float64).
+struct Doubles : Buffer1D {
   Py_ssize_t n = 0;
 
-  ~Doubles() {
-    if (held) PyBuffer_Release(&view);
-  }
+  // false (no error set) where obj is not such a column
   bool take(PyObject* obj) {
-    if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-      PyErr_Clear();
-      return false;
-    }
-    held = true;
-    if (view.ndim != 1 || view.format == nullptr || view.itemsize != 8) return false;
-    const char* f = view.format;
-    if (*f == '<' || *f == '=' || *f == '@') ++f;
-    if (f[0] != 'd' || f[1] != '\0') return false;
+    if (letter(obj) != 'd' || view.itemsize != 8) return false;
     n = view.len / 8;
     return true;
   }
