@@ -27,7 +27,8 @@ without the differences between processes.
 
 ``--save-messages FILE`` pickles the ``--resources-ab`` messages (off and on) and ends;
 ``--messages FILE --count SIDE`` then runs the stage once over that side (``none``: only
-loads them), with no timing of its own and its StepMetrics counted but not decoded (the
+loads them; ``--passes 2``: twice, so that 2 passes less 1 is a pass without the one-time
+costs), with no timing of its own and its StepMetrics counted but not decoded (the
 decoding of a v9 record is the reader's cost, not the stage's): for an instruction count
 under callgrind, which the load of a shared box does not change (docs/benchmarks.md, "Host
 figures, cheaper", which decoded them, and "Host figures within 5 %").
@@ -213,13 +214,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--messages", metavar="FILE", help="the messages --save-messages wrote (with --count)")
     p.add_argument("--count", choices=("off", "on", "none"),
                    help="run the stage once over that side of --messages, untimed (for callgrind)")
+    p.add_argument("--passes", type=int, default=1,
+                   help="with --count: that many stages one after the other over the messages (2 less 1: a pass "
+                        "without the one-time costs, the writers' compiling among them)")
     args = p.parse_args(argv)
     if args.count:
         if not args.messages:
             p.error("--count needs --messages FILE (written by --save-messages)")
         with open(args.messages, "rb") as f:
             sides = pickle.load(f)
-        steps = run_once(sides[args.count], 10, check=False)["steps"] if args.count != "none" else 0
+        steps = sum(run_once(sides[args.count], 10, check=False)["steps"] for _ in range(args.passes)
+                    if args.count != "none")
         emit(envelope("step_stage_ranks_count", args, {"side": args.count, "steps": steps}))
         return 0
     if args.save_messages:
