@@ -4,8 +4,9 @@ for what runs outside the Monitor: the processors' reading, arithmetic and writi
 Beside the Monitor's hot path the extension holds the EventBatch body reader
 (``csrc/reader.cpp``: ``BodyReader``, used by ``schema/sparse.py``; ``zigzag_varint``, the
 longs of ``schema/writer.py``'s generated writers) and the figures' hottest arithmetic
-(``csrc/kernels.cpp``: interval unions, sums by op type and kind, queue and memory figures,
-and the checks and splits of a batch's columns). Each caller keeps its Python or numpy
+(``csrc/kernels.cpp``: interval unions, sums by op type and kind, queue, memory and host
+figures, the checks and splits of a batch's columns, and ``write_record``, the generated
+writers' records written by a plan of their fields). Each caller keeps its Python or numpy
 path, which gives the same values and bytes: it runs where the extension is not built,
 where a kernel answers None (a column of another type), and everywhere with
 ``PROFSTREAM_PURE_PROCESSORS=1``.

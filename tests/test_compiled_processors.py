@@ -12,6 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from profstream import compiled
+from profstream.processors.collectives import NO_CALLS
+from profstream.processors.host import host_figures
 from profstream.processors.memory import memory_figures
 from profstream.processors.model import StepEvents
 from profstream.processors.optypes import device_kind_costs, op_type_costs
@@ -20,6 +22,7 @@ from profstream.processors.rolling import RollingWindow
 from profstream.processors.utilization import utilization
 from profstream.processors.window import Window, carry_past_end, step_window
 from profstream.schema import codec, sparse, writer
+from profstream.schema.batch import HOST_COLUMNS, LOADER_COLUMNS, MACHINE
 
 # Off by choice (PROFSTREAM_PURE_PROCESSORS=1): the other tests then run the Python paths
 pytestmark = pytest.mark.skipif(compiled.pure(), reason="PROFSTREAM_PURE_PROCESSORS=1: the compiled parts are off")
@@ -110,6 +113,156 @@ def test_compiled_rolling_figures_equal_the_numpy_path(n, steps):
             assert window.figures() == with_kernels
         finally:
             compiled.NATIVE = native
+
+
+_SHARE = st.one_of(st.just(float("nan")), st.just(-0.0), st.floats(0, 1), st.floats(-1e6, 1e6))
+
+
+@st.composite
+def readings(draw) -> tuple[dict, dict]:
+    """A step's host readings and data-loader readings: workers in any order, the machine's
+    rows among them, NaN where a value is unknown, batches -1 (not counted), 0 or more."""
+    n_host, n_loader = draw(st.integers(0, 4)), draw(st.integers(0, 12))
+    host = {c: np.array(draw(st.lists(_SHARE if dtype == "<f8" else st.integers(-2, 10**12), min_size=n_host,
+                                      max_size=n_host)), dtype) for c, dtype in HOST_COLUMNS}
+    values = {"worker": st.sampled_from([MACHINE, 0, 1, 2, 7]), "batches": st.integers(-1, 40),
+              "cpu_count": st.integers(-1, 256), "pid": st.integers(0, 9)}
+    loader = {c: np.array(draw(st.lists(values.get(c, _SHARE if dtype == "<f8" else st.integers(0, 10**12)),
+                                        min_size=n_loader, max_size=n_loader)), dtype) for c, dtype in LOADER_COLUMNS}
+    return host, loader
+
+
+@settings(max_examples=400, deadline=None)
+@given(readings())
+def test_compiled_host_figures_equal_the_python_path(step_readings):
+    """The step's resources (means, maxima, each worker's seconds per batch) are the same
+    floats, None where unmeasured, from the kernel as from the Python loop."""
+    host, loader = step_readings
+    ev = StepEvents(run_id="r", rank=0, step=1, start_ns=S, end_ns=E, host_samples=host, loader_samples=loader)
+    native = compiled.NATIVE
+    with_kernel = host_figures(ev)
+    compiled.NATIVE = None
+    try:
+        python_path = host_figures(ev)
+    finally:
+        compiled.NATIVE = native
+    # repr: NaN never comes out, and -0.0 against 0.0 or a float against an int would show
+    assert repr(with_kernel) == repr(python_path)
+    assert native.host_figures(*(host[c] for c in ("cpu_user", "cpu_system", "cpu_iowait", "cpu_idle",
+                                                     "process_cpu", "rss_bytes")),
+                               *(loader[c] for c in ("worker", "cpu", "runnable", "interval_s", "batches",
+                                                     "ctx_switches_per_s", "cpu_count"))) is not None
+
+
+def test_host_columns_the_kernel_does_not_take_fall_back_to_python():
+    """Readings in columns of another type (float32 CPU shares, int64 workers) get None from
+    the kernel and their figures from the Python loop."""
+    host = {c: np.array([0.25, 0.5], "<f4") for c, _ in HOST_COLUMNS[1:-1]}
+    host |= {"ts_ns": np.array([S, E], np.int64), "rss_bytes": np.array([0, -1], np.int64)}
+    loader = {c: np.array([0, MACHINE], np.int64 if c == "worker" else dtype) for c, dtype in LOADER_COLUMNS}
+    ev = StepEvents(run_id="r", rank=0, step=1, start_ns=S, end_ns=E, host_samples=host, loader_samples=loader)
+    assert compiled.NATIVE.host_figures(host["cpu_user"], host["cpu_system"], host["cpu_iowait"], host["cpu_idle"],
+                                        host["process_cpu"], host["rss_bytes"], loader["worker"], loader["cpu"],
+                                        loader["runnable"], loader["interval_s"], loader["batches"],
+                                        loader["ctx_switches_per_s"], loader["cpu_count"]) is None
+    figures = host_figures(ev)
+    assert figures["cpu_user"] == 0.375 and figures["workers"] == 1 and figures["rss_bytes"] is None
+
+
+_NULLABLE_FLOAT = st.one_of(st.none(), st.floats(allow_nan=False), st.integers(-(2**53), 2**53))
+_WORKER = st.fixed_dictionaries({"worker": st.integers(-(2**31), 2**31 - 1), "readings": st.integers(0, 2**31 - 1),
+                                 "batches": st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1)),
+                                 "s_per_batch": _NULLABLE_FLOAT, "cpu_s_per_batch": _NULLABLE_FLOAT})
+# a value the generated function refuses (a numpy number, a bool for an int, a long for an
+# int, a float for a long, a dict for the list) or a field missing
+_ODD = st.sampled_from([("readings", np.int64(3)), ("readings", True), ("readings", 2**31), ("cpu_user", np.float64(1)),
+                        ("rss_bytes", 1.5), ("rss_bytes", 2**63), ("per_worker", {}), ("cpu_count", None), ("workers", None)])
+
+
+@st.composite
+def resources(draw) -> dict:
+    r = {"readings": draw(st.integers(0, 2**31 - 1))}
+    for name in ("cpu_user", "cpu_system", "cpu_iowait", "cpu_idle", "process_cpu"):
+        r[name] = draw(_NULLABLE_FLOAT)
+    r["rss_bytes"] = draw(st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1)))
+    r["loader_readings"], r["workers"] = draw(st.integers(0, 2**31 - 1)), draw(st.integers(-(2**31), 2**31 - 1))
+    for name in ("worker_cpu_mean", "worker_cpu_max", "worker_runnable_mean", "worker_runnable_max"):
+        r[name] = draw(_NULLABLE_FLOAT)
+    r["worker_batches"] = draw(st.one_of(st.none(), st.integers(0, 2**40)))
+    r["worker_s_per_batch"], r["worker_cpu_s_per_batch"] = draw(_NULLABLE_FLOAT), draw(_NULLABLE_FLOAT)
+    r["per_worker"] = draw(st.lists(_WORKER, max_size=4).map(lambda x: x if len(x) % 2 else tuple(x)))
+    r["ctx_switches_per_s"] = draw(_NULLABLE_FLOAT)
+    r["cpu_count"] = draw(st.one_of(st.none(), st.integers(1, 2**31 - 1)))
+    odd = draw(st.one_of(st.none(), _ODD, st.sampled_from(list(r))))
+    if isinstance(odd, tuple):
+        r[odd[0]] = odd[1]
+    elif odd is not None:
+        del r[odd]
+    return r
+
+
+_STEP = {"run_id": "r", "rank": 0, "world_size": 1, "host": "h", "device": "cpu", "step": 1, "start_ns": S,
+         "end_ns": E, "step_time_ns": E - S, "data_wait_ns": 0, "fp_bp_ns": 0, "tail_ns": 0, "host_step_time_ns": E - S,
+         "device_start_ns": None, "device_end_ns": None, "compute_ns": 0, "comm_ns": 0, "overlap_ns": 0,
+         "pure_comm_ns": 0, "idle_ns": 0, "utilization": None, "overlap_ratio": None, "op_count": 0, "op_types": [],
+         "kernel_types": [], "device_kinds": [], "uncorrelated_ops": 0, "memory": None, "queues": [], "starved": False,
+         "rolling": None, "closed_by": "watermark", "late_events": 0, "closed_ns": E, "devices": [],
+         "collectives": NO_CALLS, "dropped_ops": 0,
+         "dropped_samples": 0, "work": None, "advice": []}
+
+
+_FIGURE = st.one_of(st.floats(allow_nan=False), st.integers(-(2**53), 2**53), st.sampled_from([np.float64(1), "1", None]))
+_ADVICE = st.fixed_dictionaries({"rule": st.text(max_size=12), "text": st.text(max_size=300),
+                                 "source": st.one_of(st.text(max_size=40), st.sampled_from([b"x", None, "\udc80"])),
+                                 "figures": st.one_of(st.dictionaries(st.text(max_size=20), _FIGURE, max_size=6),
+                                                      st.sampled_from([[], {1: 1.0}]))})
+
+
+@settings(max_examples=400, deadline=None)
+@given(resources(), st.lists(_ADVICE, max_size=2))
+def test_the_compiled_resources_writer_writes_the_generated_writers_bytes(figures, advice):
+    """A StepMetrics' host figures and advice lines written by the compiled plan
+    (writer.NATIVE_RECORDS) are the bytes of the generated Python functions; a record those
+    refuse (an odd type, a value out of range, a field missing), the compiled one refuses too,
+    so that fastavro writes it (or says what is wrong)."""
+    schema = codec.CURRENT["StepMetrics"].parsed
+    compiled_writer = writer.compile_writer(schema)
+    python_writer = writer.compile_writer(schema, write_record=None)
+    record = {**_STEP, "resources": figures, "advice": advice}
+    try:
+        want = python_writer(record)
+    except (writer.Unsupported, KeyError, OverflowError, UnicodeEncodeError):  # then fastavro writes it
+        with pytest.raises((writer.Unsupported, TypeError, KeyError, OverflowError, UnicodeEncodeError)):
+            compiled_writer(record)
+        return
+    assert compiled_writer(record) == want
+
+
+def test_the_step_metrics_writer_writes_host_figures_by_the_compiled_plan():
+    """The StepMetrics writer calls the compiled plan for its host figures and each advice
+    line, whose bytes read back as the record written."""
+    calls = []
+
+    def spy(record: dict, plan: tuple) -> bytes:
+        calls.append(plan[0][0])
+        return writer.WRITE_RECORD(record, plan)
+
+    figures = {"readings": 2, "cpu_user": 0.5, "cpu_system": None, "cpu_iowait": 0.25, "cpu_idle": None,
+               "process_cpu": 1.5, "rss_bytes": 2**40, "loader_readings": 3, "workers": 2, "worker_cpu_mean": 0.9,
+               "worker_cpu_max": 1.0, "worker_runnable_mean": None, "worker_runnable_max": None, "worker_batches": 7,
+               "worker_s_per_batch": 0.125, "worker_cpu_s_per_batch": None,
+               "per_worker": [{"worker": 0, "readings": 2, "batches": 7, "s_per_batch": 0.125, "cpu_s_per_batch": None},
+                              {"worker": 1, "readings": 1, "batches": None, "s_per_batch": None,
+                               "cpu_s_per_batch": None}], "ctx_switches_per_s": 1e4, "cpu_count": 64}
+    schema = codec.CURRENT["StepMetrics"].parsed
+    advice = [{"rule": "more_workers", "text": "raise num_workers … ü", "source": "MindSpore",
+               "figures": {"workers": 2.0, "data_wait_ms": 12.5}}, {"rule": "x", "text": "", "source": "", "figures": {}}]
+    record = {**_STEP, "resources": figures, "advice": advice}
+    data = writer.compile_writer(schema, write_record=spy)(record)
+    assert calls == ["readings", "rule", "rule"]
+    assert data == writer.compile_writer(schema, write_record=None)(record)
+    back = codec.decode("StepMetrics", codec.CURRENT["StepMetrics"].header + data)
+    assert back["resources"] == figures and back["advice"] == advice
 
 
 def test_the_compiled_varint_writes_the_python_writers_bytes():

@@ -11,12 +11,14 @@ value no reading had is null, never 0.
 
 from __future__ import annotations
 
+from profstream import compiled
 from profstream.processors.model import StepEvents
 from profstream.schema.batch import MACHINE
 
-# A step has a few readings (one a second): the figures are computed in one pass over Python
-# lists, about 9 us a step timed alone, where numpy's per-call overhead on so few values took
-# 37 (benchmarks.md, issue #34, sections 28 and 36).
+# A step has a few readings (one a second): the figures are computed in one pass, by the
+# compiled kernel where it is built (``host_figures`` of csrc/kernels.cpp, the same floats
+# summed in the same order), else over Python lists, about 9 us a step timed alone, where
+# numpy's per-call overhead on so few values took 37 (benchmarks.md, issue #34).
 
 _LOADER = ("worker", "cpu", "runnable", "interval_s", "batches", "ctx_switches_per_s", "cpu_count")
 
@@ -46,6 +48,12 @@ def host_figures(ev: StepEvents) -> dict | None:
     readings = len(h["ts_ns"])
     if not readings and not len(lo["ts_ns"]):
         return None
+    if compiled.NATIVE is not None:
+        got = compiled.NATIVE.host_figures(h["cpu_user"], h["cpu_system"], h["cpu_iowait"], h["cpu_idle"],
+                                           h["process_cpu"], h["rss_bytes"], lo["worker"], lo["cpu"], lo["runnable"],
+                                           lo["interval_s"], lo["batches"], lo["ctx_switches_per_s"], lo["cpu_count"])
+        if got is not None:  # None: a column of another type
+            return got
     each: dict[int, list] = {}  # worker -> [readings, batches or -1, seconds, CPU seconds or NaN]
     worker_cpu: list[float] = []
     worker_runnable: list[float] = []

@@ -25,6 +25,19 @@ _INT_MIN, _INT_MAX = -(1 << 31), (1 << 31) - 1
 _SMALL = [bytes(((n << 1) ^ (n >> 63),)) for n in range(-64, 64)]  # zigzag varints of -64..63: one byte
 
 
+# Records written by the compiled ``write_record`` (csrc/kernels.cpp) by a plan of their
+# fields rather than by a generated function per field: a StepMetrics' host figures and
+# advice lines (their ~30 fields and the lines' texts and figures cost ~10 us a step in
+# Python: benchmarks.md, issue #34). Every record its plan holds (scalars, nullable scalars,
+# strings, maps of doubles, arrays of such records) could be; the others keep their
+# functions until measured.
+NATIVE_RECORDS = frozenset({"ResourceFigures", "Advice"})
+# a plan's field kinds, as kernels.cpp numbers them; NULLABLE added for ["null", X]
+FIELD_KINDS = {"long": 0, "int": 1, "double": 2, "boolean": 3, "string": 4, "records": 5, "doubles": 6}
+NULLABLE = 8
+WRITE_RECORD = compiled.NATIVE.write_record if compiled.NATIVE is not None else None
+
+
 class Unsupported(Exception):
     """A value the generated writer does not take: write the record with fastavro."""
 
@@ -49,7 +62,9 @@ VARINT = compiled.NATIVE.zigzag_varint if compiled.NATIVE is not None else _vari
 
 
 class _Gen:
-    def __init__(self, namespace: str) -> None:
+    def __init__(self, namespace: str, native: bool = False) -> None:
+        self.native = native  # NATIVE_RECORDS by write_record's plan
+        self.records: dict[str, dict] = {}  # full and short names -> record schema
         self.lines: list[str] = []
         self.named: dict[str, str] = {}  # full and short names -> generated function
         self.functions: list[list[str]] = []
@@ -67,14 +82,50 @@ class _Gen:
         full = name if "." in name else f"{ns}.{name}"
         fn = f"_rec_{full.replace('.', '_')}"
         self.named[full] = self.named[full.rpartition(".")[2]] = fn
+        self.records[full] = self.records[full.rpartition(".")[2]] = schema
         body: list[str] = []
         for f in schema["fields"]:
             v = self.var()
             body.append(f"{v} = r[{f['name']!r}]")
             self.emit(body, f["type"], v, ns)
+        plan = self.native and name.rpartition(".")[2] in NATIVE_RECORDS and self.plan(schema, ns)
+        if plan:  # the compiled writer, by plan: it makes the same checks (and raises for the same values)
+            table = self.var("_plan")
+            self.consts[table] = plan
+            body = [f"a(_write_record(r, {table}))"]
+            self.functions.append([f"def {fn}(r, a):"] + [f"    {line}" for line in body])
+            return fn
         self.functions.append([f"def {fn}(r, a):", "    if type(r) is not dict: raise Unsupported"]
                               + [f"    {line}" for line in body] + ([] if body else ["    pass"]))
         return fn
+
+    def plan(self, schema: dict, ns: str) -> tuple | None:
+        """``write_record``'s plan of a record: ((field, kind, sub-plan or None), ...), or None
+        where a field is of a type it does not write (a map, an enum, a union but ["null", X])."""
+        fields = []
+        for f in schema["fields"]:
+            t, kind = f["type"], 0
+            if isinstance(t, list):
+                if len(t) != 2 or t[0] != "null":
+                    return None
+                t, kind = t[1], NULLABLE
+            sub = None
+            if isinstance(t, dict) and t.get("type") == "array":
+                item = t["items"]
+                item = self.records.get(item) or self.records.get(f"{ns}.{item}") if isinstance(item, str) else item
+                sub = self.plan(item, item.get("namespace", ns)) if isinstance(item, dict) and \
+                    item.get("type") == "record" else None
+                if sub is None or kind:
+                    return None
+                t = "records"
+            elif isinstance(t, dict) and t.get("type") == "map":
+                t = "doubles" if t["values"] == "double" and not kind else None
+            elif isinstance(t, dict):
+                t = t.get("type") if t.get("type") in FIELD_KINDS and t.get("type") not in ("records", "doubles") else None
+            if t not in FIELD_KINDS:
+                return None
+            fields.append((f["name"], FIELD_KINDS[t] | kind, sub))
+        return tuple(fields)
 
     def emit(self, out: list[str], t, v: str, ns: str) -> None:
         """Lines that write value ``v`` of Avro type ``t`` by calling a(bytes)."""
@@ -156,15 +207,17 @@ class _Gen:
             raise NotImplementedError(f"Avro type {kind}")
 
 
-def compile_writer(schema: dict, varint: Callable[[int], bytes] | None = None) -> Callable[[dict], bytes]:
+def compile_writer(schema: dict, varint: Callable[[int], bytes] | None = None,
+                   write_record: Callable[[dict, tuple], bytes] | None = WRITE_RECORD) -> Callable[[dict], bytes]:
     """A function record -> its Avro body (what ``schemaless_writer`` writes), raising
     ``Unsupported`` for a record it does not take (module docstring); ``varint``: the long
-    writer it calls (default ``VARINT``)."""
-    gen = _Gen(schema.get("namespace", ""))
+    writer it calls (default ``VARINT``); ``write_record``: the compiled writer of
+    ``NATIVE_RECORDS`` (None: every record by its generated function)."""
+    gen = _Gen(schema.get("namespace", ""), write_record is not None)
     top = gen.record_fn(schema, schema.get("namespace", ""))
     source = "\n\n".join("\n".join(f) for f in gen.functions)
     source += f"\n\ndef write(r):\n    parts = []\n    {top}(r, parts.append)\n    return b''.join(parts)\n"
-    scope = {"Unsupported": Unsupported, "_varint": varint or VARINT, "_DOUBLE": _DOUBLE, "_FLOAT": _FLOAT,
+    scope = {"Unsupported": Unsupported, "_varint": varint or VARINT, "_write_record": write_record, "_DOUBLE": _DOUBLE, "_FLOAT": _FLOAT,
              "_LONG_MIN": _LONG_MIN, "_LONG_MAX": _LONG_MAX, "_INT_MIN": _INT_MIN, "_INT_MAX": _INT_MAX,
              **gen.consts}
     exec(compile(source, f"<avro writer {schema.get('name')}>", "exec"), scope)  # noqa: S102 - our own schemas

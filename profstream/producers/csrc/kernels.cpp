@@ -11,36 +11,50 @@
 #include <cstring>
 #include <map>
 #include <utility>
+#include <string>
 #include <vector>
+
+#include "encoder.h"
 
 namespace ps {
 
 namespace {
 
-// A 1-D contiguous column of integers, read as int64 whatever its width.
-struct Column {
+// A 1-D contiguous buffer of one-letter items, held while the object lives.
+struct Buffer1D {
   Py_buffer view{};
   bool held = false;
+
+  ~Buffer1D() {
+    if (held) PyBuffer_Release(&view);
+  }
+  // the item's struct letter (its byte order mark skipped), or 0 (no error set) where obj
+  // is not such a buffer
+  char letter(PyObject* obj) {
+    if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+      PyErr_Clear();
+      return 0;
+    }
+    held = true;
+    if (view.ndim != 1 || view.format == nullptr) return 0;
+    const char* f = view.format;
+    if (*f == '<' || *f == '=' || *f == '@') ++f;
+    return f[0] != '\0' && f[1] == '\0' ? f[0] : 0;
+  }
+};
+
+// A 1-D contiguous column of integers, read as int64 whatever its width.
+struct Column : Buffer1D {
   int width = 0;  // item size in bytes: 1 (unsigned), 4 or 8 (signed)
   Py_ssize_t n = 0;
 
-  ~Column() {
-    if (held) PyBuffer_Release(&view);
-  }
   // false (no error set) where obj is not such a column
   bool take(PyObject* obj) {
-    if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-      PyErr_Clear();
-      return false;
-    }
-    held = true;
-    if (view.ndim != 1 || view.format == nullptr) return false;
-    const char* f = view.format;
-    if (*f == '<' || *f == '=' || *f == '@') ++f;
-    if (f[1] != '\0') return false;
-    if (view.itemsize == 8 && (*f == 'l' || *f == 'q')) width = 8;
-    else if (view.itemsize == 4 && (*f == 'i' || *f == 'l')) width = 4;
-    else if (view.itemsize == 1 && *f == 'B') width = 1;
+    const char f = letter(obj);
+    if (f == 0) return false;
+    if (view.itemsize == 8 && (f == 'l' || f == 'q')) width = 8;
+    else if (view.itemsize == 4 && (f == 'i' || f == 'l')) width = 4;
+    else if (view.itemsize == 1 && f == 'B') width = 1;
     else return false;
     n = view.len / view.itemsize;
     return true;
@@ -389,6 +403,328 @@ PyObject* rolling_sums(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return out;
 }
 
+// A 1-D contiguous column of doubles (float64).
+struct Doubles : Buffer1D {
+  Py_ssize_t n = 0;
+
+  // false (no error set) where obj is not such a column
+  bool take(PyObject* obj) {
+    if (letter(obj) != 'd' || view.itemsize != 8) return false;
+    n = view.len / 8;
+    return true;
+  }
+  double operator[](Py_ssize_t i) const {
+    double v;
+    std::memcpy(&v, static_cast<const char*>(view.buf) + i * 8, 8);
+    return v;
+  }
+};
+
+// Python's sum(values) / len(values) over the values that are not NaN, added left to right
+// as sum() adds floats (from 0: 0 + -0.0 is 0.0); null without one
+struct Mean {
+  double sum = 0.0;
+  Py_ssize_t n = 0;
+  void add(double v) {
+    if (v != v) return;
+    sum += v;
+    ++n;
+  }
+  PyObject* value() const { return n ? PyFloat_FromDouble(sum / static_cast<double>(n)) : Py_NewRef(Py_None); }
+};
+
+// Python's max(values) over the values that are not NaN (the first of equal ones); null without one
+struct Max {
+  double max = 0.0;
+  bool any = false;
+  void add(double v) {
+    if (v != v) return;
+    if (!any || v > max) max = v;
+    any = true;
+  }
+  PyObject* value() const { return any ? PyFloat_FromDouble(max) : Py_NewRef(Py_None); }
+};
+
+PyObject* number_or_none(bool known, double v) { return known ? PyFloat_FromDouble(v) : Py_NewRef(Py_None); }
+
+// Sets d[key] = value and drops the reference to value; false on an error (value null too).
+// The key is interned once and kept: PyDict_SetItemString made and hashed a new str each
+// call, half of host_figures' cost.
+bool put(PyObject* d, const char* key, PyObject* value) {
+  if (value == nullptr) return false;
+  static std::map<const char*, PyObject*> interned;  // by the literal's address; under the GIL
+  PyObject*& name = interned[key];
+  if (name == nullptr) name = PyUnicode_InternFromString(key);
+  int rc = name == nullptr ? -1 : PyDict_SetItem(d, name, value);
+  Py_DECREF(value);
+  return rc == 0;
+}
+
+// host_figures(h_cpu_user, h_cpu_system, h_cpu_iowait, h_cpu_idle, h_process_cpu, h_rss,
+//              worker, cpu, runnable, interval_s, batches, ctx_switches_per_s, cpu_count)
+//   -> the StepMetrics resources dict of processors/host.py's host_figures, its floats
+// summed in the same order (the same values to the bit), or None for a column it does not
+// take; the caller has checked that the step has a reading
+PyObject* host_figures(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 13) {
+    PyErr_SetString(PyExc_TypeError, "host_figures takes 13 arguments");
+    return nullptr;
+  }
+  Doubles user, system, iowait, idle, process, cpu, runnable, interval, ctx;
+  Column rss, worker, batches, count;
+  if (!user.take(args[0]) || !system.take(args[1]) || !iowait.take(args[2]) || !idle.take(args[3]) ||
+      !process.take(args[4]) || !rss.take(args[5]) || !worker.take(args[6]) || !cpu.take(args[7]) ||
+      !runnable.take(args[8]) || !interval.take(args[9]) || !batches.take(args[10]) || !ctx.take(args[11]) ||
+      !count.take(args[12]))
+    Py_RETURN_NONE;
+  const Py_ssize_t h = user.n, lo = worker.n;
+  if (rss.width != 8 || worker.width != 4 || batches.width != 4 || count.width != 4 || system.n != h ||
+      iowait.n != h || idle.n != h || process.n != h || rss.n != h || cpu.n != lo || runnable.n != lo ||
+      interval.n != lo || batches.n != lo || ctx.n != lo || count.n != lo)
+    Py_RETURN_NONE;
+  Mean m_user, m_system, m_iowait, m_idle, m_process, m_cpu, m_runnable, m_ctx;
+  Max x_cpu, x_runnable;
+  int64_t rss_max = 0;
+  bool rss_any = false;
+  for (Py_ssize_t i = 0; i < h; ++i) {
+    m_user.add(user[i]);
+    m_system.add(system[i]);
+    m_iowait.add(iowait[i]);
+    m_idle.add(idle[i]);
+    m_process.add(process[i]);
+    int64_t r = rss[i];
+    if (r > 0 && (!rss_any || r > rss_max)) rss_max = r;
+    rss_any = rss_any || r > 0;
+  }
+  struct Worker {
+    int64_t readings = 0, batches = -1;
+    double seconds = 0.0, cpu_s = 0.0;
+  };
+  std::map<int64_t, Worker> each;
+  int64_t count_max = -1, total = 0, counted = 0, loader_readings = 0;
+  bool any_count = false;
+  double busy_s = 0.0, cpu_sum = 0.0;
+  bool any_cpu_s = false;
+  for (Py_ssize_t i = 0; i < lo; ++i) {
+    int64_t w = worker[i];
+    if (w == -1) {  // the machine's row (schema/batch.py MACHINE)
+      m_ctx.add(ctx[i]);
+      int64_t c = count[i];
+      count_max = any_count ? std::max(count_max, c) : c;
+      any_count = true;
+      continue;
+    }
+    Worker& own = each[w];
+    own.readings += 1;
+    double c = cpu[i];
+    m_cpu.add(c);
+    x_cpu.add(c);
+    m_runnable.add(runnable[i]);
+    x_runnable.add(runnable[i]);
+    ++loader_readings;
+    int64_t b = batches[i];
+    if (b >= 0) {
+      double iv = interval[i];
+      counted += 1;
+      total += b;
+      busy_s += iv;
+      own.batches = std::max<int64_t>(own.batches, 0) + b;
+      own.seconds += iv;
+      double s = c * iv;
+      own.cpu_s += s;  // NaN once a reading's CPU time is unknown
+      if (s == s) {
+        cpu_sum += s;
+        any_cpu_s = true;
+      }
+    }
+  }
+  const bool produced = counted && total > 0;
+  PyObject* per_worker = PyList_New(0);
+  if (per_worker == nullptr) return nullptr;
+  for (const auto& [w, own] : each) {
+    PyObject* d = PyDict_New();
+    bool made = own.batches > 0;
+    if (d == nullptr || !put(d, "worker", PyLong_FromLongLong(w)) ||
+        !put(d, "readings", PyLong_FromLongLong(own.readings)) ||
+        !put(d, "batches", own.batches >= 0 ? PyLong_FromLongLong(own.batches) : Py_NewRef(Py_None)) ||
+        !put(d, "s_per_batch", number_or_none(made, own.seconds / static_cast<double>(own.batches))) ||
+        !put(d, "cpu_s_per_batch",
+             number_or_none(made && own.cpu_s == own.cpu_s, own.cpu_s / static_cast<double>(own.batches))) ||
+        PyList_Append(per_worker, d) < 0) {
+      Py_XDECREF(d);
+      Py_DECREF(per_worker);
+      return nullptr;
+    }
+    Py_DECREF(d);
+  }
+  PyObject* out = PyDict_New();
+  if (out == nullptr) {
+    Py_DECREF(per_worker);
+    return nullptr;
+  }
+  const double t = static_cast<double>(total);
+  if (!put(out, "readings", PyLong_FromSsize_t(h)) || !put(out, "cpu_user", m_user.value()) ||
+      !put(out, "cpu_system", m_system.value()) || !put(out, "cpu_iowait", m_iowait.value()) ||
+      !put(out, "cpu_idle", m_idle.value()) || !put(out, "process_cpu", m_process.value()) ||
+      !put(out, "rss_bytes", rss_any ? PyLong_FromLongLong(rss_max) : Py_NewRef(Py_None)) ||
+      !put(out, "loader_readings", PyLong_FromLongLong(loader_readings)) ||
+      !put(out, "workers", PyLong_FromSize_t(each.size())) || !put(out, "worker_cpu_mean", m_cpu.value()) ||
+      !put(out, "worker_cpu_max", x_cpu.value()) || !put(out, "worker_runnable_mean", m_runnable.value()) ||
+      !put(out, "worker_runnable_max", x_runnable.value()) ||
+      !put(out, "worker_batches", counted ? PyLong_FromLongLong(total) : Py_NewRef(Py_None)) ||
+      !put(out, "worker_s_per_batch", number_or_none(produced, busy_s / t)) ||
+      !put(out, "worker_cpu_s_per_batch", number_or_none(produced && any_cpu_s, cpu_sum / t)) ||
+      !put(out, "per_worker", Py_NewRef(per_worker)) || !put(out, "ctx_switches_per_s", m_ctx.value()) ||
+      !put(out, "cpu_count", count_max > 0 ? PyLong_FromLongLong(count_max) : Py_NewRef(Py_None))) {
+    Py_DECREF(out);
+    Py_DECREF(per_worker);
+    return nullptr;
+  }
+  Py_DECREF(per_worker);  // out holds it
+  return out;
+}
+
+// The kinds of a record plan's fields (schema/writer.py FIELD_KINDS, in that order)
+enum FieldKind { F_LONG, F_INT, F_DOUBLE, F_BOOLEAN, F_STRING, F_RECORDS, F_DOUBLES, F_NULLABLE = 8 };
+
+void put_long(std::string& out, int64_t v) {
+  char buf[10];
+  out.append(buf, zigzag_varint(v, buf));
+}
+
+// A double as struct.pack("<d") writes it (an int taken too); false with an exception set
+bool put_double(std::string& out, PyObject* v) {
+  if (!PyFloat_CheckExact(v) && !PyLong_CheckExact(v)) {
+    PyErr_SetString(PyExc_TypeError, "write_record: not a float");
+    return false;
+  }
+  double x = PyFloat_AsDouble(v);
+  if (x == -1.0 && PyErr_Occurred()) return false;
+  char buf[8];
+  std::memcpy(buf, &x, 8);  // little-endian: module.cpp refuses another machine
+  out.append(buf, 8);
+  return true;
+}
+
+// A str as its UTF-8 bytes with their length; false with an exception set
+bool put_string(std::string& out, PyObject* v) {
+  Py_ssize_t size = 0;
+  const char* s = PyUnicode_CheckExact(v) ? PyUnicode_AsUTF8AndSize(v, &size) : nullptr;
+  if (s == nullptr) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "write_record: not a str");
+    return false;
+  }
+  put_long(out, size);
+  out.append(s, static_cast<size_t>(size));
+  return true;
+}
+
+// Appends record's fields by plan ((name, kind, sub-plan), ...): what schema/writer.py's
+// generated function writes for the record, with its checks; false with an exception set
+// for a value it does not take (the caller then writes the record with fastavro)
+bool write_planned(std::string& out, PyObject* record, PyObject* plan, int depth) {
+  if (!PyDict_CheckExact(record) || depth > 8) {
+    PyErr_SetString(PyExc_TypeError, "write_record: not a dict");
+    return false;
+  }
+  const Py_ssize_t n = PyTuple_GET_SIZE(plan);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* field = PyTuple_GET_ITEM(plan, i);
+    PyObject* name = PyTuple_GET_ITEM(field, 0);
+    long kind = PyLong_AsLong(PyTuple_GET_ITEM(field, 1));
+    PyObject* v = PyDict_GetItemWithError(record, name);
+    if (v == nullptr) {
+      if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, name);
+      return false;
+    }
+    if (kind & F_NULLABLE) {
+      if (v == Py_None) {
+        out.push_back('\0');
+        continue;
+      }
+      out.push_back('\x02');
+      kind &= ~F_NULLABLE;
+    }
+    switch (kind) {
+      case F_LONG:
+      case F_INT: {
+        if (!PyLong_CheckExact(v)) {
+          PyErr_SetString(PyExc_TypeError, "write_record: not an int");
+          return false;
+        }
+        int overflow = 0;
+        long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+        if (overflow || (kind == F_INT && (x < INT32_MIN || x > INT32_MAX))) {
+          PyErr_SetString(PyExc_OverflowError, "write_record: out of range");
+          return false;
+        }
+        if (x == -1 && PyErr_Occurred()) return false;
+        put_long(out, x);
+        break;
+      }
+      case F_DOUBLE:
+        if (!put_double(out, v)) return false;
+        break;
+      case F_BOOLEAN:
+        if (!PyBool_Check(v)) {
+          PyErr_SetString(PyExc_TypeError, "write_record: not a bool");
+          return false;
+        }
+        out.push_back(v == Py_True ? '\x01' : '\0');
+        break;
+      case F_STRING:
+        if (!put_string(out, v)) return false;
+        break;
+      case F_RECORDS: {
+        if (!PyList_CheckExact(v) && !PyTuple_CheckExact(v)) {
+          PyErr_SetString(PyExc_TypeError, "write_record: not a list");
+          return false;
+        }
+        PyObject* sub = PyTuple_GET_ITEM(field, 2);
+        const Py_ssize_t items = PySequence_Fast_GET_SIZE(v);
+        if (items) {
+          put_long(out, items);
+          for (Py_ssize_t k = 0; k < items; ++k)
+            if (!write_planned(out, PySequence_Fast_GET_ITEM(v, k), sub, depth + 1)) return false;
+        }
+        out.push_back('\0');
+        break;
+      }
+      case F_DOUBLES: {  // a map of doubles, in the dict's order
+        if (!PyDict_CheckExact(v)) {
+          PyErr_SetString(PyExc_TypeError, "write_record: not a dict");
+          return false;
+        }
+        if (PyDict_GET_SIZE(v)) {
+          put_long(out, PyDict_GET_SIZE(v));
+          Py_ssize_t pos = 0;
+          PyObject *key, *value;
+          while (PyDict_Next(v, &pos, &key, &value))
+            if (!put_string(out, key) || !put_double(out, value)) return false;
+        }
+        out.push_back('\0');
+        break;
+      }
+      default:
+        PyErr_SetString(PyExc_ValueError, "write_record: a field kind it does not know");
+        return false;
+    }
+  }
+  return true;
+}
+
+// write_record(record, plan) -> the record's Avro body by plan (schema/writer.py
+// record_plan: a tuple of (name, kind, sub-plan or None)); raises for a value it does not take
+PyObject* write_record(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2 || !PyTuple_CheckExact(args[1])) {
+    PyErr_SetString(PyExc_TypeError, "write_record takes a record and its plan (a tuple)");
+    return nullptr;
+  }
+  std::string out;
+  if (!write_planned(out, args[0], args[1], 0)) return nullptr;
+  return PyBytes_FromStringAndSize(out.data(), static_cast<Py_ssize_t>(out.size()));
+}
+
 PyMethodDef kernel_functions[] = {
     {"kind_overlap", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(kind_overlap)), METH_FASTCALL,
      "kind_overlap(kind, start, dur, lo, hi, a, b, a_start, a_end, b_start, b_end) -> (|A|, |B|, |A & B|) or None"},
@@ -406,6 +742,10 @@ PyMethodDef kernel_functions[] = {
     {"any_launched", any_launched, METH_O, "any_launched(launch) -> whether a value is >= 0 (None: another type)"},
     {"rolling_sums", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(rolling_sums)), METH_FASTCALL,
      "rolling_sums(step_time, data_wait, count, ranks) -> (step sum, wait sum, sorted step times at ranks) or None"},
+    {"host_figures", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(host_figures)), METH_FASTCALL,
+     "host_figures(13 host and loader columns) -> a step's resources dict (processors/host.py) or None"},
+    {"write_record", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(write_record)), METH_FASTCALL,
+     "write_record(record, plan) -> its Avro body, written by plan (schema/writer.py record_plan)"},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace
