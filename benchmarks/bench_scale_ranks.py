@@ -89,6 +89,7 @@ from profstream.schema.codec import HEADER_LEN, SCHEMAS, decode_any
 
 TARGET_P99_S = 2.0
 START_MARGIN_S = 8.0  # replay processes spawn and build their templates before the run starts
+IDLE_PROBE_S = 10.0  # the processors' idle CPU, measured after the group is stable and before the run
 
 
 # -- Avro varints: the few header fields a clone rewrites ------------------------------
@@ -503,7 +504,12 @@ def run_config(bootstrap: str, processes: int, args: argparse.Namespace, broker_
         reader.start()
         rss = RssSampler([p.pid for p in procs])
         rss.start()
-        cpu0 = [cpu_seconds(p.pid) for p in procs]
+        # what each processor costs doing nothing (its polls, its idle transactions), to tell the
+        # run stage's work per run step from its idle cost over a run of a few slow steps
+        idle_from, idle_t = [cpu_seconds(p.pid) for p in procs], time.monotonic()
+        time.sleep(IDLE_PROBE_S)
+        idle_share = [(cpu_seconds(p.pid) - a) / (time.monotonic() - idle_t) for p, a in zip(procs, idle_from)]
+        cpu0, t0 = [cpu_seconds(p.pid) for p in procs], time.monotonic()
         broker0 = brokers_cpu(broker_pids)
         load0 = os.getloadavg()[0]
         replays: dict[int, dict] = {}
@@ -550,7 +556,7 @@ def run_config(bootstrap: str, processes: int, args: argparse.Namespace, broker_
         while len(reader.run_steps) < run_steps and time.monotonic() < deadline and all(
                 p.poll() is None for p in procs):
             time.sleep(0.1)
-        cpu3 = [cpu_seconds(p.pid) for p in procs]
+        cpu3, t3 = [cpu_seconds(p.pid) for p in procs], time.monotonic()
         load1 = os.getloadavg()[0]
     finally:
         for w in workers:
@@ -602,6 +608,9 @@ def run_config(bootstrap: str, processes: int, args: argparse.Namespace, broker_
         result["simulator_cpu_ms_per_rank_step"] = simulator["cpu_s"] / expected * 1000
     if args.run_stage == "own" and reader.run_records:
         result["run_stage_cpu_ms_per_run_step"] = (cpu3[-1] - cpu0[-1]) / reader.run_records * 1000
+        result["run_stage_idle_cpu_share"] = idle_share[-1]
+        result["run_stage_cpu_ms_per_run_step_over_idle"] = (
+            (cpu3[-1] - cpu0[-1] - idle_share[-1] * (t3 - t0)) / reader.run_records * 1000)
         result["run_stage_cpu_share"] = cpu[-1] / window_s
     return result
 
@@ -720,8 +729,9 @@ def main(argv: list[str] | None = None) -> int:
             "run_figures_equal_truth": all(x["run_figures"]["equal_to_truth"] for x in rs),
         }
         if args.run_stage == "own":
-            by_count[str(n)]["run_stage_cpu_ms_per_run_step"] = summary(
-                [x["run_stage_cpu_ms_per_run_step"] for x in rs if "run_stage_cpu_ms_per_run_step" in x])
+            for k in ("run_stage_cpu_ms_per_run_step", "run_stage_cpu_ms_per_run_step_over_idle",
+                      "run_stage_idle_cpu_share"):
+                by_count[str(n)][k] = summary([x[k] for x in rs if k in x])
     best = by_count.get("4", {}).get("freshness_p99_s")
     results = {
         "bootstrap": str(bootstrap),

@@ -430,6 +430,10 @@ def record_step(monitor, plan: StepPlan) -> None:
 # What a run told to end (SIGTERM) gives its Monitors to flush and close, beyond the Monitors'
 # own SIGNAL_FLUSH_S: launchers wait 30 s before SIGKILL.
 TERMINATED_CLOSE_S = 10.0
+# What the shared producer's close gets at a run's normal end: every rank's end mark sent and
+# acknowledged, thousands of them a process, on a box the simulator shares with the broker
+# and the processors (a 16,384-rank run at load ~10 took longer than 10 s).
+SHARED_CLOSE_S = 60.0
 
 
 class Terminated(Exception):
@@ -519,13 +523,14 @@ def run_simulation(cfg: SimConfig, monitor_options: dict | None = None, progress
 
         pool = SenderPool()
         opts.update(native=False, control=False, sender_factory=pool.sender)
-    delivered = True
+    delivered, result = True, None
     try:
         with sigterm_ends_the_run():  # before the Monitors: their SIGTERM handler chains to it
             result = _run(cfg, opts, progress, ranks, start, ended, Monitor)
     finally:
         if pool is not None:  # after every Monitor's close: their end marks' acknowledgements
-            delivered = pool.close(TERMINATED_CLOSE_S)
+            delivered = pool.close(SHARED_CLOSE_S if result is not None and not result.ended_by
+                                   else TERMINATED_CLOSE_S)
     result.flushed = result.flushed and delivered
     return result
 
