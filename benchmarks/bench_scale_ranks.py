@@ -491,6 +491,8 @@ def run_config(bootstrap: str, processes: int, args: argparse.Namespace, broker_
     commands = [processor_command(bootstrap, prefix, group, f"p{i}", stages) for i in range(processes)]
     if args.run_stage == "own":
         commands.append(processor_command(bootstrap, prefix, group, "run", "run"))
+        if args.run_commit_interval_ms is not None:
+            commands[-1] += ["--commit-interval-ms", str(args.run_commit_interval_ms)]
     if args.run_grace_s is not None:
         commands = [c + ["--run-grace-s", str(args.run_grace_s)] for c in commands]
     logs = [tempfile.TemporaryFile("w+") for _ in commands]
@@ -677,6 +679,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replay-procs", type=int, default=2, help="processes that send the ranks' messages")
     p.add_argument("--keep-topics", action="store_true")
     p.add_argument("--run-grace-s", type=float, help="the processors' --run-grace-s (default: theirs)")
+    p.add_argument("--run-commit-interval-ms", type=float,
+                   help="the run-stage process's --commit-interval-ms, with --run-stage own (default: theirs)")
     p.add_argument("--drain-s", type=float, default=90.0, help="wait this long after the run for every StepMetrics")
     p.add_argument("--silent-ranks", type=int, default=0, help="ranks (spread over the run) that fall silent")
     p.add_argument("--silent-after-step", type=int, default=0, help="the last step the silent ranks send")

@@ -154,6 +154,23 @@ def test_once_a_run_has_partials_its_step_metrics_are_dropped_without_being_deco
     assert decoded.count("StepPartial") == len(partials)
 
 
+def test_step_partials_read_by_the_compiled_reader_are_fastavros_records():
+    """The run stage reads thousands of StepPartials a run step at 16,384 ranks: by the compiled
+    reader where it is built, into the very records fastavro reads."""
+    import pytest
+
+    from profstream.schema import codec
+
+    sv = codec.CURRENT["StepPartial"]
+    if sv.sparse is None:
+        pytest.skip("the compiled extension is not built here (or PROFSTREAM_PURE_PROCESSORS is set)")
+    for partitions in (1, 3, 8):
+        for value in _partials(_reports(), partitions):
+            record, end = sv.sparse(value, codec.HEADER_LEN)
+            assert end == len(value) and record == codec._fastavro_read(value, sv)
+            assert codec.decode_any(value) == ("StepPartial", record)
+
+
 def test_peek_reads_the_record_name_and_run_id_or_says_it_cannot():
     from profstream.schema.codec import peek
 
