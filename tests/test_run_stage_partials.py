@@ -20,7 +20,7 @@ from profstream.processors.collectives import (
     unpack_calls,
 )
 from profstream.processors.health import ProcessorHealth, StageCounts
-from profstream.processors.partials import PartialBuilder
+from profstream.processors.partials import PartialBuilder, rows_of_partial
 from profstream.processors.runtime import RunStage, StepStage
 from profstream.schema.codec import (
     NO_COLLECTIVE_CALLS,
@@ -181,6 +181,28 @@ def test_peek_reads_the_record_name_and_run_id_or_says_it_cannot():
         assert peek(bad) is None
 
 
+def test_a_transactions_partial_joins_its_partitions_ranks_and_leaves_out_a_partition_taken_away():
+    """One partial per run step a transaction, whatever the partitions its ranks came from
+    (a 16,384-rank step closing over many transactions sent 16 a transaction); a partition
+    revoked before the commit takes its ranks out of it."""
+    step1 = [m for m in _reports() if m["step"] == 1]  # ranks 0-2 with a call of their own group
+    builder = PartialBuilder()
+    for m in step1:
+        builder.add(m, m["rank"] % 3)
+    (joined,) = builder.records()
+    separate = [rows_of_partial(decode("StepPartial", v)) for v in _partials(step1, 1)]
+    rows = rows_of_partial(joined)
+
+    def by_rank(r):
+        return {int(k): (r.name_lists[int(i)], int(t)) for k, i, t in zip(r.rank, r.call_names, r.step_time_ns)}
+
+    assert by_rank(rows) == {k: v for s in separate for k, v in by_rank(s).items()}  # each rank's own names
+    for m in step1:
+        builder.add(m, m["rank"] % 3)
+    builder.drop_partitions({1})
+    assert sorted(np.frombuffer(builder.records()[0]["ranks"], "<i4").tolist()) == [0, 2, 3, 5, 6]
+
+
 def test_a_partial_whose_columns_do_not_fit_is_refused_and_counted_and_the_rest_still_counts():
     reports = [m for m in _reports() if m["step"] == 0]
     good = _partials(reports[:4], 1)[0]
@@ -207,9 +229,10 @@ def test_the_step_stage_sends_one_partial_per_run_step_a_transaction_and_before_
     names = [record_name(o.value) for o in ready if o.topic == topics.steps]
     assert names == ["StepMetrics"] * 8, "partials wait for the transaction's end"
     partials = [decode("StepPartial", o.value) for o in stage.transaction_outputs()]
-    # Streams reads rank r from raw partition r % 2: one partial per run step and partition
+    # Streams reads rank r from raw partition r % 2: one partial per run step, its ranks by
+    # partition (a partition's ranks, in the order they closed, then the next one's)
     got = sorted((p["step"], np.frombuffer(p["ranks"], "<i4").tolist()) for p in partials)
-    assert got == [(0, [0, 2]), (0, [1, 3]), (1, [0, 2]), (1, [1, 3])]
+    assert got == [(0, [0, 2, 1, 3]), (1, [0, 2, 1, 3])]
     assert stage.transaction_outputs() == []
 
     stage.fold(feed(0, ops_steps=[2], marks=[2], watermark=2), 2.0)
