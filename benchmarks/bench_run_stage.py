@@ -10,8 +10,8 @@ collectives, clock offsets, RunStepMetrics encoding).
 ``--input stepmetrics``: the stage reads every rank's StepMetrics (the run stage before
 issue #35 item 2, and what it still does with StepMetrics alone). ``--input partials``:
 it reads the StepPartials the step stage writes instead (processors/partials.py), the
-step's ranks split over ``--partitions`` input partitions (one partial each, as one
-transaction of the step stage sends them). Also timed for ``partials``: what the step
+step's ranks split over ``--partitions`` input partitions, closed in one transaction of
+the step stage each (one partial each). Also timed for ``partials``: what the step
 stage spends on them (``PartialBuilder.add`` per rank-step, the partials' encoding per
 run step). Every run step must come out once with every rank and every call matched;
 ``digest`` is a hash of every RunStepMetrics message (the bytes: equal within one
@@ -104,10 +104,13 @@ def inputs(ranks: int, steps: int, calls: int, mode: str, partitions: int) -> tu
         decoded = [decode("StepMetrics", v) for v in encoded]  # as the step stage holds them: the same fields
         builder = PartialBuilder()
         c0 = time.thread_time()
-        for i, m in enumerate(decoded):
-            builder.add(m, i % partitions)
+        taken = []
+        for part in range(partitions):  # one transaction a partition: a partial each
+            for m in decoded[part::partitions]:
+                builder.add(m, part)
+            taken += builder.records()
         c1 = time.thread_time()
-        values = [encode("StepPartial", p) for p in builder.records()]
+        values = [encode("StepPartial", p) for p in taken]
         c2 = time.thread_time()
         add_s += c1 - c0
         encode_s += c2 - c1
