@@ -61,7 +61,6 @@ import multiprocessing as mp
 import os
 import queue
 import resource
-import signal
 import subprocess
 import sys
 import tempfile
@@ -80,7 +79,7 @@ from _common import (
     summary,
     unique_prefix,
 )
-from bench_processor_scaleout import cpu_seconds, processor_command
+from bench_processor_scaleout import cpu_seconds, processor_command, stop_process
 from kafka import KafkaAdminClient
 from kafka.errors import KafkaError
 
@@ -466,14 +465,8 @@ def start_replay(bootstrap, prefix: str, args: argparse.Namespace, steps: int, s
 def stop_timed(proc: subprocess.Popen, timeout: float = 15.0) -> tuple[int, float]:
     """Ctrl-C (SIGINT); killed after ``timeout`` s: (exit status, seconds it took)."""
     t0 = time.monotonic()
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    return proc.returncode, time.monotonic() - t0
+    code = stop_process(proc, timeout)
+    return code, time.monotonic() - t0
 
 
 def run_config(bootstrap: str, processes: int, args: argparse.Namespace, broker_pids: list[int]) -> dict[str, Any]:
