@@ -20,7 +20,8 @@ from fastavro import parse_schema, schemaless_reader, schemaless_writer
 from fastavro.schema import to_parsing_canonical_form
 
 from profstream.schema import rank_columns
-from profstream.schema.sparse import compiled_reader, sparse_reader
+from profstream.schema.sparse import NotRead, compiled_reader, sparse_reader
+from profstream.schema.sparse import _string as read_string
 from profstream.schema.writer import compile_writer
 
 MAGIC = b"\xc3\x01"
@@ -439,23 +440,9 @@ def peek(data: bytes) -> tuple[str, str] | None:
     sv = SCHEMAS.get(int.from_bytes(data[2:HEADER_LEN], "little"))
     if sv is None:
         return None
-    shift = length = 0
-    i = HEADER_LEN
-    while i < len(data) and shift < 64:  # the string's length: a zigzag varint
-        b = data[i]
-        length |= (b & 0x7F) << shift
-        i += 1
-        if not b & 0x80:
-            break
-        shift += 7
-    else:
-        return None
-    length = (length >> 1) ^ -(length & 1)
-    if length < 0 or i + length > len(data):
-        return None
     try:
-        return sv.name, data[i:i + length].decode()
-    except UnicodeDecodeError:
+        return sv.name, read_string(data, HEADER_LEN)[0]
+    except (IndexError, NotRead, UnicodeDecodeError):  # truncated, a runaway length, not UTF-8
         return None
 
 
