@@ -139,7 +139,13 @@ def test_once_a_run_has_partials_its_step_metrics_are_dropped_without_being_deco
     from profstream.schema import codec
 
     decoded = []
-    monkeypatch.setattr(runtime, "decode_any", lambda v: decoded.append(codec.decode_any(v)[0]) or codec.decode_any(v))
+
+    def counted(value: bytes) -> tuple[str, dict]:
+        got = codec.decode_any(value)
+        decoded.append(got[0])
+        return got
+
+    monkeypatch.setattr(runtime, "decode_any", counted)
     reports = _reports()
     first, rest = reports[:2], reports[2:]
     other_run = [{**m, "run_id": "other"} for m in first]

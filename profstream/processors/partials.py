@@ -104,15 +104,15 @@ class PartialBuilder:
         step joined across input partitions (their transaction commits them all), so that a
         step whose ranks close over many transactions sends a run stage one partial a
         transaction, not one per partition (each costs the run stage ~60-90 us to read)."""
-        joined: dict[tuple[str, int], list[_Open]] = {}
+        groups: dict[tuple[str, int], list[list[_Open]]] = {}  # a run step's partials, each of parts
         for (run_id, step, _), part in self._open.items():
-            parts = joined.setdefault((run_id, step), [])
-            if parts and parts[-1].size + part.size <= PARTIAL_ROOM_BYTES:
-                parts[-1] = _join(parts[-1], part)
+            cut = groups.setdefault((run_id, step), [])
+            if cut and sum(p.size for p in cut[-1]) + part.size <= PARTIAL_ROOM_BYTES:
+                cut[-1].append(part)
             else:
-                parts.append(part)
-        out = [r for _, r in self._done] + [_record((run_id, step, -1), part)
-                                            for (run_id, step), parts in joined.items() for part in parts]
+                cut.append([part])
+        out = [r for _, r in self._done] + [_record((run_id, step, -1), _join(parts))
+                                            for (run_id, step), cut in groups.items() for parts in cut]
         self._open.clear()
         self._done = []
         return out
@@ -123,16 +123,19 @@ class PartialBuilder:
         self._done = [(p, r) for p, r in self._done if p not in partitions]
 
 
-def _join(a: _Open, b: _Open) -> _Open:
-    """``a``'s rows then ``b``'s, in one partial (``b``'s name lists numbered after ``a``'s)."""
+def _join(parts: list[_Open]) -> _Open:
+    """The rows of ``parts`` one after another in one partial (each one's name lists numbered
+    after those before it), each row copied once."""
+    if len(parts) == 1:
+        return parts[0]
     out = _Open()
-    out.names = dict(a.names)
-    remap = [out.names.setdefault(names, len(out.names)) for names in b.names]
-    for c, _ in _ROW_COLUMNS:
-        out.rows[c] = a.rows[c] + (b.rows[c] if c != "call_names" else [remap[i] for i in b.rows[c]])
-    for c, _ in CALL_COLUMNS:
-        out.calls[c] = a.calls[c] + b.calls[c]
-    out.size = a.size + b.size
+    for part in parts:
+        remap = [out.names.setdefault(names, len(out.names)) for names in part.names]
+        for c, _ in _ROW_COLUMNS:
+            out.rows[c] += part.rows[c] if c != "call_names" else [remap[i] for i in part.rows[c]]
+        for c, _ in CALL_COLUMNS:
+            out.calls[c] += part.calls[c]
+        out.size += part.size
     return out
 
 
