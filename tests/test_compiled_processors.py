@@ -5,7 +5,9 @@ still run where the extension is not built (profstream/compiled.py, schema/spars
 from __future__ import annotations
 
 import dataclasses
+import io
 
+import fastavro
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -321,3 +323,90 @@ def test_compiled_and_python_processors_write_the_same_bytes(monkeypatch, option
         outputs[on] = [(f.kind, f.value) for f in figures(messages)]
     assert sum(kind == "steps" for kind, _ in outputs[True]) >= 3 * 10
     assert outputs[True] == outputs[False]
+
+
+_OP_TYPE = st.fixed_dictionaries({"op_type": st.text(max_size=12), "total_ns": st.integers(0, 2**62),
+                                  "count": st.integers(0, 2**31 - 1)})
+# a value the generated functions refuse where the StepMetrics is written by one plan: a
+# symbol not of the enum, a str for the enum given as bytes, a numpy int, a float for a
+# long, a dict for a nullable record's list, a list for a record, a missing nested field
+_ODD_STEP = st.sampled_from([("closed_by", "later"), ("closed_by", b"grace"), ("closed_by", None),
+                             ("step", np.int64(3)), ("op_count", 1.0), ("memory", [1]), ("rolling", {"window": 1}),
+                             ("op_types", {}), ("starved", 1), ("host", b"h"), ("world_size", True)])
+
+
+@st.composite
+def step_records(draw) -> dict:
+    r = {**_STEP, "resources": None}
+    r["closed_by"] = draw(st.sampled_from(["watermark", "grace", "idle"]))
+    r["world_size"] = draw(st.one_of(st.none(), st.integers(1, 2**31 - 1)))
+    r["utilization"] = draw(st.one_of(st.none(), st.floats(allow_nan=False)))
+    r["op_types"] = draw(st.lists(_OP_TYPE, max_size=12))
+    r["kernel_types"] = draw(st.lists(_OP_TYPE, max_size=3).map(tuple))
+    r["memory"] = draw(st.one_of(st.none(), st.fixed_dictionaries(
+        {k: st.integers(-(2**63), 2**63 - 1) for k in ("peak", "allocated", "reserved")})))
+    r["queues"] = draw(st.lists(st.fixed_dictionaries(
+        {"queue": st.text(max_size=8), "min": st.integers(0, 99), "mean": st.floats(allow_nan=False),
+         "last": st.integers(0, 99), "at_start": st.one_of(st.none(), st.integers(0, 99)),
+         "empty_ratio": st.floats(0, 1)}), max_size=2))
+    r["rolling"] = draw(st.one_of(st.none(), st.fixed_dictionaries(
+        {"window": st.integers(0, 100), "mean_step_time_ns": st.floats(allow_nan=False),
+         "p50_step_time_ns": st.floats(allow_nan=False), "p95_step_time_ns": st.floats(allow_nan=False),
+         "data_wait_share": st.floats(allow_nan=False), "mean_utilization": st.floats(allow_nan=False),
+         **{k: st.one_of(st.none(), st.floats(allow_nan=False)) for k in (
+             "mean_tokens_per_s", "mean_samples_per_s", "mean_mfu")}})))
+    r["late_events"] = draw(st.integers(-(2**63), 2**63 - 1))
+    odd = draw(st.one_of(st.none(), st.none(), _ODD_STEP, st.sampled_from(list(r))))
+    if isinstance(odd, tuple):
+        r[odd[0]] = odd[1]
+    elif odd is not None:
+        del r[odd]
+    return r
+
+
+@settings(max_examples=300, deadline=None)
+@given(step_records(), st.sampled_from([3, 5, 9]))
+def test_a_step_metrics_written_whole_by_the_compiled_plan_is_the_generated_writers_bytes(record, version):
+    """A StepMetrics written whole by the compiled plan (writer.NATIVE_RECORDS: its enum,
+    nested records, op types' records) is the bytes of the generated Python functions, for
+    each version the step stage writes; a record those refuse the plan refuses too, so that
+    fastavro writes it (or says what is wrong)."""
+    schema = codec.VERSIONS[("StepMetrics", version)].parsed
+    if version == 3:  # v3's rolling figures have no work figures
+        record = {**record, "rolling": None if not isinstance(record.get("rolling"), dict) else {
+            k: v for k, v in record["rolling"].items() if not k.startswith("mean_") or k in (
+                "mean_step_time_ns", "mean_utilization")}} if "rolling" in record else record
+    compiled_writer = writer.compile_writer(schema)
+    python_writer = writer.compile_writer(schema, write_record=None)
+    try:
+        want = python_writer(record)
+    except (writer.Unsupported, KeyError, OverflowError, UnicodeEncodeError):
+        with pytest.raises((writer.Unsupported, TypeError, ValueError, KeyError, OverflowError, UnicodeEncodeError)):
+            compiled_writer(record)
+        return
+    assert compiled_writer(record) == want
+
+
+def test_the_step_metrics_writer_writes_the_whole_record_by_one_compiled_plan():
+    """The StepMetrics writer of the step stage's common case (v3: no device figures, no
+    calls) makes one compiled call for the whole record, nested records and enum included,
+    and what it writes is what fastavro writes."""
+    calls = []
+
+    def spy(record: dict, plan: tuple) -> bytes:
+        calls.append(plan[0][0])
+        return writer.WRITE_RECORD(record, plan)
+
+    sv = codec.VERSIONS[("StepMetrics", 3)]
+    record = {k: v for k, v in _STEP.items() if k in {f["name"] for f in sv.parsed["fields"]}}
+    record.update(closed_by="grace", utilization=0.5, overlap_ratio=0.25, memory={"peak": 3, "allocated": 2,
+                                                                                  "reserved": 4},
+                  op_types=[{"op_type": "MatMul", "total_ns": 700, "count": 2}, {"op_type": "other", "total_ns": 1,
+                                                                                  "count": 1}],
+                  queues=[{"queue": "q", "min": 0, "mean": 1.5, "last": 2, "at_start": None, "empty_ratio": 0.5}])
+    data = writer.compile_writer(sv.parsed, write_record=spy)(record)
+    assert calls == ["run_id"]
+    assert data == writer.compile_writer(sv.parsed, write_record=None)(record)
+    out = io.BytesIO()
+    fastavro.schemaless_writer(out, sv.parsed, record)
+    assert data == out.getvalue()

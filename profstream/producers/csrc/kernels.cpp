@@ -619,6 +619,43 @@ bool put_string(std::string& out, PyObject* v) {
   return true;
 }
 
+bool write_planned(std::string& out, PyObject* record, PyObject* plan, int depth);
+
+// The kinds a plan's field may also have (schema/writer.py FIELD_KINDS): an enum (its
+// sub-plan a dict symbol -> index), bytes, a record (its sub-plan the record's plan); a
+// record's kind is above F_NULLABLE's bit so that a nullable one is F_RECORD | F_NULLABLE
+enum MoreFieldKind { F_ENUM = 7, F_BYTES = 16, F_RECORD = 17 };
+
+// Appends a field of one of MoreFieldKind as the generated function writes it, with its
+// checks; false with an exception set for a value it does not take or a kind it does not know
+bool write_more(std::string& out, PyObject* v, PyObject* field, long kind, int depth) {
+  switch (kind) {
+    case F_ENUM: {
+      PyObject* index = PyUnicode_CheckExact(v) ? PyDict_GetItemWithError(PyTuple_GET_ITEM(field, 2), v) : nullptr;
+      if (index == nullptr) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "write_record: not a symbol of the enum");
+        return false;
+      }
+      put_long(out, PyLong_AsLongLong(index));
+      return true;
+    }
+    case F_BYTES: {
+      if (!PyBytes_CheckExact(v)) {
+        PyErr_SetString(PyExc_TypeError, "write_record: not bytes");
+        return false;
+      }
+      put_long(out, PyBytes_GET_SIZE(v));
+      out.append(PyBytes_AS_STRING(v), static_cast<size_t>(PyBytes_GET_SIZE(v)));
+      return true;
+    }
+    case F_RECORD:
+      return write_planned(out, v, PyTuple_GET_ITEM(field, 2), depth + 1);
+    default:
+      PyErr_SetString(PyExc_ValueError, "write_record: a field kind it does not know");
+      return false;
+  }
+}
+
 // Appends record's fields by plan ((name, kind, sub-plan), ...): what schema/writer.py's
 // generated function writes for the record, with its checks; false with an exception set
 // for a value it does not take (the caller then writes the record with fastavro)
@@ -706,8 +743,7 @@ bool write_planned(std::string& out, PyObject* record, PyObject* plan, int depth
         break;
       }
       default:
-        PyErr_SetString(PyExc_ValueError, "write_record: a field kind it does not know");
-        return false;
+        if (!write_more(out, v, field, kind, depth)) return false;
     }
   }
   return true;
