@@ -410,3 +410,69 @@ def test_the_step_metrics_writer_writes_the_whole_record_by_one_compiled_plan():
     out = io.BytesIO()
     fastavro.schemaless_writer(out, sv.parsed, record)
     assert data == out.getvalue()
+
+
+def _rank_checkpoint() -> dict:
+    """The RankCheckpoint of a rank of the step stage after a few steps of a simulated run."""
+    from profstream.kafka.topics import Topics
+    from profstream.processors.health import StageCounts
+    from profstream.processors.runtime import StepStage
+    from profstream.simulate import SimConfig
+    from tests.helpers import simulated_messages
+
+    stage = StepStage(Topics("cp"), 1, StageCounts())
+    cfg = SimConfig(run_id="cp", ranks=1, steps=6, ops_per_step=20, step_time_ms=50.0, seed=3)
+    for m in simulated_messages(cfg, close=False):
+        stage.fold(m, m.clock)
+    stage.ready(m.clock)
+    (rank,) = stage.ranks.values()
+    return {**rank.assembler.snapshot(), **rank.figures.snapshot()}
+
+
+_LONGS = st.dictionaries(st.text(max_size=10), st.integers(-(2**63), 2**63 - 1), max_size=4)
+_ODD_LONG = st.sampled_from([True, np.int64(1), 2**63, 1.0, None])
+
+
+@settings(max_examples=200, deadline=None)
+@given(_LONGS, _LONGS, st.one_of(st.none(), _ODD_LONG), st.binary(max_size=24))
+def test_a_rank_checkpoint_written_by_the_compiled_plan_is_the_generated_writers_bytes(producers, counters, odd,
+                                                                                       carry):
+    """A RankCheckpoint (its maps of longs, its carried intervals' bytes, its nested rolling
+    and stall state) written by the compiled plan is the bytes of the generated functions; a
+    map value those refuse (a bool, a numpy int, a long out of range, a float) the plan
+    refuses too."""
+    schema = codec.CURRENT["RankCheckpoint"].parsed
+    record = {**_CHECKPOINT, "producers": producers, "counters": dict(counters),
+              "carry": {**_CHECKPOINT["carry"], "comm_start": carry}}
+    if odd is not None:
+        record["counters"]["odd"] = odd
+    compiled_writer = writer.compile_writer(schema)
+    python_writer = writer.compile_writer(schema, write_record=None)
+    try:
+        want = python_writer(record)
+    except (writer.Unsupported, KeyError, OverflowError, UnicodeEncodeError):
+        with pytest.raises((writer.Unsupported, TypeError, ValueError, KeyError, OverflowError, UnicodeEncodeError)):
+            compiled_writer(record)
+        return
+    assert compiled_writer(record) == want
+
+
+_CHECKPOINT = _rank_checkpoint()
+
+
+def test_a_rank_checkpoint_is_written_whole_by_one_compiled_plan():
+    """The step stage's RankCheckpoint (one per changed rank a transaction) is written by one
+    compiled call, the bytes fastavro writes."""
+    calls = []
+
+    def spy(record: dict, plan: tuple) -> bytes:
+        calls.append(plan[0][0])
+        return writer.WRITE_RECORD(record, plan)
+
+    sv = codec.CURRENT["RankCheckpoint"]
+    data = writer.compile_writer(sv.parsed, write_record=spy)(_CHECKPOINT)
+    assert calls == ["run_id"]
+    out = io.BytesIO()
+    fastavro.schemaless_writer(out, sv.parsed, _CHECKPOINT)
+    assert data == out.getvalue()
+    assert codec.decode("RankCheckpoint", sv.header + data)["rolling"] == _CHECKPOINT["rolling"]

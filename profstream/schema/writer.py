@@ -29,14 +29,16 @@ _SMALL = [bytes(((n << 1) ^ (n >> 63),)) for n in range(-64, 64)]  # zigzag vari
 # fields rather than by a generated function per field: a StepMetrics' host figures and
 # advice lines (their ~30 fields and the lines' texts and figures cost ~10 us a step in
 # Python: benchmarks.md, issue #34), and the StepMetrics itself where its version's plan
-# holds it whole (~70 fields, its op types' records: ~20 against ~5 us a step, issue #35).
-# Every record its plan holds (scalars, nullable scalars, strings, bytes, enums, records,
-# maps of doubles, arrays of records) could be; the others keep their functions until measured.
-NATIVE_RECORDS = frozenset({"ResourceFigures", "Advice", "StepMetrics"})
+# holds it whole (~70 fields, its op types' records: ~20 against ~6 us a step, issue #35), and
+# the RankCheckpoint a transaction writes for each rank that changed. Every record its plan
+# holds (scalars, nullable scalars, strings, bytes, enums, records, maps of doubles or longs,
+# arrays of records) could be; the others keep their functions until measured.
+NATIVE_RECORDS = frozenset({"ResourceFigures", "Advice", "StepMetrics", "RankCheckpoint"})
 # a plan's field kinds, as kernels.cpp numbers them; NULLABLE added for ["null", X] (bytes
 # and a record are numbered above NULLABLE's bit)
 FIELD_KINDS = {"long": 0, "int": 1, "double": 2, "boolean": 3, "string": 4, "records": 5, "doubles": 6, "enum": 7,
-               "bytes": 16, "record": 17}
+               "bytes": 16, "record": 17, "longs": 18}
+_OUR_KINDS = ("records", "doubles", "record", "enum", "longs")  # no Avro type's name
 NULLABLE = 8
 WRITE_RECORD = compiled.NATIVE.write_record if compiled.NATIVE is not None else None
 
@@ -105,7 +107,7 @@ class _Gen:
 
     def plan(self, schema: dict, ns: str) -> tuple | None:
         """``write_record``'s plan of a record: ((field, kind, sub-plan or None), ...), or None
-        where a field is of a type it does not write (a map but of doubles, a union but
+        where a field is of a type it does not write (a map but of doubles or longs, a union but
         ["null", X], a nullable array or map)."""
         fields = []
         for f in schema["fields"]:
@@ -124,7 +126,8 @@ class _Gen:
                     return None
                 t = "records"
             elif isinstance(t, dict) and t.get("type") == "map":
-                t = "doubles" if t["values"] == "double" and not kind else None
+                values = t["values"]
+                t = {"double": "doubles", "long": "longs"}.get(values) if isinstance(values, str) and not kind else None
             elif isinstance(t, dict) and t.get("type") == "record" or isinstance(t, str) and self._record(t, ns):
                 named = t if isinstance(t, dict) else self._record(t, ns)
                 sub = self.plan(named, named.get("namespace", ns))
@@ -133,9 +136,8 @@ class _Gen:
                 sub = {s: k for k, s in enumerate(t["symbols"])} if isinstance(t, dict) else self._enum(t, ns)
                 t = "enum"
             elif isinstance(t, dict):
-                t = t.get("type") if t.get("type") in FIELD_KINDS and t.get("type") not in (
-                    "records", "doubles", "record", "enum") else None
-            elif t in ("records", "doubles", "record", "enum"):  # kinds of ours, no Avro type
+                t = t.get("type") if t.get("type") in FIELD_KINDS and t.get("type") not in _OUR_KINDS else None
+            elif t in _OUR_KINDS:
                 return None
             if t not in FIELD_KINDS:
                 return None

@@ -622,9 +622,26 @@ bool put_string(std::string& out, PyObject* v) {
 bool write_planned(std::string& out, PyObject* record, PyObject* plan, int depth);
 
 // The kinds a plan's field may also have (schema/writer.py FIELD_KINDS): an enum (its
-// sub-plan a dict symbol -> index), bytes, a record (its sub-plan the record's plan); a
-// record's kind is above F_NULLABLE's bit so that a nullable one is F_RECORD | F_NULLABLE
-enum MoreFieldKind { F_ENUM = 7, F_BYTES = 16, F_RECORD = 17 };
+// sub-plan a dict symbol -> index), bytes, a record (its sub-plan the record's plan), a map
+// of longs; numbered above F_NULLABLE's bit so that a nullable one is F_RECORD | F_NULLABLE
+enum MoreFieldKind { F_ENUM = 7, F_BYTES = 16, F_RECORD = 17, F_LONGS = 18 };
+
+// A long as the generated function writes it (a plain int in range); false with an exception set
+bool put_int64(std::string& out, PyObject* v) {
+  if (!PyLong_CheckExact(v)) {
+    PyErr_SetString(PyExc_TypeError, "write_record: not an int");
+    return false;
+  }
+  int overflow = 0;
+  long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+  if (overflow) {
+    PyErr_SetString(PyExc_OverflowError, "write_record: out of range");
+    return false;
+  }
+  if (x == -1 && PyErr_Occurred()) return false;
+  put_long(out, x);
+  return true;
+}
 
 // Appends a field of one of MoreFieldKind as the generated function writes it, with its
 // checks; false with an exception set for a value it does not take or a kind it does not know
@@ -650,6 +667,21 @@ bool write_more(std::string& out, PyObject* v, PyObject* field, long kind, int d
     }
     case F_RECORD:
       return write_planned(out, v, PyTuple_GET_ITEM(field, 2), depth + 1);
+    case F_LONGS: {  // a map of longs, in the dict's order
+      if (!PyDict_CheckExact(v)) {
+        PyErr_SetString(PyExc_TypeError, "write_record: not a dict");
+        return false;
+      }
+      if (PyDict_GET_SIZE(v)) {
+        put_long(out, PyDict_GET_SIZE(v));
+        Py_ssize_t pos = 0;
+        PyObject *key, *value;
+        while (PyDict_Next(v, &pos, &key, &value))
+          if (!put_string(out, key) || !put_int64(out, value)) return false;
+      }
+      out.push_back('\0');
+      return true;
+    }
     default:
       PyErr_SetString(PyExc_ValueError, "write_record: a field kind it does not know");
       return false;
