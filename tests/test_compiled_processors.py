@@ -476,3 +476,28 @@ def test_a_rank_checkpoint_is_written_whole_by_one_compiled_plan():
     fastavro.schemaless_writer(out, sv.parsed, _CHECKPOINT)
     assert data == out.getvalue()
     assert codec.decode("RankCheckpoint", sv.header + data)["rolling"] == _CHECKPOINT["rolling"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 2**31)), min_size=2, max_size=5),
+       st.sampled_from(["u1", "<i4", "<i8", "<f8"]), st.sampled_from([None, "other dtype", "missing", "2-d"]))
+def test_compiled_concatenation_of_a_steps_parts_is_numpys(sizes, dtype, odd):
+    """A step's columns gathered from several batches, joined by the compiled copy, are
+    np.concatenate's values and dtype; parts it does not take (a column of another dtype in
+    one part, a column missing, a 2-D array) give None, and numpy joins them as before."""
+    parts = [{"a": np.random.default_rng(seed).integers(0, 200, n).astype(dtype),
+              "b": np.arange(n, dtype=np.int64)} for n, seed in sizes]
+    if odd == "other dtype":
+        parts[-1]["a"] = parts[-1]["a"].astype(np.int16)
+    elif odd == "missing":
+        del parts[0]["b"]
+    elif odd == "2-d":
+        parts[1]["b"] = np.zeros((1, 2), np.int64)
+    got = compiled.NATIVE.concat_columns(parts, ("a", "b"))
+    if odd is not None:
+        assert got is None
+        return
+    for name, blob in zip(("a", "b"), got):
+        want = np.concatenate([p[name] for p in parts])
+        joined = np.frombuffer(blob, parts[0][name].dtype)
+        assert joined.dtype == want.dtype and joined.tobytes() == want.tobytes()
