@@ -501,3 +501,4 @@ def test_compiled_concatenation_of_a_steps_parts_is_numpys(sizes, dtype, odd):
         want = np.concatenate([p[name] for p in parts])
         joined = np.frombuffer(blob, parts[0][name].dtype)
         assert joined.dtype == want.dtype and joined.tobytes() == want.tobytes()
+        assert joined.flags.writeable  # as np.concatenate's result (a test may move an op of a closed step)

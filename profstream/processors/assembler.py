@@ -177,7 +177,7 @@ def _concat(parts: list[dict], names: tuple[str, ...], dtypes: dict) -> dict[str
         return dict(parts[0])  # a dict of its own, as empty_section's
     if compiled.NATIVE is not None:  # one compiled copy of every column (~1 us) instead of an np.concatenate each
         blobs = compiled.NATIVE.concat_columns(parts, names)
-        if blobs is not None:  # read-only, as the columns of a batch are
+        if blobs is not None:  # writable, as np.concatenate's are
             first = parts[0]
             return {n: np.frombuffer(blob, first[n].dtype) for n, blob in zip(names, blobs)}
     return {n: np.concatenate([p[n] for p in parts]) for n in names}

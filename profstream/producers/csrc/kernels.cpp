@@ -621,8 +621,8 @@ bool put_string(std::string& out, PyObject* v) {
 
 bool write_planned(std::string& out, PyObject* record, PyObject* plan, int depth);
 
-// concat_columns(parts, names) -> [bytes of each named column, its parts' items one after
-// the other], or None where a part lacks a column, or a column's parts are not 1-D
+// concat_columns(parts, names) -> [a bytearray of each named column, its parts' items one
+// after the other (writable, as np.concatenate's result is)], or None where a part lacks a column, or a column's parts are not 1-D
 // contiguous buffers of one item letter and size (the caller then runs np.concatenate):
 // the assembler's closing of a step whose events came in several batches, one call
 // instead of one np.concatenate a column
@@ -659,12 +659,12 @@ PyObject* concat_columns(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       itemsize = view.view.itemsize;
       total += view.view.len;
     }
-    PyObject* blob = PyBytes_FromStringAndSize(nullptr, total);
+    PyObject* blob = PyByteArray_FromStringAndSize(nullptr, total);
     if (blob == nullptr) {
       Py_DECREF(out);
       return nullptr;
     }
-    char* at = PyBytes_AS_STRING(blob);
+    char* at = PyByteArray_AS_STRING(blob);
     for (Py_ssize_t p = 0; p < n_parts; ++p) {
       const Py_buffer& v = views[static_cast<size_t>(p)].view;
       std::memcpy(at, v.buf, static_cast<size_t>(v.len));
@@ -867,7 +867,7 @@ PyMethodDef kernel_functions[] = {
     {"host_figures", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(host_figures)), METH_FASTCALL,
      "host_figures(13 host and loader columns) -> a step's resources dict (processors/host.py) or None"},
     {"concat_columns", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(concat_columns)), METH_FASTCALL,
-     "concat_columns(parts, names) -> [each named column's parts as one bytes], or None (numpy concatenates them)"},
+     "concat_columns(parts, names) -> [each named column's parts as one bytearray], or None (numpy joins them)"},
     {"write_record", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(write_record)), METH_FASTCALL,
      "write_record(record, plan) -> its Avro body, written by plan (schema/writer.py record_plan)"},
     {nullptr, nullptr, 0, nullptr}};
