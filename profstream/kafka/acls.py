@@ -85,8 +85,9 @@ def role_acls(role: str, user: str, topics: Topics, groups: Sequence[str] = ()) 
                 + [Acl(who, GROUP, CONTROL_GROUP_PREFIX, DESCRIBE, PREFIXED)])
     if role == "processor":
         group = (groups or (DEFAULT_PROCESSOR_GROUP,))[0]
-        return (topic(t.raw, READ, DESCRIBE) + topic(t.steps, READ, WRITE, DESCRIBE)
-                + topic(t.run, WRITE, DESCRIBE) + topic(t.alerts, WRITE, DESCRIBE) + topic(t.dlq, WRITE, DESCRIBE)
+        # the step stage writes steps and partials; the run stage reads partials, not steps
+        return (topic(t.raw, READ, DESCRIBE) + topic(t.steps, WRITE, DESCRIBE)
+                + topic(t.partials, READ, WRITE, DESCRIBE) + topic(t.run, WRITE, DESCRIBE) + topic(t.alerts, WRITE, DESCRIBE) + topic(t.dlq, WRITE, DESCRIBE)
                 + topic(t.state, READ, WRITE, DESCRIBE) + topic(t.run_state, READ, WRITE, DESCRIBE)
                 + [Acl(who, GROUP, group, READ, PREFIXED),  # <group>, <group>-run and their restore readers
                    Acl(who, TRANSACTIONAL_ID, group, WRITE, PREFIXED),
