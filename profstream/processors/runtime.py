@@ -99,7 +99,8 @@ def dead_letter_of(topic: str, key: bytes | None, value: bytes, reason: str, det
 
 
 def run_partition(run_id: str, partitions: int) -> int:
-    """Partition of the steps topic that carries every rank of ``run_id``."""
+    """Partition of the steps (or partials) topic of ``partitions`` partitions that carries
+    every rank of ``run_id``."""
     return zlib.crc32(run_id.encode()) % partitions
 
 
