@@ -6,7 +6,8 @@ Roles (docs/security.md has the table and the threat model):
   statuses (``<prefix>.control``), reads capture requests (``<prefix>.requests.*``). It
   cannot write steps, run or alerts (no forged figures), cannot issue capture requests
   and reads nothing else.
-- ``processor``: reads raw (and steps, for the run stage), writes the figures, alerts,
+- ``processor``: reads raw (and partials, for the run stage), writes the figures (steps,
+  partials, run), alerts,
   dead letters and its changelogs, within its consumer groups and transactional ids
   (both ``<group>*``, the group given by ``--group-id``).
 - ``sink``: reads the processed topics (and raw, control and the requests, for the
