@@ -7,9 +7,8 @@ Roles (docs/security.md has the table and the threat model):
   cannot write steps, run or alerts (no forged figures), cannot issue capture requests
   and reads nothing else.
 - ``processor``: reads raw (and partials, for the run stage), writes the figures (steps,
-  partials, run), alerts,
-  dead letters and its changelogs, within its consumer groups and transactional ids
-  (both ``<group>*``, the group given by ``--group-id``).
+  partials, run), alerts, dead letters and its changelogs, within its consumer groups and
+  transactional ids (both ``<group>*``, the group given by ``--group-id``).
 - ``sink``: reads the processed topics (and raw, control and the requests, for the
   archive and the timeline) in its consumer groups; writes nothing.
 - ``capture``: a person's ``profstream capture``. Writes its own request topic
@@ -87,8 +86,8 @@ def role_acls(role: str, user: str, topics: Topics, groups: Sequence[str] = ()) 
     if role == "processor":
         group = (groups or (DEFAULT_PROCESSOR_GROUP,))[0]
         # the step stage writes steps and partials; the run stage reads partials, not steps
-        return (topic(t.raw, READ, DESCRIBE) + topic(t.steps, WRITE, DESCRIBE)
-                + topic(t.partials, READ, WRITE, DESCRIBE) + topic(t.run, WRITE, DESCRIBE) + topic(t.alerts, WRITE, DESCRIBE) + topic(t.dlq, WRITE, DESCRIBE)
+        return (topic(t.raw, READ, DESCRIBE) + topic(t.steps, WRITE, DESCRIBE) + topic(t.partials, READ, WRITE, DESCRIBE)
+                + topic(t.run, WRITE, DESCRIBE) + topic(t.alerts, WRITE, DESCRIBE) + topic(t.dlq, WRITE, DESCRIBE)
                 + topic(t.state, READ, WRITE, DESCRIBE) + topic(t.run_state, READ, WRITE, DESCRIBE)
                 + [Acl(who, GROUP, group, READ, PREFIXED),  # <group>, <group>-run and their restore readers
                    Acl(who, TRANSACTIONAL_ID, group, WRITE, PREFIXED),

@@ -297,8 +297,8 @@ class StepStage:
                 if asm.ended_ns is not None:  # after its last StepMetrics, on the same partition
                     ends += self._rank_end(asm)
                 out.append(Output(self.state_topic, f"{ident[0]}/{ident[1]}".encode(), None, asm.partition))
-        if ends:  # after the partials of their ranks' last steps (the partials topic): the run stage may end
-            out += self._partial_outputs() + ends  # the run on them
+        if ends:  # on the partials topic after the partials of their ranks' last steps: the run
+            out += self._partial_outputs() + ends  # stage may end the run on them
         return out
 
     def _partial_outputs(self) -> list[Output]:
