@@ -20,7 +20,9 @@ How late the replay ran is reported (``replay_late_ms``).
 group; the raw topic has ``--partitions`` (16) partitions. ``--run-stage shared``: each
 process runs both stages (the default deployment); ``own``: the processes run the step
 stage only, and one more process the run stage, whose CPU per run step is the cross-rank
-stage's cost.
+stage's cost; after the run, the records of the topic it read are counted by type
+(``run_stage_input_records``: the partials topic, or the steps topic on a checkout from
+before it).
 
 **Freshness.** A librdkafka read_committed consumer in this process reads the steps topic
 (fetch wait 10 ms) and takes, per StepMetrics, the wall time it is seen minus the step's
