@@ -14,13 +14,25 @@ from __future__ import annotations
 from profstream import compiled
 from profstream.processors.model import StepEvents
 from profstream.schema.batch import MACHINE
+from profstream.schema.wire_columns import WireColumns, row_count
 
 # A step has a few readings (one a second): the figures are computed in one pass, by the
 # compiled kernel where it is built (``host_figures`` of csrc/kernels.cpp, the same floats
 # summed in the same order), else over Python lists, about 9 us a step timed alone, where
 # numpy's per-call overhead on so few values took 37 (benchmarks.md, issue #34).
 
+# the loader's columns (in the kernel's order too) and the host's the kernel reads
 _LOADER = ("worker", "cpu", "runnable", "interval_s", "batches", "ctx_switches_per_s", "cpu_count")
+_HOST_KERNEL = ("cpu_user", "cpu_system", "cpu_iowait", "cpu_idle", "process_cpu", "rss_bytes")
+_NO_WIRE = {cols: (b"",) * len(cols) for cols in (_HOST_KERNEL, _LOADER)}
+
+
+def _wire(cols, rows: int, names: tuple[str, ...]) -> tuple[bytes, ...] | None:
+    """The wire's bytes of ``names`` (empty ones for a section without rows), or None where
+    the columns are arrays (selected from a batch, joined from several, built in memory)."""
+    if isinstance(cols, WireColumns):
+        return cols.wire(names)
+    return None if rows else _NO_WIRE[names]
 
 
 def _mean(values: list[float]) -> float | None:
@@ -45,13 +57,16 @@ def _worker(worker: int, readings: int, batches: int, busy_s: float, cpu_s: floa
 def host_figures(ev: StepEvents) -> dict | None:
     """StepMetrics ``resources`` of a closed step (None: no reading in it)."""
     h, lo = ev.host_samples, ev.loader_samples
-    readings = len(h["ts_ns"])
-    if not readings and not len(lo["ts_ns"]):
+    readings = row_count(h)
+    loader_rows = row_count(lo)
+    if not readings and not loader_rows:
         return None
     if compiled.NATIVE is not None:
-        got = compiled.NATIVE.host_figures(h["cpu_user"], h["cpu_system"], h["cpu_iowait"], h["cpu_idle"],
-                                           h["process_cpu"], h["rss_bytes"], lo["worker"], lo["cpu"], lo["runnable"],
-                                           lo["interval_s"], lo["batches"], lo["ctx_switches_per_s"], lo["cpu_count"])
+        wire_h, wire_lo = _wire(h, readings, _HOST_KERNEL), _wire(lo, loader_rows, _LOADER)
+        if wire_h is not None and wire_lo is not None:  # as decoded: the kernel reads the wire's bytes
+            got = compiled.NATIVE.host_figures(*wire_h, *wire_lo, True)
+        else:
+            got = compiled.NATIVE.host_figures(*(h[c] for c in _HOST_KERNEL), *(lo[c] for c in _LOADER))
         if got is not None:  # None: a column of another type
             return got
     each: dict[int, list] = {}  # worker -> [readings, batches or -1, seconds, CPU seconds or NaN]

@@ -7,6 +7,7 @@ batch of thousands of ops costs a handful of buffer copies, not thousands of rec
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -16,6 +17,7 @@ from profstream import compiled
 from profstream.schema.codec import DecodeError, decode, encode
 from profstream.schema.codec import names_blob as _names_blob
 from profstream.schema.names import NAME_RULE, is_valid_name
+from profstream.schema.wire_columns import WireColumns
 
 # Op kinds (the u8 ``kind`` column).
 COMPUTE, COMMUNICATION, MEMCPY, HOST, DATA, MEMSET = range(6)
@@ -287,19 +289,64 @@ def _filled(section: str, col: str, count: int, fill, dtype: np.dtype) -> np.nda
     return arr
 
 
+# The readings' sections are kept as the wire's bytes (WireColumns): a column is made an
+# array when it is read, and the host figures read the bytes as they are. Their columns
+# have no fill (every version that has the section has them all).
+WIRE_SECTIONS = ("host_samples", "loader_samples")
+_WIRE = {section: (SECTIONS[section], operator.itemgetter(*(col for col, _ in SECTIONS[section])),
+                   tuple(dtype.itemsize for _, dtype in SECTIONS[section]),
+                   {col: i for i, (col, _) in enumerate(SECTIONS[section])})
+         for section in WIRE_SECTIONS}
+_WIRE_SIZES: dict[tuple[str, int], tuple[int, ...]] = {}  # (section, rows up to 64) -> each column's bytes
+_FILL_RAW: dict[tuple[str, str, int], bytes] = {}  # (section, column, rows up to 64) -> its fill's bytes
+
+
+def _wire_columns(section: str, record: dict, count: int) -> WireColumns:
+    spec, values, sizes, index = _WIRE[section]
+    try:
+        raw = values(record)
+    except KeyError as e:
+        raise DecodeError("malformed", f"{section}.{e.args[0]} missing") from None
+    expected = _WIRE_SIZES.get((section, count))
+    if expected is None:
+        expected = tuple(count * size for size in sizes)
+        if count <= 64:
+            _WIRE_SIZES[section, count] = expected
+    if tuple(map(len, raw)) != expected:
+        col, got, size = next((col, len(r), size) for (col, _), r, size, want in zip(spec, raw, sizes, expected)
+                              if len(r) != want)
+        raise DecodeError("malformed", f"{section}.{col} holds {got} bytes, expected {count} x {size}")
+    return WireColumns(spec, raw, count, index)
+
+
+def _is_fill(section: str, col: str, count: int, fill, dtype: np.dtype, raw: bytes) -> bool:
+    """Whether a column that has a fill holds nothing else (a v8 step mark that lost nothing
+    and says no work): the shared filled column then stands for it, not an array of its own."""
+    if count > 64:
+        return False
+    key = (section, col, count)
+    want = _FILL_RAW.get(key)
+    if want is None:
+        want = _FILL_RAW[key] = np.full(count, fill, dtype).tobytes()
+    return raw == want
+
+
 def _unpack(section: str, record: dict) -> dict[str, np.ndarray]:
     count = record["count"]
     if count < 0:
         raise DecodeError("malformed", f"{section}.count is negative")
     if not count and not any(record.values()):  # the count and every column (of its version) empty
         return _EMPTY_SECTIONS[section].copy()  # most sections of most batches: no numpy calls
+    if section in _WIRE:
+        return _wire_columns(section, record, count)
     spec = _UNPACK[section]
     get = record.get
     out = {}
     for col, dtype, size, fill in spec:
         raw = get(col)
-        if raw is None and fill is not _NO_FILL:  # a column newer than the message
-            # (count was checked against the section's first column, never a filled one)
+        if fill is not _NO_FILL and (raw is None or _is_fill(section, col, count, fill, dtype, raw)):
+            # a column newer than the message, or holding its fill alone (count was checked
+            # against the section's first column, never a filled one)
             out[col] = _filled(section, col, count, fill, dtype)
             continue
         if len(raw) != count * size:
