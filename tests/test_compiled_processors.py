@@ -22,7 +22,14 @@ from profstream.processors.rolling import RollingWindow
 from profstream.processors.utilization import utilization
 from profstream.processors.window import Window, carry_past_end, step_window
 from profstream.schema import codec, sparse, writer
-from profstream.schema.batch import HOST_COLUMNS, LOADER_COLUMNS, MACHINE
+from profstream.schema.batch import (
+    HOST_COLUMNS,
+    LOADER_COLUMNS,
+    MACHINE,
+    EventBatch,
+    decode_batch,
+    encode_batch,
+)
 
 # Off by choice (PROFSTREAM_PURE_PROCESSORS=1): the other tests then run the Python paths
 pytestmark = pytest.mark.skipif(compiled.pure(), reason="PROFSTREAM_PURE_PROCESSORS=1: the compiled parts are off")
@@ -152,6 +159,38 @@ def test_compiled_host_figures_equal_the_python_path(step_readings):
                                                      "process_cpu", "rss_bytes")),
                                *(loader[c] for c in ("worker", "cpu", "runnable", "interval_s", "batches",
                                                      "ctx_switches_per_s", "cpu_count"))) is not None
+
+
+@settings(max_examples=300, deadline=None)
+@given(readings())
+def test_host_figures_of_decoded_readings_read_the_wire_bytes_as_the_python_path(step_readings):
+    """A decoded batch's readings reach the kernel as the wire's bytes (WireColumns,
+    ``wire=True``): the same resources as the Python loop over the arrays sent."""
+    host, loader = step_readings
+    sent = EventBatch(run_id="r", rank=0, host_samples=host, loader_samples=loader)
+    got = decode_batch(encode_batch(sent))
+    decoded = StepEvents(run_id="r", rank=0, step=1, start_ns=S, end_ns=E, host_samples=got.host_samples,
+                         loader_samples=got.loader_samples)
+    native = compiled.NATIVE
+    with_kernel = host_figures(decoded)
+    compiled.NATIVE = None
+    try:
+        python_path = host_figures(StepEvents(run_id="r", rank=0, step=1, start_ns=S, end_ns=E, host_samples=host,
+                                              loader_samples=loader))
+    finally:
+        compiled.NATIVE = native
+    assert repr(with_kernel) == repr(python_path)
+    if len(host["ts_ns"]) and len(loader["ts_ns"]):  # both sections as the wire's bytes: the kernel takes them
+        assert native.host_figures(*(got.host_samples.raw[i] for i in (1, 2, 4, 3, 5, 6)),
+                                   *(got.loader_samples.raw[i] for i in (2, 5, 6, 4, 7, 8, 9)), True) is not None
+
+
+def test_the_host_kernel_refuses_wire_bytes_of_a_partial_item():
+    """``wire=True`` with a column whose bytes are not whole items: None, not a misread."""
+    host = [b"\0" * 8] * 5 + [b"\0" * 8]
+    loader = [b"\0" * 4, b"\0" * 8, b"\0" * 8, b"\0" * 8, b"\0" * 4, b"\0" * 8, b"\0" * 3]
+    assert compiled.NATIVE.host_figures(*host, *loader, True) is None
+    assert compiled.NATIVE.host_figures(*host, *loader[:-1], b"\0" * 4, True) is not None
 
 
 def test_host_columns_the_kernel_does_not_take_fall_back_to_python():

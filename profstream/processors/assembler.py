@@ -127,7 +127,7 @@ def _readings(recent: deque, start_ns: int, end_ns: int, section: str) -> dict[s
         return empty_section(section)
     if len(parts) == 1:  # a dict of its own, as empty_section's; a decoded batch's readings
         # as they are (read-only WireColumns: host_figures reads their bytes)
-        return parts[0] if isinstance(parts[0], WireColumns) else dict(parts[0])
+        return parts[0] if type(parts[0]) is WireColumns else dict(parts[0])
     return {c: np.concatenate([p[c] for p in parts]) for c in parts[0]}
 
 
@@ -177,7 +177,7 @@ def _concat(parts: list[dict], names: tuple[str, ...], dtypes: dict) -> dict[str
         return empty.copy()  # a dict of its own; its zero-length arrays hold nothing to change
     if len(parts) == 1:  # a dict of its own, as empty_section's; a decoded batch's readings
         # as they are (read-only WireColumns: host_figures reads their bytes)
-        return parts[0] if isinstance(parts[0], WireColumns) else dict(parts[0])
+        return parts[0] if type(parts[0]) is WireColumns else dict(parts[0])
     return {n: np.concatenate([p[n] for p in parts]) for n in names}
 
 

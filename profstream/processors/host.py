@@ -11,9 +11,11 @@ value no reading had is null, never 0.
 
 from __future__ import annotations
 
+from operator import itemgetter
+
 from profstream import compiled
 from profstream.processors.model import StepEvents
-from profstream.schema.batch import MACHINE
+from profstream.schema.batch import HOST_COLUMNS, LOADER_COLUMNS, MACHINE
 from profstream.schema.wire_columns import WireColumns, row_count
 
 # A step has a few readings (one a second): the figures are computed in one pass, by the
@@ -21,18 +23,21 @@ from profstream.schema.wire_columns import WireColumns, row_count
 # summed in the same order), else over Python lists, about 9 us a step timed alone, where
 # numpy's per-call overhead on so few values took 37 (benchmarks.md, issue #34).
 
-# the loader's columns (in the kernel's order too) and the host's the kernel reads
 _LOADER = ("worker", "cpu", "runnable", "interval_s", "batches", "ctx_switches_per_s", "cpu_count")
+# the kernel's columns (the loader's in _LOADER's order), taken from a decoded batch's
+# WireColumns as the wire's bytes
 _HOST_KERNEL = ("cpu_user", "cpu_system", "cpu_iowait", "cpu_idle", "process_cpu", "rss_bytes")
-_NO_WIRE = {cols: (b"",) * len(cols) for cols in (_HOST_KERNEL, _LOADER)}
+_HOST_WIRE = itemgetter(*(next(i for i, (c, _) in enumerate(HOST_COLUMNS) if c == col) for col in _HOST_KERNEL))
+_LOADER_WIRE = itemgetter(*(next(i for i, (c, _) in enumerate(LOADER_COLUMNS) if c == col) for col in _LOADER))
+_NO_WIRE = {_HOST_WIRE: (b"",) * len(_HOST_KERNEL), _LOADER_WIRE: (b"",) * len(_LOADER)}
 
 
-def _wire(cols, rows: int, names: tuple[str, ...]) -> tuple[bytes, ...] | None:
-    """The wire's bytes of ``names`` (empty ones for a section without rows), or None where
-    the columns are arrays (selected from a batch, joined from several, built in memory)."""
-    if isinstance(cols, WireColumns):
-        return cols.wire(names)
-    return None if rows else _NO_WIRE[names]
+def _wire(cols, rows: int, columns: itemgetter) -> tuple[bytes, ...] | None:
+    """The wire's bytes of the kernel's ``columns`` (empty ones for a section without rows),
+    or None where they are arrays (selected from a batch, joined from several, built in memory)."""
+    if type(cols) is WireColumns:
+        return columns(cols.raw)
+    return None if rows else _NO_WIRE[columns]
 
 
 def _mean(values: list[float]) -> float | None:
@@ -62,7 +67,7 @@ def host_figures(ev: StepEvents) -> dict | None:
     if not readings and not loader_rows:
         return None
     if compiled.NATIVE is not None:
-        wire_h, wire_lo = _wire(h, readings, _HOST_KERNEL), _wire(lo, loader_rows, _LOADER)
+        wire_h, wire_lo = _wire(h, readings, _HOST_WIRE), _wire(lo, loader_rows, _LOADER_WIRE)
         if wire_h is not None and wire_lo is not None:  # as decoded: the kernel reads the wire's bytes
             got = compiled.NATIVE.host_figures(*wire_h, *wire_lo, True)
         else:

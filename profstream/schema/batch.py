@@ -292,13 +292,11 @@ def _filled(section: str, col: str, count: int, fill, dtype: np.dtype) -> np.nda
 # The readings' sections are kept as the wire's bytes (WireColumns): a column is made an
 # array when it is read, and the host figures read the bytes as they are. Their columns
 # have no fill (every version that has the section has them all).
-WIRE_SECTIONS = ("host_samples", "loader_samples")
 _WIRE = {section: (SECTIONS[section], operator.itemgetter(*(col for col, _ in SECTIONS[section])),
                    tuple(dtype.itemsize for _, dtype in SECTIONS[section]),
                    {col: i for i, (col, _) in enumerate(SECTIONS[section])})
-         for section in WIRE_SECTIONS}
+         for section in ("host_samples", "loader_samples")}
 _WIRE_SIZES: dict[tuple[str, int], tuple[int, ...]] = {}  # (section, rows up to 64) -> each column's bytes
-_FILL_RAW: dict[tuple[str, str, int], bytes] = {}  # (section, column, rows up to 64) -> its fill's bytes
 
 
 def _wire_columns(section: str, record: dict, count: int) -> WireColumns:
@@ -319,16 +317,23 @@ def _wire_columns(section: str, record: dict, count: int) -> WireColumns:
     return WireColumns(spec, raw, count, index)
 
 
-def _is_fill(section: str, col: str, count: int, fill, dtype: np.dtype, raw: bytes) -> bool:
-    """Whether a column that has a fill holds nothing else (a v8 step mark that lost nothing
-    and says no work): the shared filled column then stands for it, not an array of its own."""
-    if count > 64:
-        return False
-    key = (section, col, count)
-    want = _FILL_RAW.get(key)
-    if want is None:
-        want = _FILL_RAW[key] = np.full(count, fill, dtype).tobytes()
-    return raw == want
+# A step mark's columns after v1's (losses, work) hold their fill in most marks: in a v8
+# batch (every batch with loader readings is one) they are taken as the shared filled
+# columns, as for a message older than them, rather than read into an array each.
+_LATER_MARKS = STEP_COLUMNS[STEP_MARK_V1_COLUMNS:]
+_UNPACK_MARKS_V1 = _UNPACK["steps"][:STEP_MARK_V1_COLUMNS]
+_LATER_NAMES = tuple(col for col, _ in _LATER_MARKS)
+_NO_LATER = (None,) * len(_LATER_MARKS)
+_LATER_FILLED: dict[int, tuple] = {}  # rows (up to 64) -> (the later columns' fill as bytes, {column: filled})
+
+
+def _later_filled(count: int) -> tuple[tuple[bytes, ...], dict[str, np.ndarray]]:
+    got = _LATER_FILLED.get(count)
+    if got is None:
+        fills = [(col, dtype, COLUMN_FILL["steps", col]) for col, dtype in _LATER_MARKS]
+        got = _LATER_FILLED[count] = (tuple(np.full(count, fill, dtype).tobytes() for _, dtype, fill in fills),
+                                      {col: _filled("steps", col, count, fill, dtype) for col, dtype, fill in fills})
+    return got
 
 
 def _unpack(section: str, record: dict) -> dict[str, np.ndarray]:
@@ -340,18 +345,27 @@ def _unpack(section: str, record: dict) -> dict[str, np.ndarray]:
     if section in _WIRE:
         return _wire_columns(section, record, count)
     spec = _UNPACK[section]
+    filled = None
+    if section == "steps" and count <= 64:
+        fill_raw, filled = _later_filled(count)
+        later = tuple(map(record.get, _LATER_NAMES))
+        if later == fill_raw or later == _NO_LATER:  # nothing past v1's columns (v8 or older than v7)
+            spec = _UNPACK_MARKS_V1
+        else:
+            filled = None
     get = record.get
     out = {}
     for col, dtype, size, fill in spec:
         raw = get(col)
-        if fill is not _NO_FILL and (raw is None or _is_fill(section, col, count, fill, dtype, raw)):
-            # a column newer than the message, or holding its fill alone (count was checked
-            # against the section's first column, never a filled one)
+        if raw is None and fill is not _NO_FILL:  # a column newer than the message
+            # (count was checked against the section's first column, never a filled one)
             out[col] = _filled(section, col, count, fill, dtype)
             continue
         if len(raw) != count * size:
             raise DecodeError("malformed", f"{section}.{col} holds {len(raw)} bytes, expected {count} x {size}")
         out[col] = np.frombuffer(raw, dtype)
+    if filled is not None:
+        out.update(filled)
     return out
 
 

@@ -5,8 +5,8 @@ to three values each; made into a numpy array apiece when the batch is decoded t
 more than the host figures computed from them (benchmarks.md, issue #34). ``WireColumns``
 is the read-only mapping ``schema/batch.decode_batch`` gives those sections: a column
 becomes a numpy array (a read-only view of its bytes, as a decoded column is) the first
-time it is read, and ``wire`` hands the bytes themselves to a compiled kernel that reads
-them as they are (``host_figures`` of csrc/kernels.cpp).
+time it is read, and a compiled kernel can read the bytes themselves (``raw``, in the
+schema's order: ``host_figures`` of csrc/kernels.cpp).
 """
 
 from __future__ import annotations
@@ -46,24 +46,19 @@ class WireColumns(Mapping):
     def __len__(self) -> int:
         return len(self._index)
 
-    def wire(self, cols: tuple[str, ...]) -> tuple[bytes, ...]:
-        """The little-endian bytes of ``cols``, in that order."""
-        index, raw = self._index, self.raw
-        return tuple(raw[index[c]] for c in cols)
-
     def __repr__(self) -> str:
         return f"WireColumns({dict(self.items())!r})"
 
 
 def row_count(rows: Mapping) -> int:
     """The rows of a section (of ``WireColumns`` without making a column an array)."""
-    return rows.count if isinstance(rows, WireColumns) else len(rows["ts_ns"])
+    return rows.count if type(rows) is WireColumns else len(rows["ts_ns"])
 
 
 def time_span(rows: Mapping) -> tuple[int, int] | None:
     """(first, last) ``ts_ns`` of a section's rows, None without rows; read from the wire's
     bytes where the rows are ``WireColumns`` (a few readings: no numpy call)."""
-    if isinstance(rows, WireColumns) and rows.count <= 64:
+    if type(rows) is WireColumns and rows.count <= 64:  # type, not isinstance: an ABC's check costs ~2k instructions
         n = rows.count
         if not n:
             return None
