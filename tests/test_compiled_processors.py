@@ -5,6 +5,7 @@ still run where the extension is not built (profstream/compiled.py, schema/spars
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 import pytest
@@ -277,6 +278,42 @@ def test_the_compiled_resources_writer_writes_the_generated_writers_bytes(figure
     assert compiled_writer(record) == want
 
 
+_PACKED = st.one_of(st.binary(max_size=24), st.sampled_from(["", bytearray(b"x"), None, 3]))
+_CALLS = st.fixed_dictionaries({"names": st.one_of(st.lists(st.text(max_size=8), max_size=3).map(
+                                    lambda x: x if len(x) % 2 else tuple(x)), st.sampled_from([["\udc80"], [b"x"], None])),
+                                "count": st.one_of(st.integers(-(2**31), 2**31 - 1), st.sampled_from([2**31, True, 1.0])),
+                                **{c: _PACKED for c in ("name_idx", "group_idx", "group_size", "seq", "bytes",
+                                                        "start_ns", "end_ns")}})
+
+
+@functools.cache
+def _step_writers():
+    """The StepMetrics writer with the compiled plans and the one of generated functions alone."""
+    schema = codec.CURRENT["StepMetrics"].parsed
+    return writer.compile_writer(schema), writer.compile_writer(schema, write_record=None)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_CALLS, st.sampled_from([None, "count", "end_ns"]))
+def test_the_compiled_collectives_writer_writes_the_generated_writers_bytes(calls, missing):
+    """A StepMetrics' collective calls (names and packed columns) by the compiled plan: the
+    generated function's bytes, and refused where it refuses (a str for bytes, a bytearray, a
+    name not UTF-8, an int out of range, a field missing)."""
+    if missing:
+        del calls[missing]
+    compiled_writer, python_writer = _step_writers()
+    record = {**_STEP, "collectives": calls, "resources": None}
+    try:
+        want = python_writer(record)
+    except (writer.Unsupported, KeyError, OverflowError, UnicodeEncodeError):
+        with pytest.raises((writer.Unsupported, TypeError, KeyError, OverflowError, UnicodeEncodeError)):
+            compiled_writer(record)
+        return
+    assert compiled_writer(record) == want
+    assert codec.decode("StepMetrics", codec.CURRENT["StepMetrics"].header + want)["collectives"] == \
+        {**calls, "names": list(calls["names"])}
+
+
 def test_the_step_metrics_writer_writes_host_figures_by_the_compiled_plan():
     """The StepMetrics writer calls the compiled plan for its host figures and each advice
     line, whose bytes read back as the record written."""
@@ -298,7 +335,7 @@ def test_the_step_metrics_writer_writes_host_figures_by_the_compiled_plan():
                "figures": {"workers": 2.0, "data_wait_ms": 12.5}}, {"rule": "x", "text": "", "source": "", "figures": {}}]
     record = {**_STEP, "resources": figures, "advice": advice}
     data = writer.compile_writer(schema, write_record=spy)(record)
-    assert calls == ["readings", "rule", "rule"]
+    assert calls == ["names", "readings", "rule", "rule"]  # the collective calls, the host figures, each line
     assert data == writer.compile_writer(schema, write_record=None)(record)
     back = codec.decode("StepMetrics", codec.CURRENT["StepMetrics"].header + data)
     assert back["resources"] == figures and back["advice"] == advice

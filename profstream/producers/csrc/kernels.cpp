@@ -614,6 +614,8 @@ PyObject* host_figures(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 
 // The kinds of a record plan's fields (schema/writer.py FIELD_KINDS, in that order)
 enum FieldKind { F_LONG, F_INT, F_DOUBLE, F_BOOLEAN, F_STRING, F_RECORDS, F_DOUBLES, F_NULLABLE = 8 };
+// bytes and arrays of strings (StepMetrics v5's packed collective calls), after NULLABLE's bit
+enum MoreFieldKinds { F_BYTES = 16, F_STRINGS = 32 };
 
 void put_long(std::string& out, int64_t v) {
   char buf[10];
@@ -644,6 +646,33 @@ bool put_string(std::string& out, PyObject* v) {
   }
   put_long(out, size);
   out.append(s, static_cast<size_t>(size));
+  return true;
+}
+
+// bytes as they are, after their length; false with an exception set
+bool put_bytes(std::string& out, PyObject* v) {
+  if (!PyBytes_CheckExact(v)) {
+    PyErr_SetString(PyExc_TypeError, "write_record: not bytes");
+    return false;
+  }
+  put_long(out, PyBytes_GET_SIZE(v));
+  out.append(PyBytes_AS_STRING(v), static_cast<size_t>(PyBytes_GET_SIZE(v)));
+  return true;
+}
+
+// an array of strings (a list or a tuple); false with an exception set
+bool put_strings(std::string& out, PyObject* v) {
+  if (!PyList_CheckExact(v) && !PyTuple_CheckExact(v)) {
+    PyErr_SetString(PyExc_TypeError, "write_record: not a list");
+    return false;
+  }
+  const Py_ssize_t items = PySequence_Fast_GET_SIZE(v);
+  if (items) {
+    put_long(out, items);
+    for (Py_ssize_t k = 0; k < items; ++k)
+      if (!put_string(out, PySequence_Fast_GET_ITEM(v, k))) return false;
+  }
+  out.push_back('\0');
   return true;
 }
 
@@ -733,6 +762,12 @@ bool write_planned(std::string& out, PyObject* record, PyObject* plan, int depth
         out.push_back('\0');
         break;
       }
+      case F_BYTES:
+        if (!put_bytes(out, v)) return false;
+        break;
+      case F_STRINGS:
+        if (!put_strings(out, v)) return false;
+        break;
       default:
         PyErr_SetString(PyExc_ValueError, "write_record: a field kind it does not know");
         return false;
