@@ -7,7 +7,6 @@ batch of thousands of ops costs a handful of buffer copies, not thousands of rec
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -17,7 +16,7 @@ from profstream import compiled
 from profstream.schema.codec import DecodeError, decode, encode
 from profstream.schema.codec import names_blob as _names_blob
 from profstream.schema.names import NAME_RULE, is_valid_name
-from profstream.schema.wire_columns import WireColumns
+from profstream.schema.wire_columns import WireLayout
 
 # Op kinds (the u8 ``kind`` column).
 COMPUTE, COMMUNICATION, MEMCPY, HOST, DATA, MEMSET = range(6)
@@ -292,29 +291,7 @@ def _filled(section: str, col: str, count: int, fill, dtype: np.dtype) -> np.nda
 # The readings' sections are kept as the wire's bytes (WireColumns): a column is made an
 # array when it is read, and the host figures read the bytes as they are. Their columns
 # have no fill (every version that has the section has them all).
-_WIRE = {section: (SECTIONS[section], operator.itemgetter(*(col for col, _ in SECTIONS[section])),
-                   tuple(dtype.itemsize for _, dtype in SECTIONS[section]),
-                   {col: i for i, (col, _) in enumerate(SECTIONS[section])})
-         for section in ("host_samples", "loader_samples")}
-_WIRE_SIZES: dict[tuple[str, int], tuple[int, ...]] = {}  # (section, rows up to 64) -> each column's bytes
-
-
-def _wire_columns(section: str, record: dict, count: int) -> WireColumns:
-    spec, values, sizes, index = _WIRE[section]
-    try:
-        raw = values(record)
-    except KeyError as e:
-        raise DecodeError("malformed", f"{section}.{e.args[0]} missing") from None
-    expected = _WIRE_SIZES.get((section, count))
-    if expected is None:
-        expected = tuple(count * size for size in sizes)
-        if count <= 64:
-            _WIRE_SIZES[section, count] = expected
-    if tuple(map(len, raw)) != expected:
-        col, got, size = next((col, len(r), size) for (col, _), r, size, want in zip(spec, raw, sizes, expected)
-                              if len(r) != want)
-        raise DecodeError("malformed", f"{section}.{col} holds {got} bytes, expected {count} x {size}")
-    return WireColumns(spec, raw, count, index)
+_WIRE = {section: WireLayout(section, SECTIONS[section]) for section in ("host_samples", "loader_samples")}
 
 
 # A step mark's columns after v1's (losses, work) hold their fill in most marks: in a v8
@@ -342,8 +319,9 @@ def _unpack(section: str, record: dict) -> dict[str, np.ndarray]:
         raise DecodeError("malformed", f"{section}.count is negative")
     if not count and not any(record.values()):  # the count and every column (of its version) empty
         return _EMPTY_SECTIONS[section].copy()  # most sections of most batches: no numpy calls
-    if section in _WIRE:
-        return _wire_columns(section, record, count)
+    wire = _WIRE.get(section)
+    if wire is not None:
+        return wire.columns(record, count)
     spec = _UNPACK[section]
     filled = None
     if section == "steps" and count <= 64:
