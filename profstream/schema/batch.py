@@ -2,7 +2,10 @@
 
 In memory every column is a numpy array; on the wire numeric columns are packed
 little-endian arrays inside Avro ``bytes`` (layout documented in event_batch.avsc), so a
-batch of thousands of ops costs a handful of buffer copies, not thousands of records.
+batch of thousands of ops costs a handful of buffer copies, not thousands of records. A
+decoded batch's host and loader readings are a read-only mapping whose columns are made
+arrays when read (``wire_columns.WireColumns``: a few values each, read as bytes by the
+host figures).
 """
 
 from __future__ import annotations
