@@ -28,13 +28,16 @@ _SMALL = [bytes(((n << 1) ^ (n >> 63),)) for n in range(-64, 64)]  # zigzag vari
 # Records written by the compiled ``write_record`` (csrc/kernels.cpp) by a plan of their
 # fields rather than by a generated function per field: a StepMetrics' host figures and
 # advice lines (their ~30 fields and the lines' texts and figures cost ~10 us a step in
-# Python: benchmarks.md, issue #34). Every record its plan holds (scalars, nullable scalars,
-# strings, maps of doubles, arrays of such records) could be; the others keep their
-# functions until measured.
-NATIVE_RECORDS = frozenset({"ResourceFigures", "Advice"})
+# Python: benchmarks.md, issue #34), and its collective calls (v5's names and seven packed
+# columns, written by every step of v5 or later: ~2.5 us a step). Every record its plan
+# holds (scalars, nullable scalars, strings, bytes, maps of doubles, arrays of strings or of
+# such records) could be; the others keep their functions until measured.
+NATIVE_RECORDS = frozenset({"ResourceFigures", "Advice", "CollectiveCalls"})
 # a plan's field kinds, as kernels.cpp numbers them; NULLABLE added for ["null", X]
-FIELD_KINDS = {"long": 0, "int": 1, "double": 2, "boolean": 3, "string": 4, "records": 5, "doubles": 6}
+FIELD_KINDS = {"long": 0, "int": 1, "double": 2, "boolean": 3, "string": 4, "records": 5, "doubles": 6,
+               "bytes": 16, "strings": 32}
 NULLABLE = 8
+_PLAN_KINDS = ("records", "doubles", "strings")  # kinds of a plan's own, not Avro types
 WRITE_RECORD = compiled.NATIVE.write_record if compiled.NATIVE is not None else None
 
 
@@ -110,7 +113,9 @@ class _Gen:
                     return None
                 t, kind = t[1], NULLABLE
             sub = None
-            if isinstance(t, dict) and t.get("type") == "array":
+            if isinstance(t, dict) and t.get("type") == "array" and t["items"] == "string" and not kind:
+                t = "strings"
+            elif isinstance(t, dict) and t.get("type") == "array":
                 item = t["items"]
                 item = self.records.get(item) or self.records.get(f"{ns}.{item}") if isinstance(item, str) else item
                 sub = self.plan(item, item.get("namespace", ns)) if isinstance(item, dict) and \
@@ -121,7 +126,7 @@ class _Gen:
             elif isinstance(t, dict) and t.get("type") == "map":
                 t = "doubles" if t["values"] == "double" and not kind else None
             elif isinstance(t, dict):
-                t = t.get("type") if t.get("type") in FIELD_KINDS and t.get("type") not in ("records", "doubles") else None
+                t = t.get("type") if t.get("type") in FIELD_KINDS and t.get("type") not in _PLAN_KINDS else None
             if t not in FIELD_KINDS:
                 return None
             fields.append((f["name"], FIELD_KINDS[t] | kind, sub))
