@@ -20,7 +20,9 @@ How late the replay ran is reported (``replay_late_ms``).
 group; the raw topic has ``--partitions`` (16) partitions. ``--run-stage shared``: each
 process runs both stages (the default deployment); ``own``: the processes run the step
 stage only, and one more process the run stage, whose CPU per run step is the cross-rank
-stage's cost.
+stage's cost; after the run, the records of the topic it read are counted by type
+(``run_stage_input_records``: the partials topic, or the steps topic on a checkout from
+before it).
 
 **Freshness.** A librdkafka read_committed consumer in this process reads the steps topic
 (fetch wait 10 ms) and takes, per StepMetrics, the wall time it is seen minus the step's
@@ -553,6 +555,10 @@ def run_config(bootstrap: str, processes: int, args: argparse.Namespace, broker_
             time.sleep(0.1)
         cpu3, t3 = [cpu_seconds(p.pid) for p in procs], time.monotonic()
         load1 = os.getloadavg()[0]
+        # what the run stage's consumer had to read, by record: the partials topic (the steps
+        # topic where this checkout has none: the run stage read it before the partials topic)
+        run_input = record_counts(bootstrap, getattr(topics, "partials", topics.steps)) \
+            if args.run_stage == "own" else None
     finally:
         for w in workers:
             if w.is_alive():
@@ -607,7 +613,35 @@ def run_config(bootstrap: str, processes: int, args: argparse.Namespace, broker_
         result["run_stage_cpu_ms_per_run_step_over_idle"] = (
             (cpu3[-1] - cpu0[-1] - idle_share[-1] * (t3 - t0)) / reader.run_records * 1000)
         result["run_stage_cpu_share"] = cpu[-1] / window_s
+        result["run_stage_input_records"] = run_input
+        result["run_stage_input_records_per_run_step"] = sum(run_input.values()) / reader.run_records
     return result
+
+
+def record_counts(bootstrap: str, topic: str) -> dict[str, int]:
+    """How many committed records of each type ``topic`` holds (read to its end, after the run)."""
+    from collections import Counter
+
+    from confluent_kafka import TopicPartition
+
+    from profstream.kafka.clients import make_native_consumer
+    from profstream.schema.codec import record_name
+
+    consumer = make_native_consumer(bootstrap, f"bench-count-{topic}")
+    try:
+        parts = [TopicPartition(topic, p, -2) for p in consumer.list_topics(topic, timeout=10).topics[topic].partitions]
+        ends = {p.partition: consumer.get_watermark_offsets(p, timeout=10)[1] for p in parts}
+        consumer.assign(parts)
+        counts: Counter = Counter()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and any(
+                p.offset < ends[p.partition] for p in consumer.position(parts) if ends[p.partition]):  # past markers too
+            for msg in consumer.consume(1000, 0.5):
+                if not msg.error():
+                    counts[record_name(msg.value())] += 1
+        return dict(counts)
+    finally:
+        consumer.close()
 
 
 def check_run_steps(got: dict[int, list[dict]], args: argparse.Namespace, steps: int, run_steps: int,

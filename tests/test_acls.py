@@ -31,9 +31,9 @@ def test_a_training_job_writes_raw_events_and_statuses_and_cannot_forge_figures_
     t, trainer = acl_topics, secure_stack.conn("trainer")
     assert produce_error(trainer, t.raw) is None
     assert produce_error(trainer, t.control) is None  # capture statuses
-    for forged in (t.steps, t.run, t.alerts, t.requests("capture"), t.requests("autocapture")):
+    for forged in (t.steps, t.partials, t.run, t.alerts, t.requests("capture"), t.requests("autocapture")):
         assert produce_error(trainer, forged) == DENIED_TOPIC, forged
-    for other in (t.steps, t.run, t.alerts, t.control, t.state):
+    for other in (t.steps, t.partials, t.run, t.alerts, t.control, t.state):
         assert consume_error(trainer, other) == DENIED_TOPIC, other
     with pytest.raises(LookupError) as e:  # it has no request topic of its own either
         send_request(trainer, t, new_request("r1"))
@@ -43,8 +43,9 @@ def test_a_training_job_writes_raw_events_and_statuses_and_cannot_forge_figures_
 def test_a_sink_reads_and_writes_nothing(secure_stack, acl_topics):
     t, sink = acl_topics, secure_stack.conn("sink", mtls=True)
     assert consume_error(sink, t.steps, group="sink-acls") is None
-    for topic in (t.raw, t.steps, t.run, t.alerts, t.control, t.dlq, t.requests("capture")):
+    for topic in (t.raw, t.steps, t.partials, t.run, t.alerts, t.control, t.dlq, t.requests("capture")):
         assert produce_error(sink, topic) == DENIED_TOPIC, topic
+    assert consume_error(sink, t.partials, group="sink-acls") == DENIED_TOPIC  # the run stage's input only
     assert consume_error(sink, t.steps, group="some-other-group") == "GROUP_AUTHORIZATION_FAILED"
 
 
@@ -61,6 +62,10 @@ def test_a_processor_keeps_to_its_transactional_ids_and_groups(secure_stack, acl
     assert consume_error(processor, acl_topics.raw, group="proc-acls") is None
     assert consume_error(processor, acl_topics.raw, group="profstream-prometheus") == "GROUP_AUTHORIZATION_FAILED"
     assert produce_error(processor, acl_topics.control) == DENIED_TOPIC  # no forged capture statuses either
+    # the step stage writes the run stage's input, the run stage reads it; no stage reads the steps topic
+    assert produce_error(processor, acl_topics.partials) is None
+    assert consume_error(processor, acl_topics.partials, group="proc-acls-run") is None
+    assert consume_error(processor, acl_topics.steps, group="proc-acls") == DENIED_TOPIC
 
 
 def test_a_requester_writes_only_its_own_request_topic_and_is_known_by_what_the_broker_authenticated(

@@ -709,3 +709,32 @@ def test_a_run_step_of_many_ranks_fits_one_kafka_message(ranks, collectives):
     # v5's columns: ranks in order a byte each, values as varints; v4 took a record per rank
     assert size < 0.65 * len(encode("RunStepMetrics", record, 4))
     assert decode("RunStepMetrics", data) == record
+
+
+@pytest.mark.parametrize("section, col", [("host_samples", "cpu_user"), ("host_samples", "ts_ns"),
+                                          ("loader_samples", "worker"), ("loader_samples", "cpu_count")])
+def test_a_reading_column_of_the_wrong_length_is_malformed_and_named(section, col):
+    """The readings are kept as the wire's bytes until a column is read (WireColumns): their
+    lengths are still checked when the batch is decoded, and the column is named."""
+    record = decode("EventBatch", encode_batch(random_batch(2, 10, loader=True)))
+    record[section][col] = record[section][col][:-1]
+    with pytest.raises(DecodeError) as e:
+        decode_batch(encode("EventBatch", record))
+    assert e.value.reason == "malformed" and f"{section}.{col} holds" in str(e.value)
+
+
+def test_decoded_readings_are_read_only_columns_of_what_was_sent():
+    batch = random_batch(4, 10, loader=True, losses=False, work=False)  # v8 marks holding their fill alone
+    got = decode_batch(encode_batch(batch))
+    for section in ("host_samples", "loader_samples"):
+        cols = getattr(got, section)
+        assert list(cols) == [c for c, _ in SECTIONS[section]] and len(cols) == len(SECTIONS[section])
+        assert "ts_ns" in cols and "nope" not in cols
+        for c, dtype in SECTIONS[section]:
+            assert cols[c].dtype == dtype and not cols[c].flags.writeable
+            np.testing.assert_array_equal(cols[c], np.asarray(getattr(batch, section)[c]).astype(dtype))
+        assert {c: v.tolist() for c, v in cols.items()} == {c: v.tolist() for c, v in getattr(batch, section).items()}
+    for (section, col), fill in COLUMN_FILL.items():
+        if section == "steps":
+            assert not got.steps[col].flags.writeable
+            np.testing.assert_array_equal(got.steps[col], np.full(3, fill, dict(SECTIONS["steps"])[col]))

@@ -5,6 +5,7 @@ still run where the extension is not built (profstream/compiled.py, schema/spars
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 
 import fastavro
@@ -24,7 +25,14 @@ from profstream.processors.rolling import RollingWindow
 from profstream.processors.utilization import utilization
 from profstream.processors.window import Window, carry_past_end, step_window
 from profstream.schema import codec, sparse, writer
-from profstream.schema.batch import HOST_COLUMNS, LOADER_COLUMNS, MACHINE
+from profstream.schema.batch import (
+    HOST_COLUMNS,
+    LOADER_COLUMNS,
+    MACHINE,
+    EventBatch,
+    decode_batch,
+    encode_batch,
+)
 
 # Off by choice (PROFSTREAM_PURE_PROCESSORS=1): the other tests then run the Python paths
 pytestmark = pytest.mark.skipif(compiled.pure(), reason="PROFSTREAM_PURE_PROCESSORS=1: the compiled parts are off")
@@ -156,6 +164,38 @@ def test_compiled_host_figures_equal_the_python_path(step_readings):
                                                      "ctx_switches_per_s", "cpu_count"))) is not None
 
 
+@settings(max_examples=300, deadline=None)
+@given(readings())
+def test_host_figures_of_decoded_readings_read_the_wire_bytes_as_the_python_path(step_readings):
+    """A decoded batch's readings reach the kernel as the wire's bytes (WireColumns,
+    ``wire=True``): the same resources as the Python loop over the arrays sent."""
+    host, loader = step_readings
+    sent = EventBatch(run_id="r", rank=0, host_samples=host, loader_samples=loader)
+    got = decode_batch(encode_batch(sent))
+    decoded = StepEvents(run_id="r", rank=0, step=1, start_ns=S, end_ns=E, host_samples=got.host_samples,
+                         loader_samples=got.loader_samples)
+    native = compiled.NATIVE
+    with_kernel = host_figures(decoded)
+    compiled.NATIVE = None
+    try:
+        python_path = host_figures(StepEvents(run_id="r", rank=0, step=1, start_ns=S, end_ns=E, host_samples=host,
+                                              loader_samples=loader))
+    finally:
+        compiled.NATIVE = native
+    assert repr(with_kernel) == repr(python_path)
+    if len(host["ts_ns"]) and len(loader["ts_ns"]):  # both sections as the wire's bytes: the kernel takes them
+        assert native.host_figures(*(got.host_samples.raw[i] for i in (1, 2, 4, 3, 5, 6)),
+                                   *(got.loader_samples.raw[i] for i in (2, 5, 6, 4, 7, 8, 9)), True) is not None
+
+
+def test_the_host_kernel_refuses_wire_bytes_of_a_partial_item():
+    """``wire=True`` with a column whose bytes are not whole items: None, not a misread."""
+    host = [b"\0" * 8] * 5 + [b"\0" * 8]
+    loader = [b"\0" * 4, b"\0" * 8, b"\0" * 8, b"\0" * 8, b"\0" * 4, b"\0" * 8, b"\0" * 3]
+    assert compiled.NATIVE.host_figures(*host, *loader, True) is None
+    assert compiled.NATIVE.host_figures(*host, *loader[:-1], b"\0" * 4, True) is not None
+
+
 def test_host_columns_the_kernel_does_not_take_fall_back_to_python():
     """Readings in columns of another type (float32 CPU shares, int64 workers) get None from
     the kernel and their figures from the Python loop."""
@@ -240,9 +280,45 @@ def test_the_compiled_resources_writer_writes_the_generated_writers_bytes(figure
     assert compiled_writer(record) == want
 
 
+_PACKED = st.one_of(st.binary(max_size=24), st.sampled_from(["", bytearray(b"x"), None, 3]))
+_CALLS = st.fixed_dictionaries({"names": st.one_of(st.lists(st.text(max_size=8), max_size=3).map(
+                                    lambda x: x if len(x) % 2 else tuple(x)), st.sampled_from([["\udc80"], [b"x"], None])),
+                                "count": st.one_of(st.integers(-(2**31), 2**31 - 1), st.sampled_from([2**31, True, 1.0])),
+                                **{c: _PACKED for c in ("name_idx", "group_idx", "group_size", "seq", "bytes",
+                                                        "start_ns", "end_ns")}})
+
+
+@functools.cache
+def _step_writers():
+    """The StepMetrics writer with the compiled plans and the one of generated functions alone."""
+    schema = codec.CURRENT["StepMetrics"].parsed
+    return writer.compile_writer(schema), writer.compile_writer(schema, write_record=None)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_CALLS, st.sampled_from([None, "count", "end_ns"]))
+def test_the_compiled_collectives_writer_writes_the_generated_writers_bytes(calls, missing):
+    """A StepMetrics' collective calls (names and packed columns) by the compiled plan: the
+    generated function's bytes, and refused where it refuses (a str for bytes, a bytearray, a
+    name not UTF-8, an int out of range, a field missing)."""
+    if missing:
+        del calls[missing]
+    compiled_writer, python_writer = _step_writers()
+    record = {**_STEP, "collectives": calls, "resources": None}
+    try:
+        want = python_writer(record)
+    except (writer.Unsupported, KeyError, OverflowError, UnicodeEncodeError):
+        with pytest.raises((writer.Unsupported, TypeError, KeyError, OverflowError, UnicodeEncodeError)):
+            compiled_writer(record)
+        return
+    assert compiled_writer(record) == want
+    assert codec.decode("StepMetrics", codec.CURRENT["StepMetrics"].header + want)["collectives"] == \
+        {**calls, "names": list(calls["names"])}
+
+
 def test_the_step_metrics_writer_writes_host_figures_by_the_compiled_plan():
-    """The StepMetrics writer calls the compiled plan for its host figures and each advice
-    line, whose bytes read back as the record written."""
+    """The StepMetrics writer writes the whole record, its collective calls, host figures and
+    advice lines among it, by one compiled plan, whose bytes read back as the record written."""
     calls = []
 
     def spy(record: dict, plan: tuple) -> bytes:
@@ -261,7 +337,7 @@ def test_the_step_metrics_writer_writes_host_figures_by_the_compiled_plan():
                "figures": {"workers": 2.0, "data_wait_ms": 12.5}}, {"rule": "x", "text": "", "source": "", "figures": {}}]
     record = {**_STEP, "resources": figures, "advice": advice}
     data = writer.compile_writer(schema, write_record=spy)(record)
-    assert calls == ["readings", "rule", "rule"]
+    assert calls == ["run_id"]  # one plan: the StepMetrics whole
     assert data == writer.compile_writer(schema, write_record=None)(record)
     back = codec.decode("StepMetrics", codec.CURRENT["StepMetrics"].header + data)
     assert back["resources"] == figures and back["advice"] == advice

@@ -145,8 +145,10 @@ def test_step_stage_passes_progress_on_to_the_run_partition_and_replays_leave_it
     stage = StepStage(topics, 12, counts)
     value = progress(2, 7, T0, T0 + 3 * S)
     out = stage.fold(Rec(topics.raw, 5, 0, b"hang-run/2", value), 0.0)
+    # to the steps topic (the exporter's) and the partials topic (the run stage's), in the run's partition
     assert [(o.topic, o.key, o.value, o.partition) for o in out] == [
-        (topics.steps, b"hang-run/2", value, run_partition("hang-run", 12))]
+        (topics.steps, b"hang-run/2", value, run_partition("hang-run", 12)),
+        (topics.partials, b"hang-run/2", value, run_partition("hang-run", 12))]
     assert counts.progress == 1 and not counts.decode_errors and is_rank_progress(out[0].value)
     # garbage after a RankProgress header: a dead letter with its reason
     bad = stage.fold(Rec(topics.raw, 5, 1, b"hang-run/2", value[:12]), 0.0)

@@ -134,7 +134,7 @@ def test_a_rebuild_waits_for_the_changelog_of_the_commit_its_offsets_name(kafka_
     bootstrap, part = kafka_bootstrap, run_partition("r", 3)
     producer = confluent_kafka.Producer({"bootstrap.servers": bootstrap})
     for rank, step in [(0, 0), (0, 1), (1, 0), (1, 1)]:  # offset 1 (step 1's first report) was committed
-        producer.produce(topics.steps, encode("StepMetrics", step_metrics("r", rank, step, 100 * step)), b"r", part)
+        producer.produce(topics.partials, encode("StepMetrics", step_metrics("r", rank, step, 100 * step)), b"r", part)
     assert producer.flush(30) == 0
     producer.close()
     token = time.time_ns()
@@ -142,7 +142,7 @@ def test_a_rebuild_waits_for_the_changelog_of_the_commit_its_offsets_name(kafka_
     offsets = make_transactional_producer(bootstrap, f"{topics.prefix}-earlier-offsets")
     offsets.init_transactions(30)
     offsets.begin_transaction()
-    offsets.send_offsets_to_transaction([TopicPartition(topics.steps, part, 1, metadata=str(token))],
+    offsets.send_offsets_to_transaction([TopicPartition(topics.partials, part, 1, metadata=str(token))],
                                         group.consumer_group_metadata(), 30)
     offsets.commit_transaction(30)
     offsets.close()

@@ -21,7 +21,7 @@ from profstream.offline.export import export_parquet
 from profstream.offline.replay import Pacer, StepRange, replay_offline, republish
 from profstream.processors.collectives import readable_calls
 from profstream.schema.batch import EventBatch, decode_batch
-from profstream.schema.codec import record_name
+from profstream.schema.codec import decode, record_name
 from profstream.simulate import SimConfig, plan_run, run_simulation
 from profstream.sinks.archive import run_archive
 from tests.helpers import read_full, step_records, topic_size, wait_until
@@ -75,10 +75,11 @@ def recorded(kafka_bootstrap, tmp_path_factory) -> Recorded:
             return sum(1 for f in finished_files(archive) if f.topic == topic for r, _ in iter_file(f)
                        if r and (name is None or record_name(r["value"]) == name))
 
-        # the steps topic also holds the run stage's StepPartials, one or a few per run step
         wait_until(lambda: archived(topics.raw) == raw_total and archived(topics.steps, "StepMetrics") == total
                    and archived(topics.steps, "RankEnd") == CFG.ranks, 60,
                    "the archive to hold every raw message, every StepMetrics and each rank's RankEnd")
+        # the run stage's StepPartials have a topic of their own, not archived: replay rebuilds them
+        assert archived(topics.steps, "StepPartial") == 0
     finally:
         stop.set()
         sink.join(30)
@@ -124,11 +125,18 @@ def test_replay_to_a_fresh_prefix_gives_the_same_figures_byte_identical_batches_
         as_is = republish(files, boot, fresh.raw)  # creates the fresh prefix's topics
         renamed = republish(files, boot, fresh.raw, rewrite_run="renamed")
         assert as_is.sent == renamed.sent == sum(1 for f in files for r, _ in iter_file(f) if r)
-        with live.RunningProcessor(boot, fresh, stages="steps"):
+        with live.RunningProcessor(boot, fresh):  # both stages: the run stage reads the partials topic
             total = len(recorded.steps)
             again = step_records(boot, fresh.steps, CFG.run_id, total)
             moved = step_records(boot, fresh.steps, "renamed", total)
+            runs = read_full(boot, fresh.run, lambda r: r["run_id"] == CFG.run_id, CFG.steps, 60,
+                             decode=lambda v: decode("RunStepMetrics", v), what="RunStepMetrics")
         assert _by_step(again) == recorded.steps and len(again) == total
+        # the partials are not archived: the replay's step stages write them again, and the run
+        # figures are those the offline replay computes from the StepMetrics
+        offline: list[dict] = []
+        replay_offline(files, on_run_step=offline.append)
+        assert sorted(runs, key=lambda r: r["step"]) == sorted(offline, key=lambda r: r["step"])
         assert {k: {**v, "run_id": CFG.run_id} for k, v in _by_step(moved).items()} == recorded.steps
         archived = sorted(r["value"] for f in files for r, _ in iter_file(f) if r)
         sent = read_full(boot, fresh.raw, lambda v: decode_batch(v).run_id == CFG.run_id, len(archived), 30,

@@ -234,7 +234,9 @@ def test_the_step_stage_sends_one_partial_per_run_step_a_transaction_and_before_
             ready += stage.ready(1.0)
     names = [record_name(o.value) for o in ready if o.topic == topics.steps]
     assert names == ["StepMetrics"] * 8, "partials wait for the transaction's end"
-    partials = [decode("StepPartial", o.value) for o in stage.transaction_outputs()]
+    sent = stage.transaction_outputs()
+    assert {o.topic for o in sent} == {topics.partials}, "the partials have a topic of their own"
+    partials = [decode("StepPartial", o.value) for o in sent]
     # Streams reads rank r from raw partition r % 2: one partial per run step, its ranks by
     # partition (a partition's ranks, in the order they closed, then the next one's)
     got = sorted((p["step"], np.frombuffer(p["ranks"], "<i4").tolist()) for p in partials)
@@ -243,8 +245,13 @@ def test_the_step_stage_sends_one_partial_per_run_step_a_transaction_and_before_
 
     stage.fold(feed(0, ops_steps=[2], marks=[2], watermark=2), 2.0)
     stage.fold(feed(0, marks=[-1], watermark=2), 2.0)  # rank 0 ends after step 2 (an end mark)
-    out = [record_name(o.value) for o in stage.ready(2.0) if o.topic == topics.steps]
-    assert out == ["StepMetrics", "StepPartial", "RankEnd"], "the run stage may end the run on the RankEnd"
+    out = stage.ready(2.0)
+    assert [record_name(o.value) for o in out if o.topic == topics.steps] == ["StepMetrics", "RankEnd"]
+    # the run stage's copy of the RankEnd follows the partial of the rank's last step on its topic
+    # and partition: the run stage may end the run on it
+    to_run_stage = [o for o in out if o.topic == topics.partials]
+    assert [record_name(o.value) for o in to_run_stage] == ["StepPartial", "RankEnd"]
+    assert len({o.partition for o in to_run_stage}) == 1
 
 
 def test_a_run_step_too_large_for_a_message_goes_to_the_dead_letter_topic_and_the_next_ones_still_come(

@@ -180,8 +180,9 @@ def test_topic_names() -> None:
         "profstream.state",
         "profstream.run-state",
         "profstream.control",
+        "profstream.partials",
     ]
-    assert (t.raw, t.steps, t.run, t.alerts, t.dlq, t.state, t.run_state, t.control) == tuple(t.all())
+    assert (t.raw, t.steps, t.run, t.alerts, t.dlq, t.state, t.run_state, t.control, t.partials) == tuple(t.all())
     assert Topics("a").raw == "a.raw"
 
 
@@ -231,8 +232,9 @@ def test_topics_fixture_creates_every_topic(kafka_bootstrap: str, topics: Topics
         topics.alerts: 3,
         topics.dlq: 3,
         topics.state: 4,  # a changelog is partitioned like the topic whose state it holds
-        topics.run_state: 3,
+        topics.run_state: 3,  # like partials, the run stage's input
         topics.control: 3,
+        topics.partials: 3,
     }
 
 
@@ -249,6 +251,7 @@ def test_ensure_topics_is_idempotent_and_race_safe(kafka_bootstrap: str) -> None
         t.state: 6,
         t.run_state: 2,
         t.control: 2,
+        t.partials: 2,
     }
     # Existing topics are left alone, whatever partition counts are asked for.
     assert ensure_topics(kafka_bootstrap, t, raw_partitions=9, partitions=5) == []

@@ -6,9 +6,9 @@ Roles (docs/security.md has the table and the threat model):
   statuses (``<prefix>.control``), reads capture requests (``<prefix>.requests.*``). It
   cannot write steps, run or alerts (no forged figures), cannot issue capture requests
   and reads nothing else.
-- ``processor``: reads raw (and steps, for the run stage), writes the figures, alerts,
-  dead letters and its changelogs, within its consumer groups and transactional ids
-  (both ``<group>*``, the group given by ``--group-id``).
+- ``processor``: reads raw (and partials, for the run stage), writes the figures (steps,
+  partials, run), alerts, dead letters and its changelogs, within its consumer groups and
+  transactional ids (both ``<group>*``, the group given by ``--group-id``).
 - ``sink``: reads the processed topics (and raw, control and the requests, for the
   archive and the timeline) in its consumer groups; writes nothing.
 - ``capture``: a person's ``profstream capture``. Writes its own request topic
@@ -85,7 +85,8 @@ def role_acls(role: str, user: str, topics: Topics, groups: Sequence[str] = ()) 
                 + [Acl(who, GROUP, CONTROL_GROUP_PREFIX, DESCRIBE, PREFIXED)])
     if role == "processor":
         group = (groups or (DEFAULT_PROCESSOR_GROUP,))[0]
-        return (topic(t.raw, READ, DESCRIBE) + topic(t.steps, READ, WRITE, DESCRIBE)
+        # the step stage writes steps and partials; the run stage reads partials, not steps
+        return (topic(t.raw, READ, DESCRIBE) + topic(t.steps, WRITE, DESCRIBE) + topic(t.partials, READ, WRITE, DESCRIBE)
                 + topic(t.run, WRITE, DESCRIBE) + topic(t.alerts, WRITE, DESCRIBE) + topic(t.dlq, WRITE, DESCRIBE)
                 + topic(t.state, READ, WRITE, DESCRIBE) + topic(t.run_state, READ, WRITE, DESCRIBE)
                 + [Acl(who, GROUP, group, READ, PREFIXED),  # <group>, <group>-run and their restore readers

@@ -9,10 +9,11 @@ from dataclasses import dataclass
 from profstream.kafka.connection import ANONYMOUS, Connection
 from profstream.kafka.limits import TOPIC_MAX_MESSAGE_BYTES
 
-BASE_TOPICS = ("raw", "steps", "run", "alerts", "dlq", "state", "run-state", "control")
+BASE_TOPICS = ("raw", "steps", "run", "alerts", "dlq", "state", "run-state", "control", "partials")
 # Changelogs of the processors' checkpoints (docs/exactly-once.md): compacted, and
-# partitioned like the topic whose state they hold (state like raw, run-state like steps).
-COMPACTED = {"state": "raw", "run-state": "steps"}
+# partitioned like the topic whose state they hold (state like raw, run-state like partials,
+# the run stage's input).
+COMPACTED = {"state": "raw", "run-state": "partials"}
 _COMPACT_CONFIGS = {"cleanup.policy": "compact", "segment.ms": "60000", "min.cleanable.dirty.ratio": "0.1",
                     "delete.retention.ms": "60000"}
 # Every topic takes what profstream's clients send (profstream.kafka.limits).
@@ -66,6 +67,13 @@ class Topics:
     @property
     def steps(self) -> str:
         return self._name("steps")
+
+    @property
+    def partials(self) -> str:
+        """The run stage's input (docs/exactly-once.md): the step stages' StepPartials, and
+        copies of the RankEnds and RankProgress they write to ``steps``, keyed and
+        partitioned by run."""
+        return self._name("partials")
 
     @property
     def run(self) -> str:

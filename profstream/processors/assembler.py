@@ -54,6 +54,7 @@ from profstream.schema.batch import (
     empty_section,
     launch_column,
 )
+from profstream.schema.wire_columns import WireColumns, time_span
 
 _OP_COLS = ("kind", "type", "stream", "start_ns", "dur_ns", "launch_ns")
 _MEM_COLS = ("ts_ns", "allocated", "reserved", "peak")
@@ -124,8 +125,9 @@ def _readings(recent: deque, start_ns: int, end_ns: int, section: str) -> dict[s
                 parts.append({c: v[sel] for c, v in rows.items()})
     if not parts:
         return empty_section(section)
-    if len(parts) == 1:
-        return dict(parts[0])  # a dict of its own, as empty_section's
+    if len(parts) == 1:  # a dict of its own, as empty_section's; a decoded batch's readings
+        # as they are (read-only WireColumns: host_figures reads their bytes)
+        return parts[0] if type(parts[0]) is WireColumns else dict(parts[0])
     return {c: np.concatenate([p[c] for p in parts]) for c in parts[0]}
 
 
@@ -173,8 +175,9 @@ def _concat(parts: list[dict], names: tuple[str, ...], dtypes: dict) -> dict[str
         if empty is None:
             empty = _NO_COLUMNS[names] = {n: np.empty(0, dtypes[n]) for n in names}
         return empty.copy()  # a dict of its own; its zero-length arrays hold nothing to change
-    if len(parts) == 1:
-        return dict(parts[0])  # a dict of its own, as empty_section's
+    if len(parts) == 1:  # a dict of its own, as empty_section's; a decoded batch's readings
+        # as they are (read-only WireColumns: host_figures reads their bytes)
+        return parts[0] if type(parts[0]) is WireColumns else dict(parts[0])
     if compiled.NATIVE is not None:  # one compiled copy of every column (~1 us) instead of an np.concatenate each
         blobs = compiled.NATIVE.concat_columns(parts, names)
         if blobs is not None:  # writable, as np.concatenate's are
@@ -300,10 +303,9 @@ class RankAssembler:
             self._add_section(c["step"], "collectives", cols, "seq")
         for section, recent in (("host_samples", self.recent_host), ("loader_samples", self.recent_loader)):
             rows = getattr(batch, section)
-            ts = rows["ts_ns"]
-            if len(ts) and fresh:  # kept by time: a step takes those of its [S, E] when it closes
-                times = ts.tolist()  # a few readings: Python's min and max, not numpy's per-call cost
-                recent.append((min(times), max(times), rows))
+            span = time_span(rows) if fresh else None
+            if span is not None:  # kept by time: a step takes those of its [S, E] when it closes
+                recent.append((*span, rows))
         dev = batch.device_samples
         if len(dev["step"]):
             self._add_section(dev["step"], "devices", dev, "ts_ns")

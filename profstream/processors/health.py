@@ -89,7 +89,7 @@ class _Counters:
         self.run_steps = 0
         self.runs_closed = 0
         self.ranks_ended = 0
-        self.progress = 0  # RankProgress records passed on to the steps topic
+        self.progress = 0  # RankProgress records passed on to the steps and partials topics
         self.alerts = 0
         self.uncorrelated_ops = 0
 
@@ -181,8 +181,8 @@ class ProcessorHealth(_Counters):
             ("run_steps", "RunStepMetrics produced", self.run_steps),
             ("ranks_ended", "ranks whose producer ended (end mark: a close or a SIGTERM), every step closed: RankEnd "
              "records produced", self.ranks_ended),
-            ("rank_progress", "RankProgress records (where a rank is, mid-step too) passed on to the steps topic",
-             self.progress),
+            ("rank_progress", "RankProgress records (where a rank is, mid-step too) passed on to the steps and "
+             "partials topics", self.progress),
             ("alerts", "alert transitions produced", self.alerts),
             ("uncorrelated_device_ops", "device ops without a launch time in steps whose other device ops "
              "have one: counted in the host step holding their start", self.uncorrelated_ops),

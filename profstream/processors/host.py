@@ -11,9 +11,12 @@ value no reading had is null, never 0.
 
 from __future__ import annotations
 
+from operator import itemgetter
+
 from profstream import compiled
 from profstream.processors.model import StepEvents
-from profstream.schema.batch import MACHINE
+from profstream.schema.batch import HOST_COLUMNS, LOADER_COLUMNS, MACHINE
+from profstream.schema.wire_columns import WireColumns, row_count
 
 # A step has a few readings (one a second): the figures are computed in one pass, by the
 # compiled kernel where it is built (``host_figures`` of csrc/kernels.cpp, the same floats
@@ -21,6 +24,20 @@ from profstream.schema.batch import MACHINE
 # numpy's per-call overhead on so few values took 37 (benchmarks.md, issue #34).
 
 _LOADER = ("worker", "cpu", "runnable", "interval_s", "batches", "ctx_switches_per_s", "cpu_count")
+# the kernel's columns (the loader's in _LOADER's order), taken from a decoded batch's
+# WireColumns as the wire's bytes
+_HOST_KERNEL = ("cpu_user", "cpu_system", "cpu_iowait", "cpu_idle", "process_cpu", "rss_bytes")
+_HOST_WIRE = itemgetter(*(next(i for i, (c, _) in enumerate(HOST_COLUMNS) if c == col) for col in _HOST_KERNEL))
+_LOADER_WIRE = itemgetter(*(next(i for i, (c, _) in enumerate(LOADER_COLUMNS) if c == col) for col in _LOADER))
+_NO_WIRE = {_HOST_WIRE: (b"",) * len(_HOST_KERNEL), _LOADER_WIRE: (b"",) * len(_LOADER)}
+
+
+def _wire(cols, rows: int, columns: itemgetter) -> tuple[bytes, ...] | None:
+    """The wire's bytes of the kernel's ``columns`` (empty ones for a section without rows),
+    or None where they are arrays (selected from a batch, joined from several, built in memory)."""
+    if type(cols) is WireColumns:
+        return columns(cols.raw)
+    return None if rows else _NO_WIRE[columns]
 
 
 def _mean(values: list[float]) -> float | None:
@@ -45,13 +62,16 @@ def _worker(worker: int, readings: int, batches: int, busy_s: float, cpu_s: floa
 def host_figures(ev: StepEvents) -> dict | None:
     """StepMetrics ``resources`` of a closed step (None: no reading in it)."""
     h, lo = ev.host_samples, ev.loader_samples
-    readings = len(h["ts_ns"])
-    if not readings and not len(lo["ts_ns"]):
+    readings = row_count(h)
+    loader_rows = row_count(lo)
+    if not readings and not loader_rows:
         return None
     if compiled.NATIVE is not None:
-        got = compiled.NATIVE.host_figures(h["cpu_user"], h["cpu_system"], h["cpu_iowait"], h["cpu_idle"],
-                                           h["process_cpu"], h["rss_bytes"], lo["worker"], lo["cpu"], lo["runnable"],
-                                           lo["interval_s"], lo["batches"], lo["ctx_switches_per_s"], lo["cpu_count"])
+        wire_h, wire_lo = _wire(h, readings, _HOST_WIRE), _wire(lo, loader_rows, _LOADER_WIRE)
+        if wire_h is not None and wire_lo is not None:  # as decoded: the kernel reads the wire's bytes
+            got = compiled.NATIVE.host_figures(*wire_h, *wire_lo, True)
+        else:
+            got = compiled.NATIVE.host_figures(*(h[c] for c in _HOST_KERNEL), *(lo[c] for c in _LOADER))
         if got is not None:  # None: a column of another type
             return got
     each: dict[int, list] = {}  # worker -> [readings, batches or -1, seconds, CPU seconds or NaN]

@@ -2,14 +2,15 @@
 
 Two stages, each a consumer group run exactly-once by ``checkpoint.TransactionalLoop``:
 
-- ``StepStage`` (raw -> steps, alerts, dlq): decodes batches (undecodable ones go to the
+- ``StepStage`` (raw -> steps, partials, alerts, dlq): decodes batches (undecodable ones go to the
   dead-letter topic with their reason and origin), keeps one ``RankAssembler`` and
   ``RankFigures`` per (run, rank), and turns closed steps into StepMetrics. StepMetrics
-  are keyed ``<run>/<rank>`` but partitioned by run, so that
-- ``RunStage`` (steps -> run) sees every rank of a run and computes the cross-rank
-  figures per step, wherever the ranks were processed. It reads the StepPartials the step
-  stage writes beside the StepMetrics (``partials.py``: per run step, the ranks one
-  transaction closed, as columns), not each rank's StepMetrics.
+  are keyed ``<run>/<rank>`` but partitioned by run.
+- ``RunStage`` (partials -> run) sees every rank of a run and computes the cross-rank
+  figures per step, wherever the ranks were processed. It reads the partials topic, where
+  the step stage writes its StepPartials (``partials.py``: per run step, the ranks one
+  transaction closed, as columns) and copies of its RankEnds and RankProgress, in the
+  run's partition: never the ranks' StepMetrics (docs/exactly-once.md).
 
 This module knows Kafka records and nothing of how figures are computed.
 """
@@ -98,7 +99,8 @@ def dead_letter_of(topic: str, key: bytes | None, value: bytes, reason: str, det
 
 
 def run_partition(run_id: str, partitions: int) -> int:
-    """Partition of the steps topic that carries every rank of ``run_id``."""
+    """Partition of the steps (or partials) topic of ``partitions`` partitions that carries
+    every rank of ``run_id``."""
     return zlib.crc32(run_id.encode()) % partitions
 
 
@@ -122,11 +124,14 @@ class StepStage:
 
     def __init__(self, topics: Topics, steps_partitions: int, counts: StageCounts,
                  grace_s: float = 2.0, idle_timeout_s: float = 60.0,
-                 figure_options: FigureOptions | None = None, partials: bool = True) -> None:
+                 figure_options: FigureOptions | None = None, partials: bool = True,
+                 partials_partitions: int | None = None) -> None:
         self.topics = topics
         self.input_topic = topics.raw
         self.state_topic = topics.state
         self.steps_partitions = steps_partitions
+        # the partials topic's partition count (None: the steps topic's)
+        self.partials_partitions = partials_partitions or steps_partitions
         self.counts = counts
         self.grace_s = grace_s
         self.idle_timeout_s = idle_timeout_s
@@ -142,7 +147,8 @@ class StepStage:
         self._orders = itertools.count()
         self.schedule = CloseSchedule(grace_s, idle_timeout_s)
         # the closed steps' cross-rank fields, per run step, sent at commit (``transaction_outputs``);
-        # None: no run stage reads this stage's output (the offline replay's RunFigures reads StepMetrics)
+        # None: no run stage reads this stage's output (the offline replay's RunFigures reads
+        # StepMetrics), and nothing goes to the partials topic
         self._partials = PartialBuilder() if partials else None
 
     # -- checkpoint -------------------------------------------------------------------
@@ -252,16 +258,24 @@ class StepStage:
         return []
 
     def _pass_progress(self, rec) -> list[Output]:
-        """A RankProgress goes on, as it is, to the steps topic in its run's partition (the
-        run stage reads it there); one that does not decode goes to the dead letters."""
+        """A RankProgress goes on, as it is, to the steps topic (the exporter's: the run lives
+        on) and the partials topic (the run stage's: hangs), each in its run's partition; one
+        that does not decode goes to the dead letters."""
         try:
             m = decode("RankProgress", rec.value)
         except DecodeError as e:
             self.counts.decode_errors[e.reason] += 1
             return [dead_letter(self.topics.dlq, rec, e)]
         self.counts.progress += 1
-        return [Output(self.topics.steps, f"{m['run_id']}/{m['rank']}".encode(), bytes(rec.value),
-                       run_partition(m["run_id"], self.steps_partitions))]
+        return self._to_both(m["run_id"], f"{m['run_id']}/{m['rank']}".encode(), bytes(rec.value))
+
+    def _to_both(self, run_id: str, key: bytes, value: bytes) -> list[Output]:
+        """``value`` on the steps topic and, where a run stage reads this stage's output, a
+        copy on the partials topic, each in the run's partition."""
+        out = [Output(self.topics.steps, key, value, run_partition(run_id, self.steps_partitions))]
+        if self._partials is not None:
+            out.append(Output(self.topics.partials, key, value, run_partition(run_id, self.partials_partitions)))
+        return out
 
     def ready(self, now: float) -> list[Output]:
         out: list[Output] = []
@@ -284,28 +298,28 @@ class StepStage:
                 out.extend(self._step_outputs(rank, ev, reason))
             if idle or asm.finished:
                 if asm.ended_ns is not None:  # after its last StepMetrics, on the same partition
-                    ends.append(self._rank_end(asm))
+                    ends += self._rank_end(asm)
                 out.append(Output(self.state_topic, f"{ident[0]}/{ident[1]}".encode(), None, asm.partition))
-        if ends:  # after the partials of their ranks' last steps: the run stage may end the run on them
-            out += self._partial_outputs() + ends
+        if ends:  # on the partials topic after the partials of their ranks' last steps: the run
+            out += self._partial_outputs() + ends  # stage may end the run on them
         return out
 
     def _partial_outputs(self) -> list[Output]:
         """The StepPartials of the steps closed since the last call, in their runs' partitions
-        of the steps topic: one per run step and input partition a transaction (not per
-        ``ready``, which may close one rank at a time)."""
+        of the partials topic: one per run step a transaction (not per ``ready``, which may
+        close one rank at a time)."""
         if self._partials is None or not len(self._partials):
             return []
-        steps = self.topics.steps
-        return [Output(steps, p["run_id"].encode(), encode("StepPartial", p),
-                       run_partition(p["run_id"], self.steps_partitions)) for p in self._partials.records()]
+        topic, partitions = self.topics.partials, self.partials_partitions
+        return [Output(topic, p["run_id"].encode(), encode("StepPartial", p), run_partition(p["run_id"], partitions))
+                for p in self._partials.records()]
 
-    def _rank_end(self, asm: RankAssembler) -> Output:
+    def _rank_end(self, asm: RankAssembler) -> list[Output]:
+        """The RankEnd of a rank that ended, on the steps topic and the partials topic."""
         record = {"run_id": asm.run_id, "rank": asm.rank, "world_size": asm.world_size, "host": asm.host,
                   "last_step": asm.last_step, "ended_ns": asm.ended_ns, "end_signal": asm.end_signal}
         self.counts.ranks_ended += 1
-        return Output(self.topics.steps, f"{asm.run_id}/{asm.rank}".encode(), encode_rank_end(record),
-                      run_partition(asm.run_id, self.steps_partitions))
+        return self._to_both(asm.run_id, f"{asm.run_id}/{asm.rank}".encode(), encode_rank_end(record))
 
     def _due(self, now: float) -> list[tuple[str, int]]:
         """The ranks ready(now) must visit, in the order they entered the stage."""
@@ -367,7 +381,7 @@ class _RunState:
 
 
 class RunStage:
-    """steps -> RunStepMetrics: a step of a run is emitted once all its ranks reported it
+    """partials -> RunStepMetrics: a step of a run is emitted once all its ranks reported it
     (the producers' world_size, else every rank seen in the run so far), or ``grace_s``
     after its latest report once no rank behind it reported within ``grace_s`` (the missing
     ones fell silent); steps are emitted in order. Each step's calls teach the run's
@@ -382,7 +396,7 @@ class RunStage:
         if hang_after_s <= 0:
             raise ValueError("hang_after_s must be > 0")
         self.topics = topics
-        self.input_topic = topics.steps
+        self.input_topic = topics.partials
         self.state_topic = topics.run_state
         self.counts = counts
         self.grace_s = grace_s
@@ -483,8 +497,9 @@ class RunStage:
                 run.always_on.update(rows.rank[rows.always_on].tolist())
 
     def _fold_step_metrics(self, run: _RunState, m: dict, rec, now: float) -> None:
-        """One rank's StepMetrics, where the run has no StepPartials (an older step stage, a
-        replay of StepMetrics): its fields join the step's reports as a partial would."""
+        """One rank's StepMetrics, where the run has no StepPartials (archived StepMetrics
+        republished to the partials topic; the offline replay's ``RunFigures``): its fields join
+        the step's reports as a partial would."""
         if m["world_size"] is not None:
             run.world_size = m["world_size"]
         if m["rank"] not in run.ranks:
@@ -635,7 +650,7 @@ def _gone(ended: dict[int, int | None], pending: StepReports, step: int) -> int:
 
 _PROCESSOR_ACLS = "`profstream acl show --role processor` lists a processor's ACLs"
 # The topics a processor reads and writes (base names): on a broker with ACLs it sees no other.
-PROCESSOR_TOPICS = ("raw", "steps", "run", "alerts", "dlq", "state", "run-state")
+PROCESSOR_TOPICS = ("raw", "steps", "partials", "run", "alerts", "dlq", "state", "run-state")
 
 
 class Processor:
@@ -660,7 +675,8 @@ class Processor:
         if stages in ("all", "steps"):
             counts = StageCounts()
             self.step_stage = StepStage(topics, _partition_count(conn, topics.steps), counts,
-                                        grace_s, idle_timeout_s, figure_options)
+                                        grace_s, idle_timeout_s, figure_options,
+                                        partials_partitions=_partition_count(conn, topics.partials))
             self.loops.append(TransactionalLoop(
                 conn, self.step_stage, group_id, instance_id, commit_interval_ms, compression=compression,
                 on_commit=lambda _n, c=counts: self.health.commit(c, transaction=True), on_abort=counts.clear,

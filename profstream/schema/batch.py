@@ -2,7 +2,10 @@
 
 In memory every column is a numpy array; on the wire numeric columns are packed
 little-endian arrays inside Avro ``bytes`` (layout documented in event_batch.avsc), so a
-batch of thousands of ops costs a handful of buffer copies, not thousands of records.
+batch of thousands of ops costs a handful of buffer copies, not thousands of records. A
+decoded batch's host and loader readings are a read-only mapping whose columns are made
+arrays when read (``wire_columns.WireColumns``: a few values each, read as bytes by the
+host figures).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from profstream import compiled
 from profstream.schema.codec import DecodeError, decode, encode
 from profstream.schema.codec import names_blob as _names_blob
 from profstream.schema.names import NAME_RULE, is_valid_name
+from profstream.schema.wire_columns import WireLayout
 
 # Op kinds (the u8 ``kind`` column).
 COMPUTE, COMMUNICATION, MEMCPY, HOST, DATA, MEMSET = range(6)
@@ -287,13 +291,49 @@ def _filled(section: str, col: str, count: int, fill, dtype: np.dtype) -> np.nda
     return arr
 
 
+# The readings' sections are kept as the wire's bytes (WireColumns): a column is made an
+# array when it is read, and the host figures read the bytes as they are. Their columns
+# have no fill (every version that has the section has them all).
+_WIRE = {section: WireLayout(section, SECTIONS[section]) for section in ("host_samples", "loader_samples")}
+
+
+# A step mark's columns after v1's (losses, work) hold their fill in most marks: in a v8
+# batch (every batch with loader readings is one) they are taken as the shared filled
+# columns, as for a message older than them, rather than read into an array each.
+_LATER_MARKS = STEP_COLUMNS[STEP_MARK_V1_COLUMNS:]
+_UNPACK_MARKS_V1 = _UNPACK["steps"][:STEP_MARK_V1_COLUMNS]
+_LATER_NAMES = tuple(col for col, _ in _LATER_MARKS)
+_NO_LATER = (None,) * len(_LATER_MARKS)
+_LATER_FILLED: dict[int, tuple] = {}  # rows (up to 64) -> (the later columns' fill as bytes, {column: filled})
+
+
+def _later_filled(count: int) -> tuple[tuple[bytes, ...], dict[str, np.ndarray]]:
+    got = _LATER_FILLED.get(count)
+    if got is None:
+        fills = [(col, dtype, COLUMN_FILL["steps", col]) for col, dtype in _LATER_MARKS]
+        got = _LATER_FILLED[count] = (tuple(np.full(count, fill, dtype).tobytes() for _, dtype, fill in fills),
+                                      {col: _filled("steps", col, count, fill, dtype) for col, dtype, fill in fills})
+    return got
+
+
 def _unpack(section: str, record: dict) -> dict[str, np.ndarray]:
     count = record["count"]
     if count < 0:
         raise DecodeError("malformed", f"{section}.count is negative")
     if not count and not any(record.values()):  # the count and every column (of its version) empty
         return _EMPTY_SECTIONS[section].copy()  # most sections of most batches: no numpy calls
+    wire = _WIRE.get(section)
+    if wire is not None:
+        return wire.columns(record, count)
     spec = _UNPACK[section]
+    filled = None
+    if section == "steps" and count <= 64:
+        fill_raw, filled = _later_filled(count)
+        later = tuple(map(record.get, _LATER_NAMES))
+        if later == fill_raw or later == _NO_LATER:  # nothing past v1's columns (v8 or older than v7)
+            spec = _UNPACK_MARKS_V1
+        else:
+            filled = None
     get = record.get
     out = {}
     for col, dtype, size, fill in spec:
@@ -305,6 +345,8 @@ def _unpack(section: str, record: dict) -> dict[str, np.ndarray]:
         if len(raw) != count * size:
             raise DecodeError("malformed", f"{section}.{col} holds {len(raw)} bytes, expected {count} x {size}")
         out[col] = np.frombuffer(raw, dtype)
+    if filled is not None:
+        out.update(filled)
     return out
 
 

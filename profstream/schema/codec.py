@@ -285,13 +285,13 @@ _VERSIONS: list[SchemaVersion] = [
     # ops requests and their statuses are still written as v1 and v2 (records.encode_request, encode_status)
     _version(_load("capture_request.v2.avsc"), 2),  # + kind: ops or stacks
     _version(_load("capture_status.v3.avsc"), 3),  # + threads: a stacks request's answer
-    # on the raw topic (a Monitor's control thread), passed on to the steps topic: where a rank is now
+    # on the raw topic (a Monitor's control thread), passed on to the steps and partials topics: where a rank is now
     _version(_load("rank_progress.avsc"), 1, lambda record: {**record, "collective": None}),
     # cross-rank steps were written as v1 to v4 by what they held, until v5 (encode_run_step_metrics)
     _version(_load("run_step_metrics.v4.avsc"), 4),  # + clock_offsets: the ranks' clocks against the run's
     _version(_load("run_checkpoint.v2.avsc"), 2),  # + clocks (v1 for a run without offsets)
     _version(_load("rank_progress.v2.avsc"), 2),  # + collective: the call the rank sits in
-    # on the steps topic: a step stage's ranks of one run step as columns, for the run stage
+    # on the partials topic: a step stage's ranks of one run step as columns, for the run stage
     _version(_load("step_partial.avsc"), 1),
     # steps without data-loader worker readings are still written as v8 or older (encode_step_metrics)
     _version(_load("step_metrics.v9.avsc"), 9),  # + resources.per_worker: each loader worker's seconds per batch
@@ -420,7 +420,7 @@ def encode_run_checkpoint(record: dict) -> bytes:
 
 
 RANK_PROGRESS_HEADERS = frozenset(v.header for v in _VERSIONS if v.name == "RankProgress")
-# the run stage's input on the steps topic, which the steps topic's other readers skip
+# the run stage's input on the partials topic (on the steps topic before it, where its readers skip it)
 STEP_PARTIAL_HEADERS = frozenset(v.header for v in _VERSIONS if v.name == "StepPartial")
 
 

@@ -28,18 +28,20 @@ _SMALL = [bytes(((n << 1) ^ (n >> 63),)) for n in range(-64, 64)]  # zigzag vari
 # Records written by the compiled ``write_record`` (csrc/kernels.cpp) by a plan of their
 # fields rather than by a generated function per field: a StepMetrics' host figures and
 # advice lines (their ~30 fields and the lines' texts and figures cost ~10 us a step in
-# Python: benchmarks.md, issue #34), and the StepMetrics itself where its version's plan
-# holds it whole (~70 fields, its op types' records: ~20 against ~6 us a step, issue #35), and
-# the RankCheckpoint a transaction writes for each rank that changed. Every record its plan
-# holds (scalars, nullable scalars, strings, bytes, enums, records, maps of doubles or longs,
-# arrays of records) could be; the others keep their functions until measured.
-NATIVE_RECORDS = frozenset({"ResourceFigures", "Advice", "StepMetrics", "RankCheckpoint"})
-# a plan's field kinds, as kernels.cpp numbers them; NULLABLE added for ["null", X] (bytes
-# and a record are numbered above NULLABLE's bit)
+# Python: benchmarks.md, issue #34), its collective calls (v5's names and seven packed
+# columns, written by every step of v5 or later: ~2.5 us a step), and the StepMetrics itself
+# where its version's plan holds it whole (~70 fields, its op types' records: ~20 against
+# ~6 us a step, issue #35), and the RankCheckpoint a transaction writes for each rank that
+# changed. Every record its plan holds (scalars, nullable scalars, strings, bytes, enums,
+# records, maps of doubles or longs, arrays of strings or of such records) could be; the
+# others keep their functions until measured.
+NATIVE_RECORDS = frozenset({"ResourceFigures", "Advice", "CollectiveCalls", "StepMetrics", "RankCheckpoint"})
+# a plan's field kinds, as kernels.cpp numbers them; NULLABLE added for ["null", X] (the
+# kinds numbered above NULLABLE's bit do not hold it)
 FIELD_KINDS = {"long": 0, "int": 1, "double": 2, "boolean": 3, "string": 4, "records": 5, "doubles": 6, "enum": 7,
-               "bytes": 16, "record": 17, "longs": 18}
-_OUR_KINDS = ("records", "doubles", "record", "enum", "longs")  # no Avro type's name
+               "bytes": 16, "record": 17, "longs": 18, "strings": 32}
 NULLABLE = 8
+_PLAN_KINDS = ("records", "doubles", "strings", "record", "enum", "longs")  # kinds of a plan's own, not Avro types
 WRITE_RECORD = compiled.NATIVE.write_record if compiled.NATIVE is not None else None
 
 
@@ -117,7 +119,9 @@ class _Gen:
                     return None
                 t, kind = t[1], NULLABLE
             sub = None
-            if isinstance(t, dict) and t.get("type") == "array":
+            if isinstance(t, dict) and t.get("type") == "array" and t["items"] == "string" and not kind:
+                t = "strings"
+            elif isinstance(t, dict) and t.get("type") == "array":
                 item = t["items"]
                 item = self.records.get(item) or self.records.get(f"{ns}.{item}") if isinstance(item, str) else item
                 sub = self.plan(item, item.get("namespace", ns)) if isinstance(item, dict) and \
@@ -136,8 +140,8 @@ class _Gen:
                 sub = {s: k for k, s in enumerate(t["symbols"])} if isinstance(t, dict) else self._enum(t, ns)
                 t = "enum"
             elif isinstance(t, dict):
-                t = t.get("type") if t.get("type") in FIELD_KINDS and t.get("type") not in _OUR_KINDS else None
-            elif t in _OUR_KINDS:
+                t = t.get("type") if t.get("type") in FIELD_KINDS and t.get("type") not in _PLAN_KINDS else None
+            elif t in _PLAN_KINDS:
                 return None
             if t not in FIELD_KINDS:
                 return None

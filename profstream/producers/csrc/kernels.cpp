@@ -41,6 +41,16 @@ struct Buffer1D {
     if (*f == '<' || *f == '=' || *f == '@') ++f;
     return f[0] != '\0' && f[1] == '\0' ? f[0] : 0;
   }
+  // whether obj is a bytes object of whole items of itemsize bytes: a column as the wire
+  // has it (schema/wire_columns.py), little-endian as this machine (module.cpp checks)
+  bool wire(PyObject* obj, Py_ssize_t itemsize) {
+    if (!PyBytes_CheckExact(obj) || PyObject_GetBuffer(obj, &view, PyBUF_SIMPLE) < 0) {
+      PyErr_Clear();
+      return false;
+    }
+    held = true;
+    return view.len % itemsize == 0;
+  }
 };
 
 // A 1-D contiguous column of integers, read as int64 whatever its width.
@@ -57,6 +67,13 @@ struct Column : Buffer1D {
     else if (view.itemsize == 1 && f == 'B') width = 1;
     else return false;
     n = view.len / view.itemsize;
+    return true;
+  }
+  // a wire column of signed items of w bytes (4 or 8): false where obj is not one
+  bool take_wire(PyObject* obj, int w) {
+    if (!wire(obj, w)) return false;
+    width = w;
+    n = view.len / w;
     return true;
   }
   int64_t operator[](Py_ssize_t i) const {
@@ -413,6 +430,11 @@ struct Doubles : Buffer1D {
     n = view.len / 8;
     return true;
   }
+  bool take_wire(PyObject* obj) {  // a wire column of doubles
+    if (!wire(obj, 8)) return false;
+    n = view.len / 8;
+    return true;
+  }
   double operator[](Py_ssize_t i) const {
     double v;
     std::memcpy(&v, static_cast<const char*>(view.buf) + i * 8, 8);
@@ -464,18 +486,24 @@ bool put(PyObject* d, const char* key, PyObject* value) {
 //              worker, cpu, runnable, interval_s, batches, ctx_switches_per_s, cpu_count)
 //   -> the StepMetrics resources dict of processors/host.py's host_figures, its floats
 // summed in the same order (the same values to the bit), or None for a column it does not
-// take; the caller has checked that the step has a reading
+// take; the caller has checked that the step has a reading. A 14th argument True: the
+// columns are the wire's bytes in the schema's types (schema/batch.py HOST_COLUMNS,
+// LOADER_COLUMNS: rss int64, worker, batches and cpu_count int32, the rest doubles).
 PyObject* host_figures(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 13) {
-    PyErr_SetString(PyExc_TypeError, "host_figures takes 13 arguments");
+  if (nargs != 13 && nargs != 14) {
+    PyErr_SetString(PyExc_TypeError, "host_figures takes 13 arguments (and wire=True)");
     return nullptr;
   }
+  const bool wire = nargs == 14 && args[13] == Py_True;
+  auto doubles = [wire](Doubles& d, PyObject* obj) { return wire ? d.take_wire(obj) : d.take(obj); };
+  auto ints = [wire](Column& c, PyObject* obj, int w) { return wire ? c.take_wire(obj, w) : c.take(obj); };
   Doubles user, system, iowait, idle, process, cpu, runnable, interval, ctx;
   Column rss, worker, batches, count;
-  if (!user.take(args[0]) || !system.take(args[1]) || !iowait.take(args[2]) || !idle.take(args[3]) ||
-      !process.take(args[4]) || !rss.take(args[5]) || !worker.take(args[6]) || !cpu.take(args[7]) ||
-      !runnable.take(args[8]) || !interval.take(args[9]) || !batches.take(args[10]) || !ctx.take(args[11]) ||
-      !count.take(args[12]))
+  if (!doubles(user, args[0]) || !doubles(system, args[1]) || !doubles(iowait, args[2]) ||
+      !doubles(idle, args[3]) || !doubles(process, args[4]) || !ints(rss, args[5], 8) ||
+      !ints(worker, args[6], 4) || !doubles(cpu, args[7]) || !doubles(runnable, args[8]) ||
+      !doubles(interval, args[9]) || !ints(batches, args[10], 4) || !doubles(ctx, args[11]) ||
+      !ints(count, args[12], 4))
     Py_RETURN_NONE;
   const Py_ssize_t h = user.n, lo = worker.n;
   if (rss.width != 8 || worker.width != 4 || batches.width != 4 || count.width != 4 || system.n != h ||
@@ -586,6 +614,8 @@ PyObject* host_figures(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 
 // The kinds of a record plan's fields (schema/writer.py FIELD_KINDS, in that order)
 enum FieldKind { F_LONG, F_INT, F_DOUBLE, F_BOOLEAN, F_STRING, F_RECORDS, F_DOUBLES, F_NULLABLE = 8 };
+// bytes and arrays of strings (StepMetrics v5's packed collective calls), after NULLABLE's bit
+enum MoreFieldKinds { F_BYTES = 16, F_STRINGS = 32 };
 
 void put_long(std::string& out, int64_t v) {
   char buf[10];
@@ -619,11 +649,38 @@ bool put_string(std::string& out, PyObject* v) {
   return true;
 }
 
+// bytes as they are, after their length; false with an exception set
+bool put_bytes(std::string& out, PyObject* v) {
+  if (!PyBytes_CheckExact(v)) {
+    PyErr_SetString(PyExc_TypeError, "write_record: not bytes");
+    return false;
+  }
+  put_long(out, PyBytes_GET_SIZE(v));
+  out.append(PyBytes_AS_STRING(v), static_cast<size_t>(PyBytes_GET_SIZE(v)));
+  return true;
+}
+
+// an array of strings (a list or a tuple); false with an exception set
+bool put_strings(std::string& out, PyObject* v) {
+  if (!PyList_CheckExact(v) && !PyTuple_CheckExact(v)) {
+    PyErr_SetString(PyExc_TypeError, "write_record: not a list");
+    return false;
+  }
+  const Py_ssize_t items = PySequence_Fast_GET_SIZE(v);
+  if (items) {
+    put_long(out, items);
+    for (Py_ssize_t k = 0; k < items; ++k)
+      if (!put_string(out, PySequence_Fast_GET_ITEM(v, k))) return false;
+  }
+  out.push_back('\0');
+  return true;
+}
+
 bool write_planned(std::string& out, PyObject* record, PyObject* plan, int depth);
 
 // concat_columns(parts, names) -> [a bytearray of each named column, its parts' items one
-// after the other (writable, as np.concatenate's result is)], or None where a part lacks a column, or a column's parts are not 1-D
-// contiguous buffers of one item letter and size (the caller then runs np.concatenate):
+// after the other (writable, as np.concatenate's result is)], or None where a part lacks a
+// column, or a column's parts are not 1-D contiguous buffers of one item letter and size (the caller then runs np.concatenate):
 // the assembler's closing of a step whose events came in several batches, one call
 // instead of one np.concatenate a column
 PyObject* concat_columns(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
@@ -676,9 +733,9 @@ PyObject* concat_columns(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 }
 
 // The kinds a plan's field may also have (schema/writer.py FIELD_KINDS): an enum (its
-// sub-plan a dict symbol -> index), bytes, a record (its sub-plan the record's plan), a map
-// of longs; numbered above F_NULLABLE's bit so that a nullable one is F_RECORD | F_NULLABLE
-enum MoreFieldKind { F_ENUM = 7, F_BYTES = 16, F_RECORD = 17, F_LONGS = 18 };
+// sub-plan a dict symbol -> index), a record (its sub-plan the record's plan), a map of
+// longs; numbered apart from F_NULLABLE's bit so that a nullable one is F_RECORD | F_NULLABLE
+enum PlanFieldKinds { F_ENUM = 7, F_RECORD = 17, F_LONGS = 18 };
 
 // A long as the generated function writes it (a plain int in range); false with an exception set
 bool put_int64(std::string& out, PyObject* v) {
@@ -697,7 +754,7 @@ bool put_int64(std::string& out, PyObject* v) {
   return true;
 }
 
-// Appends a field of one of MoreFieldKind as the generated function writes it, with its
+// Appends a field of one of PlanFieldKinds as the generated function writes it, with its
 // checks; false with an exception set for a value it does not take or a kind it does not know
 bool write_more(std::string& out, PyObject* v, PyObject* field, long kind, int depth) {
   switch (kind) {
@@ -708,15 +765,6 @@ bool write_more(std::string& out, PyObject* v, PyObject* field, long kind, int d
         return false;
       }
       put_long(out, PyLong_AsLongLong(index));
-      return true;
-    }
-    case F_BYTES: {
-      if (!PyBytes_CheckExact(v)) {
-        PyErr_SetString(PyExc_TypeError, "write_record: not bytes");
-        return false;
-      }
-      put_long(out, PyBytes_GET_SIZE(v));
-      out.append(PyBytes_AS_STRING(v), static_cast<size_t>(PyBytes_GET_SIZE(v)));
       return true;
     }
     case F_RECORD:
@@ -828,6 +876,12 @@ bool write_planned(std::string& out, PyObject* record, PyObject* plan, int depth
         out.push_back('\0');
         break;
       }
+      case F_BYTES:
+        if (!put_bytes(out, v)) return false;
+        break;
+      case F_STRINGS:
+        if (!put_strings(out, v)) return false;
+        break;
       default:
         if (!write_more(out, v, field, kind, depth)) return false;
     }
@@ -865,7 +919,7 @@ PyMethodDef kernel_functions[] = {
     {"rolling_sums", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(rolling_sums)), METH_FASTCALL,
      "rolling_sums(step_time, data_wait, count, ranks) -> (step sum, wait sum, sorted step times at ranks) or None"},
     {"host_figures", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(host_figures)), METH_FASTCALL,
-     "host_figures(13 host and loader columns) -> a step's resources dict (processors/host.py) or None"},
+     "host_figures(13 host and loader columns[, wire]) -> a step's resources dict (processors/host.py) or None"},
     {"concat_columns", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(concat_columns)), METH_FASTCALL,
      "concat_columns(parts, names) -> [each named column's parts as one bytearray], or None (numpy joins them)"},
     {"write_record", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(write_record)), METH_FASTCALL,
