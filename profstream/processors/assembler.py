@@ -178,6 +178,11 @@ def _concat(parts: list[dict], names: tuple[str, ...], dtypes: dict) -> dict[str
     if len(parts) == 1:  # a dict of its own, as empty_section's; a decoded batch's readings
         # as they are (read-only WireColumns: host_figures reads their bytes)
         return parts[0] if type(parts[0]) is WireColumns else dict(parts[0])
+    if compiled.NATIVE is not None:  # one compiled copy of every column (~1 us) instead of an np.concatenate each
+        blobs = compiled.NATIVE.concat_columns(parts, names)
+        if blobs is not None:  # writable, as np.concatenate's are
+            first = parts[0]
+            return {n: np.frombuffer(blob, first[n].dtype) for n, blob in zip(names, blobs)}
     return {n: np.concatenate([p[n] for p in parts]) for n in names}
 
 
@@ -267,33 +272,35 @@ class RankAssembler:
             self.watermark = wm if self.watermark is None else max(self.watermark, wm)
 
         ops = batch.ops
-        if len(ops["step"]):
+        steps = ops["step"]
+        if len(steps):
             remap = self._remap(self._type_remaps, self._type_codes, self.type_names, batch.op_types)
-            cols = {"kind": ops["kind"], "type": remap[ops["type_idx"]], "stream": ops["stream"],
-                    "start_ns": ops["start_ns"], "dur_ns": ops["dur_ns"], "launch_ns": launch_column(ops)}
-            for step, part in _by_step(ops["step"], cols):
-                self._bucket(step, "ops", part, len(part["kind"]))
+            cols = {"kind": ops["kind"], "type": ops["type_idx"] if remap is None else remap[ops["type_idx"]],
+                    "stream": ops["stream"], "start_ns": ops["start_ns"], "dur_ns": ops["dur_ns"],
+                    "launch_ns": launch_column(ops)}
+            self._add_section(steps, "ops", cols, "kind")
         mem = batch.memory
-        if len(mem["step"]):
+        steps = mem["step"]
+        if len(steps):
             cols = {"ts_ns": mem["ts_ns"], "allocated": mem["allocated"], "reserved": mem["reserved"],
                     "peak": mem["peak"]}
-            for step, part in _by_step(mem["step"], cols):
-                self._bucket(step, "memory", part, len(part["ts_ns"]))
+            self._add_section(steps, "memory", cols, "ts_ns")
         q = batch.queues
-        if len(q["step"]):
+        steps = q["step"]
+        if len(steps):
             remap = self._remap(self._queue_remaps, self._queue_codes, self.queue_names, batch.queue_names)
-            cols = {"queue": remap[q["name_idx"]], "ts_ns": q["ts_ns"], "size": q["size"], "capacity": q["capacity"]}
-            for step, part in _by_step(q["step"], cols):
-                self._bucket(step, "queues", part, len(part["ts_ns"]))
+            cols = {"queue": q["name_idx"] if remap is None else remap[q["name_idx"]], "ts_ns": q["ts_ns"],
+                    "size": q["size"], "capacity": q["capacity"]}
+            self._add_section(steps, "queues", cols, "ts_ns")
         c = batch.collectives
         if len(c["step"]):
             remap = self._remap(self._collective_remaps, self._collective_codes, self.collective_names,
                                 batch.collective_names)
-            cols = {"name_idx": remap[c["name_idx"]], "group_idx": remap[c["group_idx"]],
+            cols = {"name_idx": c["name_idx"] if remap is None else remap[c["name_idx"]],
+                    "group_idx": c["group_idx"] if remap is None else remap[c["group_idx"]],
                     "group_size": c["group_size"], "seq": c["seq"], "bytes": np.maximum(c["in_bytes"], c["out_bytes"]),
                     "start_ns": c["start_ns"], "end_ns": c["start_ns"] + c["dur_ns"]}
-            for step, part in _by_step(c["step"], cols):
-                self._bucket(step, "collectives", part, len(part["seq"]))
+            self._add_section(c["step"], "collectives", cols, "seq")
         for section, recent in (("host_samples", self.recent_host), ("loader_samples", self.recent_loader)):
             rows = getattr(batch, section)
             span = time_span(rows) if fresh else None
@@ -301,21 +308,39 @@ class RankAssembler:
                 recent.append((*span, rows))
         dev = batch.device_samples
         if len(dev["step"]):
-            for step, part in _by_step(dev["step"], dev):
-                self._bucket(step, "devices", part, len(part["ts_ns"]))
+            self._add_section(dev["step"], "devices", dev, "ts_ns")
         st = batch.steps
         if len(st["step"]):
-            lost_ops, lost_samples, end_signal = (column(batch, "steps", c)
-                                                  for c in ("dropped_ops", "dropped_samples", "end_signal"))
+            self._add_marks(st, batch, fresh, now)
+        if None in self._fed.values():
+            self.duplicate_batches += 1
+        return fresh
+
+    def _add_section(self, steps: np.ndarray, section: str, cols: dict[str, np.ndarray], first: str) -> None:
+        """A batch's rows of a section into the open steps they belong to (``first``: a
+        column whose length is the rows')."""
+        one = compiled.NATIVE.uniform(steps) if compiled.NATIVE is not None else None
+        if one is not None:  # the common case: a batch within one step (compiled, ~0.1 against ~1.5 us)
+            self._bucket(one, section, cols, len(cols[first]))
+            return
+        for step, part in _by_step(steps, cols):
+            self._bucket(step, section, part, len(part[first]))
+
+    def _add_marks(self, st: dict[str, np.ndarray], batch: EventBatch, fresh: bool, now: float) -> None:
+        """A batch's step marks (and work rows, and the end mark) into their open steps."""
+        lost_ops, lost_samples, end_signal = (column(batch, "steps", c).tolist()
+                                              for c in ("dropped_ops", "dropped_samples", "end_signal"))
         # a mark's work: tokens or samples given (>= 0), or a FLOPs source (a batch built in
         # memory by code older than v8 has no work columns: none)
-        has_work = ((st["tokens"] >= 0) | (st["samples"] >= 0) | (st["flops_source"] > 0)
-                    if len(st["step"]) and "flops_source" in st else None)
-        for i in range(len(st["step"])):
-            step = int(st["step"][i])
+        work_rows = list(zip(*(st[c].tolist() for c in _WORK_COLS))) if "flops_source" in st else None
+        starts = st["start_ns"].tolist()
+        ends = st["end_ns"].tolist()
+        fps = st["fp_start_ns"].tolist()
+        bps = st["bp_end_ns"].tolist()
+        for i, step in enumerate(st["step"].tolist()):
             if step == END_MARK:  # no step: the rank ended (``finished`` once its steps are closed)
-                self.ended_ns = int(st["end_ns"][i])
-                self.end_signal = int(end_signal[i])
+                self.ended_ns = ends[i]
+                self.end_signal = end_signal[i]
                 continue
             if self._closed(step):
                 self.late_events += fresh
@@ -323,20 +348,20 @@ class RankAssembler:
             entry = self._feed(step)
             if entry is None:
                 continue
-            work = tuple(st[c][i].item() for c in _WORK_COLS) if has_work is not None and has_work[i] else None
-            if st["start_ns"][i] == WORK_ROW:  # no mark: work for the step (its captured ops' FLOPs)
+            work = None
+            if work_rows is not None:
+                row = work_rows[i]  # tokens, samples, flops, flops_source, ...
+                if row[0] >= 0 or row[1] >= 0 or row[_FLOPS_AT] > 0:
+                    work = row
+            if starts[i] == WORK_ROW:  # no mark: work for the step (its captured ops' FLOPs)
                 entry.late_work = work
                 self.events += fresh
                 continue
-            entry.mark = (int(st["start_ns"][i]), int(st["end_ns"][i]),
-                          int(st["fp_start_ns"][i]), int(st["bp_end_ns"][i]))
-            entry.lost = (int(lost_ops[i]), int(lost_samples[i]))
+            entry.mark = (starts[i], ends[i], fps[i], bps[i])
+            entry.lost = (lost_ops[i], lost_samples[i])
             entry.work = work
             entry.mark_seen_at = now
             self.events += fresh
-        if None in self._fed.values():
-            self.duplicate_batches += 1
-        return fresh
 
     def _entry(self, step: int) -> _OpenStep:
         entry = self.open.get(step)
@@ -358,17 +383,20 @@ class RankAssembler:
         return entry
 
     @classmethod
-    def _remap(cls, remaps: dict[tuple[str, ...], np.ndarray], codes: dict[str, int], names: list[str],
-               batch_names) -> np.ndarray:
+    def _remap(cls, remaps: dict[tuple[str, ...], np.ndarray | None], codes: dict[str, int], names: list[str],
+               batch_names) -> np.ndarray | None:
         """The rank's code of each name of a batch's dictionary (new names get the next
         codes, in order), kept per distinct dictionary: a rank's batches mostly carry the
-        same few (the last 64 kept)."""
+        same few (the last 64 kept). None where each name's code is its index in the
+        batch's dictionary (the rank's first dictionary, and mostly every later one): the
+        batch's index column then holds the codes as it is."""
         key = tuple(batch_names)
-        remap = remaps.get(key)
-        if remap is None:
-            if len(remaps) >= 64:
-                remaps.clear()
-            remap = remaps[key] = np.array([cls._code(codes, names, n) for n in key], dtype=np.int32)
+        if key in remaps:
+            return remaps[key]
+        if len(remaps) >= 64:
+            remaps.clear()
+        got = [cls._code(codes, names, n) for n in key]
+        remap = remaps[key] = None if got == list(range(len(got))) else np.array(got, dtype=np.int32)
         return remap
 
     @staticmethod

@@ -89,7 +89,9 @@ def _compiled_costs(ev: StepEvents, sums: list[tuple[int, int, int]], top_k: int
     if top_k < 0:
         raise ValueError("top_k must be >= 0")
     names = ev.type_names
-    rows = sorted(((names[code], total, count) for code, total, count in sums), key=lambda r: (-r[1], r[0]))
+    # by total, then name, then code (the sums' order: what the stable sort kept), with no key function
+    rows = [(name, -negated, count) for negated, name, _, count in
+            sorted([(-total, names[code], code, count) for code, total, count in sums])]
     costs: list[dict[str, int | str]] = [{"op_type": name, "total_ns": total, "count": count}
                                          for name, total, count in rows[:top_k]]
     rest = rows[top_k:]

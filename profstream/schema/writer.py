@@ -28,16 +28,20 @@ _SMALL = [bytes(((n << 1) ^ (n >> 63),)) for n in range(-64, 64)]  # zigzag vari
 # Records written by the compiled ``write_record`` (csrc/kernels.cpp) by a plan of their
 # fields rather than by a generated function per field: a StepMetrics' host figures and
 # advice lines (their ~30 fields and the lines' texts and figures cost ~10 us a step in
-# Python: benchmarks.md, issue #34), and its collective calls (v5's names and seven packed
-# columns, written by every step of v5 or later: ~2.5 us a step). Every record its plan
-# holds (scalars, nullable scalars, strings, bytes, maps of doubles, arrays of strings or of
-# such records) could be; the others keep their functions until measured.
-NATIVE_RECORDS = frozenset({"ResourceFigures", "Advice", "CollectiveCalls"})
-# a plan's field kinds, as kernels.cpp numbers them; NULLABLE added for ["null", X]
-FIELD_KINDS = {"long": 0, "int": 1, "double": 2, "boolean": 3, "string": 4, "records": 5, "doubles": 6,
-               "bytes": 16, "strings": 32}
+# Python: benchmarks.md, issue #34), its collective calls (v5's names and seven packed
+# columns, written by every step of v5 or later: ~2.5 us a step), and the StepMetrics itself
+# where its version's plan holds it whole (~70 fields, its op types' records: ~20 against
+# ~6 us a step, issue #35), and the RankCheckpoint a transaction writes for each rank that
+# changed. Every record its plan holds (scalars, nullable scalars, strings, bytes, enums,
+# records, maps of doubles or longs, arrays of strings or of such records) could be; the
+# others keep their functions until measured.
+NATIVE_RECORDS = frozenset({"ResourceFigures", "Advice", "CollectiveCalls", "StepMetrics", "RankCheckpoint"})
+# a plan's field kinds, as kernels.cpp numbers them; NULLABLE added for ["null", X] (the
+# kinds numbered above NULLABLE's bit do not hold it)
+FIELD_KINDS = {"long": 0, "int": 1, "double": 2, "boolean": 3, "string": 4, "records": 5, "doubles": 6, "enum": 7,
+               "bytes": 16, "record": 17, "longs": 18, "strings": 32}
 NULLABLE = 8
-_PLAN_KINDS = ("records", "doubles", "strings")  # kinds of a plan's own, not Avro types
+_PLAN_KINDS = ("records", "doubles", "strings", "record", "enum", "longs")  # kinds of a plan's own, not Avro types
 WRITE_RECORD = compiled.NATIVE.write_record if compiled.NATIVE is not None else None
 
 
@@ -68,6 +72,7 @@ class _Gen:
     def __init__(self, namespace: str, native: bool = False) -> None:
         self.native = native  # NATIVE_RECORDS by write_record's plan
         self.records: dict[str, dict] = {}  # full and short names -> record schema
+        self.enums: dict[str, dict[str, int]] = {}  # full and short names -> {symbol: index}
         self.lines: list[str] = []
         self.named: dict[str, str] = {}  # full and short names -> generated function
         self.functions: list[list[str]] = []
@@ -104,7 +109,8 @@ class _Gen:
 
     def plan(self, schema: dict, ns: str) -> tuple | None:
         """``write_record``'s plan of a record: ((field, kind, sub-plan or None), ...), or None
-        where a field is of a type it does not write (a map, an enum, a union but ["null", X])."""
+        where a field is of a type it does not write (a map but of doubles or longs, a union but
+        ["null", X], a nullable array or map)."""
         fields = []
         for f in schema["fields"]:
             t, kind = f["type"], 0
@@ -124,13 +130,29 @@ class _Gen:
                     return None
                 t = "records"
             elif isinstance(t, dict) and t.get("type") == "map":
-                t = "doubles" if t["values"] == "double" and not kind else None
+                values = t["values"]
+                t = {"double": "doubles", "long": "longs"}.get(values) if isinstance(values, str) and not kind else None
+            elif isinstance(t, dict) and t.get("type") == "record" or isinstance(t, str) and self._record(t, ns):
+                named = t if isinstance(t, dict) else self._record(t, ns)
+                sub = self.plan(named, named.get("namespace", ns))
+                t = "record" if sub is not None else None
+            elif isinstance(t, dict) and t.get("type") == "enum" or isinstance(t, str) and self._enum(t, ns):
+                sub = {s: k for k, s in enumerate(t["symbols"])} if isinstance(t, dict) else self._enum(t, ns)
+                t = "enum"
             elif isinstance(t, dict):
                 t = t.get("type") if t.get("type") in FIELD_KINDS and t.get("type") not in _PLAN_KINDS else None
+            elif t in _PLAN_KINDS:
+                return None
             if t not in FIELD_KINDS:
                 return None
             fields.append((f["name"], FIELD_KINDS[t] | kind, sub))
         return tuple(fields)
+
+    def _record(self, name: str, ns: str) -> dict | None:
+        return self.records.get(name) or self.records.get(f"{ns}.{name}")
+
+    def _enum(self, name: str, ns: str) -> dict[str, int] | None:
+        return self.enums.get(name) or self.enums.get(f"{ns}.{name}")
 
     def emit(self, out: list[str], t, v: str, ns: str) -> None:
         """Lines that write value ``v`` of Avro type ``t`` by calling a(bytes)."""
@@ -182,6 +204,7 @@ class _Gen:
             self.consts[table] = {s: _varint(k) for k, s in enumerate(t["symbols"])}
             fn = f"_enum_{full.replace('.', '_')}"
             self.named[full] = self.named[full.rpartition(".")[2]] = fn
+            self.enums[full] = self.enums[full.rpartition(".")[2]] = {s: k for k, s in enumerate(t["symbols"])}
             self.functions.append([f"def {fn}(x, a):", f"    if type(x) is not str or x not in {table}: raise Unsupported",
                                    f"    a({table}[x])"])
             out.append(f"{fn}({v}, a)")

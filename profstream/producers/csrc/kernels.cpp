@@ -676,6 +676,120 @@ bool put_strings(std::string& out, PyObject* v) {
   return true;
 }
 
+bool write_planned(std::string& out, PyObject* record, PyObject* plan, int depth);
+
+// concat_columns(parts, names) -> [a bytearray of each named column, its parts' items one
+// after the other (writable, as np.concatenate's result is)], or None where a part lacks a
+// column, or a column's parts are not 1-D contiguous buffers of one item letter and size (the caller then runs np.concatenate):
+// the assembler's closing of a step whose events came in several batches, one call
+// instead of one np.concatenate a column
+PyObject* concat_columns(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2 || !PyList_CheckExact(args[0]) || !PyTuple_CheckExact(args[1])) {
+    PyErr_SetString(PyExc_TypeError, "concat_columns takes a list of dicts and a tuple of names");
+    return nullptr;
+  }
+  PyObject* parts = args[0];
+  PyObject* names = args[1];
+  const Py_ssize_t n_parts = PyList_GET_SIZE(parts), n_names = PyTuple_GET_SIZE(names);
+  PyObject* out = PyList_New(n_names);
+  if (out == nullptr) return nullptr;
+  std::vector<Buffer1D> views(static_cast<size_t>(n_parts));
+  for (Py_ssize_t c = 0; c < n_names; ++c) {
+    PyObject* name = PyTuple_GET_ITEM(names, c);
+    char letter = 0;
+    Py_ssize_t itemsize = 0, total = 0;
+    for (Py_ssize_t p = 0; p < n_parts; ++p) {
+      PyObject* part = PyList_GET_ITEM(parts, p);
+      PyObject* column = PyDict_CheckExact(part) ? PyDict_GetItemWithError(part, name) : nullptr;
+      Buffer1D& view = views[static_cast<size_t>(p)];
+      if (view.held) {
+        PyBuffer_Release(&view.view);
+        view.held = false;
+      }
+      const char f = column != nullptr ? view.letter(column) : 0;
+      if (f == 0 || (p > 0 && (f != letter || view.view.itemsize != itemsize))) {
+        Py_DECREF(out);
+        if (PyErr_Occurred()) return nullptr;
+        Py_RETURN_NONE;
+      }
+      letter = f;
+      itemsize = view.view.itemsize;
+      total += view.view.len;
+    }
+    PyObject* blob = PyByteArray_FromStringAndSize(nullptr, total);
+    if (blob == nullptr) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    char* at = PyByteArray_AS_STRING(blob);
+    for (Py_ssize_t p = 0; p < n_parts; ++p) {
+      const Py_buffer& v = views[static_cast<size_t>(p)].view;
+      std::memcpy(at, v.buf, static_cast<size_t>(v.len));
+      at += v.len;
+    }
+    PyList_SET_ITEM(out, c, blob);
+  }
+  return out;
+}
+
+// The kinds a plan's field may also have (schema/writer.py FIELD_KINDS): an enum (its
+// sub-plan a dict symbol -> index), a record (its sub-plan the record's plan), a map of
+// longs; numbered apart from F_NULLABLE's bit so that a nullable one is F_RECORD | F_NULLABLE
+enum PlanFieldKinds { F_ENUM = 7, F_RECORD = 17, F_LONGS = 18 };
+
+// A long as the generated function writes it (a plain int in range); false with an exception set
+bool put_int64(std::string& out, PyObject* v) {
+  if (!PyLong_CheckExact(v)) {
+    PyErr_SetString(PyExc_TypeError, "write_record: not an int");
+    return false;
+  }
+  int overflow = 0;
+  long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+  if (overflow) {
+    PyErr_SetString(PyExc_OverflowError, "write_record: out of range");
+    return false;
+  }
+  if (x == -1 && PyErr_Occurred()) return false;
+  put_long(out, x);
+  return true;
+}
+
+// Appends a field of one of PlanFieldKinds as the generated function writes it, with its
+// checks; false with an exception set for a value it does not take or a kind it does not know
+bool write_more(std::string& out, PyObject* v, PyObject* field, long kind, int depth) {
+  switch (kind) {
+    case F_ENUM: {
+      PyObject* index = PyUnicode_CheckExact(v) ? PyDict_GetItemWithError(PyTuple_GET_ITEM(field, 2), v) : nullptr;
+      if (index == nullptr) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "write_record: not a symbol of the enum");
+        return false;
+      }
+      put_long(out, PyLong_AsLongLong(index));
+      return true;
+    }
+    case F_RECORD:
+      return write_planned(out, v, PyTuple_GET_ITEM(field, 2), depth + 1);
+    case F_LONGS: {  // a map of longs, in the dict's order
+      if (!PyDict_CheckExact(v)) {
+        PyErr_SetString(PyExc_TypeError, "write_record: not a dict");
+        return false;
+      }
+      if (PyDict_GET_SIZE(v)) {
+        put_long(out, PyDict_GET_SIZE(v));
+        Py_ssize_t pos = 0;
+        PyObject *key, *value;
+        while (PyDict_Next(v, &pos, &key, &value))
+          if (!put_string(out, key) || !put_int64(out, value)) return false;
+      }
+      out.push_back('\0');
+      return true;
+    }
+    default:
+      PyErr_SetString(PyExc_ValueError, "write_record: a field kind it does not know");
+      return false;
+  }
+}
+
 // Appends record's fields by plan ((name, kind, sub-plan), ...): what schema/writer.py's
 // generated function writes for the record, with its checks; false with an exception set
 // for a value it does not take (the caller then writes the record with fastavro)
@@ -769,8 +883,7 @@ bool write_planned(std::string& out, PyObject* record, PyObject* plan, int depth
         if (!put_strings(out, v)) return false;
         break;
       default:
-        PyErr_SetString(PyExc_ValueError, "write_record: a field kind it does not know");
-        return false;
+        if (!write_more(out, v, field, kind, depth)) return false;
     }
   }
   return true;
@@ -807,6 +920,8 @@ PyMethodDef kernel_functions[] = {
      "rolling_sums(step_time, data_wait, count, ranks) -> (step sum, wait sum, sorted step times at ranks) or None"},
     {"host_figures", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(host_figures)), METH_FASTCALL,
      "host_figures(13 host and loader columns[, wire]) -> a step's resources dict (processors/host.py) or None"},
+    {"concat_columns", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(concat_columns)), METH_FASTCALL,
+     "concat_columns(parts, names) -> [each named column's parts as one bytearray], or None (numpy joins them)"},
     {"write_record", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(write_record)), METH_FASTCALL,
      "write_record(record, plan) -> its Avro body, written by plan (schema/writer.py record_plan)"},
     {nullptr, nullptr, 0, nullptr}};
