@@ -8,6 +8,7 @@ import threading
 import time
 
 from kafka import TopicPartition
+from kafka.errors import RequestTimedOutError
 
 from profstream.kafka.clients import make_consumer, make_producer
 from profstream.sinks.runner import SinkLoop
@@ -74,6 +75,33 @@ def test_a_sink_whose_commit_times_out_while_kafka_is_away_commits_once_it_is_ba
     finally:
         reader.close()
     assert {(topic, p): o for p, o in committed.items() if o} == sink.read
+
+
+def test_a_sink_whose_lag_lookup_times_out_at_the_broker_goes_on(broker, fault_topics):
+    """A position's metadata refresh that times out while every broker of a cluster is
+    down raises kafka-python's RequestTimedOutError (not a connection or client timeout
+    error): it ended the archive sink of test_cluster_faults' cluster-down-30s with exit 1
+    and 473 of 11,283 messages archived. Raised here by the consumer the sink's loop holds
+    (the real consumer of a real broker, its ``position`` failing as it did there)."""
+    sink, loop = _sink_of_20_records(broker, fault_topics.raw, f"sink-lag-{fault_topics.prefix}")
+    consumer = loop._consumer
+    real_position, failures = consumer.position, []
+
+    def position(tp, timeout_ms=None):
+        if len(failures) < 3:
+            failures.append(tp)
+            raise RequestTimedOutError("Request timed out after 31123 ms")
+        return real_position(tp, timeout_ms=timeout_ms)
+
+    try:
+        consumer.position = position
+        wait_until(lambda: loop.poll_once() >= 0 and len(failures) == 3, 60, "three lag lookups timed out")
+        assert not loop.lag_known, "a lag whose positions timed out is reported as known"
+        sink.durable = dict(sink.read)
+        wait_until(lambda: loop.poll_once() >= 0 and sum(sink.read.values()) == 20 and loop.lag_known
+                   and loop.lag == 0 and not loop._postponed, 60, "every record read and committed, the lag known again")
+    finally:
+        consumer.close()
 
 
 def test_a_sink_stopped_while_kafka_is_away_stops(broker, fault_topics):
