@@ -819,12 +819,20 @@ bool write_planned(std::string& out, PyObject* record, PyObject* plan, int depth
     return false;
   }
   const Py_ssize_t n = PyTuple_GET_SIZE(plan);
+  // The record's entries are read in its order beside the plan's: a dict built in the
+  // schema's order (the host figures, an advice line, most of a StepMetrics) gives each
+  // field's value by a pointer compare of the interned names, not a lookup; an entry out of
+  // that order is looked up, and the walk waits at the entry for the next field.
+  Py_ssize_t walk = 0;
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* field = PyTuple_GET_ITEM(plan, i);
     PyObject* name = PyTuple_GET_ITEM(field, 0);
     long kind = PyLong_AsLong(PyTuple_GET_ITEM(field, 1));
-    PyObject* v = PyDict_GetItemWithError(record, name);
-    if (v == nullptr) {
+    PyObject *key, *v;
+    Py_ssize_t next = walk;
+    if (PyDict_Next(record, &next, &key, &v) && key == name) {
+      walk = next;
+    } else if ((v = PyDict_GetItemWithError(record, name)) == nullptr) {
       if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, name);
       return false;
     }
