@@ -109,7 +109,7 @@ PyObject* read_section(const Node& node, Body& b) {
       return PyDict_Copy(node.empty);
     }
   }
-  PyObject* out = PyDict_New();
+  PyObject* out = _PyDict_NewPresized(static_cast<Py_ssize_t>(fields));  // sized for its columns: no resize on the way
   if (out == nullptr) return nullptr;
   if (!set_field(out, node.names[0], PyLong_FromLongLong(count))) return nullptr;
   for (size_t i = 1; i < fields; ++i) {
@@ -188,7 +188,7 @@ PyObject* read_node(const Node& node, Body& b) {
       return nullptr;
     }
     case RECORD: {
-      PyObject* out = PyDict_New();
+      PyObject* out = _PyDict_NewPresized(static_cast<Py_ssize_t>(node.items.size()));  // no resize on the way
       if (out == nullptr) return nullptr;
       for (size_t i = 0; i < node.items.size(); ++i) {
         if (!set_field(out, node.names[i], read_node(*node.items[i], b))) return nullptr;
