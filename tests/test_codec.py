@@ -26,7 +26,7 @@ from profstream.schema import (
     encode_batch,
     sparse,
 )
-from profstream.schema.batch import LOSS_COLUMNS, STEP_MARK_V1_COLUMNS, WORK_COLUMNS
+from profstream.schema.batch import DEVICE_COLUMNS, LOSS_COLUMNS, STEP_MARK_V1_COLUMNS, WORK_COLUMNS
 from profstream.schema.codec import VERSIONS, encode_run_step_metrics, encode_step_metrics
 
 DATA = Path(__file__).parent / "data"
@@ -738,3 +738,25 @@ def test_decoded_readings_are_read_only_columns_of_what_was_sent():
         if section == "steps":
             assert not got.steps[col].flags.writeable
             np.testing.assert_array_equal(got.steps[col], np.full(3, fill, dict(SECTIONS["steps"])[col]))
+
+
+@pytest.mark.skipif(_compiled.pure(), reason="PROFSTREAM_PURE_PROCESSORS=1: the compiled reader is off")
+def test_the_compiled_reader_gives_each_section_without_rows_a_dict_of_its_own_as_fastavro_reads_it():
+    """A v8 batch's sections without rows (its device samples and collectives) are read as a
+    copy of one empty dict per section (csrc/reader.cpp): each read is a dict of its own, with
+    fastavro's keys in fastavro's order, and a section of no rows whose columns hold bytes all
+    the same is read column by column, as fastavro reads it."""
+    data = _SIDE_BATCH
+    reader = sparse.compiled_reader(codec.SCHEMAS[int.from_bytes(data[2:10], "little")].parsed)
+    first, again = reader(data, 10)[0], reader(data, 10)[0]
+    fastavro = _readings(data)[2]
+    for section in ("device_samples", "collectives", "host_samples"):
+        assert first[section] == fastavro[section] and list(first[section]) == list(fastavro[section])
+        assert first[section]["count"] == 0 and first[section] is not again[section]
+        first[section]["count"] = 7  # a consumer may change what it was given
+        assert again[section]["count"] == 0 and reader(data, 10)[0][section]["count"] == 0
+    record = {**decode("EventBatch", data), "device_samples": {"count": 0, **{c: b"" for c, _ in DEVICE_COLUMNS}}}
+    record["device_samples"]["gpu_util"] = b"\x01" * 8  # no rows, one column not empty (decode_batch refuses it)
+    odd = encode("EventBatch", record)
+    compiled, _, fastavro = _readings(odd)
+    assert compiled == fastavro and compiled["device_samples"]["gpu_util"] == b"\x01" * 8

@@ -463,6 +463,42 @@ def test_a_step_metrics_written_whole_by_the_compiled_plan_is_the_generated_writ
     assert compiled_writer(record) == want
 
 
+def _rekeyed(value, reverse: bool):
+    """``value`` with every dict's keys new, equal str objects (not the interned names), in
+    reverse order where ``reverse``."""
+    if isinstance(value, dict):
+        items = [("".join(list(k)) if isinstance(k, str) else k, _rekeyed(v, reverse)) for k, v in value.items()]
+        return dict(reversed(items) if reverse else items)
+    if isinstance(value, list):
+        return [_rekeyed(v, reverse) for v in value]
+    return value
+
+
+@settings(max_examples=150, deadline=None)
+@given(step_records(), st.sampled_from([3, 9]), st.booleans(), st.one_of(st.none(), resources()),
+       st.lists(_ADVICE, max_size=2))
+def test_the_compiled_plan_writes_the_same_bytes_whatever_order_and_key_objects_the_record_has(record, version,
+                                                                                             reverse, host, advice):
+    """The compiled plan takes a field from the record's entry at hand where it is the
+    field's interned name and looks it up otherwise: a record with its keys in another order,
+    or as other (equal) str objects, is written to the same bytes as the generated functions
+    write."""
+    schema = codec.VERSIONS[("StepMetrics", version)].parsed
+    if version == 3 and isinstance(record.get("rolling"), dict):
+        record = {**record, "rolling": {k: v for k, v in record["rolling"].items()
+                                        if not k.startswith("mean_") or k in ("mean_step_time_ns", "mean_utilization")}}
+    elif version == 9:
+        record = {**record, "resources": host, "advice": advice}
+    python_writer = writer.compile_writer(schema, write_record=None)
+    try:
+        want = python_writer(record)
+    except (writer.Unsupported, KeyError, OverflowError, UnicodeEncodeError):
+        return
+    compiled_writer = writer.compile_writer(schema)
+    assert compiled_writer(record) == want
+    assert compiled_writer(_rekeyed(record, reverse)) == want
+
+
 def test_the_step_metrics_writer_writes_the_whole_record_by_one_compiled_plan():
     """The StepMetrics writer of the step stage's common case (v3: no device figures, no
     calls) makes one compiled call for the whole record, nested records and enum included,

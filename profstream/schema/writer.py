@@ -14,6 +14,7 @@ the wire format never depends on which writer wrote it.
 from __future__ import annotations
 
 import struct
+import sys
 from collections.abc import Callable
 
 from profstream import compiled
@@ -145,7 +146,8 @@ class _Gen:
                 return None
             if t not in FIELD_KINDS:
                 return None
-            fields.append((f["name"], FIELD_KINDS[t] | kind, sub))
+            # interned: write_record finds a field by its name's identity with the record's key
+            fields.append((sys.intern(f["name"]), FIELD_KINDS[t] | kind, sub))
         return tuple(fields)
 
     def _record(self, name: str, ns: str) -> dict | None:

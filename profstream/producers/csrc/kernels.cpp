@@ -469,15 +469,34 @@ struct Max {
 
 PyObject* number_or_none(bool known, double v) { return known ? PyFloat_FromDouble(v) : Py_NewRef(Py_None); }
 
+// The keys of host_figures' dicts (processors/host.py), interned once and kept: a lookup
+// by the key's name (PyDict_SetItemString, then a std::map by the literal) cost more than
+// the figures themselves.
+enum Key {
+  K_READINGS, K_CPU_USER, K_CPU_SYSTEM, K_CPU_IOWAIT, K_CPU_IDLE, K_PROCESS_CPU, K_RSS_BYTES, K_LOADER_READINGS,
+  K_WORKERS, K_WORKER_CPU_MEAN, K_WORKER_CPU_MAX, K_WORKER_RUNNABLE_MEAN, K_WORKER_RUNNABLE_MAX, K_WORKER_BATCHES,
+  K_WORKER_S_PER_BATCH, K_WORKER_CPU_S_PER_BATCH, K_PER_WORKER, K_CTX_SWITCHES_PER_S, K_CPU_COUNT,
+  K_WORKER, K_BATCHES, K_S_PER_BATCH, K_CPU_S_PER_BATCH, K_KEYS
+};
+const char* const KEY_NAMES[K_KEYS] = {
+    "readings", "cpu_user", "cpu_system", "cpu_iowait", "cpu_idle", "process_cpu", "rss_bytes", "loader_readings",
+    "workers", "worker_cpu_mean", "worker_cpu_max", "worker_runnable_mean", "worker_runnable_max", "worker_batches",
+    "worker_s_per_batch", "worker_cpu_s_per_batch", "per_worker", "ctx_switches_per_s", "cpu_count",
+    "worker", "batches", "s_per_batch", "cpu_s_per_batch"};
+PyObject* keys[K_KEYS];  // under the GIL; null until the first host_figures
+
+bool intern_keys() {
+  if (keys[K_KEYS - 1] != nullptr) return true;
+  for (int k = 0; k < K_KEYS; ++k) {
+    if (keys[k] == nullptr && (keys[k] = PyUnicode_InternFromString(KEY_NAMES[k])) == nullptr) return false;
+  }
+  return true;
+}
+
 // Sets d[key] = value and drops the reference to value; false on an error (value null too).
-// The key is interned once and kept: PyDict_SetItemString made and hashed a new str each
-// call, half of host_figures' cost.
-bool put(PyObject* d, const char* key, PyObject* value) {
+bool put(PyObject* d, Key key, PyObject* value) {
   if (value == nullptr) return false;
-  static std::map<const char*, PyObject*> interned;  // by the literal's address; under the GIL
-  PyObject*& name = interned[key];
-  if (name == nullptr) name = PyUnicode_InternFromString(key);
-  int rc = name == nullptr ? -1 : PyDict_SetItem(d, name, value);
+  int rc = PyDict_SetItem(d, keys[key], value);
   Py_DECREF(value);
   return rc == 0;
 }
@@ -567,43 +586,44 @@ PyObject* host_figures(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     }
   }
   const bool produced = counted && total > 0;
-  PyObject* per_worker = PyList_New(0);
+  if (!intern_keys()) return nullptr;
+  PyObject* per_worker = PyList_New(static_cast<Py_ssize_t>(each.size()));
   if (per_worker == nullptr) return nullptr;
+  Py_ssize_t at = 0;
   for (const auto& [w, own] : each) {
-    PyObject* d = PyDict_New();
+    PyObject* d = _PyDict_NewPresized(5);  // sized for its keys: no resize on the way
     bool made = own.batches > 0;
-    if (d == nullptr || !put(d, "worker", PyLong_FromLongLong(w)) ||
-        !put(d, "readings", PyLong_FromLongLong(own.readings)) ||
-        !put(d, "batches", own.batches >= 0 ? PyLong_FromLongLong(own.batches) : Py_NewRef(Py_None)) ||
-        !put(d, "s_per_batch", number_or_none(made, own.seconds / static_cast<double>(own.batches))) ||
-        !put(d, "cpu_s_per_batch",
-             number_or_none(made && own.cpu_s == own.cpu_s, own.cpu_s / static_cast<double>(own.batches))) ||
-        PyList_Append(per_worker, d) < 0) {
+    if (d == nullptr || !put(d, K_WORKER, PyLong_FromLongLong(w)) ||
+        !put(d, K_READINGS, PyLong_FromLongLong(own.readings)) ||
+        !put(d, K_BATCHES, own.batches >= 0 ? PyLong_FromLongLong(own.batches) : Py_NewRef(Py_None)) ||
+        !put(d, K_S_PER_BATCH, number_or_none(made, own.seconds / static_cast<double>(own.batches))) ||
+        !put(d, K_CPU_S_PER_BATCH,
+             number_or_none(made && own.cpu_s == own.cpu_s, own.cpu_s / static_cast<double>(own.batches)))) {
       Py_XDECREF(d);
       Py_DECREF(per_worker);
       return nullptr;
     }
-    Py_DECREF(d);
+    PyList_SET_ITEM(per_worker, at++, d);  // steals d
   }
-  PyObject* out = PyDict_New();
+  PyObject* out = _PyDict_NewPresized(K_PER_WORKER + 3);  // its 19 keys: no resize on the way
   if (out == nullptr) {
     Py_DECREF(per_worker);
     return nullptr;
   }
   const double t = static_cast<double>(total);
-  if (!put(out, "readings", PyLong_FromSsize_t(h)) || !put(out, "cpu_user", m_user.value()) ||
-      !put(out, "cpu_system", m_system.value()) || !put(out, "cpu_iowait", m_iowait.value()) ||
-      !put(out, "cpu_idle", m_idle.value()) || !put(out, "process_cpu", m_process.value()) ||
-      !put(out, "rss_bytes", rss_any ? PyLong_FromLongLong(rss_max) : Py_NewRef(Py_None)) ||
-      !put(out, "loader_readings", PyLong_FromLongLong(loader_readings)) ||
-      !put(out, "workers", PyLong_FromSize_t(each.size())) || !put(out, "worker_cpu_mean", m_cpu.value()) ||
-      !put(out, "worker_cpu_max", x_cpu.value()) || !put(out, "worker_runnable_mean", m_runnable.value()) ||
-      !put(out, "worker_runnable_max", x_runnable.value()) ||
-      !put(out, "worker_batches", counted ? PyLong_FromLongLong(total) : Py_NewRef(Py_None)) ||
-      !put(out, "worker_s_per_batch", number_or_none(produced, busy_s / t)) ||
-      !put(out, "worker_cpu_s_per_batch", number_or_none(produced && any_cpu_s, cpu_sum / t)) ||
-      !put(out, "per_worker", Py_NewRef(per_worker)) || !put(out, "ctx_switches_per_s", m_ctx.value()) ||
-      !put(out, "cpu_count", count_max > 0 ? PyLong_FromLongLong(count_max) : Py_NewRef(Py_None))) {
+  if (!put(out, K_READINGS, PyLong_FromSsize_t(h)) || !put(out, K_CPU_USER, m_user.value()) ||
+      !put(out, K_CPU_SYSTEM, m_system.value()) || !put(out, K_CPU_IOWAIT, m_iowait.value()) ||
+      !put(out, K_CPU_IDLE, m_idle.value()) || !put(out, K_PROCESS_CPU, m_process.value()) ||
+      !put(out, K_RSS_BYTES, rss_any ? PyLong_FromLongLong(rss_max) : Py_NewRef(Py_None)) ||
+      !put(out, K_LOADER_READINGS, PyLong_FromLongLong(loader_readings)) ||
+      !put(out, K_WORKERS, PyLong_FromSize_t(each.size())) || !put(out, K_WORKER_CPU_MEAN, m_cpu.value()) ||
+      !put(out, K_WORKER_CPU_MAX, x_cpu.value()) || !put(out, K_WORKER_RUNNABLE_MEAN, m_runnable.value()) ||
+      !put(out, K_WORKER_RUNNABLE_MAX, x_runnable.value()) ||
+      !put(out, K_WORKER_BATCHES, counted ? PyLong_FromLongLong(total) : Py_NewRef(Py_None)) ||
+      !put(out, K_WORKER_S_PER_BATCH, number_or_none(produced, busy_s / t)) ||
+      !put(out, K_WORKER_CPU_S_PER_BATCH, number_or_none(produced && any_cpu_s, cpu_sum / t)) ||
+      !put(out, K_PER_WORKER, Py_NewRef(per_worker)) || !put(out, K_CTX_SWITCHES_PER_S, m_ctx.value()) ||
+      !put(out, K_CPU_COUNT, count_max > 0 ? PyLong_FromLongLong(count_max) : Py_NewRef(Py_None))) {
     Py_DECREF(out);
     Py_DECREF(per_worker);
     return nullptr;
@@ -799,12 +819,20 @@ bool write_planned(std::string& out, PyObject* record, PyObject* plan, int depth
     return false;
   }
   const Py_ssize_t n = PyTuple_GET_SIZE(plan);
+  // The record's entries are read in its order beside the plan's: a dict built in the
+  // schema's order (the host figures, an advice line, most of a StepMetrics) gives each
+  // field's value by a pointer compare of the interned names, not a lookup; an entry out of
+  // that order is looked up, and the walk waits at the entry for the next field.
+  Py_ssize_t walk = 0;
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* field = PyTuple_GET_ITEM(plan, i);
     PyObject* name = PyTuple_GET_ITEM(field, 0);
     long kind = PyLong_AsLong(PyTuple_GET_ITEM(field, 1));
-    PyObject* v = PyDict_GetItemWithError(record, name);
-    if (v == nullptr) {
+    PyObject *key, *v;
+    Py_ssize_t next = walk;
+    if (PyDict_Next(record, &next, &key, &v) && key == name) {
+      walk = next;
+    } else if ((v = PyDict_GetItemWithError(record, name)) == nullptr) {
       if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, name);
       return false;
     }

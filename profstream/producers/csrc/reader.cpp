@@ -25,8 +25,10 @@ struct Node {
   int kind = LONG;
   std::vector<PyObject*> names;  // RECORD and SECTION: the field names (owned references)
   std::vector<std::unique_ptr<Node>> items;  // RECORD: one per field; OPTIONAL, ARRAY: one
+  PyObject* empty = nullptr;  // SECTION: the section without rows ({count: 0, column: b"", ...}), owned
   ~Node() {
     for (PyObject* n : names) Py_XDECREF(n);
+    Py_XDECREF(empty);
   }
 };
 
@@ -93,13 +95,22 @@ bool set_field(PyObject* out, PyObject* name, PyObject* value) {
 
 PyObject* read_section(const Node& node, Body& b) {
   const size_t fields = node.names.size();
-  PyObject* out = PyDict_New();
-  if (out == nullptr) return nullptr;
   int64_t count;
-  if (!read_long(b, &count)) {
-    Py_DECREF(out);
-    return nullptr;
+  if (!read_long(b, &count)) return nullptr;
+  // A section without rows whose columns are all empty (a batch's device samples and
+  // collectives, most of its readings): a copy of the node's empty dict, one copy of its
+  // table rather than a bytes and a dictionary entry made for each column (the same keys,
+  // 0 and b"" as they would be).
+  if (count == 0 && node.empty != nullptr && b.size - b.pos >= static_cast<Py_ssize_t>(fields - 1)) {
+    size_t i = 1;
+    while (i < fields && b.p[b.pos + static_cast<Py_ssize_t>(i) - 1] == 0) ++i;  // a zero length: one 0 byte
+    if (i == fields) {
+      b.pos += static_cast<Py_ssize_t>(fields - 1);
+      return PyDict_Copy(node.empty);
+    }
   }
+  PyObject* out = _PyDict_NewPresized(static_cast<Py_ssize_t>(fields));  // sized for its columns: no resize on the way
+  if (out == nullptr) return nullptr;
   if (!set_field(out, node.names[0], PyLong_FromLongLong(count))) return nullptr;
   for (size_t i = 1; i < fields; ++i) {
     const uint8_t* start;
@@ -177,7 +188,7 @@ PyObject* read_node(const Node& node, Body& b) {
       return nullptr;
     }
     case RECORD: {
-      PyObject* out = PyDict_New();
+      PyObject* out = _PyDict_NewPresized(static_cast<Py_ssize_t>(node.items.size()));  // no resize on the way
       if (out == nullptr) return nullptr;
       for (size_t i = 0; i < node.items.size(); ++i) {
         if (!set_field(out, node.names[i], read_node(*node.items[i], b))) return nullptr;
@@ -232,6 +243,17 @@ std::unique_ptr<Node> compile(PyObject* plan) {
     Py_INCREF(name);
     PyUnicode_InternInPlace(&name);
     node->names.push_back(name);
+  }
+  if (node->kind == SECTION) {
+    node->empty = PyDict_New();
+    if (node->empty == nullptr) return nullptr;
+    for (size_t i = 0; i < node->names.size(); ++i) {
+      PyObject* value = i == 0 ? PyLong_FromLong(0) : PyBytes_FromStringAndSize(nullptr, 0);
+      if (!set_field(node->empty, node->names[i], value)) {
+        node->empty = nullptr;  // set_field released it
+        return nullptr;
+      }
+    }
   }
   if (node->kind == RECORD) {
     if (PyTuple_GET_SIZE(plan) != 3 || !PyTuple_Check(PyTuple_GET_ITEM(plan, 2)) ||
