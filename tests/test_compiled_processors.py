@@ -260,6 +260,22 @@ _ADVICE = st.fixed_dictionaries({"rule": st.text(max_size=12), "text": st.text(m
                                                       st.sampled_from([[], {1: 1.0}]))})
 
 
+def _written_alike(schema, record: dict) -> None:
+    """``record`` written by ``schema``'s writer with the compiled plans is the bytes of the
+    generated Python functions alone; a record those refuse (an odd type, a value out of
+    range, a field missing) the compiled one refuses too, so that fastavro writes it (or says
+    what is wrong)."""
+    compiled_writer = writer.compile_writer(schema)
+    python_writer = writer.compile_writer(schema, write_record=None)
+    try:
+        want = python_writer(record)
+    except (writer.Unsupported, KeyError, OverflowError, UnicodeEncodeError):
+        with pytest.raises((writer.Unsupported, TypeError, ValueError, KeyError, OverflowError, UnicodeEncodeError)):
+            compiled_writer(record)
+        return
+    assert compiled_writer(record) == want
+
+
 @settings(max_examples=400, deadline=None)
 @given(resources(), st.lists(_ADVICE, max_size=2))
 def test_the_compiled_resources_writer_writes_the_generated_writers_bytes(figures, advice):
@@ -267,17 +283,7 @@ def test_the_compiled_resources_writer_writes_the_generated_writers_bytes(figure
     (writer.NATIVE_RECORDS) are the bytes of the generated Python functions; a record those
     refuse (an odd type, a value out of range, a field missing), the compiled one refuses too,
     so that fastavro writes it (or says what is wrong)."""
-    schema = codec.CURRENT["StepMetrics"].parsed
-    compiled_writer = writer.compile_writer(schema)
-    python_writer = writer.compile_writer(schema, write_record=None)
-    record = {**_STEP, "resources": figures, "advice": advice}
-    try:
-        want = python_writer(record)
-    except (writer.Unsupported, KeyError, OverflowError, UnicodeEncodeError):  # then fastavro writes it
-        with pytest.raises((writer.Unsupported, TypeError, KeyError, OverflowError, UnicodeEncodeError)):
-            compiled_writer(record)
-        return
-    assert compiled_writer(record) == want
+    _written_alike(codec.CURRENT["StepMetrics"].parsed, {**_STEP, "resources": figures, "advice": advice})
 
 
 _PACKED = st.one_of(st.binary(max_size=24), st.sampled_from(["", bytearray(b"x"), None, 3]))
@@ -452,15 +458,7 @@ def test_a_step_metrics_written_whole_by_the_compiled_plan_is_the_generated_writ
         record = {**record, "rolling": None if not isinstance(record.get("rolling"), dict) else {
             k: v for k, v in record["rolling"].items() if not k.startswith("mean_") or k in (
                 "mean_step_time_ns", "mean_utilization")}} if "rolling" in record else record
-    compiled_writer = writer.compile_writer(schema)
-    python_writer = writer.compile_writer(schema, write_record=None)
-    try:
-        want = python_writer(record)
-    except (writer.Unsupported, KeyError, OverflowError, UnicodeEncodeError):
-        with pytest.raises((writer.Unsupported, TypeError, ValueError, KeyError, OverflowError, UnicodeEncodeError)):
-            compiled_writer(record)
-        return
-    assert compiled_writer(record) == want
+    _written_alike(schema, record)
 
 
 def _rekeyed(value, reverse: bool):
@@ -558,15 +556,7 @@ def test_a_rank_checkpoint_written_by_the_compiled_plan_is_the_generated_writers
               "carry": {**_CHECKPOINT["carry"], "comm_start": carry}}
     if odd is not None:
         record["counters"]["odd"] = odd
-    compiled_writer = writer.compile_writer(schema)
-    python_writer = writer.compile_writer(schema, write_record=None)
-    try:
-        want = python_writer(record)
-    except (writer.Unsupported, KeyError, OverflowError, UnicodeEncodeError):
-        with pytest.raises((writer.Unsupported, TypeError, ValueError, KeyError, OverflowError, UnicodeEncodeError)):
-            compiled_writer(record)
-        return
-    assert compiled_writer(record) == want
+    _written_alike(schema, record)
 
 
 _CHECKPOINT = _rank_checkpoint()

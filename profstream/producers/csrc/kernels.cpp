@@ -774,6 +774,24 @@ bool put_int64(std::string& out, PyObject* v) {
   return true;
 }
 
+// A map of strings to values, in the dict's order, each value written by ``put``; false
+// with an exception set
+bool put_map(std::string& out, PyObject* v, bool (*put)(std::string&, PyObject*)) {
+  if (!PyDict_CheckExact(v)) {
+    PyErr_SetString(PyExc_TypeError, "write_record: not a dict");
+    return false;
+  }
+  if (PyDict_GET_SIZE(v)) {
+    put_long(out, PyDict_GET_SIZE(v));
+    Py_ssize_t pos = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(v, &pos, &key, &value))
+      if (!put_string(out, key) || !put(out, value)) return false;
+  }
+  out.push_back('\0');
+  return true;
+}
+
 // Appends a field of one of PlanFieldKinds as the generated function writes it, with its
 // checks; false with an exception set for a value it does not take or a kind it does not know
 bool write_more(std::string& out, PyObject* v, PyObject* field, long kind, int depth) {
@@ -789,21 +807,8 @@ bool write_more(std::string& out, PyObject* v, PyObject* field, long kind, int d
     }
     case F_RECORD:
       return write_planned(out, v, PyTuple_GET_ITEM(field, 2), depth + 1);
-    case F_LONGS: {  // a map of longs, in the dict's order
-      if (!PyDict_CheckExact(v)) {
-        PyErr_SetString(PyExc_TypeError, "write_record: not a dict");
-        return false;
-      }
-      if (PyDict_GET_SIZE(v)) {
-        put_long(out, PyDict_GET_SIZE(v));
-        Py_ssize_t pos = 0;
-        PyObject *key, *value;
-        while (PyDict_Next(v, &pos, &key, &value))
-          if (!put_string(out, key) || !put_int64(out, value)) return false;
-      }
-      out.push_back('\0');
-      return true;
-    }
+    case F_LONGS:  // a map of longs, in the dict's order
+      return put_map(out, v, put_int64);
     default:
       PyErr_SetString(PyExc_ValueError, "write_record: a field kind it does not know");
       return false;
@@ -889,21 +894,9 @@ bool write_planned(std::string& out, PyObject* record, PyObject* plan, int depth
         out.push_back('\0');
         break;
       }
-      case F_DOUBLES: {  // a map of doubles, in the dict's order
-        if (!PyDict_CheckExact(v)) {
-          PyErr_SetString(PyExc_TypeError, "write_record: not a dict");
-          return false;
-        }
-        if (PyDict_GET_SIZE(v)) {
-          put_long(out, PyDict_GET_SIZE(v));
-          Py_ssize_t pos = 0;
-          PyObject *key, *value;
-          while (PyDict_Next(v, &pos, &key, &value))
-            if (!put_string(out, key) || !put_double(out, value)) return false;
-        }
-        out.push_back('\0');
+      case F_DOUBLES:  // a map of doubles, in the dict's order
+        if (!put_map(out, v, put_double)) return false;
         break;
-      }
       case F_BYTES:
         if (!put_bytes(out, v)) return false;
         break;
