@@ -148,6 +148,10 @@ def process(
                                                               "(its RankProgress records; docs/figures.md, "
                                                               "Hangs)")] = HANG_AFTER_S,
     commit_interval_ms: Annotated[float, typer.Option(min=1.0, help="transaction commit interval")] = 100.0,
+    run_idle_commit_ms: Annotated[float, typer.Option(min=1.0, help="the run stage commits a transaction with no "
+                                                          "run step, alert or moved input offset in it at most this "
+                                                          "often (its checkpoint waits; run steps commit at once)")
+                                  ] = 5000.0,  # processors.runtime.RUN_IDLE_COMMIT_MS (too slow to import here)
     stall_ratio: Annotated[float, typer.Option(min=0.0, max=1.0, help="data_wait/step_time of a starved step")] = 0.3,
     stall_steps: Annotated[int, typer.Option(min=1, help="consecutive starved steps that fire DataQueueStall")] = 5,
     top_k: Annotated[int, typer.Option(min=1, help="op types reported per step (the rest: other)")] = 10,
@@ -188,7 +192,7 @@ def process(
                               idle_timeout_s=idle_timeout_s, run_grace_s=run_grace_s,
                               figure_options=FigureOptions(top_k, stall_ratio, stall_steps, rolling_steps),
                               commit_interval_ms=commit_interval_ms, stages=stages, max_outage_s=max_outage_s,
-                              hang_after_s=hang_after_s)
+                              hang_after_s=hang_after_s, run_idle_commit_ms=run_idle_commit_ms)
     except RuntimeError as e:  # a topic it may not use, a transaction Kafka would not start: one line
         fail(str(e))
     if metrics_port:

@@ -164,11 +164,14 @@ class TransactionalLoop:
                  commit_interval_ms: float = 100.0, poll_ms: int = 50, compression: str = "lz4",
                  on_commit: Callable[[int], None] | None = None, max_poll_records: int = 500,
                  on_abort: Callable[[], None] | None = None, call_timeout_s: float = CALL_TIMEOUT_S,
-                 max_outage_s: float = MAX_OUTAGE_S) -> None:
+                 max_outage_s: float = MAX_OUTAGE_S, idle_commit_interval_ms: float | None = None) -> None:
         self.conn = conn = Connection.of(conn)
         self.stage = stage
         self.group_id = group_id
         self.commit_interval = commit_interval_ms / 1000.0
+        # A transaction with no outputs that would move no committed offset waits this long
+        # (see _commit_due); None: as any other.
+        self.idle_commit_interval = max(idle_commit_interval_ms or 0.0, commit_interval_ms) / 1000.0
         self.poll_s = poll_ms / 1000.0
         self.on_commit = on_commit  # after each commit, with the number of outputs
         self.on_abort = on_abort  # when an open transaction's work is thrown away
@@ -205,6 +208,7 @@ class TransactionalLoop:
         self._txn_outputs = 0
         self._txn_state_parts: set[int] = set()  # changelog partitions the open transaction wrote to
         self._state_token: dict[int, int] = {}  # input partition -> commit token of its latest state
+        self._offsets_written: dict[int, int] = {}  # input partition -> offset this loop last committed for it
         self._last_token = 0
         self._failure: BaseException | None = None  # raised in a rebalance callback, handled after consume()
         self._fault_at = -1e18  # monotonic time of the last fault
@@ -312,6 +316,7 @@ class TransactionalLoop:
         for p in parts:
             self._positions.pop(p, None)
             self._state_token.pop(p, None)
+            self._offsets_written.pop(p, None)
         self._assigned -= parts
 
     def _on_assign(self, assigned: list[TopicPartition]) -> None:
@@ -332,6 +337,7 @@ class TransactionalLoop:
         the offset to consume each from."""
         committed = self._committed(partitions)
         self._restore(partitions, {p: t for p, tp in committed.items() if (t := _token(tp.metadata)) is not None})
+        self._offsets_written.update((p, tp.offset) for p, tp in committed.items() if tp.offset >= 0)
         return {p: tp.offset if tp.offset >= 0 else confluent_kafka.OFFSET_BEGINNING for p, tp in committed.items()}
 
     def _committed(self, partitions: list[int]) -> dict[int, TopicPartition]:
@@ -488,9 +494,20 @@ class TransactionalLoop:
         and the loop is at the head of its input (a short poll), after a fifth of it: figures
         become visible within tens of ms while live, and catching up keeps large transactions."""
         open_s = now - self._txn_started
+        if not self._txn_outputs and open_s < self.idle_commit_interval and not self._offsets_move():
+            return False  # nothing to show and no offset to move: only the stage's state changed
         if not consumed or open_s >= self.commit_interval:
             return True
         return self._txn_outputs > 0 and open_s >= self.commit_interval / 5 and consumed < self._max_poll_records
+
+    def _offsets_move(self) -> bool:
+        """Whether a commit now would move a committed input offset. When none moves and no
+        output waits, a commit would write only the stage's changed state, which a restart
+        rebuilds anyway by re-reading from those same offsets: deferring it loses nothing
+        (the run stage, while a step's partials trickle in, holds its offsets at the step's
+        first record; docs/exactly-once.md)."""
+        offset, committed = self.stage.commit_offset, self._offsets_written
+        return any(committed.get(p) != offset(p, pos) for p, pos in self._positions.items())
 
     def _begin(self) -> None:
         if self._txn_started is None:
@@ -538,6 +555,7 @@ class TransactionalLoop:
         if offsets:
             self._send_offsets(offsets)
         self._call("commit_transaction", timeout, producer.commit_transaction, timeout)
+        self._offsets_written.update((tp.partition, tp.offset) for tp in offsets)
         self._state_token = tokens
         self._txn_started = None
         self.transactions += 1
@@ -674,6 +692,7 @@ class TransactionalLoop:
         parts = self.assignment()
         self.stage.drop_partitions(parts)
         self._positions.clear()
+        self._offsets_written.clear()  # read again from Kafka's (_load)
         self._assigned.clear()
         _dispose(self._consumer)
         self._consumer = self._new_consumer()
@@ -685,6 +704,7 @@ class TransactionalLoop:
         parts = self.assignment()
         self.stage.drop_partitions(parts)
         self._positions.clear()
+        self._offsets_written.clear()  # read again from Kafka's (_load)
         if not parts:
             return False
         topic = self.stage.input_topic

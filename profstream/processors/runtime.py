@@ -653,6 +653,13 @@ _PROCESSOR_ACLS = "`profstream acl show --role processor` lists a processor's AC
 PROCESSOR_TOPICS = ("raw", "steps", "partials", "run", "alerts", "dlq", "state", "run-state")
 
 
+# The run stage commits a transaction with no run step, alert or moved offset in it at most
+# this often: while a step's partials trickle in (~20 s at 16,384 ranks) its commits would
+# only rewrite the run's RunCheckpoint, which a restart rebuilds by re-reading anyway
+# (docs/exactly-once.md). Its outputs still commit as soon as they are ready.
+RUN_IDLE_COMMIT_MS = 5000.0
+
+
 class Processor:
     """A processor process: the step stage and (by default) the run stage, each in its own
     consumer group and thread, exactly once. ``instance_id`` must be unique per process and
@@ -663,7 +670,7 @@ class Processor:
                  run_grace_s: float = 10.0, figure_options: FigureOptions | None = None,
                  commit_interval_ms: float = 100.0, stages: str = "all", compression: str = "lz4",
                  health: ProcessorHealth | None = None, max_outage_s: float = MAX_OUTAGE_S,
-                 hang_after_s: float = HANG_AFTER_S) -> None:
+                 hang_after_s: float = HANG_AFTER_S, run_idle_commit_ms: float = RUN_IDLE_COMMIT_MS) -> None:
         if stages not in ("all", "steps", "run"):
             raise ValueError("stages must be all, steps or run")
         self.health = health or ProcessorHealth()
@@ -687,7 +694,7 @@ class Processor:
             self.loops.append(TransactionalLoop(
                 conn, self.run_stage, f"{group_id}-run", instance_id, commit_interval_ms,
                 compression=compression, on_commit=lambda _n, c=counts: self.health.commit(c),
-                on_abort=counts.clear, max_outage_s=max_outage_s))
+                on_abort=counts.clear, max_outage_s=max_outage_s, idle_commit_interval_ms=run_idle_commit_ms))
         self._lag = LagProbe(conn, group_id, topics.raw) if self.step_stage is not None else None
         self.health.bind(self)
         self._stop = threading.Event()
