@@ -131,19 +131,24 @@ class SinkLoop:
             tick()
         try:
             polled = self._consumer.poll(timeout_ms=self.poll_ms)
-            self.last_poll = now = time.monotonic()
-            if now - self._lag_at >= 1.0:
-                # positions may need a broker (validation after a leader change); not known in
-                # time (Kafka away): the last lag stays, and so does its time
-                lag = consumer_lag(self._consumer, KAFKA_WAIT_MS)
-                self.lag_known = lag is not None
-                if lag is not None:
-                    self.lag, self._lag_at = lag, now
         except UNREACHABLE as e:  # nothing was handed to the sink: the next poll reads it
             self.lag_known = False
             self._unreachable("a poll", e)
             time.sleep(self.poll_ms / 1000)
             return 0
+        self.last_poll = now = time.monotonic()
+        if now - self._lag_at >= 1.0:
+            # positions may need a broker (validation after a leader change); not known in
+            # time (Kafka away): the last lag stays, and so does its time. What the poll
+            # returned goes to the sink all the same: the consumer's position is past it
+            try:
+                lag = consumer_lag(self._consumer, KAFKA_WAIT_MS)
+            except UNREACHABLE as e:
+                self._unreachable("the lag's positions", e)
+                lag = None
+            self.lag_known = lag is not None
+            if lag is not None:
+                self.lag, self._lag_at = lag, now
         n = 0
         for tp, records in polled.items():
             self.sink.handle(records)
