@@ -124,7 +124,7 @@ class _Gen:
                 t = "strings"
             elif isinstance(t, dict) and t.get("type") == "array":
                 item = t["items"]
-                item = self.records.get(item) or self.records.get(f"{ns}.{item}") if isinstance(item, str) else item
+                item = self._record(item, ns) if isinstance(item, str) else item
                 sub = self.plan(item, item.get("namespace", ns)) if isinstance(item, dict) and \
                     item.get("type") == "record" else None
                 if sub is None or kind:
